@@ -1,0 +1,64 @@
+"""The tiny test models every CPU test, notebook and run.py command uses.
+
+Weights are a pure function of (seed, parameter name, shape), so the reference package and a
+learner's package get identical tensors whatever order their modules are built in. They are
+drawn with a spread large enough that greedy choices have clear margins (see
+`greedy_margins`): the bit-level differences of batching (~1e-6) never flip a token.
+"""
+import zlib
+
+import torch
+
+TINY_SEED = 0
+
+
+def tiny_config(package, **overrides):
+    """A 2-layer Qwen3 config of `package` (a solutions-like module)."""
+    values = dict(vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
+                  bos_token_id=256, eos_token_id=257)
+    values.update(overrides)
+    return package.qwen3.Qwen3Config(**values)
+
+
+def deterministic_tensor(name, shape, seed=TINY_SEED):
+    """A float32 tensor determined by (seed, name, shape) alone."""
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    if name.endswith("bias"):
+        return 0.02 * torch.randn(shape, generator=generator)
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    # Embeddings get unit variance; projections 1/sqrt(fan_in), so activations stay O(1).
+    std = 1.0 if "embed" in name or "lm_head" in name else fan_in ** -0.5
+    return std * torch.randn(shape, generator=generator)
+
+
+def fill_deterministic(model, seed=TINY_SEED):
+    """Overwrite every parameter of `model` in place (tied weights are written once)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(deterministic_tensor(name, tuple(param.shape), seed))
+    return model
+
+
+def tiny_qwen3(package, device="cpu", dtype=torch.float32, seed=TINY_SEED, **overrides):
+    """package.qwen3.Qwen3ForCausalLM with the tiny config and deterministic weights, in eval mode."""
+    torch.manual_seed(seed)
+    model = package.qwen3.Qwen3ForCausalLM(tiny_config(package, **overrides))
+    fill_deterministic(model, seed)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def greedy_margins(model, prompt_ids, new_tokens):
+    """Logit gap between the best and second-best token at each greedy step (full recompute)."""
+    device = next(model.parameters()).device
+    tokens, gaps = list(prompt_ids), []
+    for _ in range(new_tokens):
+        logits = model(torch.tensor([tokens], device=device))[0, -1]
+        top = logits.topk(2).values
+        gaps.append(float(top[0] - top[1]))
+        tokens.append(int(logits.argmax()))
+    return gaps

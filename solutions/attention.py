@@ -1,0 +1,37 @@
+"""Chapter 5: causal attention driven by positions."""
+import math
+
+import torch
+
+
+def causal_attention(q, k, v, q_pos, k_pos, allowed=None, scale=None):
+    """Scaled dot-product attention with a mask built from positions.  (Your engine: Chapter 5)
+
+    q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] with H a multiple of Hkv (grouped-query
+    attention: query head h reads key/value head h // (H // Hkv)).
+    q_pos: [Tq] or [B, Tq]; k_pos: [Tk] or [B, Tk]. Query i may attend to key j exactly when
+    k_pos[j] <= q_pos[i]; positions, not row numbers, decide, so the same function serves a
+    whole prompt, one decode step against a cache, or a chunk in the middle of a sequence.
+    allowed: optional bool tensor broadcastable to [B, 1, Tq, Tk], intersected with that
+    rule (padding, sliding windows).
+    scale defaults to 1 / sqrt(D). Scores and softmax run in float32; the result has q's
+    dtype and shape [B, H, Tq, D]. A query that may see no key at all returns zeros, not NaN.
+    """
+    batch, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    # Grouped queries: view q as [B, Hkv, group, Tq, D] so each K/V head is read once.
+    qg = q.float().reshape(batch, kv_heads, group, q.shape[2], dim)
+    scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.float()) * scale
+    mask = k_pos[..., None, :] <= q_pos[..., :, None]            # [Tq, Tk] or [B, Tq, Tk]
+    mask = mask.reshape(-1, 1, *mask.shape[-2:])                  # [B or 1, 1, Tq, Tk]
+    if allowed is not None:
+        mask = mask & allowed
+    mask = mask.unsqueeze(2)                                      # broadcast over the group axis
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)      # fully masked rows -> zeros
+    out = torch.einsum("bhgqk,bhkd->bhgqd", weights, v.float())
+    return out.reshape(batch, heads, q.shape[2], dim).to(q.dtype)
