@@ -88,7 +88,7 @@ class Qwen3Attention(nn.Module):
 
         Project to q [B, H, T, D], k and v [B, Hkv, T, D]; apply q_norm / k_norm to every
         head vector BEFORE the rotary embedding (cos, sin: [B or 1, 1, T, D]); then attend
-        with Chapter 5's causal_attention. `slots` [T] are the places of these T tokens in
+        with Chapter 5's causal_attention. `slots` [T] (or [B, T]) are the places of these T tokens in
         the sequence's cache (0..T-1 without a cache): they, not the RoPE positions, decide
         who sees whom. With a cache (Chapter 16), store k, v first with
         cache.update(self.layer_idx, k, v), which returns every key and value so far.
@@ -144,21 +144,25 @@ class Qwen3Model(nn.Module):
         """Token ids [B, T] -> final hidden states [B, T, hidden].  (Your engine: Chapter 10)
 
         The T tokens occupy cache slots start .. start + T - 1, where start is
-        cache.length (0 without a cache); positions for RoPE default to those slots (a
-        padded batch, Chapter 21, passes its own [B, T] positions). Compute the rotary
+        cache.length (0 without a cache; a tensor [B] of per-row lengths gives per-row slots
+        [B, T]); positions for RoPE default to those slots (a padded batch, Chapter 21,
+        passes its own [B, T] positions). Compute the rotary
         tables once and share them across layers; after the last layer, apply the final
         norm and, with a cache, advance it by T with cache.advance(T).
         """
         start = cache.length if cache is not None else 0
-        length = input_ids.shape[1]
-        slots = torch.arange(start, start + length, device=input_ids.device)
+        slots = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if isinstance(start, int):
+            slots = slots + start
+        else:                                   # per-row lengths [B] (Chapter 24's slot cache)
+            slots = start.to(input_ids.device)[:, None] + slots
         positions = slots if positions is None else positions
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, slots, cache, allowed)
         if cache is not None:
-            cache.advance(length)
+            cache.advance(input_ids.shape[1])
         return self.norm(x)
 
 
