@@ -5,6 +5,7 @@ learner's package get identical tensors whatever order their modules are built i
 drawn with a spread large enough that greedy choices have clear margins (see
 `greedy_margins`): the bit-level differences of batching (~1e-6) never flip a token.
 """
+import importlib
 import zlib
 
 import torch
@@ -19,7 +20,11 @@ def tiny_config(package, **overrides):
                   rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
                   bos_token_id=256, eos_token_id=257)
     values.update(overrides)
-    return package.qwen3.Qwen3Config(**values)
+    return _qwen3(package).Qwen3Config(**values)
+
+
+def _qwen3(package):
+    return importlib.import_module(package.__name__ + ".qwen3")
 
 
 def deterministic_tensor(name, shape, seed=TINY_SEED):
@@ -46,7 +51,7 @@ def fill_deterministic(model, seed=TINY_SEED):
 def tiny_qwen3(package, device="cpu", dtype=torch.float32, seed=TINY_SEED, **overrides):
     """package.qwen3.Qwen3ForCausalLM with the tiny config and deterministic weights, in eval mode."""
     torch.manual_seed(seed)
-    model = package.qwen3.Qwen3ForCausalLM(tiny_config(package, **overrides))
+    model = _qwen3(package).Qwen3ForCausalLM(tiny_config(package, **overrides))
     fill_deterministic(model, seed)
     return model.to(device=device, dtype=dtype).eval()
 

@@ -88,8 +88,8 @@ class Qwen3Attention(nn.Module):
 
         Project to q [B, H, T, D], k and v [B, Hkv, T, D]; apply q_norm / k_norm to every
         head vector BEFORE the rotary embedding (cos, sin: [B or 1, 1, T, D]); then attend
-        with Chapter 5's causal_attention. `slots` [T] (or [B, T]) are the places of these T tokens in
-        the sequence's cache (0..T-1 without a cache): they, not the RoPE positions, decide
+        with Chapter 5's causal_attention. `slots` [T] (or [B, T]) are the places of these
+        T tokens in the sequence's cache (0..T-1 without a cache): they, not the RoPE positions, decide
         who sees whom. With a cache (Chapter 16), store k, v first with
         cache.update(self.layer_idx, k, v), which returns every key and value so far.
         `allowed` (padding masks, Chapter 21) passes straight to causal_attention.
