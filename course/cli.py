@@ -1,0 +1,95 @@
+"""The dispatcher behind `python run.py <command>`.
+
+A command is a module course/commands/<name>.py with a docstring (its first line is the
+help text), `add_arguments(parser)` and `run(args)` returning an exit status (None means 0).
+Dropping a file there is all it takes to add one. Only the chosen command's module is
+imported, so a slow or broken command never slows or breaks the others, and the command
+list comes from the files' docstrings without importing them.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+COMMANDS_DIR = Path(__file__).resolve().parent / "commands"
+
+
+class CommandError(Exception):
+    """A failure the user can act on: printed as one line, exit status 2."""
+
+
+def available() -> dict[str, str]:
+    """{command name: one-line summary}, from the files in course/commands/."""
+    found = {}
+    for path in sorted(COMMANDS_DIR.glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        except SyntaxError:
+            doc = "(this command's file does not parse)"
+        found[path.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return found
+
+
+def _usage(commands: dict[str, str]) -> str:
+    width = max((len(name) for name in commands), default=0)
+    lines = ["usage: python run.py <command> [options]    (python run.py <command> -h for its options)",
+             "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {summary}" for name, summary in commands.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = available()
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage(commands))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in commands:
+        print(f"run.py: unknown command {name!r}\n\n{_usage(commands)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"course.commands.{name}")
+    parser = argparse.ArgumentParser(prog=f"python run.py {name}", description=module.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    from .impl import ImplError
+    from .manifest import ManifestError
+    from .skeleton import SkeletonConflict, SkeletonError
+    try:
+        status = module.run(args)
+    except (CommandError, ImplError, ManifestError, SkeletonError, SkeletonConflict) as exc:
+        print(f"run.py {name}: error: {exc}", file=sys.stderr)
+        return 2
+    return int(status or 0)
+
+
+# --- shared options, so every command spells them the same way -------------------------------
+
+def add_impl_argument(parser, default: str = "solutions") -> None:
+    parser.add_argument("--impl", default=default, metavar="SPEC",
+                        help=f"implementation: solutions, engine, a checkout path, optionally @N "
+                             f"(default: {default})")
+
+
+def add_device_argument(parser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="device (default: cuda when available, else cpu)")
+
+
+def add_model_argument(parser) -> None:
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="a Hugging Face Qwen3 checkpoint directory (default: the tiny test model)")
+
+
+def resolve_device(choice: str | None):
+    """The torch.device a command should use for `--device` (None: cuda when available)."""
+    import torch
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise CommandError("--device cuda: torch sees no CUDA device here")
+    return torch.device(choice or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,0 +1,1 @@
+"""One module per `python run.py` command; see course.cli for the contract."""

@@ -1,0 +1,208 @@
+"""Which implementation of the engine a test, a command or a notebook uses.
+
+An implementation spec is one of
+
+    solutions          the reference package (the default)
+    engine             the learner's package in this checkout
+    PATH               a package directory (one with __init__.py), or a checkout whose
+                       engine/ is the package: grading another learner's work
+    SPEC@N             any of the above as a learner who has finished Chapter N would have
+                       it: the stubs of every chapter after N replaced by the generated
+                       NotImplementedError body
+
+A gated package (SPEC@N) is generated into the cache directory (.course_cache/, or
+$COURSE_CACHE_DIR) and imported under its own module name (solutions_at_8), so the full
+package and any number of gated copies live side by side in one process. This works because
+every package uses relative imports only: no copy ever reaches into another.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from . import skeleton
+from .manifest import ROOT
+
+NAMED = {"solutions": ROOT / "solutions", "engine": ROOT / "engine"}
+
+
+class ImplError(ValueError):
+    """An implementation spec that names nothing loadable."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("COURSE_CACHE_DIR") or ROOT / ".course_cache")
+
+
+@dataclass(frozen=True)
+class ImplSpec:
+    """A parsed spec. `source` is the package directory the code comes from; `upto` is the
+    last chapter kept (None: nothing removed); `module_name` is unique per (source, upto)."""
+    text: str
+    source: Path
+    upto: int | None
+    module_name: str
+
+    @property
+    def label(self) -> str:
+        return self.text
+
+
+def _module_name_for(source: Path) -> str:
+    for name, path in NAMED.items():
+        if source == path.resolve():
+            return name
+    # Another checkout: its own name, made unique by where it lives.
+    digest = hashlib.sha1(str(source).encode()).hexdigest()[:8]
+    stem = re.sub(r"\W", "_", source.parent.name if source.name == "engine" else source.name)
+    return f"impl_{stem}_{digest}"
+
+
+def _resolve_source(base: str) -> Path:
+    if base in NAMED:
+        path = NAMED[base]
+        if not (path / "__init__.py").is_file():
+            hint = " (run `python run.py skeleton` to create it)" if base == "engine" else ""
+            raise ImplError(f"{base}/ is not a package in {ROOT}{hint}")
+        return path.resolve()
+    path = Path(base).expanduser()
+    if (path / "__init__.py").is_file():
+        return path.resolve()
+    if (path / "engine" / "__init__.py").is_file():
+        return (path / "engine").resolve()
+    raise ImplError(
+        f"unknown implementation {base!r}: use 'solutions', 'engine', a package directory, or a "
+        f"checkout that contains engine/; add '@N' for the state after Chapter N")
+
+
+def parse(text: str) -> ImplSpec:
+    """Resolve a spec without importing anything. Raises ImplError with the accepted forms."""
+    text = str(text).strip()
+    base, upto = text, None
+    head, sep, tail = text.rpartition("@")
+    if sep and tail.isdigit():              # a path may contain '@'; only '@<digits>' gates
+        base, upto = head, int(tail)
+        from . import manifest
+        last = len(manifest.load().chapters)
+        if not 0 <= upto <= last:
+            raise ImplError(f"{text!r}: chapter {upto} is outside book.toml's 0-{last}")
+    source = _resolve_source(base)
+    name = _module_name_for(source)
+    if upto is not None:
+        name = f"{name}_at_{upto}"
+    return ImplSpec(text=text, source=source, upto=upto, module_name=name)
+
+
+class Impl:
+    """A loaded implementation: the package module plus a convenient way to reach its
+    modules. `impl.attention` imports and returns the top-level module `attention` of
+    this package; `impl.load("serve.engine")` imports any submodule by dotted path."""
+
+    def __init__(self, spec: ImplSpec, package: ModuleType, root: Path):
+        self.spec = spec
+        self.package = package
+        self.root = root            # where the code that runs lives (the cache for gated copies)
+
+    @property
+    def name(self) -> str:
+        return self.package.__name__
+
+    @property
+    def source(self) -> Path:
+        """The package directory the code was taken from (for stub counting)."""
+        return self.spec.source
+
+    @property
+    def upto(self) -> int | None:
+        return self.spec.upto
+
+    def load(self, dotted: str) -> ModuleType:
+        return importlib.import_module(f"{self.name}.{dotted}")
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return _submodule_or_attribute(self.package, attr)
+
+    def __repr__(self) -> str:
+        return f"<Impl {self.spec.text} as module {self.name!r} from {self.root}>"
+
+
+def _submodule_or_attribute(package: ModuleType, attr: str):
+    try:
+        return importlib.import_module(f"{package.__name__}.{attr}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{package.__name__}.{attr}":
+            raise                            # the module exists but imports something missing
+    try:
+        return object.__getattribute__(package, attr)
+    except AttributeError:
+        raise AttributeError(f"{package.__name__} has no module or attribute {attr!r}") from None
+
+
+def _import_package(name: str, directory: Path) -> ModuleType:
+    existing = sys.modules.get(name)
+    if existing is not None:
+        loaded_from = Path(getattr(existing, "__file__", "") or "").resolve().parent
+        if loaded_from != directory.resolve():
+            raise ImplError(f"module name {name!r} is already taken by {loaded_from}")
+        return existing
+    spec = importlib.util.spec_from_file_location(
+        name, directory / "__init__.py", submodule_search_locations=[str(directory)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    if "__getattr__" not in vars(module):
+        # `package.qwen3` works whether or not __init__ imported it, so code handed the bare
+        # package (a model factory, a notebook) needs no import dance.
+        module.__getattr__ = lambda attr: _lazy_submodule(module, attr)
+    return module
+
+
+def _lazy_submodule(package: ModuleType, attr: str):
+    if attr.startswith("__"):
+        raise AttributeError(attr)
+    try:
+        return importlib.import_module(f"{package.__name__}.{attr}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"{package.__name__}.{attr}":
+            raise AttributeError(f"module {package.__name__!r} has no attribute {attr!r}") from None
+        raise
+
+
+def load(spec: str | ImplSpec | Impl) -> Impl:
+    """Load an implementation (cached per process by module name)."""
+    if isinstance(spec, Impl):
+        return spec
+    if not isinstance(spec, ImplSpec):
+        spec = parse(spec)
+    if spec.module_name in _loaded:
+        return _loaded[spec.module_name]
+    if spec.upto is None:
+        root = spec.source
+    else:
+        root = cache_dir() / spec.module_name
+        # Regenerated on every load so edits to the source show up; unchanged files are not
+        # rewritten, so this costs a parse of the package and nothing more.
+        skeleton.materialize(skeleton.generate_tree(spec.source, after_chapter=spec.upto), root)
+    impl = _loaded[spec.module_name] = Impl(spec, _import_package(spec.module_name, root), root)
+    return impl
+
+
+_loaded: dict[str, Impl] = {}
+
+
+def reference() -> Impl:
+    """The full reference package (`solutions`), for oracles such as solo generate."""
+    return load("solutions")

@@ -1,0 +1,168 @@
+"""The course's pytest plugin: options, the `chapter` marker, selection and fixtures.
+
+Options
+    --impl SPEC     implementation under test (see course.impl). Without it, a test of
+                    Chapter N gets `solutions@N`: the default run is the gating proof.
+    --chapter N     only milestones (and notebooks) of Chapter N; may repeat
+    --upto N        only milestones (and notebooks) of Chapters 1..N
+    --device D      cpu or cuda (default: cuda when torch sees one)
+    --model PATH    a real Hugging Face Qwen3 directory for the model fixtures
+
+Fixtures: `impl`, `device`, `model_path`, `tiny_model`, `ref_model`, `chapter`. They live
+here rather than in tests/conftest.py so that milestone files anywhere (an instructor's
+own, the grading tests' fakes) get them by loading this plugin with `-p course.pytest_plugin`.
+
+A test belongs to Chapter N through `pytestmark = pytest.mark.chapter(N)`; a notebook
+belongs to the chapter whose folder holds it. Tests of no chapter are the machinery's own:
+they run unless a chapter selection is given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from . import impl as impl_module
+from . import manifest
+
+_CHAPTER_DIR = re.compile(r"^(\d+)-")
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("course", "the inference-engine course")
+    group.addoption("--impl", default=None, metavar="SPEC",
+                    help="implementation under test: solutions, engine, a path, optionally @N "
+                         "(default: solutions@N for a Chapter N test)")
+    group.addoption("--chapter", type=int, action="append", default=None, metavar="N",
+                    help="run only Chapter N's milestones and notebook (repeatable)")
+    group.addoption("--upto", type=int, default=None, metavar="N",
+                    help="run only the milestones and notebooks of Chapters 1..N")
+    group.addoption("--device", choices=("cpu", "cuda"), default=None,
+                    help="device for models in tests (default: cuda when available)")
+    group.addoption("--model", default=None, metavar="PATH",
+                    help="a Hugging Face Qwen3 checkpoint directory to use instead of the tiny model")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "chapter(n): this milestone belongs to Chapter n of book.toml")
+    known = manifest.load().numbers
+    spec = config.getoption("impl")
+    if spec is not None:
+        try:
+            impl_module.parse(spec)
+        except impl_module.ImplError as exc:
+            raise pytest.UsageError(f"--impl: {exc}") from None
+    upto = config.getoption("upto")
+    for number in (config.getoption("chapter") or []) + ([upto] if upto is not None else []):
+        if number not in known:
+            raise pytest.UsageError(f"Chapter {number} is not in book.toml (1-{max(known)})")
+    if config.getoption("device") == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--device cuda: torch sees no CUDA device here")
+    model = config.getoption("model")
+    if model is not None and not Path(model).is_dir():
+        raise pytest.UsageError(f"--model {model}: not a directory")
+
+
+def chapter_of(item) -> int | None:
+    """The chapter a collected item belongs to: its marker, else its notebook's folder."""
+    marker = item.get_closest_marker("chapter")
+    if marker is not None:
+        return int(marker.args[0])
+    path = Path(str(getattr(item, "path", "") or ""))
+    if path.suffix == ".ipynb":
+        found = _CHAPTER_DIR.match(path.parent.name)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = set(config.getoption("chapter") or [])
+    upto = config.getoption("upto")
+    if not wanted and upto is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        number = chapter_of(item)
+        selected = number is not None and (not wanted or number in wanted) and (upto is None or number <= upto)
+        (keep if selected else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_report_header(config):
+    spec = config.getoption("impl")
+    return [f"course: impl={spec or 'solutions@N per chapter'}, device={_device_name(config)}"]
+
+
+def _device_name(config) -> str:
+    chosen = config.getoption("device")
+    if chosen:
+        return chosen
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# --- fixtures ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chapter(request) -> int | None:
+    """The chapter of the requesting module (its `pytestmark`), or None."""
+    marker = request.node.get_closest_marker("chapter")
+    return int(marker.args[0]) if marker else None
+
+
+@pytest.fixture(scope="module")
+def impl(request, chapter):
+    """The implementation under test: --impl if given, else `solutions@N` for Chapter N."""
+    spec = request.config.getoption("impl")
+    if spec is None:
+        spec = f"solutions@{chapter}" if chapter is not None else "solutions"
+    return impl_module.load(spec)
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    import torch
+    return torch.device(_device_name(request.config))
+
+
+@pytest.fixture(scope="session")
+def model_path(request) -> Path | None:
+    path = request.config.getoption("model")
+    return Path(path) if path else None
+
+
+def build_model(package, device, model_path=None):
+    """The model a test runs: the tiny Qwen3 of `package`, or, with --model, the real
+    checkpoint loaded by the reference loader into `package`'s own Qwen3 class."""
+    if model_path is None:
+        from . import models
+        return models.tiny_qwen3(package, device=device)
+    reference = impl_module.reference()
+    loaded = reference.checkpoint.load_checkpoint(model_path, device=device)
+    if package is reference.package:
+        return loaded
+    # The learner's checkpoint loader may not exist yet at this chapter; their model
+    # class does, and parameter names are Hugging Face's in both, so weights carry over.
+    cfg = package.qwen3.Qwen3Config(**dataclasses.asdict(loaded.cfg))
+    model = package.qwen3.Qwen3ForCausalLM(cfg)
+    model.load_state_dict(loaded.state_dict())
+    return model.to(device).eval()
+
+
+@pytest.fixture
+def tiny_model(impl, device, model_path):
+    """The implementation's Qwen3 with the deterministic tiny weights (or --model's)."""
+    return build_model(impl.package, device, model_path)
+
+
+@pytest.fixture
+def ref_model(device, model_path):
+    """The reference Qwen3 with the same weights as `tiny_model`."""
+    return build_model(impl_module.reference().package, device, model_path)

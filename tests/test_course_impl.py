@@ -1,0 +1,165 @@
+"""Implementation specs, gated copies, and the pytest plugin's options and gating."""
+import sys
+
+import pytest
+# Imported here, before any in-process pytester run: pytester restores sys.modules after
+# each run, and torch's C extension cannot be imported a second time in one process.
+import torch  # noqa: F401
+
+from conftest import write_tree
+from course import impl as impl_module
+from course.impl import ImplError
+from course.manifest import ROOT
+from course.pytest_plugin import chapter_of
+
+
+def test_a_package_path_loads_under_a_unique_name(fake_package, isolated_cache):
+    loaded = impl_module.load(str(fake_package))
+    assert loaded.name.startswith("impl_fakepkg_") and loaded.upto is None
+    assert loaded.ops.add(1, 2) == 3 and loaded.ops.doubled_sum(1, 2) == 6
+    assert loaded.load("sub.deep").add_three(1, 2, 3) == 6
+    assert loaded.package.ops is loaded.ops                   # lazy submodules on the package too
+    assert impl_module.load(str(fake_package)) is loaded       # one module per spec per process
+    with pytest.raises(AttributeError, match="no module or attribute 'nothing'"):
+        loaded.nothing
+
+
+def test_gated_copy_removes_only_later_chapters(fake_package, isolated_cache):
+    full = impl_module.load(str(fake_package))
+    gated = impl_module.load(f"{fake_package}@1")
+    assert gated.name == f"{full.name}_at_1" and gated.upto == 1
+    assert gated.root.parent == isolated_cache and gated.source == fake_package.resolve()
+    assert gated.ops.add(2, 2) == 4                           # Chapter 1 kept
+    with pytest.raises(NotImplementedError, match="Chapter 2: Box.area"):
+        gated.ops.Box().area(1, 1)
+    with pytest.raises(NotImplementedError, match="Chapter 2: add_three"):
+        gated.load("sub.deep").add_three(1, 2, 3)
+    assert full.ops.Box().area(2, 3) == 6                     # the full package is untouched
+    assert sys.modules[gated.name] is gated.package
+    assert impl_module.load(f"{fake_package}@0").name.endswith("_at_0")
+
+
+def test_a_checkout_root_means_its_engine(tmp_path, isolated_cache):
+    write_tree(tmp_path / "alice" / "engine", {"__init__.py": "", "m.py": "X = 7\n"})
+    loaded = impl_module.load(str(tmp_path / "alice"))
+    assert loaded.m.X == 7 and loaded.name.startswith("impl_alice_")
+
+
+def test_named_specs_resolve_in_this_checkout():
+    spec = impl_module.parse("solutions@8")
+    assert spec.source == (ROOT / "solutions").resolve()
+    assert spec.module_name == "solutions_at_8" and spec.upto == 8
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nonsense", "unknown implementation 'nonsense'"),
+    ("solutions@99", "outside book.toml's 0-43"),
+    ("/no/such/dir@3", "unknown implementation '/no/such/dir'"),
+])
+def test_unknown_specs_explain_the_accepted_forms(spec, message):
+    with pytest.raises(ImplError, match=message):
+        impl_module.parse(spec)
+
+
+def test_reference_is_the_full_solutions_package():
+    import course
+    reference = course.reference()
+    assert reference.name == "solutions" and reference.upto is None
+    assert reference.source == (ROOT / "solutions").resolve()
+
+
+class FakeItem:
+    def __init__(self, path, marker=None):
+        self.path, self._marker = path, marker
+
+    def get_closest_marker(self, name):
+        return self._marker
+
+
+def test_notebooks_belong_to_their_folders_chapter(tmp_path):
+    assert chapter_of(FakeItem(tmp_path / "chapters/05-attention/05-attention.ipynb")) == 5
+    assert chapter_of(FakeItem(tmp_path / "tests/test_course_impl.py")) is None
+
+
+# --- the plugin, in a pytest run of its own ----------------------------------------------
+
+MILESTONES = {
+    "test_ch01_fake.py": """
+        import pytest
+        pytestmark = pytest.mark.chapter(1)
+
+        def test_add(impl):
+            assert impl.ops.add(1, 2) == 3
+
+        def test_chapter_two_is_not_there_yet(impl):
+            with pytest.raises(NotImplementedError):
+                impl.ops.Box().area(1, 1)
+
+        def test_impl_name(impl):
+            print("IMPL", impl.spec.text)
+    """,
+    "test_ch02_fake.py": """
+        import pytest
+        pytestmark = pytest.mark.chapter(2)
+
+        def test_area(impl):
+            assert impl.ops.Box().area(2, 3) == 6
+    """,
+    "test_machinery.py": """
+        def test_runs_without_a_chapter():
+            pass
+    """,
+}
+
+
+@pytest.fixture
+def milestone_run(pytester, fake_package, isolated_cache, monkeypatch):
+    """Run the fake milestones in-process with the course plugin, the fake package standing
+    in for solutions/ so the default (gated) run can be observed."""
+    monkeypatch.setitem(impl_module.NAMED, "solutions", fake_package)
+    monkeypatch.setattr(impl_module, "_loaded", {})
+    for name in [n for n in sys.modules if n.split(".")[0].split("_at_")[0] == "solutions"]:
+        monkeypatch.delitem(sys.modules, name)     # the real reference, if loaded; restored after
+    for name, text in MILESTONES.items():
+        pytester.makepyfile(**{name[:-3]: text})
+
+    def run(*args):
+        return pytester.runpytest_inprocess("-p", "course.pytest_plugin", "-p", "no:cacheprovider",
+                                            "-s", *args)
+    return run
+
+
+def test_default_run_gates_each_chapter_at_its_own_number(milestone_run):
+    result = milestone_run()
+    result.assert_outcomes(passed=5)
+    result.stdout.fnmatch_lines(["*IMPL solutions@1*"])
+
+
+def test_an_explicit_impl_applies_to_every_chapter(milestone_run, fake_package):
+    # The full package has Chapter 2 done, so Chapter 1's "not there yet" check fails:
+    # exactly what gating exists to catch.
+    result = milestone_run("--impl", str(fake_package))
+    result.assert_outcomes(passed=4, failed=1)
+    result = milestone_run("--impl", f"{fake_package}@1", "--chapter", "2")
+    result.assert_outcomes(failed=1, deselected=4)
+
+
+def test_chapter_and_upto_select_milestones_only(milestone_run):
+    milestone_run("--chapter", "2").assert_outcomes(passed=1, deselected=4)
+    milestone_run("--upto", "1").assert_outcomes(passed=3, deselected=2)
+
+
+def test_bad_options_are_usage_errors(milestone_run):
+    result = milestone_run("--impl", "nonsense")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--impl: unknown implementation 'nonsense'*"])
+    assert milestone_run("--chapter", "77").ret == pytest.ExitCode.USAGE_ERROR
+
+
+def test_device_fixture_follows_the_option(pytester):
+    pytester.makepyfile(test_dev="""
+        def test_device(device, model_path):
+            assert device.type == "cpu" and model_path is None
+    """)
+    result = pytester.runpytest_inprocess("-p", "course.pytest_plugin", "--device", "cpu")
+    result.assert_outcomes(passed=1)
