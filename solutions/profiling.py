@@ -1,0 +1,230 @@
+"""Chapter 14: measuring a forward pass honestly.
+
+Two tools. `time_it` times a callable the way GPU code must be timed: warm up first, wait
+for the device before starting and before stopping the clock, repeat, report the median.
+`profile_forward` runs one forward pass under torch.profiler and splits its time into
+shares per kind of work (matmul, attention, norm, other) that add up to the whole.
+"""
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+KINDS = ("matmul", "attention", "norm", "other")
+LABEL_PREFIX = "kind:"          # profiler ranges opened around labelled modules are named kind:<kind>
+
+
+def synchronizer(device):
+    """A function that blocks until all work queued on `device` has finished.
+
+    CUDA kernels run asynchronously: a Python call returns as soon as the kernel is queued.
+    On the CPU every op has finished when its call returns, so there is nothing to wait for.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    if device.type == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+@dataclass
+class Timing:
+    """Seconds taken by each timed repeat (warm-up calls are not in `samples`)."""
+    samples: list = field(default_factory=list)
+
+    @property
+    def median(self):
+        return statistics.median(self.samples)
+
+    @property
+    def best(self):
+        return min(self.samples)
+
+    @property
+    def spread(self):
+        """(max - min) / median: how much the repeats disagree."""
+        return (max(self.samples) - min(self.samples)) / self.median if self.median else 0.0
+
+
+def time_it(fn, *, warmup=3, repeats=10, device="cpu", sync=None):
+    """Time fn() like a benchmark should; returns a Timing.  (Your engine: Chapter 14)
+
+    Call fn `warmup` times untimed (first calls pay for allocation, caching, compilation),
+    then `repeats` times, timing each call separately with time.perf_counter. `sync` (default:
+    synchronizer(device)) waits for queued device work; call it so that each sample covers
+    exactly one call's work: once before starting the clock (nothing left over from earlier
+    calls, including the warm-up) and once before stopping it (the call's own kernels have
+    finished, not merely been queued). Without the second sync a CUDA timer measures only
+    how long it took to *launch* the kernels.
+    Returns Timing(samples) with `repeats` durations in seconds, in call order.
+    """
+    sync = synchronizer(device) if sync is None else sync
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return Timing(samples)
+
+
+def module_kind(module):
+    """The kind of work a module does, or None when its children should decide.
+
+    Linear layers are matmuls; anything whose class name ends in RMSNorm is a norm; an
+    attention module is "attention" for whatever it does outside its own Linear and norm
+    children (rotary embedding, the score/softmax/weighted-sum core, reshapes). Works on our
+    modules and on transformers' (Qwen3RMSNorm, Qwen3Attention) alike.
+    """
+    name = type(module).__name__
+    if isinstance(module, nn.Linear):
+        return "matmul"
+    if name.endswith("RMSNorm"):
+        return "norm"
+    if name.endswith("Attention"):
+        return "attention"
+    return None
+
+
+@contextmanager
+def label_modules(model, kind_of=module_kind):
+    """Open a profiler range named kind:<kind> around every labelled module's forward.
+
+    Ranges nest like the modules do, so an op inside q_proj sits in kind:matmul inside
+    kind:attention; the innermost label is the one that counts.
+    """
+    open_ranges, handles = [], []
+
+    def enter(label):
+        def hook(module, args):
+            scope = record_function(label)
+            scope.__enter__()
+            open_ranges.append(scope)
+        return hook
+
+    def leave(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        kind = kind_of(module)
+        if kind is not None:
+            handles.append(module.register_forward_pre_hook(enter(LABEL_PREFIX + kind)))
+            handles.append(module.register_forward_hook(leave))
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        while open_ranges:                      # a forward that raised leaves ranges open
+            open_ranges.pop().__exit__(None, None, None)
+
+
+def op_shares(events, device_time=False):
+    """Seconds of a profile per kind of work; the values add up to the profiled total.  (Your engine: Chapter 14)
+
+    events: the profiler's events (prof.events()): each has .name, .cpu_parent (the event
+    it ran inside, or None) and its SELF time in microseconds, .self_cpu_time_total (or
+    .self_device_time_total when device_time is True: the GPU time of the kernels it
+    launched itself). Self time excludes time spent in child events, so summing self times
+    counts every microsecond exactly once; summing .cpu_time_total (inclusive) would count
+    a matmul once for aten::mm, again for aten::linear, again for the range around it.
+    An event's kind is the label of the nearest enclosing range named kind:<kind> (the
+    event itself included, since a range's self time is the Python work between its ops);
+    an event outside every labelled range is "other".
+    Returns {kind: seconds} with every kind of KINDS present (0.0 when absent).
+    """
+    shares = dict.fromkeys(KINDS, 0.0)
+    for event in events:
+        us = event.self_device_time_total if device_time else event.self_cpu_time_total
+        kind, node = "other", event
+        while node is not None:
+            if node.name.startswith(LABEL_PREFIX):
+                kind = node.name[len(LABEL_PREFIX):]
+                break
+            node = node.cpu_parent
+        shares[kind] += us / 1e6
+    return shares
+
+
+@dataclass
+class ForwardProfile:
+    """One profiled forward pass.
+
+    shares: seconds per kind; total: the time the shares divide (the root range's CPU time,
+    or the GPU time of all kernels with device_time); wall: perf_counter time around the
+    profiled call (device synchronized), which also includes profiler bookkeeping.
+    """
+    shares: dict
+    total: float
+    wall: float
+    device_time: bool
+    table: str = ""
+
+    def fractions(self):
+        return {kind: (s / self.total if self.total else 0.0) for kind, s in self.shares.items()}
+
+
+ROOT_RANGE = "forward"
+
+
+@torch.inference_mode()
+def profile_forward(model, input_ids, *, warmup=1, device_time=None, **forward_kwargs):
+    """Profile model(input_ids, **forward_kwargs) once (after `warmup` plain calls).
+
+    device_time defaults to True on CUDA (the GPU's time is what matters there) and False on
+    the CPU. Returns a ForwardProfile whose shares come from op_shares.
+    """
+    device = input_ids.device
+    if device_time is None:
+        device_time = device.type == "cuda"
+    sync = synchronizer(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with label_modules(model):
+        for _ in range(warmup):
+            model(input_ids, **forward_kwargs)
+        sync()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            with record_function(ROOT_RANGE):
+                model(input_ids, **forward_kwargs)
+            sync()
+            wall = time.perf_counter() - start
+    cpu_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    root = next(e for e in cpu_events if e.name == ROOT_RANGE and e.cpu_parent is None)
+    events = [e for e in cpu_events if _inside(e, root)]
+    shares = op_shares(events, device_time=device_time)
+    if device_time:     # every kernel's own duration, straight from the GPU timeline
+        kernels = [e for e in prof.events()
+                   if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation]
+        total = sum(e.device_time for e in kernels) / 1e6
+    else:
+        total = root.cpu_time_total / 1e6
+    sort_by = "self_cuda_time_total" if device_time else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=12)
+    return ForwardProfile(shares, total, wall, device_time, table)
+
+
+def _inside(event, root):
+    while event is not None:
+        if event is root:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def format_shares(prof):
+    """A small text table: kind, milliseconds, percent of the total."""
+    lines = [f"{'kind':<10} {'ms':>9} {'share':>7}"]
+    for kind in KINDS:
+        seconds = prof.shares[kind]
+        lines.append(f"{kind:<10} {seconds * 1e3:9.3f} {seconds / prof.total:7.1%}")
+    lines.append(f"{'total':<10} {prof.total * 1e3:9.3f} {sum(prof.shares.values()) / prof.total:7.1%}")
+    return "\n".join(lines)
