@@ -1,0 +1,144 @@
+"""Chapter 31: attention over the block pool, and the registry of attention backends.
+
+Every layer's pool is a pair (k_cache, v_cache) of shape
+[num_blocks + 1, block_size, kv_heads, head_dim]: block-major, then slot within the block.
+With that order a flat slot number s = block * block_size + offset addresses one row of
+k_cache.view(-1, kv_heads, head_dim), so storing a whole step's keys is a single scatter.
+The extra last block is scratch: padding rows (slot -1) write there and nobody reads it.
+
+A backend is any object with
+    name
+    allocate(shape, dtype, device) -> cache (a tuple: k, v, then anything else it needs)
+    write(cache, k, v, meta)                   store this step's k, v [N, Hkv, D]
+    forward(q, cache, meta, scale=None, window=0) -> [N, H, D]
+Chapter 32 registers faster ones with `register_backend`; they are tested against
+ReferenceBackend, which stays slow on purpose.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention import causal_attention
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """Store this step's keys and values in the pool.  (Your engine: Chapter 31)
+
+    k_cache, v_cache: [num_blocks + 1, block_size, Hkv, D]; k, v: [N, Hkv, D] (cast them to
+    the pool's dtype); slot_mapping: int64 [N] flat slots. Row i goes to flat slot
+    slot_mapping[i] of cache.view(-1, Hkv, D): one index_copy_ per pool, in place.
+    Slot -1 (a padding row) must not be dropped on the host side, which would need to know
+    how many rows are real (a device sync a CUDA graph cannot contain): send it to the
+    pool's very last slot instead, inside the scratch block no request owns.
+    """
+    scratch = k_cache.shape[0] * k_cache.shape[1] - 1
+    target = slot_mapping.masked_fill(slot_mapping < 0, scratch)
+    for pool, rows in ((k_cache, k), (v_cache, v)):
+        flat = pool.view(-1, *pool.shape[2:])
+        flat.index_copy_(0, target, rows.to(pool.dtype))
+
+
+def gather_context(cache, table_row, length):
+    """The first `length` rows of one request's history, read through its block table.
+
+    cache: [num_blocks + 1, block_size, ...]; table_row: its blocks in logical order
+    (a 1-D int tensor, possibly zero-padded past the blocks in use).
+    Returns [length, ...], a copy in logical order.
+    """
+    block_size = cache.shape[1]
+    used = -(-length // block_size)
+    blocks = cache.index_select(0, table_row[:used])
+    return blocks.reshape(used * block_size, *cache.shape[2:])[:length]
+
+
+class ReferenceBackend:
+    """Attention that gathers each request's context and calls Chapter 5's causal_attention,
+    one request at a time. Slow and plainly right: every faster backend is compared to it."""
+    name = "reference"
+
+    def allocate(self, shape, dtype, device):
+        return (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def write(self, cache, k, v, meta):
+        write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+
+    def forward(self, q, cache, meta, scale=None, window=0):
+        """Attention of this step's queries against the pool.  (Your engine: Chapter 31)
+
+        q: [N, H, D]; cache: (k_cache, v_cache, ...) already holding this step's keys;
+        returns [N, H, D] in q's dtype. Loop over requests using the HOST lists
+        meta.query_start_loc_cpu and meta.seq_lens_cpu (no device reads). Request r owns
+        rows s = query_start_loc[r] .. e = query_start_loc[r + 1]; its t = e - s queries are
+        the LAST t positions of its seq_len-token context, so query i sits at position
+        seq_len - t + i, and keys sit at positions 0 .. seq_len - 1 (gather_context through
+        meta.block_table[r], then self.dequantize). Call causal_attention on
+        [1, H, t, D] / [1, Hkv, seq_len, D] with those positions; with window > 0 (sliding
+        window, Chapter 42) also pass allowed = key position > query position - window.
+        Skip padding requests (seq_len 0 or no rows): their output rows stay zero.
+        """
+        k_pool, v_pool = cache[0], cache[1]
+        out = torch.zeros_like(q)
+        bounds = meta.query_start_loc_cpu
+        for r, context in enumerate(meta.seq_lens_cpu):
+            first, stop = bounds[r], bounds[r + 1]
+            rows = stop - first
+            if context == 0 or rows == 0:
+                continue
+            table = meta.block_table[r]
+            keys = self.dequantize(gather_context(k_pool, table, context), cache, 0, meta, r, context)
+            values = self.dequantize(gather_context(v_pool, table, context), cache, 1, meta, r, context)
+            k_pos = torch.arange(context, device=q.device)
+            q_pos = k_pos[context - rows:]
+            allowed = None
+            if window > 0:
+                allowed = k_pos[None, :] > (q_pos[:, None] - window)
+            queries = q[first:stop].transpose(0, 1).unsqueeze(0)           # [1, H, t, D]
+            attended = causal_attention(queries, keys, values, q_pos, k_pos, allowed, scale)
+            out[first:stop] = attended[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def dequantize(x, cache, which, meta, r, length):
+        """[length, Hkv, D] from the pool -> [1, Hkv, length, D] in float32.
+
+        A quantized pool (Chapter 32) keeps per-token scales after K and V in the cache
+        tuple (cache[2] for K, cache[3] for V, each [num_blocks + 1, block_size, Hkv])."""
+        x = x.float()
+        if len(cache) > 2:
+            x = x * gather_context(cache[2 + which], meta.block_table[r], length).float().unsqueeze(-1)
+        return x.transpose(0, 1).unsqueeze(0)
+
+
+# --- the registry ----------------------------------------------------------------------------
+
+_BACKENDS = {}
+
+
+def register_backend(name, factory, replace=False):
+    """Make `get_backend(name, **options)` return factory(**options). Chapter 32 adds its
+    kernels this way; re-registering a taken name needs replace=True."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"backend names are non-empty strings, got {name!r}")
+    if name in _BACKENDS and not replace:
+        raise ValueError(f"attention backend {name!r} is already registered")
+    _BACKENDS[name] = factory
+    return factory
+
+
+def available_backends():
+    return sorted(_BACKENDS)
+
+
+def get_backend(name, **options):
+    """A new backend object registered under `name`, built with `options`."""
+    factory = _BACKENDS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown attention backend {name!r}; registered: {', '.join(available_backends())} "
+                         f"(Chapter 32 adds faster ones)")
+    try:
+        return factory(**options)
+    except TypeError as exc:
+        raise ValueError(f"attention backend {name!r} does not take options {sorted(options)}: {exc}") from None
+
+
+register_backend("reference", ReferenceBackend)

@@ -1,0 +1,164 @@
+"""Chapter 31: one step's work as one flattened, unpadded batch.
+
+The scheduler hands over [(request, n), ...]. Their new tokens are concatenated into one
+sequence of N rows: the linear layers see an [N, D] matrix and never ask which request a
+row came from. Attention does ask, and reads the answer from BatchMeta: where each
+request's rows start, how long its context is, and where its blocks live in the pool.
+
+    request          a (3-token chunk)   b (decode)   c (new, 4 tokens)
+    input_ids        a6 a7 a8            b41          c0 c1 c2 c3
+    positions        6  7  8             41           0  1  2  3
+    query_start_loc  0                   3            4               8
+    seq_lens         9                   42           4
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class BatchMeta:
+    """What attention needs to find each request's rows and blocks.
+
+    query_start_loc [R + 1]  request r's rows are query_start_loc[r] : query_start_loc[r + 1]
+    seq_lens [R]             request r's context length after this step (computed + new)
+    block_table [R, W]       request r's physical blocks in logical order (zero-padded)
+    slot_mapping [N]         flat pool slot of each new token (block * block_size + offset);
+                             -1 for padding rows
+    The *_cpu lists are host copies, so a kernel launcher can read sizes without waiting
+    for the device.
+    """
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    query_start_loc_cpu: list
+    seq_lens_cpu: list
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self):
+        return len(self.seq_lens_cpu)
+
+    @property
+    def decode_only(self):
+        return self.max_query_len == 1
+
+
+@dataclass
+class Batch:
+    """A step's inputs.
+
+    input_ids, positions [N]   the new tokens and their positions
+    meta                       BatchMeta for attention
+    logits_indices [L]         rows whose logits are needed: first the sampling rows, in
+                               request order, then (Chapter 34) prompt-logprob rows
+    sample_counts              per scheduled request, how many of its rows are sampled
+                               (0 for a mid-prompt chunk, 1 normally, more when verifying drafts)
+    request_ids                the scheduled requests' ids, in row order
+    extra                      per-step inputs of later chapters (LoRA ids, M-RoPE positions)
+    prompt_spans               (request, first position, prompt tokens) for prompt logprobs
+    """
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: BatchMeta
+    logits_indices: torch.Tensor
+    sample_counts: list
+    request_ids: list
+    extra: dict = field(default_factory=dict)
+    prompt_spans: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self):
+        return self.input_ids.shape[0]
+
+    @property
+    def num_sample_rows(self):
+        """How many leading rows of the logits are sampling rows (the rest are prompt rows)."""
+        return sum(self.sample_counts)
+
+
+def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
+    """Flatten [(request, n), ...] into one Batch.  (Your engine: Chapter 31)
+
+    For each scheduled (request, n), with c = request.num_computed_tokens:
+      - its new tokens are (request.token_ids + request.spec_token_ids)[c : c + n], at
+        positions c .. c + n - 1; raise ValueError (naming the request) if fewer exist;
+      - position p is stored in slot block_tables[request_id][p // block_size] * block_size
+        + p % block_size (get a block boundary wrong and a neighbour's K/V is overwritten);
+      - its rows are one contiguous range: query_start_loc grows by n, seq_lens gets c + n;
+      - logits rows: a row is sampled when the token after it is not known yet, i.e. rows at
+        positions >= num_tokens - 1. A decode gives its one row, the chunk that ends a
+        prompt gives its last row, a mid-prompt chunk gives NONE (sample_counts gets 0).
+        With draft tokens (Chapter 37) the rows from the last real token on are all sampled.
+      - with params.prompt_logprobs set (Chapter 34), rows whose next token is a prompt
+        token go after all sampling rows in logits_indices, and prompt_spans records
+        (request, c, the prompt tokens those rows predict).
+    pad_to (Chapter 33's CUDA graphs): append dummy requests of one row each (token 0,
+    position 0, slot -1, seq_len 0, empty block table) until there are pad_to requests.
+    block_table is an int32 [R, W] tensor padded with zeros (W >= 1); slot_mapping is int64;
+    input_ids, positions and logits_indices are int64. Build Python lists first and make
+    each tensor once: this runs every step.
+    """
+    ids, positions, slots, row_sampled, prompt_rows, spans = [], [], [], [], [], []
+    starts, lengths, tables, counts = [0], [], [], []
+    for request, n in scheduled:
+        done = request.num_computed_tokens
+        known = request.token_ids + request.spec_token_ids if request.spec_token_ids else request.token_ids
+        new = known[done:done + n]
+        if len(new) != n:
+            raise ValueError(f"request {request.request_id!r}: scheduled {n} tokens from position {done}, "
+                             f"but only {len(new)} exist")
+        table = block_tables[request.request_id]
+        first_row = starts[-1]
+        ids += new
+        positions += range(done, done + n)
+        for p in range(done, done + n):
+            block, offset = divmod(p, block_size)
+            slots.append(table[block] * block_size + offset)
+        # Rows at positions >= num_tokens - 1 predict a token nobody knows yet: sample them.
+        first_unknown = max(done, request.num_tokens - 1)
+        sampled = max(0, done + n - first_unknown)
+        row_sampled.extend(range(first_row + n - sampled, first_row + n))
+        counts.append(sampled)
+        if request.params.prompt_logprobs is not None:
+            last_prompt_row = min(done + n, request.num_prompt_tokens - 1)
+            if last_prompt_row > done:
+                prompt_rows.extend(range(first_row, first_row + last_prompt_row - done))
+                spans.append((request, done, request.token_ids[done + 1:last_prompt_row + 1]))
+        starts.append(first_row + n)
+        lengths.append(done + n)
+        tables.append(table)
+    if pad_to is not None:
+        for _ in range(pad_to - len(lengths)):
+            ids.append(0)
+            positions.append(0)
+            slots.append(-1)
+            starts.append(starts[-1] + 1)
+            lengths.append(0)
+            tables.append(())
+    width = max([1] + [len(t) for t in tables])
+    padded = [list(t) + [0] * (width - len(t)) for t in tables]
+    meta = BatchMeta(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_table=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_size=block_size,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=lengths,
+        max_query_len=max([0] + [b - a for a, b in zip(starts, starts[1:])]),
+        max_seq_len=max([0] + lengths))
+    return Batch(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        meta=meta,
+        logits_indices=torch.tensor(row_sampled + prompt_rows, dtype=torch.int64, device=device),
+        sample_counts=counts,
+        request_ids=[request.request_id for request, _ in scheduled],
+        extra={},
+        prompt_spans=spans)

@@ -1,0 +1,121 @@
+"""Chapter 31: the already-loaded Qwen3 run on flat [N, D] rows against the block pool.
+
+No new weights and no renamed modules: FlatModel holds the Qwen3ForCausalLM (or Chapter
+27's Qwen3Moe) you loaded and calls its submodules in a different arrangement. Every
+parity test that covered those modules still covers the engine. The differences from
+Qwen3Model.forward are only these: rows instead of [B, T], heads on the middle axis of
+[N, H, D], RoPE tables for the N positions computed once per step, and attention that
+writes and reads the pool through a backend.
+
+The small methods project_qkv, add_norm and mlp are seams: Chapter 33 fuses add + norm,
+Chapter 43 wraps the projections with LoRA, without touching the forward loop.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import apply_rope, rope_cos_sin
+
+
+class FlatModel(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.backbone = model.model                  # embed_tokens, layers, norm
+        self.layers = model.model.layers
+        custom = getattr(model, "rope_tables", None)  # models with scaled RoPE bring their own tables
+        self.rope = custom if custom is not None else self.default_rope
+        self.fused = False                           # Chapter 33: fused add + norm
+
+    def default_rope(self, positions, dtype):
+        """cos, sin for N positions, shaped [N, 1, head_dim] to broadcast over [N, H, head_dim]."""
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+        return cos[0, 0].unsqueeze(1), sin[0, 0].unsqueeze(1)
+
+    def kv_spec(self):
+        """(layers, kv_heads, head_dim) of the pool every attention layer writes."""
+        own = getattr(self.model, "kv_spec", None)    # a model with another cache shape (Chapter 42)
+        if own is not None:
+            return own()
+        return self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, self.cfg.head_dim
+
+    # --- seams --------------------------------------------------------------------------
+
+    def project_qkv(self, attn, h):
+        """h [N, D] -> q [N, H*Dh], k [N, Hkv*Dh], v [N, Hkv*Dh]."""
+        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+
+    def add_norm(self, norm, x, delta):
+        """Add a sublayer's output to the residual stream, then normalise a copy for the next
+        sublayer: returns (norm(x + delta), x + delta). delta None: the first layer's input."""
+        if delta is not None:
+            x = x + delta
+        return norm(x), x
+
+    def mlp(self, module, h):
+        """The feed-forward block on [N, D] rows: SwiGLU, or a sparse MoE (Chapter 27)."""
+        out = module(h)
+        return out[0] if isinstance(out, tuple) else out     # some MoE blocks also return router logits
+
+    # --- the two stubs ------------------------------------------------------------------
+
+    def attention(self, layer, attn, h, positions, rope, kv, meta, backend):
+        """One attention sublayer on flat rows.  (Your engine: Chapter 31)
+
+        h [N, D] (already normalised) -> [N, D]. The same steps as Qwen3Attention.forward in
+        another layout: project (self.project_qkv), view as q [N, H, Dh], k and v
+        [N, Hkv, Dh]; QK-norm each head (attn.q_norm / attn.k_norm: RMSNorm over the last
+        axis works on any layout) BEFORE rotating; rotate q and k with rope = (cos, sin) of
+        shape [N, 1, Dh]; store k, v with backend.write(kv, k, v, meta) BEFORE attending, so
+        this step's queries see their own keys; attend with backend.forward(q, kv, meta,
+        window=getattr(attn, "sliding_window", 0)); o_proj the [N, H * Dh] result.
+        `layer` is the layer index (unused here; backends with per-layer state use it).
+        A module with its own `paged_forward` (latent attention, Chapter 42) is called instead.
+        """
+        own = getattr(attn, "paged_forward", None)
+        if own is not None:
+            return own(h, positions, rope, kv, meta, backend)
+        rows, cfg = h.shape[0], self.cfg
+        q, k, v = self.project_qkv(attn, h)
+        q = attn.q_norm(q.view(rows, cfg.num_attention_heads, cfg.head_dim))
+        k = attn.k_norm(k.view(rows, cfg.num_key_value_heads, cfg.head_dim))
+        v = v.view(rows, cfg.num_key_value_heads, cfg.head_dim)
+        cos, sin = rope
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        backend.write(kv, k, v, meta)
+        y = backend.forward(q, kv, meta, window=getattr(attn, "sliding_window", 0) or 0)
+        return attn.o_proj(y.reshape(rows, -1))
+
+    def forward(self, input_ids, positions, kv_caches, meta, backend, embeds=None, **features):
+        """Token ids [N] -> final hidden states [N, D] (before the LM head).  (Your engine: Chapter 31)
+
+        x = embed_tokens(input_ids) (or `embeds` when given: image rows, Chapter 43). Compute
+        the RoPE tables ONCE with self.rope(positions, x.dtype) and share them across layers.
+        Then, for layer i with pool kv_caches[i], two residual branches:
+            h, x = add_norm(layer.input_layernorm, x, delta)
+            delta = attention(i, layer.self_attn, h, positions, rope, kv_caches[i], meta, backend)
+            h, x = add_norm(layer.post_attention_layernorm, x, delta)
+            delta = mlp(layer.mlp, h)
+        and finally the backbone's norm over x + delta. `features` are per-step inputs of
+        later chapters (LoRA ids, M-RoPE positions): Chapter 31 receives none, so refuse any.
+        """
+        if features:
+            raise ValueError(f"FlatModel got step features {sorted(features)}: they arrive in Chapter 43")
+        x = self.backbone.embed_tokens(input_ids) if embeds is None else embeds
+        rope = self.rope(positions, x.dtype)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            h, x = self.add_norm(layer.input_layernorm, x, delta)
+            delta = self.attention(i, layer.self_attn, h, positions, rope, kv_caches[i], meta, backend)
+            h, x = self.add_norm(layer.post_attention_layernorm, x, delta)
+            delta = self.mlp(layer.mlp, h)
+        hidden, _ = self.add_norm(self.backbone.norm, x, delta)
+        return hidden
+
+    def compute_logits(self, hidden):
+        """Logits for the selected rows only ([L, D] -> [L, vocab], float32): the LM head is the
+        largest matmul of the model, and a 2,000-token prefill needs just one of its rows."""
+        return self.model.lm_head(hidden).float()
