@@ -85,15 +85,18 @@ def test_tied_head_is_the_embedding(impl):
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
 
 
-def test_positions_offset_matches_position_ids(impl, device):
-    """positions= shifts RoPE exactly like transformers' position_ids."""
+def test_positions_argument_matches_position_ids(impl, device):
+    """positions= feeds RoPE exactly like transformers' position_ids. The positions have
+    gaps: a constant shift would prove nothing, since RoPE only sees differences."""
     cfg, ours, theirs = build_pair(impl, {}, device)
     ids = prompts(cfg, 2, 9, seed=11, device=device)
-    positions = torch.arange(100, 109, device=device)
+    positions = torch.tensor([0, 1, 2, 5, 9, 10, 40, 41, 100], device=device)
     with torch.no_grad():
         got = ours(ids, positions=positions)
         want = theirs(ids, position_ids=positions[None].expand(2, 9)).logits
-    assert_logits_close(got, want, "Qwen3ForCausalLM with positions 100..108")
+        plain = ours(ids)
+    assert_logits_close(got, want, f"Qwen3ForCausalLM with positions {positions.tolist()}")
+    assert float((plain - got).abs().max()) > 1e-3, "the positions argument had no effect on the logits"
 
 
 def test_rows_of_a_batch_are_independent(impl, device):
