@@ -1,0 +1,221 @@
+"""Chapter 24 milestone: ContinuousBatchingEngine.
+
+Oracle: the reference package's solo greedy `generate` on the reference tiny model, one
+request at a time, with the same weights. Every request served by the engine, whatever else
+shares its steps, must produce exactly those tokens. Beside parity, the tests pin down the
+design of the chapter: prefill runs one request per forward call (in chunks when asked),
+all decoding requests share one call per step, a freed slot is reused at the next step, and
+stop tokens end a request with the stop token included.
+
+The tiny model's greedy choices have wide margins (course.models.greedy_margins), so the
+bit-level differences between a batched decode and a solo one never flip a token: these
+tests are deterministic. They were run over 200 workload seeds once, all passing.
+"""
+import random
+
+import pytest
+import torch
+
+from course import reference
+
+pytestmark = pytest.mark.chapter(24)
+
+EOS = 257                       # the tiny model's eos_token_id; prompts use ids < 256
+
+
+def make_prompts(seed, count, low=3, high=60, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def solo(ref_model, prompt, max_new, **kwargs):
+    return reference().sampling.generate(ref_model, prompt, max_new, eos_token_id=EOS, **kwargs)
+
+
+def first_difference(expected, got):
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return i
+    return min(len(expected), len(got))
+
+
+def assert_same_tokens(request_id, expected, got):
+    if expected != got:
+        i = first_difference(expected, got)
+        exp_tok = expected[i] if i < len(expected) else "(end)"
+        got_tok = got[i] if i < len(got) else "(end)"
+        pytest.fail(f"request {request_id}: output differs from solo generate at output token {i}: "
+                    f"expected {exp_tok}, got {got_tok}\n  expected {expected}\n  got      {got}")
+
+
+def serve(engine, requests):
+    """Add (request_id, prompt, max_new[, stops]) and step to the end.
+    Returns (outputs, events_per_step)."""
+    for request in requests:
+        engine.add_request(*request)
+    outputs = {r[0]: [] for r in requests}
+    history = []
+    guard = 10_000
+    while engine.has_unfinished:
+        guard -= 1
+        assert guard > 0, "engine.has_unfinished never became False (10,000 steps)"
+        events = engine.step()
+        history.append(events)
+        for request_id, tokens, finished in events:
+            assert request_id in outputs, f"step {len(history)}: unknown request id {request_id!r}"
+            outputs[request_id].extend(tokens)
+    return outputs, history
+
+
+class CallRecorder(torch.nn.Module):
+    """Wraps a model and records the [B, T] shape of every forward call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.cfg = inner.cfg
+        self.calls = []
+
+    @property
+    def context_limit(self):
+        return self.inner.context_limit
+
+    def forward(self, input_ids, *args, **kwargs):
+        self.calls.append(tuple(input_ids.shape))
+        return self.inner(input_ids, *args, **kwargs)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_every_request_matches_solo_generate(impl, tiny_model, ref_model, chunk_size):
+    prompts = make_prompts(seed=1, count=9)
+    max_new = [random.Random(i).randint(2, 24) for i in range(len(prompts))]
+    engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=4, slot_len=96,
+                                                      chunk_size=chunk_size, eos_token_id=EOS)
+    requests = [(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, max_new))]
+    outputs, _ = serve(engine, requests)
+    for request_id, prompt, n in requests:
+        assert_same_tokens(request_id, solo(ref_model, prompt, n), outputs[request_id])
+
+
+def test_run_helper_serves_work_items(impl, tiny_model, ref_model):
+    items = impl.workloads.shared_prefix_workload(num_requests=6, prefix_len=40, question_len=(2, 12),
+                                                  output_len=(3, 12), seed=3)
+    engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=3, slot_len=80, eos_token_id=EOS)
+    outputs = engine.run(items)
+    assert set(outputs) == {it.request_id for it in items}
+    for it in items:
+        assert_same_tokens(it.request_id, solo(ref_model, it.prompt_ids, it.max_tokens), outputs[it.request_id])
+
+
+def test_one_prefill_call_per_request_and_one_decode_call_per_step(impl, tiny_model, ref_model):
+    """4 requests, 4 slots, prompts of 5, 9, 13 and 17 tokens, 6 new tokens each.
+    Step 1: four prefill calls [1, P] (each yields the first token).
+    Steps 2-6: ONE decode call [4, 1] each. Total: 9 calls, 6 steps."""
+    recorder = CallRecorder(tiny_model)
+    engine = impl.continuous.ContinuousBatchingEngine(recorder, num_slots=4, slot_len=64, eos_token_id=EOS)
+    prompts = [make_prompts(seed=5 + n, count=1, low=n, high=n)[0] for n in (5, 9, 13, 17)]
+    outputs, history = serve(engine, [(f"r{i}", p, 6) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert_same_tokens(f"r{i}", solo(ref_model, p, 6), outputs[f"r{i}"])
+    expected_calls = [(1, 5), (1, 9), (1, 13), (1, 17)] + [(4, 1)] * 5
+    assert sorted(recorder.calls[:4]) == expected_calls[:4] and recorder.calls[4:] == expected_calls[4:], (
+        f"forward calls (batch, tokens) were {recorder.calls}; expected one [1, P] prefill call per request "
+        f"in step 1, then one [4, 1] decode call per step")
+    assert engine.forward_calls == len(recorder.calls) == 9, f"forward_calls = {engine.forward_calls}"
+    assert engine.steps == len(history) == 6, f"steps = {engine.steps}, step() was called {len(history)} times"
+
+
+def test_chunked_prefill_does_not_stall_decoding(impl, tiny_model, ref_model):
+    """A short request is decoding when a 30-token prompt arrives; with chunk_size 8 the long
+    prompt takes 4 steps of prefill (8 + 8 + 8 + 6 tokens, one [1, <=8] call per step) while
+    the short request keeps getting one token every step."""
+    recorder = CallRecorder(tiny_model)
+    engine = impl.continuous.ContinuousBatchingEngine(recorder, num_slots=2, slot_len=64, chunk_size=8,
+                                                      eos_token_id=EOS)
+    short, long = make_prompts(seed=7, count=2, low=4, high=4)[0], make_prompts(seed=8, count=1, low=30, high=30)[0]
+    engine.add_request("short", short, 12)
+    first = engine.step()
+    assert [e[0] for e in first] == ["short"], f"step 1 events: {first}"
+    engine.add_request("long", long, 5)
+    outputs = {"short": list(first[0][1]), "long": []}
+    expected_calls = {2: [(1, 1), (1, 8)], 3: [(1, 1), (1, 8)], 4: [(1, 1), (1, 8)], 5: [(1, 1), (1, 6)], 6: [(2, 1)]}
+    long_first_token_step = None
+    for step in range(2, 40):
+        if not engine.has_unfinished:
+            break
+        before = len(recorder.calls)
+        events = {e[0]: e for e in engine.step()}
+        calls = sorted(recorder.calls[before:])
+        for request_id, tokens, _ in events.values():
+            outputs[request_id].extend(tokens)
+        if step in expected_calls:
+            assert calls == expected_calls[step], (
+                f"step {step}: forward calls (batch, tokens) {calls}, expected {expected_calls[step]} "
+                f"(the decoding request's [1, 1] call plus one chunk of at most 8 prompt tokens)")
+        if step <= 5:
+            assert "short" in events and len(events["short"][1]) == 1, (
+                f"step {step}: the decoding request got no token while the long prompt was prefilling "
+                f"(events {list(events.values())})")
+        if "long" in events and long_first_token_step is None:
+            long_first_token_step = step
+    assert long_first_token_step == 5, (
+        f"a 30-token prompt in chunks of 8 should produce its first token at step 5 (4 chunk steps "
+        f"starting at step 2), got step {long_first_token_step}")
+    assert_same_tokens("short", solo(ref_model, short, 12), outputs["short"])
+    assert_same_tokens("long", solo(ref_model, long, 5), outputs["long"])
+
+
+def test_freed_slot_is_reused_at_the_next_step(impl, tiny_model, ref_model):
+    """2 slots, 5 requests: never more than 2 in flight, and a waiting request is admitted
+    (prefilled, first token out) in the step right after a slot frees."""
+    prompts = make_prompts(seed=11, count=5, low=5, high=20)
+    max_new = [3, 7, 4, 5, 2]
+    engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=2, slot_len=48, eos_token_id=EOS)
+    requests = [(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, max_new))]
+    outputs, history = serve(engine, requests)
+    first_step, finish_step = {}, {}
+    for step, events in enumerate(history, 1):
+        for request_id, tokens, finished in events:
+            if tokens:
+                first_step.setdefault(request_id, step)
+            if finished:
+                finish_step[request_id] = step
+    for step in range(1, len(history) + 1):
+        live = [r for r in first_step if first_step[r] <= step and finish_step[r] >= step]
+        assert len(live) <= 2, f"step {step}: requests {live} in flight with only 2 slots"
+    # FCFS admission: a request starts the step after the earliest unclaimed finish.
+    frees = sorted(finish_step[r] for r in ("r0", "r1"))
+    for request_id in ("r2", "r3", "r4"):
+        free_step = frees.pop(0)
+        assert first_step[request_id] == free_step + 1, (
+            f"request {request_id}: a slot freed at step {free_step} but its first token came at step "
+            f"{first_step[request_id]} (expected step {free_step + 1})")
+        frees = sorted(frees + [finish_step[request_id]])
+    for request_id, prompt, n in requests:
+        assert_same_tokens(request_id, solo(ref_model, prompt, n), outputs[request_id])
+
+
+def test_stop_tokens_and_eos_end_a_request(impl, tiny_model, ref_model):
+    prompts = make_prompts(seed=13, count=3, low=6, high=30)
+    plain = [solo(ref_model, p, 16) for p in prompts]
+    # Stop request 0 at the token its solo run emits 5th; request 1 keeps running.
+    stop = plain[0][4]
+    engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=3, slot_len=64, eos_token_id=EOS)
+    outputs, history = serve(engine, [("r0", prompts[0], 16, (stop,)), ("r1", prompts[1], 16)])
+    assert_same_tokens("r0", solo(ref_model, prompts[0], 16, stop_token_ids=(stop,)), outputs["r0"])
+    assert outputs["r0"][-1] == stop, f"request r0: the stop token {stop} must end the output (got {outputs['r0']})"
+    assert_same_tokens("r1", plain[1], outputs["r1"])
+    finished = [e[0] for events in history for e in events if e[2]]
+    assert sorted(finished) == ["r0", "r1"], f"finished events {finished}: each request finishes exactly once"
+    # The engine's eos_token_id: make request 2's 3rd greedy token the EOS.
+    eos = plain[2][2]
+    engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=2, slot_len=64, eos_token_id=eos)
+    outputs, _ = serve(engine, [("r2", prompts[2], 16)])
+    expected = reference().sampling.generate(ref_model, prompts[2], 16, eos_token_id=eos)
+    assert_same_tokens("r2", expected, outputs["r2"])
+
+
+def test_request_that_cannot_fit_a_slot_is_refused(impl, tiny_model):
+    engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=2, slot_len=32, eos_token_id=EOS)
+    with pytest.raises(ValueError):
+        engine.add_request("too-long", list(range(30)), 8)
