@@ -97,7 +97,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     spec = config.getoption("impl")
-    return [f"course: impl={spec or 'solutions@N per chapter'}, device={_device_name(config)}"]
+    # torch is not imported just for this line: machinery-only runs stay quick to start.
+    device = config.getoption("device") or "auto (cuda when available)"
+    return [f"course: impl={spec or 'solutions@N per chapter'}, device={device}"]
 
 
 def _device_name(config) -> str:

@@ -1,0 +1,211 @@
+"""Grading survives a deliberately broken engine: a hang costs one test, a dead
+interpreter costs one test, a hang nothing can interrupt costs the chapter; the report,
+the JSON and the JUnit file always come out."""
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conftest import write_tree
+from course import grade, manifest
+
+# The reference the stub counts compare against, and an engine that fills every stub in
+# the worst ways an engine can.
+REFERENCE = {
+    "__init__.py": "",
+    "ops.py": '''
+        def add(a, b):
+            """(Your engine: Chapter 1)"""
+            return a + b
+
+
+        def spin():
+            """(Your engine: Chapter 1)"""
+            return 0
+
+
+        def die():
+            """(Your engine: Chapter 2)"""
+            return 0
+
+
+        def crash():
+            """(Your engine: Chapter 3)"""
+            return 0
+
+
+        def stuck():
+            """(Your engine: Chapter 3)"""
+            return 0
+    ''',
+}
+
+BROKEN = {
+    "__init__.py": "",
+    "ops.py": '''
+        def add(a, b):
+            """(Your engine: Chapter 1)"""
+            return a + b
+
+
+        def spin():
+            """(Your engine: Chapter 1)"""
+            while True:                          # an infinite loop in Python code
+                pass
+
+
+        def die():
+            """(Your engine: Chapter 2)"""
+            import os
+            os._exit(3)                          # the interpreter vanishes, no report written
+
+
+        def crash():
+            """(Your engine: Chapter 3)"""
+            import ctypes
+            return ctypes.string_at(0)           # a segfault
+
+
+        def stuck():
+            """(Your engine: Chapter 3)"""
+            import signal
+            import time
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})   # per-test timeout can't fire
+            while True:
+                time.sleep(0.05)
+    ''',
+}
+
+CHAPTERS = {number: manifest.load().chapter(number) for number in (1, 2, 3)}
+
+
+def milestone_name(number):
+    return CHAPTERS[number].milestone.split("/")[-1]
+
+
+MILESTONES = {
+    milestone_name(1): """
+        import pytest
+        pytestmark = pytest.mark.chapter(1)
+
+        def test_add(impl):
+            assert impl.ops.add(2, 3) == 5
+
+        def test_spin(impl):
+            assert impl.ops.spin() == 0
+
+        def test_add_again(impl):
+            assert impl.ops.add(1, 1) == 2
+    """,
+    milestone_name(2): """
+        import pytest
+        pytestmark = pytest.mark.chapter(2)
+
+        def test_before(impl):
+            assert impl.ops.add(0, 0) == 0
+
+        def test_die(impl):
+            assert impl.ops.die() == 0
+
+        def test_after(impl):
+            assert impl.ops.add(4, 4) == 8
+
+        @pytest.mark.skip(reason="needs a GPU")
+        def test_gpu_only(impl):
+            pass
+    """,
+    milestone_name(3): """
+        import pytest
+        pytestmark = pytest.mark.chapter(3)
+
+        def test_crash(impl):
+            assert impl.ops.crash() == 0
+
+        def test_fine(impl):
+            assert impl.ops.add(1, 2) == 4, "1 + 2 should be 3"
+    """,
+}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    reference = write_tree(tmp_path / "reference", REFERENCE)
+    engine = write_tree(tmp_path / "learner" / "engine", BROKEN)
+    tests_dir = write_tree(tmp_path / "milestones", MILESTONES)
+    return reference, engine, tests_dir
+
+
+def test_a_broken_engine_costs_tests_never_the_report(setup, tmp_path):
+    reference, engine, tests_dir = setup
+    report = grade.grade(str(tmp_path / "learner"), upto=3, tests_dir=tests_dir, reference=reference,
+                         test_timeout=2, chapter_timeout=120, jobs=3)
+    by_number = {c.chapter.number: c for c in report.chapters}
+    outcomes = {n: {t.name: (t.outcome, t.message) for t in c.tests} for n, c in by_number.items()}
+
+    one = outcomes[1]
+    assert one["test_add"][0] == one["test_add_again"][0] == "passed"
+    assert one["test_spin"][0] == "failed" and "Timeout" in one["test_spin"][1]
+
+    two = outcomes[2]
+    assert two["test_before"][0] == two["test_after"][0] == "passed"     # run again after the death
+    assert two["test_die"] == ("failed", "the test process exited abruptly with status 3 (os._exit?) "
+                                         "during this test")
+    assert two["test_gpu_only"] == ("skipped", "needs a GPU")
+    assert (by_number[2].passed, by_number[2].total) == (2, 3)
+
+    three = outcomes[3]
+    assert three["test_crash"] == ("failed", "the test process was killed by SIGSEGV during this test")
+    assert three["test_fine"][0] == "failed" and "1 + 2 should be 3" in three["test_fine"][1]
+    assert by_number[3].status == "failed"
+
+    assert [c.status for c in report.chapters] == ["partial", "partial", "failed"]
+    assert all((c.stubs_done, c.stubs_total) == ((2, 2) if c.chapter.number != 2 else (1, 1))
+               for c in report.chapters)
+
+    table = grade.format_table(report)
+    assert "2/3" in table and "SIGSEGV" in table and "status 3" in table
+
+    data = grade.to_json(report)
+    json.dumps(data)
+    assert data["totals"]["passed"] == 4 and data["totals"]["failed"] == 4
+    assert data["chapters"][1]["notes"] == ["the test process exited abruptly with status 3 (os._exit?) "
+                                            "during test_die"]
+    junit = tmp_path / "grade.xml"
+    grade.to_junit(report).write(junit)
+    suites = ET.parse(junit).getroot()
+    assert suites.get("failures") == "4" and len(suites.findall("testsuite")) == 3
+    assert len(suites.findall(".//testcase/failure")) == 4 and len(suites.findall(".//skipped")) == 1
+
+
+def test_a_hang_no_timeout_can_interrupt_costs_the_chapter(setup, tmp_path):
+    reference, engine, tests_dir = setup
+    milestone = write_tree(tmp_path / "stuck", {milestone_name(3): """
+        import pytest
+        pytestmark = pytest.mark.chapter(3)
+
+        def test_stuck(impl):
+            impl.ops.stuck()
+
+        def test_never_reached(impl):
+            pass
+    """}) / milestone_name(3)
+    tests, notes, _ = grade.run_milestone(str(engine), milestone, test_timeout=1, chapter_timeout=6)
+    assert tests and all(t.outcome == "failed" for t in tests)
+    assert notes and "time limit (6s) ran out" in notes[0]
+
+
+def test_grade_command_writes_json_and_junit(setup, tmp_path):
+    import subprocess
+    import sys
+    from course.manifest import ROOT
+    reference, engine, tests_dir = setup
+    # Only Chapter 1's file is used here; the fake reference is irrelevant to the exit code.
+    out = subprocess.run([sys.executable, str(ROOT / "run.py"), "grade", "--impl", str(engine),
+                          "--chapter", "1", "--tests-dir", str(tests_dir), "--test-timeout", "2",
+                          "--json", str(tmp_path / "g.json"), "--junit", str(tmp_path / "g.xml")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "The engine you will build" in out.stdout
+    data = json.loads((tmp_path / "g.json").read_text())
+    assert [(c["number"], c["passed"], c["total"]) for c in data["chapters"]] == [(1, 2, 3)]
+    assert ET.parse(tmp_path / "g.xml").getroot().get("tests") == "3"
