@@ -1,0 +1,101 @@
+"""Chapter 23 milestone: chunked prefill for one request.
+
+Oracles: the reference tiny model's one-shot forward over the whole prompt (no cache) for
+the logits of every prompt position, and the reference package's solo greedy `generate`
+for the tokens. Whatever the chunk size (one token, a size that does not divide the
+prompt, the whole prompt, more than the prompt), chunked prefill must give the one-shot
+logits to float tolerance and the same greedy tokens; and it must really run in chunks.
+
+The tiny model's greedy choices have wide margins, far above the ~1e-5 logit differences
+that splitting the prompt causes. The parity tests were run over 200 seeds once, all passing.
+"""
+import random
+
+import pytest
+import torch
+
+from course import reference
+
+pytestmark = pytest.mark.chapter(23)
+
+PROMPT_LEN = 29
+CHUNKS = [1, 4, 7, PROMPT_LEN, PROMPT_LEN + 10]
+
+
+def make_prompt(seed, length=PROMPT_LEN):
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+def new_cache(impl, model, max_len):
+    return impl.kv_cache.KVCache.for_model(model, 1, max_len)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_chunked_logits_equal_one_shot(impl, tiny_model, ref_model, device, chunk):
+    prompt = make_prompt(chunk)
+    cache = new_cache(impl, tiny_model, PROMPT_LEN + 4)
+    with torch.inference_mode():
+        expected = ref_model(torch.tensor([prompt], device=device))[0]
+    got = impl.chunked.prefill_chunked(tiny_model, cache, prompt, chunk, keep_logits=True)
+    assert got.shape == expected.shape, f"keep_logits=True must give [prompt, vocab], got {tuple(got.shape)}"
+    err = (got.float() - expected).abs().max(dim=-1).values
+    worst = int(err.argmax())
+    assert err[worst] < 1e-4, (f"chunk size {chunk}: logits at prompt position {worst} differ from the one-shot "
+                               f"prefill by {err[worst]:.2e} (first chunk boundary after it: "
+                               f"{(worst // chunk + 1) * chunk})")
+    assert cache.length == PROMPT_LEN, f"after the prefill the cache must hold {PROMPT_LEN} tokens, not {cache.length}"
+    last = impl.chunked.prefill_chunked(tiny_model, new_cache(impl, tiny_model, PROMPT_LEN), prompt, chunk)
+    assert last.shape == expected[-1].shape and torch.allclose(last.float(), expected[-1], atol=1e-4), \
+        "without keep_logits the result is the last position's logits [vocab]"
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 40])
+def test_calls_are_chunks(impl, tiny_model, chunk):
+    prompt = make_prompt(7)
+    widths = []
+
+    def record(module, args, kwargs):
+        widths.append((args[0] if args else kwargs["input_ids"]).shape[1])
+
+    handle = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        impl.chunked.prefill_chunked(tiny_model, new_cache(impl, tiny_model, PROMPT_LEN), prompt, chunk)
+    finally:
+        handle.remove()
+    expected = [min(chunk, PROMPT_LEN - start) for start in range(0, PROMPT_LEN, chunk)]
+    assert widths == expected, f"chunk size {chunk}: expected calls of {expected} tokens, saw {widths}"
+
+
+def test_chunks_continue_a_filled_cache(impl, tiny_model, ref_model, device):
+    prompt = make_prompt(11)
+    cache = new_cache(impl, tiny_model, PROMPT_LEN)
+    with torch.inference_mode():
+        tiny_model(torch.tensor([prompt[:10]], device=device), cache=cache)      # a prefix already cached
+        expected = ref_model(torch.tensor([prompt], device=device))[0, 10:]
+    got = impl.chunked.prefill_chunked(tiny_model, cache, prompt[10:], 6, keep_logits=True)
+    err = (got.float() - expected).abs().max()
+    assert err < 1e-4, f"chunks after a 10-token cached prefix must continue its positions; logits off by {err:.2e}"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_generate_chunked_equals_generate(impl, tiny_model, ref_model, seed):
+    rng = random.Random(seed)
+    for n in range(4):
+        prompt = make_prompt(100 * seed + n, rng.randint(1, 50))
+        chunk = rng.choice([1, 2, 5, 16, 64])
+        expected = reference().sampling.generate(ref_model, prompt, 10)
+        got = impl.chunked.generate_chunked(tiny_model, prompt, 10, chunk)
+        if got != expected:
+            i = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(got), len(expected)))
+            pytest.fail(f"seed {seed}, {len(prompt)}-token prompt in chunks of {chunk}: differs from generate at "
+                        f"output token {i}\n  expected {expected}\n  got      {got}")
+
+
+def test_generate_chunked_stops(impl, tiny_model, ref_model):
+    prompt = make_prompt(5, 17)
+    free = reference().sampling.generate(ref_model, prompt, 10)
+    eos = free[3]
+    expected = reference().sampling.generate(ref_model, prompt, 10, eos_token_id=eos)
+    got = impl.chunked.generate_chunked(tiny_model, prompt, 10, 4, eos_token_id=eos)
+    assert got == expected, f"eos_token_id={eos}: expected {expected}, got {got} (the EOS token ends the output)"
