@@ -56,6 +56,9 @@ class ReferenceBackend:
     one request at a time. Slow and plainly right: every faster backend is compared to it."""
     name = "reference"
 
+    def __init__(self):
+        self._plan = None
+
     def allocate(self, shape, dtype, device):
         return (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
@@ -75,38 +78,75 @@ class ReferenceBackend:
         [1, H, t, D] / [1, Hkv, seq_len, D] with those positions; with window > 0 (sliding
         window, Chapter 42) also pass allowed = key position > query position - window.
         Skip padding requests (seq_len 0 or no rows): their output rows stay zero.
+        Everything but the pools is the same in every layer: self.plan(meta) works it out
+        once per step (positions, masks, which blocks to read) and reuses it.
         """
-        k_pool, v_pool = cache[0], cache[1]
-        out = torch.zeros_like(q)
-        bounds = meta.query_start_loc_cpu
+        plan = self.plan(meta, q.device, window)
+        k_all, v_all = (self.dequantize(gather_context(pool, plan.blocks, plan.num_slots), cache, which, meta, None,
+                                        plan.num_slots)
+                        for which, pool in enumerate(cache[:2]))
+        pieces, done = [], 0
+        for first, stop, offset, context, q_pos, k_pos, allowed in plan.requests:
+            if first > done:                      # rows of padding requests stay zero
+                pieces.append(q.new_zeros((first - done, *q.shape[1:])))
+            queries = q[first:stop].transpose(0, 1).unsqueeze(0)                      # [1, H, t, D]
+            keys = k_all[:, :, offset:offset + context]                                # [1, Hkv, L, D]
+            values = v_all[:, :, offset:offset + context]
+            attended = causal_attention(queries, keys, values, q_pos, k_pos, allowed, scale)
+            pieces.append(attended[0].transpose(0, 1))
+            done = stop
+        if done < q.shape[0]:
+            pieces.append(q.new_zeros((q.shape[0] - done, *q.shape[1:])))
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+
+    def plan(self, meta, device, window=0):
+        """Per-step facts every layer shares, computed on the first layer and then reused:
+        for each real request (first row, end row, where its context starts in the gathered
+        rows, context length, query positions, key positions, sliding-window mask), plus the
+        concatenated block list to gather all contexts with one read per pool."""
+        cached = self._plan
+        if cached is not None and cached.meta is meta and cached.window == window:
+            return cached
+        bounds, block_size = meta.query_start_loc_cpu, meta.block_size
+        requests, blocks, offset = [], [], 0
+        table_rows = meta.block_table.tolist() if meta.block_table.device.type == "cpu" else None
         for r, context in enumerate(meta.seq_lens_cpu):
             first, stop = bounds[r], bounds[r + 1]
-            rows = stop - first
-            if context == 0 or rows == 0:
+            if context == 0 or stop == first:
                 continue
-            table = meta.block_table[r]
-            keys = self.dequantize(gather_context(k_pool, table, context), cache, 0, meta, r, context)
-            values = self.dequantize(gather_context(v_pool, table, context), cache, 1, meta, r, context)
-            k_pos = torch.arange(context, device=q.device)
-            q_pos = k_pos[context - rows:]
-            allowed = None
-            if window > 0:
-                allowed = k_pos[None, :] > (q_pos[:, None] - window)
-            queries = q[first:stop].transpose(0, 1).unsqueeze(0)           # [1, H, t, D]
-            attended = causal_attention(queries, keys, values, q_pos, k_pos, allowed, scale)
-            out[first:stop] = attended[0].transpose(0, 1)
-        return out
+            used = -(-context // block_size)
+            row = table_rows[r][:used] if table_rows is not None else meta.block_table[r, :used]
+            blocks.append(torch.as_tensor(row, dtype=torch.int64, device=device) if table_rows is None else row)
+            k_pos = torch.arange(context, device=device)
+            q_pos = k_pos[context - (stop - first):]
+            allowed = (k_pos[None, :] > q_pos[:, None] - window) if window > 0 else None
+            requests.append((first, stop, offset, context, q_pos, k_pos, allowed))
+            offset += used * block_size
+        if table_rows is not None:
+            index = torch.tensor([b for row in blocks for b in row], dtype=torch.int64, device=device)
+        else:
+            index = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64, device=device)
+        self._plan = _StepPlan(meta, window, requests, index, offset)
+        return self._plan
 
-    @staticmethod
-    def dequantize(x, cache, which, meta, r, length):
-        """[length, Hkv, D] from the pool -> [1, Hkv, length, D] in float32.
+    def dequantize(self, x, cache, which, meta, r, length):
+        """[length, Hkv, D] read from the pool -> [1, Hkv, length, D] in float32.
 
         A quantized pool (Chapter 32) keeps per-token scales after K and V in the cache
-        tuple (cache[2] for K, cache[3] for V, each [num_blocks + 1, block_size, Hkv])."""
+        tuple (cache[2] for K, cache[3] for V, each [num_blocks + 1, block_size, Hkv]); they
+        are read through the same blocks (request r's, or the whole step's when r is None)."""
         x = x.float()
         if len(cache) > 2:
-            x = x * gather_context(cache[2 + which], meta.block_table[r], length).float().unsqueeze(-1)
+            blocks = self._plan.blocks if r is None else meta.block_table[r]
+            x = x * gather_context(cache[2 + which], blocks, length).float().unsqueeze(-1)
         return x.transpose(0, 1).unsqueeze(0)
+
+
+class _StepPlan:
+    __slots__ = ("meta", "window", "requests", "blocks", "num_slots")
+
+    def __init__(self, meta, window, requests, blocks, num_slots):
+        self.meta, self.window, self.requests, self.blocks, self.num_slots = meta, window, requests, blocks, num_slots
 
 
 # --- the registry ----------------------------------------------------------------------------
