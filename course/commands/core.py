@@ -1,0 +1,152 @@
+"""Chapter 31: the engine core against Chapter 24's slot engine on the shared-prefix workload.
+
+Serves Chapter 22's shared-prefix workload (16 requests: one 192-token system prompt, an
+8-48-token question each, 8-40 output tokens) three times: with Chapter 24's
+ContinuousBatchingEngine (8 slots of 320 tokens), with the Chapter 31 EngineCore and an
+ample pool (4,096 blocks of 16 tokens), and with the core squeezed into 24 blocks (384
+token slots), where it must preempt. Prints one JSON line per engine: engine, kv_slots,
+output_tokens, tok_s, steps, prefix_hit_rate, preemptions; then one summary line with the
+speedups. The three engines' outputs are compared request by request: any difference is an
+error (exit status 2), never a footnote.
+
+Each engine is warmed up once, then timed --repeat times; the best run is reported (other
+processes on a small machine only ever make a run slower). On a CPU the tiny model's
+operations take microseconds, so by default torch uses one thread (--threads).
+"""
+import json
+import time
+
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+
+
+def add_arguments(parser):
+    add_impl_argument(parser)
+    add_device_argument(parser)
+    add_model_argument(parser)
+    parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--ample-blocks", type=int, default=4096, help="blocks of the ample pool (default 4096)")
+    parser.add_argument("--small-blocks", type=int, default=24, help="blocks of the small pool (default 24)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the best is reported (default 3)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    parser.add_argument("--check", action="store_true", help="also compare outputs with solo generate")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize()
+
+
+def _best(run_once, repeat, device):
+    """Warm up once, then time `repeat` runs; returns (best seconds, result of the best run)."""
+    run_once()
+    best = None
+    for _ in range(max(1, repeat)):
+        _sync(device)
+        start = time.perf_counter()
+        result = run_once()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if best is None or elapsed < best[0]:
+            best = (elapsed, result)
+    return best
+
+
+def serve_slots(continuous, model, items, device, repeat):
+    def once():
+        engine = continuous.ContinuousBatchingEngine(model, num_slots=8, slot_len=320)
+        return engine, engine.run(items)
+
+    elapsed, (engine, outputs) = _best(once, repeat, device)
+    tokens = sum(len(v) for v in outputs.values())
+    line = {"engine": "ch24 slots", "kv_slots": 8 * 320, "output_tokens": tokens, "tok_s": round(tokens / elapsed, 1),
+            "steps": engine.steps, "prefix_hit_rate": 0.0, "preemptions": 0}
+    return line, outputs
+
+
+def serve_core(serve, model, items, device, repeat, num_blocks, block_size, label):
+    config = serve.config.EngineConfig(num_blocks=num_blocks, block_size=block_size)
+    eos = getattr(model.cfg, "eos_token_id", None)
+    prompts = [it.prompt_ids for it in items]
+    params = [serve.request.SamplingParams(max_tokens=it.max_tokens) for it in items]
+
+    def once():
+        # A new engine per run: an old one's prefix cache would make every run after the first a replay.
+        engine = serve.engine.EngineCore(model, config, eos_token_id=eos)
+        results = engine.generate(prompts, params)
+        return engine, {it.request_id: out.output_token_ids for it, out in zip(items, results)}
+
+    elapsed, (engine, outputs) = _best(once, repeat, device)
+    tokens = sum(len(v) for v in outputs.values())
+    line = {"engine": label, "kv_slots": num_blocks * block_size, "output_tokens": tokens,
+            "tok_s": round(tokens / elapsed, 1), "steps": engine.steps,
+            "prefix_hit_rate": round(engine.blocks.hit_rate, 3), "preemptions": engine.preemptions}
+    return line, outputs
+
+
+def _first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run(args):
+    import torch
+
+    from course.commands.batch import load_model
+    from course.impl import load
+    impl = load(args.impl)
+    device = resolve_device(args.device)
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
+    if threads is not None:
+        if threads < 1:
+            raise CommandError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    if args.requests < 1 or args.repeat < 1:
+        raise CommandError("--requests and --repeat must be at least 1")
+
+    class Serve:
+        engine = impl.load("serve.engine")
+        config = impl.load("serve.config")
+        request = impl.load("serve.request")
+
+    continuous = impl.load("continuous")
+    workloads = impl.load("workloads")
+    model = load_model(impl, device, args.model)
+    items = workloads.shared_prefix_workload(num_requests=args.requests, seed=args.seed)
+
+    slots_line, slots_out = serve_slots(continuous, model, items, device, args.repeat)
+    print(json.dumps(slots_line), flush=True)
+    ample_line, ample_out = serve_core(Serve, model, items, device, args.repeat, args.ample_blocks, args.block_size,
+                                       "ch31 core, ample pool")
+    print(json.dumps(ample_line), flush=True)
+    small_line, small_out = serve_core(Serve, model, items, device, args.repeat, args.small_blocks, args.block_size,
+                                       f"ch31 core, {args.small_blocks}-block pool")
+    print(json.dumps(small_line), flush=True)
+
+    problems = []
+    for it in items:
+        want = slots_out[it.request_id]
+        for label, outputs in (("ample pool", ample_out), (f"{args.small_blocks}-block pool", small_out)):
+            got = outputs[it.request_id]
+            if got != want:
+                i = _first_difference(want, got)
+                problems.append(f"{it.request_id} ({label}): output token {i} is "
+                                f"{got[i] if i < len(got) else '(end)'}, Chapter 24's engine gave "
+                                f"{want[i] if i < len(want) else '(end)'}")
+    if args.check and not problems:
+        from course import reference
+        generate = reference().sampling.generate
+        eos = getattr(model.cfg, "eos_token_id", None)
+        for it in items:
+            if generate(model, it.prompt_ids, it.max_tokens, eos_token_id=eos) != slots_out[it.request_id]:
+                problems.append(f"{it.request_id}: all three engines differ from solo generate")
+    summary = {"outputs_identical": not problems,
+               "speedup_ample": round(ample_line["tok_s"] / slots_line["tok_s"], 2),
+               f"speedup_{args.small_blocks}_blocks": round(small_line["tok_s"] / slots_line["tok_s"], 2)}
+    print(json.dumps(summary), flush=True)
+    if problems:
+        raise CommandError("outputs differ between engines: " + "; ".join(problems[:5])
+                           + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    return 0
