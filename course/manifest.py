@@ -34,6 +34,9 @@ class Chapter:
     title: str
     part: str
     status: str
+    # A chapter that teaches by measuring (no code for the learner to write) sets
+    # `stubs = false` in book.toml; every other written chapter must own at least one stub.
+    has_stubs: bool = True
 
     @property
     def written(self) -> bool:
@@ -98,7 +101,7 @@ def parse(text: str, source: str = "book.toml") -> Manifest:
         parts = tuple(Part(id=str(p["id"]), title=str(p["title"])) for p in data.get("parts", []))
         chapters = tuple(
             Chapter(number=int(c["number"]), slug=str(c["slug"]), title=str(c["title"]),
-                    part=str(c["part"]), status=str(c["status"]))
+                    part=str(c["part"]), status=str(c["status"]), has_stubs=bool(c.get("stubs", True)))
             for c in data.get("chapters", [])
         )
     except KeyError as missing:

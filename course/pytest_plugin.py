@@ -19,6 +19,7 @@ they run unless a chapter selection is given.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -47,6 +48,10 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "chapter(n): this milestone belongs to Chapter n of book.toml")
+    # Notebook kernels (nbval) start in the chapter's folder; this lets them import course.
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(manifest.ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(manifest.ROOT)] + [p for p in paths if p])
     known = manifest.load().numbers
     spec = config.getoption("impl")
     if spec is not None:
