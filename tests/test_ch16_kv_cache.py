@@ -1,0 +1,167 @@
+"""Chapter 16 milestone: the KV cache changes the cost of generate, never its output.
+
+Oracles: the reference model run on the whole sequence with no cache at all (its logits,
+and its greedy generate by full recompute, Chapter 8's algorithm), torch.cat for what a
+cache must hold, and the float formula 2 x layers x batch x kv_heads x slots x head_dim x
+bytes for its memory. Greedy parity is deterministic: the tiny model's greedy choices
+have margins far above the ~1e-6 by which cached and recomputed logits differ.
+"""
+import pytest
+import torch
+
+import course
+from course.models import tiny_qwen3
+
+pytestmark = pytest.mark.chapter(16)
+
+# (prompt length, new tokens): one-token prompts, a single new token, long and short runs.
+CASES = [(1, 24), (2, 5), (7, 1), (7, 24), (31, 12), (100, 8)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return course.reference()
+
+
+def prompt(length, seed, vocab=256):
+    """A reproducible prompt of `length` byte ids."""
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def first_difference(expected, got):
+    for step, (e, g) in enumerate(zip(expected, got)):
+        if e != g:
+            return f"step {step}: expected token {e}, got {g}"
+    return f"lengths differ: expected {len(expected)} tokens, got {len(got)}"
+
+
+def small_cache(impl, batch=2, max_len=10, layers=2, kv_heads=2, head_dim=4):
+    return impl.kv_cache.KVCache(layers, batch, kv_heads, head_dim, max_len)
+
+
+def test_update_stores_new_keys_and_returns_all_so_far(impl):
+    cache = small_cache(impl)
+    g = torch.Generator().manual_seed(0)
+    k1, v1 = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
+    k, v = cache.update(0, k1, v1)
+    assert k.shape == (2, 2, 3, 4), f"after writing 3 tokens, update should return 3 slots; got {tuple(k.shape)}"
+    torch.testing.assert_close(k, k1)
+    torch.testing.assert_close(v, v1)
+    assert cache.length == 0, "update must not move length; the model calls advance once after all layers"
+    k1b = torch.randn(2, 2, 3, 4, generator=g)
+    cache.update(1, k1b, k1b)                       # layer 1 of the same step starts at slot 0 too
+    cache.advance(3)
+    k2, v2 = torch.randn(2, 2, 1, 4, generator=g), torch.randn(2, 2, 1, 4, generator=g)
+    k, v = cache.update(0, k2, v2)
+    torch.testing.assert_close(k, torch.cat([k1, k2], dim=2), msg="layer 0 should hold step 1 then step 2")
+    torch.testing.assert_close(v, torch.cat([v1, v2], dim=2), msg="values of layer 0, slots 0..3")
+    k, _ = cache.update(1, k2, v2)
+    torch.testing.assert_close(k, torch.cat([k1b, k2], dim=2), msg="layers must not share storage")
+    assert torch.count_nonzero(cache.k[0][:, :, 4:]) == 0, "slots after the written ones must stay untouched"
+
+
+def test_capacity_is_enforced_before_writing(impl):
+    cache = small_cache(impl, max_len=10)
+    ones = torch.ones(2, 2, 8, 4)
+    cache.update(0, ones, ones)
+    cache.advance(8)
+    before = cache.k[0].clone()
+    with pytest.raises(ValueError):
+        cache.update(0, torch.full((2, 2, 3, 4), 7.0), torch.full((2, 2, 3, 4), 7.0))
+    assert cache.length == 8, "a refused update must leave length alone"
+    torch.testing.assert_close(cache.k[0], before, msg="a refused update must not write anything")
+    k, _ = cache.update(0, torch.full((2, 2, 2, 4), 7.0), torch.full((2, 2, 2, 4), 7.0))
+    assert k.shape[2] == 10, "2 more tokens fill the 10-slot cache exactly; that is allowed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_cache_memory_is_the_formula(impl, reference, dtype):
+    model = tiny_qwen3(impl.package, dtype=dtype)
+    cfg, batch, slots = model.cfg, 3, 50
+    cache = impl.kv_cache.KVCache.for_model(model, batch, slots)
+    element = torch.empty((), dtype=dtype).element_size()
+    expected = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * slots * cfg.head_dim * element
+    assert cache.nbytes == expected, f"{dtype}: expected {expected:,} bytes for {batch} x {slots} slots, got {cache.nbytes:,}"
+    per_token = reference.cost.kv_bytes_per_token(cfg, dtype)
+    assert cache.nbytes == per_token * batch * slots, "the cache is Chapter 2's bytes per token times its slots"
+
+
+@torch.inference_mode()
+def test_cached_logits_equal_full_recompute(impl, tiny_model, ref_model, device):
+    ids = prompt(23, seed=1)
+    cache = impl.kv_cache.KVCache.for_model(tiny_model, 1, 40)
+    step_logits = []
+    for chunk in (ids[:9], ids[9:10], ids[10:]):            # a prefill in three uneven pieces
+        step_logits.append(tiny_model(torch.tensor([chunk], device=device), cache=cache)[0])
+    assert cache.length == 23, f"three calls fed 23 tokens; cache.length is {cache.length}"
+    full = ref_model(torch.tensor([ids], device=device))[0]
+    torch.testing.assert_close(torch.cat(step_logits), full, atol=1e-4, rtol=1e-4,
+                               msg="logits of a prefill fed in chunks through the cache differ from one full pass")
+    tokens = list(ids)
+    for step in range(6):                                    # decode: one token per call
+        token = int(step_logits[-1][-1].argmax())
+        tokens.append(token)
+        step_logits.append(tiny_model(torch.tensor([[token]], device=device), cache=cache)[0])
+        full = ref_model(torch.tensor([tokens], device=device))[0, -1]
+        torch.testing.assert_close(step_logits[-1][-1], full, atol=1e-4, rtol=1e-4,
+                                   msg=f"decode step {step}: cached logits differ from recomputing all {len(tokens)} tokens")
+
+
+def test_greedy_cached_equals_recompute(impl, tiny_model, ref_model, reference):
+    for length, new in CASES:
+        ids = prompt(length, seed=100 * length + new)
+        expected = reference.sampling.generate(ref_model, ids, new, use_cache=False)
+        got = impl.sampling.generate(tiny_model, ids, new, use_cache=True)
+        assert got == expected, (f"prompt of {length} tokens, {new} new: cached generate differs from "
+                                 f"full recompute at {first_difference(expected, got)}")
+
+
+def test_rows_of_a_batch_share_one_cache(impl, ref_model, reference, device, tiny_model):
+    rows = [prompt(12, seed=7), prompt(12, seed=8)]
+    cache = impl.kv_cache.KVCache.for_model(tiny_model, 2, 12 + 8)
+    feed = torch.tensor(rows, device=device)
+    outputs = [[], []]
+    with torch.inference_mode():
+        for _ in range(8):
+            logits = tiny_model(feed, cache=cache)[:, -1]
+            feed = logits.argmax(dim=-1, keepdim=True)
+            for row, token in enumerate(feed[:, 0].tolist()):
+                outputs[row].append(token)
+    for row, ids in enumerate(rows):
+        expected = reference.sampling.generate(ref_model, ids, 8, use_cache=False)
+        assert outputs[row] == expected, f"row {row} of a 2-row cache: {first_difference(expected, outputs[row])}"
+
+
+@pytest.mark.parametrize("length,new", [(40, 20), (47, 5), (48, 3), (30, 18)])
+def test_generation_stops_at_the_context_limit(impl, reference, device, length, new):
+    limit = 48
+    model = tiny_qwen3(impl.package, device=device, max_position_embeddings=limit)
+    oracle = tiny_qwen3(reference.package, device=device, max_position_embeddings=limit)
+    ids = prompt(length, seed=length)
+    expected = reference.sampling.generate(oracle, ids, new, use_cache=False)
+    assert len(expected) == min(new, limit - length)
+    got = impl.sampling.generate(model, ids, new, use_cache=True)
+    assert got == expected, (f"prompt {length}, {new} new, context limit {limit}: "
+                             f"{first_difference(expected, got)} (the sequence may grow to exactly {limit} tokens)")
+
+
+def test_a_prompt_that_fills_the_default_context(impl, tiny_model, ref_model, reference):
+    limit = tiny_model.context_limit
+    if limit > 2048:
+        pytest.skip(f"a {limit}-token context is too long to recompute in a test")
+    ids = prompt(limit - 4, seed=3)
+    expected = reference.sampling.generate(ref_model, ids, 10, use_cache=False)
+    got = impl.sampling.generate(tiny_model, ids, 10, use_cache=True)
+    assert len(expected) == 4
+    assert got == expected, f"prompt of {limit - 4} tokens, context {limit}: {first_difference(expected, got)}"
+
+
+def test_stop_tokens_end_cached_generation(impl, tiny_model, ref_model, reference):
+    ids = prompt(9, seed=11)
+    free = reference.sampling.generate(ref_model, ids, 12, use_cache=False)
+    stop = free[5]
+    expected = free[:free.index(stop) + 1]
+    got = impl.sampling.generate(tiny_model, ids, 12, stop_token_ids=(stop,), use_cache=True)
+    assert got == expected, f"stop token {stop}: expected {expected} (stop token included), got {got}"
+    got = impl.sampling.generate(tiny_model, ids, 12, eos_token_id=stop, use_cache=True)
+    assert got == expected, f"eos {stop}: expected {expected}, got {got}"

@@ -1,0 +1,179 @@
+"""Chapter 17 milestone: a checkpoint directory in, the same tokens as transformers out.
+
+Oracles: transformers' Qwen3ForCausalLM and its `generate` (greedy, its own KV cache),
+whose weights are written to a temporary directory with `save_pretrained` and loaded back
+by our code; the reference tokenizer for text; hand-written config files for stop tokens.
+The tiny weights (course.models.fill_deterministic) give greedy choices wide margins, so
+the two implementations agree token for token despite float32 rounding differences.
+With --model PATH (a real Qwen3 directory), the same parity runs on it.
+"""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import course
+from course.models import fill_deterministic, tiny_config
+
+pytestmark = pytest.mark.chapter(17)
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 20
+PROMPTS = {"one token": [256], "short": [256, 72, 105, 33], "bytes": list(b"The KV cache stores keys"),
+           "long": [(37 * i + 11) % 320 for i in range(64)]}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return course.reference()
+
+
+def save_hf_tiny(directory, reference, **overrides):
+    """A transformers Qwen3 with the tiny config and weights, saved with save_pretrained."""
+    cfg = tiny_config(reference.package, **overrides)
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**dataclasses.asdict(cfg)))
+    fill_deterministic(model)
+    model.eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def checkpoint(request, tmp_path_factory, reference):
+    """(directory, transformers model) for an untied and a tied-embedding tiny Qwen3."""
+    directory = tmp_path_factory.mktemp("hf_tiny")
+    model = save_hf_tiny(directory, reference, tie_word_embeddings=request.param)
+    return directory, model
+
+
+def hf_greedy(model, ids, new_tokens, device="cpu", **kwargs):
+    """transformers' greedy continuation of `ids` (new tokens only). The attention mask is
+    given explicitly: left to itself, generate masks every prompt token equal to the pad id."""
+    model = model.to(device)
+    prompt = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def first_difference(expected, got):
+    for step, (e, g) in enumerate(zip(expected, got)):
+        if e != g:
+            return f"first difference at step {step}: transformers {e}, ours {g}"
+    return f"transformers gave {len(expected)} tokens, ours {len(got)}"
+
+
+def write_configs(directory, config_eos, generation_eos):
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "qwen3"}
+    if config_eos is not None:
+        config["eos_token_id"] = config_eos
+    (directory / "config.json").write_text(json.dumps(config))
+    if generation_eos != "absent":
+        generation = {} if generation_eos is None else {"eos_token_id": generation_eos}
+        (directory / "generation_config.json").write_text(json.dumps(generation))
+
+
+@pytest.mark.parametrize("config_eos,generation_eos,expected", [
+    (151645, [151645, 151643], (151643, 151645)),           # Qwen3's own two files
+    (257, "absent", (257,)),
+    ([9, 4], 4, (4, 9)),
+    (None, 12, (12,)),
+    (None, "absent", ()),
+    (7, None, (7,)),
+], ids=["qwen3", "no generation config", "config list", "generation only", "none", "generation without eos"])
+def test_stop_token_ids_from_both_files(impl, tmp_path, config_eos, generation_eos, expected):
+    write_configs(tmp_path, config_eos, generation_eos)
+    got = impl.pipeline.stop_token_ids(tmp_path)
+    assert tuple(got) == expected, (f"config.json eos {config_eos!r}, generation_config.json eos "
+                                    f"{generation_eos!r}: expected stop ids {expected}, got {got!r}")
+
+
+@pytest.mark.parametrize("name", list(PROMPTS))
+def test_greedy_generate_matches_transformers(impl, checkpoint, device, name):
+    directory, hf_model = checkpoint
+    model = impl.checkpoint.load_checkpoint(directory, device=device)
+    ids = PROMPTS[name]
+    expected = hf_greedy(hf_model, ids, NEW_TOKENS, device, eos_token_id=None)
+    got = impl.sampling.generate(model, ids, NEW_TOKENS)
+    assert got == expected, f"prompt {name!r} ({len(ids)} tokens): {first_difference(expected, got)}"
+
+
+def test_pipeline_stops_where_transformers_stops(impl, tmp_path, reference, device):
+    hf_model = save_hf_tiny(tmp_path, reference)
+    ids = PROMPTS["bytes"]
+    free = hf_greedy(hf_model, ids, NEW_TOKENS, device, eos_token_id=None)
+    stop = free[7]
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    generation["eos_token_id"] = [257, stop]           # only generation_config.json knows `stop`
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    hf_config = transformers.GenerationConfig.from_pretrained(tmp_path)
+    expected = hf_greedy(hf_model, ids, NEW_TOKENS, device, generation_config=hf_config)
+    assert expected[-1] == stop and len(expected) <= 8
+    pipe = impl.pipeline.Pipeline.from_pretrained(tmp_path, device=device)
+    done = pipe.complete(ids, NEW_TOKENS)
+    assert done.token_ids == expected, (f"with eos {generation['eos_token_id']} in generation_config.json: "
+                                        f"{first_difference(expected, done.token_ids)}")
+    assert done.finish_reason == "stop", f"the answer ended with a stop token; finish_reason is {done.finish_reason!r}"
+    text = reference.tokenizer.ByteTokenizer(320).decode(expected[:-1])
+    assert done.text == text, f"text must be the new tokens without the stop token: expected {text!r}, got {done.text!r}"
+
+
+def test_pipeline_text_in_text_out(impl, checkpoint, reference, device):
+    directory, hf_model = checkpoint
+    pipe = impl.pipeline.Pipeline.from_pretrained(directory, device=device)
+    tokenizer = reference.tokenizer.ByteTokenizer(320)
+    done = pipe.complete("Hello, world", 12)
+    ids = tokenizer.encode("Hello, world")
+    assert done.prompt_ids == ids, f"prompt ids: expected {ids}, got {done.prompt_ids}"
+    expected = hf_greedy(hf_model, ids, 12, device)          # eos 257 from the saved generation config
+    assert done.token_ids == expected, first_difference(expected, done.token_ids)
+    reason = "stop" if expected[-1] == 257 else "length"
+    assert done.finish_reason == reason, f"expected finish_reason {reason!r}, got {done.finish_reason!r}"
+    shown = expected[:-1] if reason == "stop" else expected
+    assert done.text == tokenizer.decode(shown), f"text: expected {tokenizer.decode(shown)!r}, got {done.text!r}"
+    assert done.seconds > 0
+
+
+def test_pipeline_reports_the_context_limit(impl, tmp_path, reference, device):
+    save_hf_tiny(tmp_path, reference, max_position_embeddings=24)
+    pipe = impl.pipeline.Pipeline.from_pretrained(tmp_path, device=device)
+    ids = PROMPTS["long"][:20]
+    done = pipe.complete(ids, 10)
+    oracle = reference.checkpoint.load_checkpoint(tmp_path, device=device)
+    expected = reference.sampling.generate(oracle, ids, 10, stop_token_ids=(257,), use_cache=False)
+    assert done.token_ids == expected, first_difference(expected, done.token_ids)
+    if expected[-1] != 257:
+        assert len(expected) == 4
+        assert done.finish_reason == "context", (f"20 prompt tokens + 4 new fill the 24-token context; "
+                                                 f"finish_reason is {done.finish_reason!r}")
+
+
+def test_seeded_sampling_is_reproducible(impl, checkpoint, reference, device):
+    directory, _ = checkpoint
+    pipe = impl.pipeline.Pipeline.from_pretrained(directory, device=device)
+    oracle = reference.pipeline.Pipeline.from_pretrained(directory, device=device)
+    options = dict(temperature=0.9, top_k=40, seed=1234)
+    first = pipe.complete("seeded", 16, **options)
+    second = pipe.complete("seeded", 16, **options)
+    assert first.token_ids == second.token_ids, "the same seed must give the same completion"
+    expected = oracle.complete("seeded", 16, **options)
+    assert first.token_ids == expected.token_ids, (
+        f"seed 1234: the reference draws {expected.token_ids}, yours {first.token_ids} "
+        f"(seed a torch.Generator on the model's device and pass it to generate)")
+
+
+def test_a_real_checkpoint_matches_transformers(impl, model_path, device):
+    if model_path is None:
+        pytest.skip("no --model PATH given (a real Qwen3 checkpoint directory)")
+    pipe = impl.pipeline.Pipeline.from_pretrained(model_path, dtype=torch.float32, device=device)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    for text in ("The capital of France is", "def fibonacci(n):"):
+        ids = pipe.encode(text)
+        expected = hf_greedy(hf_model, ids, 16, device, eos_token_id=None)
+        got = impl.sampling.generate(pipe.model, ids, 16)
+        assert got == expected, f"{model_path}, prompt {text!r}: {first_difference(expected, got)}"
