@@ -1,0 +1,57 @@
+"""The README's chapter list and the book's configuration both come from book.toml."""
+import yaml
+
+from course import book, manifest, readme
+from course.manifest import ROOT
+
+
+def test_readme_chapter_list_matches_book_toml():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.render(text) == text, "README.md is stale: run `python run.py readme`"
+
+
+def test_readme_names_the_two_commands():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "pip install -r requirements.txt && python run.py core" in text
+    assert "\npytest\n" in text
+
+
+def written_at(numbers):
+    """The real manifest with some chapters marked written."""
+    text = manifest.BOOK_TOML.read_text()
+    for chapter in manifest.load().chapters:
+        if chapter.number in numbers:
+            text = text.replace(f'number = {chapter.number}\nslug = "{chapter.slug}"\ntitle = "{chapter.title}"\n'
+                                f'part = "{chapter.part}"\nstatus = "planned"',
+                                f'number = {chapter.number}\nslug = "{chapter.slug}"\ntitle = "{chapter.title}"\n'
+                                f'part = "{chapter.part}"\nstatus = "written"')
+    book_ = manifest.parse(text)
+    assert {c.number for c in book_.written} == set(numbers)
+    return book_
+
+
+def test_book_source_lists_every_chapter_and_marks_planned_ones(tmp_path):
+    book_ = written_at({5})
+    folder = tmp_path / "chapters" / "05-attention"
+    folder.mkdir(parents=True)
+    (folder / "05-attention.md").write_text("# md side\n")
+    (folder / "05-attention.ipynb").write_text("{}")
+    (folder / "mask.png").write_bytes(b"png")
+    (tmp_path / "book.toml").write_text("")
+    source = book.build_source(tmp_path / "out" / "src", book_, root=tmp_path)
+
+    config = yaml.safe_load((source / "_config.yml").read_text())
+    assert config["title"] == book_.title and config["execute"]["execute_notebooks"] == "off"
+    toc = yaml.safe_load((source / "_toc.yml").read_text())
+    assert toc["format"] == "jb-book" and toc["root"] == "intro"
+    assert [p["caption"] for p in toc["parts"]] == [f"Part {p.id}: {p.title}" for p in book_.parts]
+    entries = [entry for part in toc["parts"] for entry in part["chapters"]]
+    assert len(entries) == 43
+    assert entries[4] == {"file": "chapters/05-attention/05-attention", "title": "5. Attention"}
+    assert entries[5] == {"file": "planned/06-rope", "title": "6. Rotary position embeddings (planned)"}
+    # Each TOC entry has its page; the written chapter brings its notebook and figures, not the .md.
+    for entry in entries:
+        assert list(source.glob(entry["file"] + ".*")), entry
+    assert sorted(p.name for p in (source / "chapters/05-attention").iterdir()) == ["05-attention.ipynb", "mask.png"]
+    assert "*Planned.*" in (source / "planned/06-rope.md").read_text()
+    assert "[Attention](chapters/05-attention/05-attention.ipynb)" in (source / "intro.md").read_text()
