@@ -233,6 +233,10 @@ def test_engine_matches_solo_generate(impl, tiny_model, ref_model, config):
         check_accounting(engine.kv, f"[{config}] step {steps}")
     for request_id, prompt, max_new in requests:
         assert_same_tokens(request_id, solo(ref_model, prompt, max_new), outputs[request_id], config)
+    if engine.prefix_cache is not None:
+        assert engine.stats["cached_tokens"] > 0, f"[{config}] no prompt token came from the prefix cache"
+    if config.startswith("12-block"):
+        assert engine.stats["preemptions"] > 0, f"[{config}] this pool is meant to force preemption"
     kv = engine.kv
     assert not kv.block_tables, f"[{config}] idle engine still has sequences {list(kv.block_tables)}"
     if engine.prefix_cache is not None:
