@@ -8,6 +8,7 @@ once, no stray tensors, every shape as the config promises, then cast and place 
 tensor as it is read, so a model never exists twice in memory.
 """
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -134,6 +135,21 @@ def _resolve_dtype(dtype, raw_config, locations):
     return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}[stored]
 
 
+@contextmanager
+def _no_init():
+    """Skip nn.Linear / nn.Embedding random initialisation while the model is built on
+    "meta": the values would be thrown away, and drawing them on meta is slow."""
+    names = ("normal_", "uniform_", "kaiming_uniform_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
 def _set_parameter(model, name, tensor):
     owner, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
@@ -144,7 +160,8 @@ def load_checkpoint(path, dtype=None, device=None):
 
     dtype: the parameter dtype (None: the config's "dtype"/"torch_dtype", else the file's);
     device: where the parameters live (None: cpu). Steps: read_config; build the model on
-    the "meta" device (shapes only, no memory, no random init); tensor_locations and
+    the "meta" device inside _no_init() (shapes only: no memory, no random draws);
+    tensor_locations and
     match_names; then for each file, open it once with safe_open, and for each of its
     tensors check the shape against the parameter's (CheckpointError naming the tensor,
     the file, both shapes), cast, move and install it as the parameter. Re-tie lm_head to
@@ -152,7 +169,7 @@ def load_checkpoint(path, dtype=None, device=None):
     Parameter breaks the tie made in __init__). No parameter may stay on "meta".
     """
     cfg, raw = read_config(path)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = Qwen3ForCausalLM(cfg)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     locations = tensor_locations(path)
