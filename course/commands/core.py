@@ -9,8 +9,10 @@ output_tokens, tok_s, steps, prefix_hit_rate, preemptions; then one summary line
 speedups. The three engines' outputs are compared request by request: any difference is an
 error (exit status 2), never a footnote.
 
-Each engine is warmed up once, then timed --repeat times; the best run is reported (other
-processes on a small machine only ever make a run slower). On a CPU the tiny model's
+Each engine is warmed up once, then the three are timed in turn, --repeat rounds, from the
+first request to the last token (building an engine and its cache is not timed); each
+engine's best run is reported: other processes on a small machine only ever make a run
+slower, and interleaving spreads a busy moment over all three. On a CPU the tiny model's
 operations take microseconds, so by default torch uses one thread (--threads).
 """
 import json
@@ -40,51 +42,51 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _best(run_once, repeat, device):
-    """Warm up once, then time `repeat` runs; returns (best seconds, result of the best run)."""
-    run_once()
-    best = None
-    for _ in range(max(1, repeat)):
+class Contender:
+    """One engine configuration of the comparison: how to build it and how to serve the workload."""
+
+    def __init__(self, label, kv_slots, make, serve):
+        self.label, self.kv_slots, self.make, self.serve = label, kv_slots, make, serve
+        self.best = None                       # (seconds, engine, outputs) of the fastest run
+
+    def timed_run(self, device):
+        engine = self.make()                   # building an engine and its cache is start-up, not serving
         _sync(device)
         start = time.perf_counter()
-        result = run_once()
+        outputs = self.serve(engine)
         _sync(device)
         elapsed = time.perf_counter() - start
-        if best is None or elapsed < best[0]:
-            best = (elapsed, result)
-    return best
+        if self.best is None or elapsed < self.best[0]:
+            self.best = (elapsed, engine, outputs)
+
+    def line(self):
+        elapsed, engine, outputs = self.best
+        tokens = sum(len(v) for v in outputs.values())
+        blocks = getattr(engine, "blocks", None)
+        return {"engine": self.label, "kv_slots": self.kv_slots, "output_tokens": tokens,
+                "tok_s": round(tokens / elapsed, 1), "steps": engine.steps,
+                "prefix_hit_rate": round(blocks.hit_rate, 3) if blocks is not None else 0.0,
+                "preemptions": getattr(engine, "preemptions", 0)}
 
 
-def serve_slots(continuous, model, items, device, repeat):
-    def once():
-        engine = continuous.ContinuousBatchingEngine(model, num_slots=8, slot_len=320)
-        return engine, engine.run(items)
-
-    elapsed, (engine, outputs) = _best(once, repeat, device)
-    tokens = sum(len(v) for v in outputs.values())
-    line = {"engine": "ch24 slots", "kv_slots": 8 * 320, "output_tokens": tokens, "tok_s": round(tokens / elapsed, 1),
-            "steps": engine.steps, "prefix_hit_rate": 0.0, "preemptions": 0}
-    return line, outputs
+def slot_contender(continuous, model, items):
+    return Contender("ch24 slots", 8 * 320,
+                     lambda: continuous.ContinuousBatchingEngine(model, num_slots=8, slot_len=320),
+                     lambda engine: engine.run(items))
 
 
-def serve_core(serve, model, items, device, repeat, num_blocks, block_size, label):
+def core_contender(serve, model, items, num_blocks, block_size, label):
     config = serve.config.EngineConfig(num_blocks=num_blocks, block_size=block_size)
     eos = getattr(model.cfg, "eos_token_id", None)
     prompts = [it.prompt_ids for it in items]
     params = [serve.request.SamplingParams(max_tokens=it.max_tokens) for it in items]
 
-    def once():
-        # A new engine per run: an old one's prefix cache would make every run after the first a replay.
-        engine = serve.engine.EngineCore(model, config, eos_token_id=eos)
+    def run_all(engine):
         results = engine.generate(prompts, params)
-        return engine, {it.request_id: out.output_token_ids for it, out in zip(items, results)}
+        return {it.request_id: out.output_token_ids for it, out in zip(items, results)}
 
-    elapsed, (engine, outputs) = _best(once, repeat, device)
-    tokens = sum(len(v) for v in outputs.values())
-    line = {"engine": label, "kv_slots": num_blocks * block_size, "output_tokens": tokens,
-            "tok_s": round(tokens / elapsed, 1), "steps": engine.steps,
-            "prefix_hit_rate": round(engine.blocks.hit_rate, 3), "preemptions": engine.preemptions}
-    return line, outputs
+    return Contender(label, num_blocks * block_size,
+                     lambda: serve.engine.EngineCore(model, config, eos_token_id=eos), run_all)
 
 
 def _first_difference(a, b):
@@ -116,14 +118,20 @@ def run(args):
     model = load_model(impl, device, args.model)
     items = workloads.shared_prefix_workload(num_requests=args.requests, seed=args.seed)
 
-    slots_line, slots_out = serve_slots(continuous, model, items, device, args.repeat)
-    print(json.dumps(slots_line), flush=True)
-    ample_line, ample_out = serve_core(Serve, model, items, device, args.repeat, args.ample_blocks, args.block_size,
-                                       "ch31 core, ample pool")
-    print(json.dumps(ample_line), flush=True)
-    small_line, small_out = serve_core(Serve, model, items, device, args.repeat, args.small_blocks, args.block_size,
-                                       f"ch31 core, {args.small_blocks}-block pool")
-    print(json.dumps(small_line), flush=True)
+    contenders = [slot_contender(continuous, model, items),
+                  core_contender(Serve, model, items, args.ample_blocks, args.block_size, "ch31 core, ample pool"),
+                  core_contender(Serve, model, items, args.small_blocks, args.block_size,
+                                 f"ch31 core, {args.small_blocks}-block pool")]
+    for contender in contenders:               # warm-up: first calls pay one-off costs
+        contender.serve(contender.make())
+    for _ in range(args.repeat):               # interleaved, so a busy moment slows every engine alike
+        for contender in contenders:
+            contender.timed_run(device)
+    lines = [c.line() for c in contenders]
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    slots_line, ample_line, small_line = lines
+    slots_out, ample_out, small_out = (c.best[2] for c in contenders)
 
     problems = []
     for it in items:

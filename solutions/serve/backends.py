@@ -82,22 +82,23 @@ class ReferenceBackend:
         once per step (positions, masks, which blocks to read) and reuses it.
         """
         plan = self.plan(meta, q.device, window)
+        # Head-major copies, made once per layer: per-request slices of them are cheap views
+        # whose last two axes are contiguous, the layout causal_attention's matmuls like best.
         k_all, v_all = (self.dequantize(gather_context(pool, plan.blocks, plan.num_slots), cache, which, meta, None,
-                                        plan.num_slots)
+                                        plan.num_slots).contiguous()
                         for which, pool in enumerate(cache[:2]))
+        q_heads = q.transpose(0, 1).contiguous()                                     # [H, N, D]
         pieces, done = [], 0
         for first, stop, offset, context, q_pos, k_pos, allowed in plan.requests:
             if first > done:                      # rows of padding requests stay zero
-                pieces.append(q.new_zeros((first - done, *q.shape[1:])))
-            queries = q[first:stop].transpose(0, 1).unsqueeze(0)                      # [1, H, t, D]
-            keys = k_all[:, :, offset:offset + context]                                # [1, Hkv, L, D]
-            values = v_all[:, :, offset:offset + context]
-            attended = causal_attention(queries, keys, values, q_pos, k_pos, allowed, scale)
-            pieces.append(attended[0].transpose(0, 1))
+                pieces.append(q_heads.new_zeros((q_heads.shape[0], first - done, q_heads.shape[2])))
+            attended = causal_attention(q_heads[None, :, first:stop], k_all[:, :, offset:offset + context],
+                                        v_all[:, :, offset:offset + context], q_pos, k_pos, allowed, scale)
+            pieces.append(attended[0])
             done = stop
         if done < q.shape[0]:
-            pieces.append(q.new_zeros((q.shape[0] - done, *q.shape[1:])))
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+            pieces.append(q_heads.new_zeros((q_heads.shape[0], q.shape[0] - done, q_heads.shape[2])))
+        return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]).transpose(0, 1)
 
     def plan(self, meta, device, window=0):
         """Per-step facts every layer shares, computed on the first layer and then reused:

@@ -146,7 +146,7 @@ class BlockManager:
         owned = self.req_blocks.setdefault(request.request_id, [])
         tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         fresh = max(0, self.blocks_for(tokens) - len(owned) - len(cached_blocks))
-        idle_adopted = sum(self.ref_count[b] == 0 for b in cached_blocks)
+        idle_adopted = sum(self.ref_count[b] == 0 for b in cached_blocks) if cached_blocks else 0
         if fresh + idle_adopted > self.num_free:
             if not owned:
                 del self.req_blocks[request.request_id]     # leave no trace of a failed first try
