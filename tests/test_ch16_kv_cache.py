@@ -84,6 +84,12 @@ def test_cache_memory_is_the_formula(impl, reference, dtype):
     assert cache.nbytes == expected, f"{dtype}: expected {expected:,} bytes for {batch} x {slots} slots, got {cache.nbytes:,}"
     per_token = reference.cost.kv_bytes_per_token(cfg, dtype)
     assert cache.nbytes == per_token * batch * slots, "the cache is Chapter 2's bytes per token times its slots"
+    storage = [t.data_ptr() for t in cache.k + cache.v]
+    with torch.inference_mode():
+        model(torch.arange(batch * 30).remainder(250).view(batch, 30), cache=cache)
+    assert cache.length == 30
+    assert cache.nbytes == expected and [t.data_ptr() for t in cache.k + cache.v] == storage, (
+        "filling the cache must write into the tensors allocated up front, never allocate new ones")
 
 
 @torch.inference_mode()

@@ -96,10 +96,10 @@ def test_stop_token_ids_from_both_files(impl, tmp_path, config_eos, generation_e
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_greedy_generate_matches_transformers(impl, checkpoint, device, name):
     directory, hf_model = checkpoint
-    model = impl.checkpoint.load_checkpoint(directory, device=device)
+    pipe = impl.pipeline.Pipeline.from_pretrained(directory, device=device)
     ids = PROMPTS[name]
-    expected = hf_greedy(hf_model, ids, NEW_TOKENS, device, eos_token_id=None)
-    got = impl.sampling.generate(model, ids, NEW_TOKENS)
+    expected = hf_greedy(hf_model, ids, NEW_TOKENS, device)     # stops at the saved eos, as ours must
+    got = pipe.complete(ids, NEW_TOKENS).token_ids
     assert got == expected, f"prompt {name!r} ({len(ids)} tokens): {first_difference(expected, got)}"
 
 
@@ -174,6 +174,6 @@ def test_a_real_checkpoint_matches_transformers(impl, model_path, device):
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     for text in ("The capital of France is", "def fibonacci(n):"):
         ids = pipe.encode(text)
-        expected = hf_greedy(hf_model, ids, 16, device, eos_token_id=None)
-        got = impl.sampling.generate(pipe.model, ids, 16)
+        expected = hf_greedy(hf_model, ids, 16, device)
+        got = pipe.complete(ids, 16).token_ids
         assert got == expected, f"{model_path}, prompt {text!r}: {first_difference(expected, got)}"
