@@ -112,6 +112,12 @@ MILESTONES = {
 }
 
 
+# The course plugin alone: pytester restores sys.modules after every run, so any other
+# plugin (nbval above all) would be imported afresh each time, for seconds.
+INNER = ("-p", "course.pytest_plugin", "-p", "no:cacheprovider", "-p", "no:nbval", "-p", "no:xdist",
+         "-p", "no:hypothesispytest")
+
+
 @pytest.fixture
 def milestone_run(pytester, fake_package, isolated_cache, monkeypatch):
     """Run the fake milestones in-process with the course plugin, the fake package standing
@@ -124,8 +130,7 @@ def milestone_run(pytester, fake_package, isolated_cache, monkeypatch):
         pytester.makepyfile(**{name[:-3]: text})
 
     def run(*args):
-        return pytester.runpytest_inprocess("-p", "course.pytest_plugin", "-p", "no:cacheprovider",
-                                            "-s", *args)
+        return pytester.runpytest_inprocess(*INNER, "-s", *args)
     return run
 
 
@@ -161,5 +166,5 @@ def test_device_fixture_follows_the_option(pytester):
         def test_device(device, model_path):
             assert device.type == "cpu" and model_path is None
     """)
-    result = pytester.runpytest_inprocess("-p", "course.pytest_plugin", "--device", "cpu")
+    result = pytester.runpytest_inprocess(*INNER, "--device", "cpu")
     result.assert_outcomes(passed=1)
