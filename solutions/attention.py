@@ -17,21 +17,22 @@ def causal_attention(q, k, v, q_pos, k_pos, allowed=None, scale=None):
     scale defaults to 1 / sqrt(D). Scores and softmax run in float32; the result has q's
     dtype and shape [B, H, Tq, D]. A query that may see no key at all returns zeros, not NaN.
     """
-    batch, heads, _, dim = q.shape
-    kv_heads = k.shape[1]
+    batch, heads, q_len, dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads evenly")
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    # Grouped queries: view q as [B, Hkv, group, Tq, D] so each K/V head is read once.
-    qg = q.float().reshape(batch, kv_heads, group, q.shape[2], dim)
-    scores = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.float()) * scale
+    # Grouped queries: the `group` query heads of one K/V head become extra query rows, so
+    # each K/V head is read once by a single matmul: [B, Hkv, group * Tq, D] @ [B, Hkv, D, Tk].
+    grouped = q.float().reshape(batch, kv_heads, group * q_len, dim)
+    scores = torch.matmul(grouped, k.float().transpose(-1, -2)).mul_(scale)
+    scores = scores.view(batch, kv_heads, group, q_len, k_len)
     mask = k_pos[..., None, :] <= q_pos[..., :, None]            # [Tq, Tk] or [B, Tq, Tk]
-    mask = mask.reshape(-1, 1, *mask.shape[-2:])                  # [B or 1, 1, Tq, Tk]
+    mask = mask.reshape(-1, 1, q_len, k_len)                      # [B or 1, 1, Tq, Tk]
     if allowed is not None:
         mask = mask & allowed
-    mask = mask.unsqueeze(2)                                      # broadcast over the group axis
-    scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)      # fully masked rows -> zeros
-    out = torch.einsum("bhgqk,bhkd->bhgqd", weights, v.float())
-    return out.reshape(batch, heads, q.shape[2], dim).to(q.dtype)
+    scores.masked_fill_(~mask.unsqueeze(2), float("-inf"))       # broadcast over the group axis
+    weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)     # fully masked rows -> zeros
+    out = torch.matmul(weights.view(batch, kv_heads, group * q_len, k_len), v.float())
+    return out.view(batch, heads, q_len, dim).to(q.dtype)
