@@ -20,6 +20,7 @@ import ast
 import difflib
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,23 +280,18 @@ def materialize(files: dict[str, bytes], target: Path) -> tuple[list[str], list[
             if rel not in files:
                 (target / rel).unlink(missing_ok=True)
                 removed.append(rel)
-        _remove_empty_dirs(target)
+                _prune_empty_parents(target, (target / rel).parent)
     return written, removed
 
 
-def _remove_empty_dirs(root: Path) -> None:
-    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
-        path = Path(dirpath)
-        if path == root:
-            continue
-        if set(dirnames + filenames) <= {"__pycache__"}:
-            for cache in path.glob("__pycache__/*"):
-                cache.unlink()
-            for leftover in (path / "__pycache__", path):
-                try:
-                    leftover.rmdir()
-                except OSError:
-                    pass
+def _prune_empty_parents(root: Path, folder: Path) -> None:
+    """Remove folders emptied by a removal (a stale __pycache__ does not count as content).
+    Only those: an empty folder elsewhere may be one a concurrent writer just created."""
+    while folder != root and root in folder.parents:
+        if not set(os.listdir(folder)) <= {"__pycache__"}:
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+        folder = folder.parent
 
 
 @dataclass

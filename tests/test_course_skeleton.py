@@ -1,8 +1,10 @@
 """The skeleton: stubs found by the AST, bodies replaced, every other byte kept; drift
 detection that ignores filled stubs; refusal to overwrite a learner's work."""
+import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -147,6 +149,19 @@ def test_tree_copies_other_files_byte_for_byte_and_skips_caches(fake_package, tm
     (fake_package / "ops.py").write_text("X = 1\n")
     report = generate(fake_package, target)
     assert report.removed == ["helpers.py"] and not (target / "helpers.py").exists()
+    shutil.rmtree(fake_package / "sub")
+    (target / "sub" / "__pycache__").mkdir()
+    assert sorted(generate(fake_package, target).removed) == ["sub/__init__.py", "sub/deep.py"]
+    assert not (target / "sub").exists()
+
+
+def test_concurrent_generation_of_one_tree_is_safe(fake_package, tmp_path):
+    """pytest-xdist workers may build the same gated copy at the same moment."""
+    files = skeleton.generate_tree(fake_package, after_chapter=1, known_chapters=FAKE_CHAPTERS)
+    target = tmp_path / "cache" / "fake_at_1"
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: skeleton.materialize(files, target), range(16)))
+    assert {rel: (target / rel).read_bytes() for rel in skeleton.package_files(target)} == files
 
 
 def test_unknown_chapter_and_malformed_markers_are_errors(tmp_path):
