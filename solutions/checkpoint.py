@@ -136,7 +136,7 @@ def _resolve_dtype(dtype, raw_config, locations):
 
 
 @contextmanager
-def _no_init():
+def skip_init():
     """Skip nn.Linear / nn.Embedding random initialisation while the model is built on
     "meta": the values would be thrown away, and drawing them on meta is slow."""
     names = ("normal_", "uniform_", "kaiming_uniform_")
@@ -160,7 +160,7 @@ def load_checkpoint(path, dtype=None, device=None):
 
     dtype: the parameter dtype (None: the config's "dtype"/"torch_dtype", else the file's);
     device: where the parameters live (None: cpu). Steps: read_config; build the model on
-    the "meta" device inside _no_init() (shapes only: no memory, no random draws);
+    the "meta" device inside skip_init() (shapes only: no memory, no random draws);
     tensor_locations and
     match_names; then for each file, open it once with safe_open, and for each of its
     tensors check the shape against the parameter's (CheckpointError naming the tensor,
@@ -169,7 +169,7 @@ def load_checkpoint(path, dtype=None, device=None):
     Parameter breaks the tie made in __init__). No parameter may stay on "meta".
     """
     cfg, raw = read_config(path)
-    with torch.device("meta"), _no_init():
+    with torch.device("meta"), skip_init():
         model = Qwen3ForCausalLM(cfg)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
     locations = tensor_locations(path)
