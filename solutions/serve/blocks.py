@@ -89,6 +89,13 @@ class BlockManager:
                                    request.cache_key))
         return keys
 
+    def forget_lookup(self, request, cached_blocks):
+        """Take back the statistics of a find_cached_prefix whose admission did not happen:
+        the lookup is repeated when the request is tried again, and must count once."""
+        if self.enable_prefix_caching and request.params.prompt_logprobs is None:
+            self.stats["queries"] -= request.num_tokens
+            self.stats["hits"] -= len(cached_blocks) * self.block_size
+
     def _pop_free(self):
         """Take the least recently freed block for new contents; if it was cached-free, this
         is the moment it leaves the prefix cache."""

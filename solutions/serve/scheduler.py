@@ -157,7 +157,9 @@ class Scheduler:
            prefill off, a remaining that does not fit the budget left waits (unless it
            exceeds even a full budget: a long resumed request is chunked anyway). n =
            self._chunk(remaining, budget); if allocate_slots(request, n, cached) fails, stop
-           admitting (never preempt to admit). Else pop it from waiting; a swapped_out
+           admitting (never preempt to admit); a request that waits after a lookup calls
+           blocks.forget_lookup(request, cached), so the hit rate counts each admission once.
+           Else pop it from waiting; a swapped_out
            request goes to out.swap_in with a copy of its new block list (swapped_out =
            False); computed += cached tokens; on a FIRST admission (status WAITING) record
            num_cached_tokens; status RUNNING; append to running; schedule (request, n);
@@ -198,10 +200,11 @@ class Scheduler:
             cached = blocks.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             reused = len(cached) * blocks.block_size
             remaining = request.num_tokens - request.num_computed_tokens - reused
-            if (not cfg.enable_chunked_prefill and budget < remaining <= cfg.max_num_batched_tokens):
-                break
             n = self._chunk(remaining, budget)
-            if not blocks.allocate_slots(request, n, cached):
+            waits = not cfg.enable_chunked_prefill and budget < remaining <= cfg.max_num_batched_tokens
+            if waits or not blocks.allocate_slots(request, n, cached):
+                if request.num_computed_tokens == 0:
+                    blocks.forget_lookup(request, cached)      # it will be looked up again next time
                 break
             self.waiting.popleft()
             if request.swapped_out:

@@ -1,0 +1,152 @@
+"""Pictures for Chapter 31's notebook: the block pool and a step's scheduled tokens.
+
+`snapshot(engine)` copies what a picture needs out of an EngineCore after a step, so a
+series of snapshots can be drawn later; `draw(snap, axes)` draws one; `stepper(make)` is
+the interactive version (ipywidgets): a Step button that advances a live engine by one
+step and redraws.
+"""
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch, Rectangle
+
+FREE, CACHED = "#eeeeee", "#b9d7ea"
+PALETTE = ["#e45756", "#f58518", "#54a24b", "#b279a2", "#ff9da6", "#9d755d", "#eeca3b", "#4c78a8",
+           "#72b7b2", "#bab0ac", "#d67195", "#8cd17d"]
+
+
+def colour_of(request_id, order):
+    if request_id not in order:
+        order[request_id] = len(order)
+    return PALETTE[order[request_id] % len(PALETTE)]
+
+
+def snapshot(engine, outputs=()):
+    """What the engine looks like now (after its latest step)."""
+    blocks = engine.blocks
+    owners = {}
+    for rid, owned in blocks.req_blocks.items():
+        for b in owned:
+            owners.setdefault(b, []).append(rid)
+    plan = engine.last_plan
+    scheduled = []
+    if plan is not None:
+        for request, n in plan.scheduled:
+            before = request.num_computed_tokens - n if request.num_computed_tokens >= n else 0
+            kind = "decode" if n == 1 and before >= request.num_prompt_tokens else "prefill"
+            scheduled.append((request.request_id, n, kind))
+    return {
+        "step": engine.steps,
+        "states": [blocks.state(b) for b in range(blocks.num_blocks)],
+        "owners": owners,
+        "ref_count": list(blocks.ref_count),
+        "scheduled": scheduled,
+        "preempted": [r.request_id for r in plan.preempted] if plan is not None else [],
+        "waiting": [r.request_id for r in engine.scheduler.waiting],
+        "finished": [o.request_id for o in outputs if o.finished],
+        "hit_rate": blocks.hit_rate,
+    }
+
+
+def draw(snap, pool_ax, tokens_ax, order, columns=8, budget=None):
+    """Draw one snapshot: the pool as a grid of blocks, and the step's tokens as one bar."""
+    states, owners = snap["states"], snap["owners"]
+    rows = -(-len(states) // columns)
+    pool_ax.clear()
+    for b, state in enumerate(states):
+        r, c = divmod(b, columns)
+        y = rows - 1 - r
+        if state == "used":
+            holders = owners.get(b, [])
+            face = colour_of(holders[0], order) if holders else "#888888"
+            pool_ax.add_patch(Rectangle((c, y), 0.92, 0.92, facecolor=face, edgecolor="black",
+                                        linewidth=2.0 if len(holders) > 1 else 0.5))
+            label = holders[0] if len(holders) == 1 else f"x{len(holders)}"
+            pool_ax.text(c + 0.46, y + 0.46, label, ha="center", va="center", fontsize=7)
+        else:
+            pool_ax.add_patch(Rectangle((c, y), 0.92, 0.92, facecolor=CACHED if state == "cached" else FREE,
+                                        edgecolor="#999999", linewidth=0.5, hatch="//" if state == "cached" else None))
+        pool_ax.text(c + 0.06, y + 0.8, str(b), fontsize=5, color="#555555")
+    pool_ax.set_xlim(0, columns)
+    pool_ax.set_ylim(0, rows)
+    pool_ax.set_aspect("equal")
+    pool_ax.axis("off")
+    title = f"after step {snap['step']}: hit rate {snap['hit_rate']:.2f}"
+    if snap["preempted"]:
+        title += f"\npreempted {', '.join(snap['preempted'])}"
+    pool_ax.set_title(title, fontsize=8)
+
+    tokens_ax.clear()
+    x = 0
+    for rid, n, kind in snap["scheduled"]:
+        tokens_ax.barh(0, n, left=x, color=colour_of(rid, order), edgecolor="black", linewidth=0.5,
+                       hatch=None if kind == "decode" else "..")
+        if n >= 3:
+            tokens_ax.text(x + n / 2, 0, f"{rid}\n{n}", ha="center", va="center", fontsize=6)
+        x += n
+    width = max(budget or 0, x, 1)
+    tokens_ax.set_xlim(0, width)
+    tokens_ax.set_yticks([])
+    tokens_ax.set_xlabel(f"{x} tokens this step" + (f" (budget {budget})" if budget else ""), fontsize=7)
+    tokens_ax.tick_params(labelsize=6)
+    waiting = ", ".join(snap["waiting"]) or "nobody"
+    tokens_ax.set_title(f"waiting: {waiting}", fontsize=7)
+
+
+def legend_handles():
+    return [Patch(facecolor=FREE, edgecolor="#999999", label="free"),
+            Patch(facecolor=CACHED, edgecolor="#999999", hatch="//", label="cached-free (has a hash)"),
+            Patch(facecolor=PALETTE[0], edgecolor="black", label="in use (colour = owner, thick = shared)"),
+            Patch(facecolor="white", edgecolor="black", hatch="..", label="prefill tokens"),
+            Patch(facecolor="white", edgecolor="black", label="decode token")]
+
+
+def draw_series(snaps, columns=8, budget=None):
+    """A static figure: one column per snapshot (pool on top, scheduled tokens below)."""
+    order = {}
+    fig, axes = plt.subplots(2, len(snaps), figsize=(2.6 * len(snaps), 4.2),
+                             gridspec_kw={"height_ratios": [4, 1]}, squeeze=False)
+    for i, snap in enumerate(snaps):
+        draw(snap, axes[0, i], axes[1, i], order, columns, budget)
+    fig.legend(handles=legend_handles(), loc="lower center", ncol=5, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def stepper(make_engine, columns=8, budget=None):
+    """An interactive stepper: make_engine() returns a fresh EngineCore with requests queued.
+    Step runs engine.step() once; Reset starts over."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    state = {"engine": make_engine(), "order": {}}
+    out = widgets.Output()
+    step_button = widgets.Button(description="Step")
+    reset_button = widgets.Button(description="Reset")
+    info = widgets.HTML()
+
+    def redraw(snap):
+        with out:
+            out.clear_output(wait=True)
+            fig, (pool_ax, tokens_ax) = plt.subplots(2, 1, figsize=(5, 5), gridspec_kw={"height_ratios": [4, 1]})
+            draw(snap, pool_ax, tokens_ax, state["order"], columns, budget)
+            fig.legend(handles=legend_handles(), loc="lower center", ncol=2, fontsize=7, frameon=False)
+            fig.tight_layout(rect=(0, 0.1, 1, 1))
+            plt.show()
+        done = ", ".join(snap["finished"])
+        info.value = f"step {snap['step']}" + (f": finished {done}" if done else "")
+
+    def on_step(_):
+        engine = state["engine"]
+        if not engine.has_unfinished:
+            info.value = "every request has finished: press Reset"
+            return
+        outputs = engine.step()
+        redraw(snapshot(engine, outputs))
+
+    def on_reset(_):
+        state["engine"], state["order"] = make_engine(), {}
+        redraw(snapshot(state["engine"]))
+
+    step_button.on_click(on_step)
+    reset_button.on_click(on_reset)
+    display(widgets.VBox([widgets.HBox([step_button, reset_button, info]), out]))
+    redraw(snapshot(state["engine"]))
