@@ -95,8 +95,10 @@ def serve_two(model, running_prompt, long_prompt, chunk_size=None, decode_steps=
     Greedy, one forward call per request per step (Chapter 24 merges them into one call).
     Returns a dict of wall-clock times in seconds, measured from B's arrival:
       a_token_times  when each of A's decode_steps tokens came out,
-      b_first_token  when B's first token came out (B's time to first token),
-      a_max_gap      the longest wait between two of A's tokens (A's stall),
+      a_gaps         the wait before each of them (the first counts from B's arrival),
+      a_max_gap      the longest of those waits (A's stall),
+      b_first_token  when B's first token came out (B's time to first token; None when
+                     B's prefill needs more than decode_steps steps),
       b_steps        how many steps B's prefill took.
     """
     device = next(model.parameters()).device
@@ -122,4 +124,5 @@ def serve_two(model, running_prompt, long_prompt, chunk_size=None, decode_steps=
         gaps.append(now - (last if last is not None else 0.0))
         last = now
         logits_a = model(torch.tensor([[token]], device=device), cache=cache_a)[0, -1]
-    return {"a_token_times": a_times, "b_first_token": b_first, "a_max_gap": max(gaps), "b_steps": b_steps}
+    return {"a_token_times": a_times, "a_gaps": gaps, "a_max_gap": max(gaps), "b_first_token": b_first,
+            "b_steps": b_steps}

@@ -16,6 +16,8 @@ FastDecoder makes the step static:
 On a GPU the decode step is then captured once as a torch.cuda.CUDAGraph and replayed:
 hundreds of kernel launches become one. On a CPU the same static step runs eagerly.
 """
+import time
+
 import torch
 
 from .kv_cache import KVCache
@@ -196,3 +198,33 @@ class FastDecoder:
             if len(out) >= max_new_tokens or out[-1] in stops or self.filled + 1 >= self.max_len:
                 return out
             logits = self.step(token)
+
+
+@torch.inference_mode()
+def step_latencies(model, prompt_ids, num_steps, decoder=None):
+    """Seconds taken by each of num_steps greedy decode steps after prefilling prompt_ids.
+
+    decoder=None times Chapter 17's way of decoding: a fresh [1, 1] input tensor per step
+    and a KVCache whose attention slice grows by one key per step. With a FastDecoder,
+    its prefill and step. Each sample covers feeding one token and getting its logits,
+    synchronised on CUDA, so the two paths are timed alike.
+    """
+    device = next(model.parameters()).device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    if decoder is None:
+        cache = KVCache.for_model(model, 1, len(prompt_ids) + num_steps)
+        logits = model(torch.tensor([list(prompt_ids)], device=device), cache=cache)[0, -1]
+
+        def feed(token):
+            return model(torch.tensor([[int(token)]], device=device), cache=cache)[0, -1]
+    else:
+        logits, feed = decoder.prefill(prompt_ids), decoder.step
+    times = []
+    for _ in range(num_steps):
+        token = sample(logits)
+        sync()
+        start = time.perf_counter()
+        logits = feed(token)
+        sync()
+        times.append(time.perf_counter() - start)
+    return times

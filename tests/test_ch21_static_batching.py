@@ -88,10 +88,12 @@ def test_pad_value_is_invisible(impl, tiny_model, ref_model):
 
 def test_one_prefill_call_then_one_call_per_step(impl, tiny_model):
     prompts = prompt_batch(5, [6, 2, 11])
-    shapes = []
+    calls = []
 
     def record(module, args, kwargs):
-        shapes.append(tuple((args[0] if args else kwargs["input_ids"]).shape))
+        ids = args[0] if args else kwargs["input_ids"]
+        positions = args[1] if len(args) > 1 else kwargs.get("positions")
+        calls.append((tuple(ids.shape), None if positions is None else positions.tolist()))
 
     handle = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
     try:
@@ -99,5 +101,16 @@ def test_one_prefill_call_then_one_call_per_step(impl, tiny_model):
     finally:
         handle.remove()
     assert [len(o) for o in out] == [5, 5, 5]
+    shapes = [shape for shape, _ in calls]
     assert shapes[0] == (3, 11), f"the prefill must be one [3, 11] call over the padded batch, got {shapes[0]}"
     assert shapes[1:] == [(3, 1)] * 4, f"then one [3, 1] call per decode step for all rows, got {shapes[1:]}"
+    # RoPE only sees position differences, so shifted positions would still give the solo
+    # tokens here (to rounding); the positions must be right all the same.
+    prefill = calls[0][1]
+    assert prefill is not None, "the prefill must pass each row's own positions"
+    for row, prompt in enumerate(prompts):
+        real = prefill[row][11 - len(prompt):]
+        assert real == list(range(len(prompt))), f"row {row}: real tokens must sit at positions 0.., got {real}"
+    for step, (_, positions) in enumerate(calls[1:]):
+        expected = [[len(p) + step] for p in prompts]
+        assert positions == expected, f"decode step {step}: positions must be {expected}, got {positions}"

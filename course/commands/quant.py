@@ -1,0 +1,88 @@
+"""Chapter 20: int8 weight-only quantization against the float model.
+
+Quantizes the model's linear layers (Chapter 20's quantize_model) and prints JSON lines:
+the bytes of the linear weights before and after; over --prompts seeded prompts, the
+largest and mean absolute logit error against the float model, the standard deviation of
+the float logits (for scale) and the share of positions whose argmax agrees; how many of
+--tokens greedy tokens per prompt match the float model's before the first difference;
+and the median decode-step time of both models (Chapter 18's timer). On a CPU the int8
+model is not faster: this reference dequantizes each weight on every call, which saves
+memory, not time.
+"""
+import copy
+import json
+import random
+import statistics
+
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+
+
+def add_arguments(parser):
+    add_impl_argument(parser)
+    add_device_argument(parser)
+    add_model_argument(parser)
+    parser.add_argument("--prompts", type=int, default=8, help="seeded prompts to compare on (default 8)")
+    parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    parser.add_argument("--skip", nargs="*", default=[], help="module names to keep in float, e.g. lm_head")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+
+
+def run(args):
+    try:
+        return _run(args)
+    except NotImplementedError as exc:
+        raise CommandError(f"{exc} is not written yet (its chapter's milestone checks it once it is)") from None
+
+
+def _run(args):
+    import torch
+
+    from course.impl import load
+    from course.models import tiny_qwen3
+    impl = load(args.impl)
+    device = resolve_device(args.device)
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if args.prompts < 1 or args.tokens < 1:
+        raise CommandError("--prompts and --tokens must be at least 1")
+    if args.model is None:
+        model = tiny_qwen3(impl.package, device=device)
+    else:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = impl.load("checkpoint").load_checkpoint(args.model, dtype=dtype, device=device).eval()
+    quant = impl.load("quant")
+    qmodel = quant.quantize_model(copy.deepcopy(model), skip=tuple(args.skip))
+    print(json.dumps({"linear_bytes_float": quant.linear_weight_bytes(model),
+                      "linear_bytes_int8": quant.linear_weight_bytes(qmodel),
+                      "ratio": round(quant.linear_weight_bytes(qmodel) / quant.linear_weight_bytes(model), 3)}))
+    rng = random.Random(args.seed)
+    vocab = min(model.cfg.vocab_size, 256)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(4, 40))] for _ in range(args.prompts)]
+    errors, scales, agree, total = [], [], 0, 0
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            exact, approx = model(ids)[0].float(), qmodel(ids)[0].float()
+            errors.append((approx - exact).abs().flatten())
+            scales.append(exact.flatten())
+            agree += int((approx.argmax(-1) == exact.argmax(-1)).sum())
+            total += len(prompt)
+    err = torch.cat(errors)
+    print(json.dumps({"prompts": len(prompts), "positions": total, "max_abs_logit_error": round(float(err.max()), 4),
+                      "mean_abs_logit_error": round(float(err.mean()), 4),
+                      "float_logit_std": round(float(torch.cat(scales).std()), 3),
+                      "argmax_agreement": round(agree / total, 4)}))
+    generate = impl.load("sampling").generate
+    same_prefix = []
+    for prompt in prompts:
+        a, b = generate(model, prompt, args.tokens), generate(qmodel, prompt, args.tokens)
+        same_prefix.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    print(json.dumps({"greedy_tokens": args.tokens, "identical_prefix_median": statistics.median(same_prefix),
+                      "fully_identical": sum(n == args.tokens for n in same_prefix)}))
+    timing = impl.load("decode_timing")
+    print(json.dumps({"step_ms_float": round(timing.decode_step_seconds(model, 1, 64) * 1e3, 3),
+                      "step_ms_int8": round(timing.decode_step_seconds(qmodel, 1, 64) * 1e3, 3)}))
+    return 0
