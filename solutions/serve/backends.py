@@ -60,10 +60,8 @@ class ReferenceBackend:
         self._plan = None
 
     def allocate(self, shape, dtype, device):
-        return (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-
-    def write(self, cache, k, v, meta):
-        write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+        """One layer's pool: (k_cache, v_cache), zero-filled."""
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
 
     def forward(self, q, cache, meta, scale=None, window=0):
         """Attention of this step's queries against the pool.  (Your engine: Chapter 31)
@@ -71,9 +69,9 @@ class ReferenceBackend:
         q: [N, H, D]; cache: (k_cache, v_cache, ...) already holding this step's keys;
         returns [N, H, D] in q's dtype. Loop over requests using the HOST lists
         meta.query_start_loc_cpu and meta.seq_lens_cpu (no device reads). Request r owns
-        rows s = query_start_loc[r] .. e = query_start_loc[r + 1]; its t = e - s queries are
-        the LAST t positions of its seq_len-token context, so query i sits at position
-        seq_len - t + i, and keys sit at positions 0 .. seq_len - 1 (gather_context through
+        rows s = query_start_loc[r] .. e = query_start_loc[r + 1]. Those t = e - s rows are
+        the newest t tokens of a context of seq_len tokens: their positions run from
+        seq_len - t to seq_len - 1, and the keys cover 0 .. seq_len - 1 (gather_context through
         meta.block_table[r], then self.dequantize). Call causal_attention on
         [1, H, t, D] / [1, Hkv, seq_len, D] with those positions; with window > 0 (sliding
         window, Chapter 42) also pass allowed = key position > query position - window.
@@ -129,6 +127,10 @@ class ReferenceBackend:
             index = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64, device=device)
         self._plan = _StepPlan(meta, window, requests, index, offset)
         return self._plan
+
+    def write(self, cache, k, v, meta):
+        k_pool, v_pool = cache[:2]
+        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
 
     def dequantize(self, x, cache, which, meta, r, length):
         """[length, Hkv, D] read from the pool -> [1, Hkv, length, D] in float32.

@@ -41,12 +41,13 @@ class BatchMeta:
     max_seq_len: int
 
     @property
-    def num_reqs(self):
-        return len(self.seq_lens_cpu)
+    def decode_only(self):
+        """Every request has exactly one new row (CUDA graphs and decode kernels like that)."""
+        return self.max_query_len == 1
 
     @property
-    def decode_only(self):
-        return self.max_query_len == 1
+    def num_reqs(self):
+        return len(self.query_start_loc_cpu) - 1
 
 
 @dataclass
@@ -133,31 +134,31 @@ def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
         starts.append(first_row + n)
         lengths.append(done + n)
         tables.append(table)
-    if pad_to is not None:
-        for _ in range(pad_to - len(lengths)):
-            ids.append(0)
-            positions.append(0)
-            slots.append(-1)
-            starts.append(starts[-1] + 1)
-            lengths.append(0)
-            tables.append(())
+    dummies = max(0, pad_to - len(lengths)) if pad_to is not None else 0
+    if dummies:                                  # one-row fake requests that touch only the scratch block
+        ids += [0] * dummies
+        positions += [0] * dummies
+        slots += [-1] * dummies
+        lengths += [0] * dummies
+        tables += [()] * dummies
+        starts += range(starts[-1] + 1, starts[-1] + 1 + dummies)
     width = max([1] + [len(t) for t in tables])
     padded = [list(t) + [0] * (width - len(t)) for t in tables]
+
+    def on_device(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
     meta = BatchMeta(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
-        block_table=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_size=block_size,
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=lengths,
+        on_device(starts, torch.int32), on_device(lengths, torch.int32),
+        on_device(padded, torch.int32).reshape(len(padded), width), on_device(slots, torch.int64),
+        block_size, starts, lengths,
         max_query_len=max([0] + [b - a for a, b in zip(starts, starts[1:])]),
         max_seq_len=max([0] + lengths))
     return Batch(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=on_device(ids, torch.int64),
+        positions=on_device(positions, torch.int64),
         meta=meta,
-        logits_indices=torch.tensor(row_sampled + prompt_rows, dtype=torch.int64, device=device),
+        logits_indices=on_device(row_sampled + prompt_rows, torch.int64),
         sample_counts=counts,
         request_ids=[request.request_id for request, _ in scheduled],
         extra={},

@@ -44,10 +44,10 @@ class BlockManager:
     def __init__(self, num_blocks, block_size, enable_prefix_caching=True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a pool needs >= 1 block of >= 1 slot, got {num_blocks} x {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.ref_count = [0] * num_blocks
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.enable_prefix_caching = bool(enable_prefix_caching)
         self.block_hash = [None] * num_blocks          # key while published (in use or cached-free)
+        self.ref_count = [0] * num_blocks
         self.free_queue = OrderedDict.fromkeys(range(num_blocks))   # LRU order, front first out
         self.cached = {}                               # key -> block id
         self.req_blocks = {}                           # request id -> its blocks, logical order
@@ -127,16 +127,13 @@ class BlockManager:
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
         keys = self.update_hashes(request)
-        usable = (request.num_tokens - 1) // self.block_size
-        found = []
-        for key in keys[:usable]:
-            block = self.cached.get(key)
-            if block is None:
-                break
-            found.append(block)
+        usable = (request.num_tokens - 1) // self.block_size    # blocks that end before the last token
+        run = []
+        while len(run) < usable and keys[len(run)] in self.cached:
+            run.append(self.cached[keys[len(run)]])
+        self.stats["hits"] += self.block_size * len(run)
         self.stats["queries"] += request.num_tokens
-        self.stats["hits"] += len(found) * self.block_size
-        return found
+        return run
 
     def allocate_slots(self, request, num_new_tokens, cached_blocks=()):
         """Give request room for num_new_tokens more tokens.  (Your engine: Chapter 31)

@@ -33,29 +33,19 @@ class EngineCore:
     """
 
     def __init__(self, model, config=None, eos_token_id=None, sampler=None, vocab_bytes=None):
-        self.config = config = config if config is not None else EngineConfig()
-        config.validate()
-        flat = model if isinstance(model, FlatModel) else FlatModel(model)
+        if config is None:
+            config = EngineConfig()
+        self.config = config.validate()
+        flat = FlatModel(model) if not isinstance(model, FlatModel) else model
         weight = next(flat.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        options = {} if config.kv_cache_dtype == "auto" else {"kv_cache_dtype": config.kv_cache_dtype}
+        options = {"kv_cache_dtype": config.kv_cache_dtype} if config.kv_cache_dtype != "auto" else {}
         from .backends import get_backend
         backend = get_backend(config.attention_backend, **options)
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            if self.device.type == "cuda":
-                num_blocks = profile_num_blocks(flat, backend, config.block_size, self.dtype, self.device,
-                                                config.max_num_batched_tokens, config.gpu_memory_utilization)
-            else:
-                layers, kv_heads, head_dim = flat.kv_spec()
-                num_blocks = num_blocks_for_memory(config.kv_cache_bytes, layers, kv_heads, head_dim,
-                                                   config.block_size, self.dtype,
-                                                   getattr(flat.model, "kv_pools", 2))
-            if num_blocks < 1:
-                raise ValueError("the KV pool would have no block: give more memory or EngineConfig.num_blocks")
-        self.runner = ModelRunner(flat, num_blocks, config.block_size, backend)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        pool_blocks = config.num_blocks if config.num_blocks is not None else self._size_pool(flat, backend)
+        self.blocks = BlockManager(pool_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
+        self.runner = ModelRunner(flat, pool_blocks, config.block_size, backend)
         self.engine_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampler = sampler if sampler is not None else SimpleSampler(self.engine_generator)
         self.eos_token_id = eos_token_id
@@ -69,6 +59,22 @@ class EngineCore:
         self.last_plan = None           # the SchedulerOutput of the latest step (for tools and widgets)
         self.drafter = None             # Chapter 37
         self.inflight = None            # Chapter 33
+
+    def _size_pool(self, flat, backend):
+        """Blocks for the pool when the config gives no number: measured on CUDA, else from
+        kv_cache_bytes."""
+        cfg = self.config
+        if self.device.type == "cuda":
+            found = profile_num_blocks(flat, backend, cfg.block_size, self.dtype, self.device,
+                                       cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
+        else:
+            layers, kv_heads, head_dim = flat.kv_spec()
+            pools = getattr(flat.model, "kv_pools", 2)          # a latent cache has one pool, not K and V
+            found = num_blocks_for_memory(cfg.kv_cache_bytes, layers, kv_heads, head_dim, cfg.block_size,
+                                          self.dtype, pools)
+        if found < 1:
+            raise ValueError("the KV pool would hold no block: give more memory or set EngineConfig.num_blocks")
+        return found
 
     # --- requests in and out ------------------------------------------------------------------
 
@@ -161,14 +167,14 @@ class EngineCore:
         (a list for a group), or None for an unknown or already finished id."""
         if request_id in self.groups:
             return [self.abort_request(rid) for rid in self.groups.pop(request_id)]
-        request = self.scheduler.abort(request_id)
+        self.runner.swapped.pop(request_id, None)        # host copies of a swapped request
         self.generators.pop(request_id, None)
-        self.runner.swapped.pop(request_id, None)
-        return request
+        return self.scheduler.abort(request_id)
 
     @property
     def has_unfinished(self):
-        return self.scheduler.has_unfinished
+        """True while any request waits or runs."""
+        return bool(self.scheduler.has_unfinished)
 
     # --- the two stubs -------------------------------------------------------------------------
 
@@ -197,8 +203,8 @@ class EngineCore:
                 return Status.FINISHED_STOPPED
         if produced >= params.max_tokens or request.num_prompt_tokens + produced >= self.max_model_len:
             return Status.FINISHED_LENGTH
-        guide = request.extra.get("guide")
-        if guide is not None and guide.finished:
+        automaton = request.extra.get("guide")          # Chapter 35: no byte may follow
+        if automaton is not None and automaton.finished:
             request.stop_reason = "guided"
             return Status.FINISHED_STOPPED
         return None
@@ -224,14 +230,14 @@ class EngineCore:
            can admit someone) and drop its generator; report self.make_output(...).
         7. self.steps += 1.
         """
-        plan = self.scheduler.schedule()
-        self.last_plan = plan
+        plan = self.last_plan = self.scheduler.schedule()
         self.preemptions += len(plan.preempted)
-        for request, blocks in plan.swap_out:
-            self.runner.swap_out(request, blocks)
-        for request, blocks in plan.swap_in:
-            self.runner.swap_in(request, blocks)
-        if plan.empty:
+        runner = self.runner
+        for victim, old_blocks in plan.swap_out:          # all copies out before any copy in
+            runner.swap_out(victim, old_blocks)
+        for resumed, new_blocks in plan.swap_in:
+            runner.swap_in(resumed, new_blocks)
+        if not plan.scheduled:
             return []
         batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
         logits = self.runner.execute(batch)
@@ -250,10 +256,10 @@ class EngineCore:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = self.check_stop(request)
-            if status is not None:
-                self.scheduler.finish(request, status)
+            reason = self.check_stop(request)
+            if reason is not None:                        # its blocks return now, for the next step
                 self.generators.pop(request.request_id, None)
+                self.scheduler.finish(request, reason)
             outputs.append(self.make_output(request, list(new), logprobs[slot] if logprobs else None))
         self.steps += 1
         return outputs

@@ -19,14 +19,16 @@ from ..layers import apply_rope, rope_cos_sin
 
 
 class FlatModel(nn.Module):
+    """A loaded causal LM (its modules and weights, untouched) run on flat rows."""
+
     def __init__(self, model):
         super().__init__()
-        self.model = model.eval()
         self.cfg = model.cfg
         self.backbone = model.model                  # embed_tokens, layers, norm
-        self.layers = model.model.layers
-        custom = getattr(model, "rope_tables", None)  # models with scaled RoPE bring their own tables
-        self.rope = custom if custom is not None else self.default_rope
+        self.layers = self.backbone.layers
+        self.model = model.eval()
+        own_tables = getattr(model, "rope_tables", None)   # models with scaled RoPE bring their own
+        self.rope = self.default_rope if own_tables is None else own_tables
         self.fused = False                           # Chapter 33: fused add + norm
 
     def default_rope(self, positions, dtype):
@@ -92,28 +94,29 @@ class FlatModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta, backend, embeds=None, **features):
         """Token ids [N] -> final hidden states [N, D] (before the LM head).  (Your engine: Chapter 31)
 
-        x = embed_tokens(input_ids) (or `embeds` when given: image rows, Chapter 43). Compute
-        the RoPE tables ONCE with self.rope(positions, x.dtype) and share them across layers.
-        Then, for layer i with pool kv_caches[i], two residual branches:
-            h, x = add_norm(layer.input_layernorm, x, delta)
-            delta = attention(i, layer.self_attn, h, positions, rope, kv_caches[i], meta, backend)
-            h, x = add_norm(layer.post_attention_layernorm, x, delta)
-            delta = mlp(layer.mlp, h)
-        and finally the backbone's norm over x + delta. `features` are per-step inputs of
-        later chapters (LoRA ids, M-RoPE positions): Chapter 31 receives none, so refuse any.
+        The residual stream starts as the token embeddings (self.backbone.embed_tokens), or
+        as `embeds` when given (image rows, Chapter 43). Build the RoPE tables ONCE per step,
+        self.rope(positions, dtype), and hand the same pair to every layer. Each decoder
+        layer has two residual branches, attention (behind input_layernorm) and the MLP
+        (behind post_attention_layernorm); write both through the seams: add_norm adds the
+        previous branch's output to the stream and normalises a copy for the next branch
+        (the very first call has nothing to add), self.attention(i, ...) gets layer i's
+        pool kv_caches[i], self.mlp runs the feed-forward block. The backbone's final norm
+        closes the stream, again through add_norm. `features` are per-step inputs of later
+        chapters (LoRA ids, M-RoPE positions): Chapter 31 receives none, so refuse any.
         """
         if features:
             raise ValueError(f"FlatModel got step features {sorted(features)}: they arrive in Chapter 43")
-        x = self.backbone.embed_tokens(input_ids) if embeds is None else embeds
-        rope = self.rope(positions, x.dtype)
-        delta = None
-        for i, layer in enumerate(self.layers):
-            h, x = self.add_norm(layer.input_layernorm, x, delta)
-            delta = self.attention(i, layer.self_attn, h, positions, rope, kv_caches[i], meta, backend)
-            h, x = self.add_norm(layer.post_attention_layernorm, x, delta)
-            delta = self.mlp(layer.mlp, h)
-        hidden, _ = self.add_norm(self.backbone.norm, x, delta)
-        return hidden
+        stream = embeds if embeds is not None else self.backbone.embed_tokens(input_ids)
+        tables = self.rope(positions, stream.dtype)
+        branch = None                                   # output of the sublayer not yet added
+        for index, block in enumerate(self.layers):
+            normed, stream = self.add_norm(block.input_layernorm, stream, branch)
+            branch = self.attention(index, block.self_attn, normed, positions, tables, kv_caches[index], meta,
+                                    backend)
+            normed, stream = self.add_norm(block.post_attention_layernorm, stream, branch)
+            branch = self.mlp(block.mlp, normed)
+        return self.add_norm(self.backbone.norm, stream, branch)[0]
 
     def compute_logits(self, hidden):
         """Logits for the selected rows only ([L, D] -> [L, vocab], float32): the LM head is the

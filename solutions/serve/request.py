@@ -147,11 +147,11 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0         # statistic: prompt tokens found in the prefix cache at admission
     spec_token_ids: list = field(default_factory=list)   # draft tokens to verify (Chapter 37)
-    swapped_out: bool = False          # its K/V sit in host memory (swap preemption)
+    swapped_out: bool = False          # True while its K/V are parked on the host
+    stop_reason: int | str | None = None   # the stop token (or rule) that ended it
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    stop_reason: int | str | None = None   # the stop token (or rule) that ended it
     extra: dict = field(default_factory=dict)            # per-feature state of later chapters
 
     def __post_init__(self):
@@ -163,16 +163,16 @@ class Request:
         self.num_placeholders = 0      # trailing PLACEHOLDER tokens (Chapter 33)
 
     @property
-    def num_tokens(self):
-        return len(self.token_ids)
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self):
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self):
-        return self.token_ids[self.num_prompt_tokens:]
+    def num_tokens(self):
+        return len(self.token_ids)
 
     @property
     def num_tokens_with_spec(self):

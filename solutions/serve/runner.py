@@ -16,7 +16,8 @@ def kv_bytes_per_block(layers, kv_heads, head_dim, block_size, dtype, pools=2):
 
 def num_blocks_for_memory(free_bytes, layers, kv_heads, head_dim, block_size, dtype, pools=2):
     """How many whole blocks fit in free_bytes."""
-    return int(free_bytes // kv_bytes_per_block(layers, kv_heads, head_dim, block_size, dtype, pools))
+    one_block = kv_bytes_per_block(layers, kv_heads, head_dim, block_size, dtype, pools)
+    return int(free_bytes // one_block)
 
 
 @torch.inference_mode()
@@ -64,7 +65,7 @@ class ModelRunner:
     padding rows write into and the block manager never hands out."""
 
     def __init__(self, model, num_blocks, block_size, backend="reference", device=None, dtype=None):
-        self.flat = model if isinstance(model, FlatModel) else FlatModel(model)
+        self.flat = FlatModel(model) if not isinstance(model, FlatModel) else model
         weight = next(self.flat.parameters())
         self.device = torch.device(device) if device is not None else weight.device
         self.dtype = dtype or weight.dtype
@@ -99,8 +100,8 @@ class ModelRunner:
     def swap_in(self, request, blocks):
         """Copy a resumed request's saved K/V into the first of its newly allocated blocks."""
         saved = self.swapped.pop(request.request_id)
-        count = saved[0][0].shape[0]
-        index = torch.tensor(blocks[:count], dtype=torch.int64, device=self.device)
+        num_saved = len(saved[0][0])                   # the new list may be longer: room for new tokens
+        index = torch.tensor(blocks[:num_saved], dtype=torch.int64, device=self.device)
         for layer, copies in zip(self.kv_caches, saved):
             for tensor, host in zip(layer, copies):
                 _raw(tensor).index_copy_(0, index.to(tensor.device), host.to(tensor.device, non_blocking=True))

@@ -65,10 +65,12 @@ class Scheduler:
 
     def add(self, request):
         self.check(request)
-        self.requests[request.request_id] = request
         self._enqueue(request)
+        self.requests[request.request_id] = request
 
     def _enqueue(self, request, front=False):
+        """Queue for admission: by (priority, arrival) under "priority", else arrival order
+        (front=True puts a preempted request ahead of everyone who arrived after it)."""
         if self.config.policy == "priority":
             rank = (request.priority, request.arrival_time)
             spot = len(self.waiting)
@@ -129,14 +131,15 @@ class Scheduler:
         """
         self.running.remove(request)
         request.spec_token_ids = []
-        if self.config.preemption_mode == "swap":
-            out.swap_out.append((request, list(self.blocks.req_blocks[request.request_id])))
-            request.swapped_out = True
+        if self.config.preemption_mode == "recompute":
+            request.num_computed_tokens = 0                 # its K/V are forgotten
         else:
-            request.num_computed_tokens = 0
+            held = list(self.blocks.req_blocks[request.request_id])   # copy: free() empties the list
+            out.swap_out.append((request, held))
+            request.swapped_out = True
         self.blocks.free(request)
-        request.status = Status.PREEMPTED
         request.num_preemptions += 1
+        request.status = Status.PREEMPTED
         out.preempted.append(request)
         self._enqueue(request, front=True)
 
