@@ -707,3 +707,22 @@ def test_pool_sizing(serve):
     assert runner.kv_bytes_per_block(36, 8, 128, 16, torch.bfloat16) == 16 * 147_456
     assert runner.num_blocks_for_memory(53e9, 36, 8, 128, 16, torch.bfloat16) == int(53e9 // (16 * 147_456))
     assert runner.kv_bytes_per_block(2, 2, 16, 16, torch.float32, pools=1) == 2 * 2 * 16 * 16 * 4
+
+
+def test_qwen3_moe_runs_through_the_flat_model_unchanged(serve, impl, device):
+    """Chapter 27's sparse MoE block already works on [N, D] rows: the same FlatModel serves
+    Qwen3-MoE with no change, in a pool small enough to preempt."""
+    from course.moe_models import tiny_qwen3_moe
+    model = tiny_qwen3_moe(impl.package, device=device)
+    oracle = tiny_qwen3_moe(reference().package, device=device)
+    prompts, max_tokens = five_requests(seed=1)
+    engine = make_engine(serve, model, num_blocks=12)
+    trace = Trace(engine)
+    for rid, prompt in prompts.items():
+        trace.add(rid, prompt, params(serve, max_tokens[rid]))
+    trace.run()
+    for rid, prompt in prompts.items():
+        want = reference().sampling.generate(oracle, prompt, max_tokens[rid], eos_token_id=EOS)
+        trace.expect(rid, want, "[Qwen3-MoE] ")
+    assert trace.preemptions > 0 and engine.blocks.stats["hits"] > 0
+    assert_idle(engine, "[Qwen3-MoE] ")
