@@ -68,9 +68,13 @@ def test_state_dict_names_are_huggingface_names(impl, name, overrides):
     ours_keys, hf_keys = set(ours.state_dict()), set(theirs.state_dict())
     assert ours_keys == hf_keys, (f"[{name}] names only ours has: {sorted(ours_keys - hf_keys)[:5]}; "
                                   f"only transformers has: {sorted(hf_keys - ours_keys)[:5]}")
-    # The other direction: a transformers state_dict loads into our class unchanged.
+    # The other direction: a transformers state_dict loads into our class unchanged, and
+    # the model it gives computes transformers' logits.
     fresh = impl.qwen3.Qwen3ForCausalLM(cfg)
     fresh.load_state_dict(theirs.state_dict(), strict=True)
+    ids = prompts(cfg, 1, 6, seed=14, device="cpu")
+    with torch.no_grad():
+        assert_logits_close(fresh.eval()(ids), theirs(ids).logits, f"[{name}] our class loaded from transformers' state_dict")
     ours_count = sum(p.numel() for p in ours.parameters())
     hf_count = sum(p.numel() for p in theirs.parameters())
     assert ours_count == hf_count, f"[{name}] ours has {ours_count} parameters, transformers {hf_count}"
@@ -78,11 +82,16 @@ def test_state_dict_names_are_huggingface_names(impl, name, overrides):
 
 def test_tied_head_is_the_embedding(impl):
     cfg = tiny_config(impl.package, tie_word_embeddings=True)
-    model = impl.qwen3.Qwen3ForCausalLM(cfg)
+    model = fill_deterministic(impl.qwen3.Qwen3ForCausalLM(cfg)).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight, \
         "with tie_word_embeddings the LM head must be the embedding Parameter itself, not a copy"
     untied = impl.qwen3.Qwen3ForCausalLM(tiny_config(impl.package))
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    # The logits are the final hidden states scored against the embedding rows.
+    ids = prompts(cfg, 2, 5, seed=15, device="cpu")
+    with torch.no_grad():
+        want = model.model(ids) @ model.model.embed_tokens.weight.T
+        assert_logits_close(model(ids), want, "tied model: logits vs hidden states @ embedding.T")
 
 
 def test_positions_argument_matches_position_ids(impl, device):
