@@ -11,6 +11,7 @@ import random
 import statistics
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.commands._setup import load_model, set_threads
 
 
 def add_arguments(parser):
@@ -32,22 +33,13 @@ def run(args):
 
 
 def _run(args):
-    import torch
-
     from course.impl import load
-    from course.models import tiny_qwen3
     impl = load(args.impl)
     device = resolve_device(args.device)
-    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    set_threads(device, args.threads)
     if args.prompt_len < 1 or min(args.chunk) < 1 or args.repeat < 1:
         raise CommandError("--prompt-len, --chunk and --repeat must be at least 1")
-    if args.model is None:
-        model = tiny_qwen3(impl.package, device=device)
-    else:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = impl.load("checkpoint").load_checkpoint(args.model, dtype=dtype, device=device).eval()
+    model = load_model(impl, device, args.model)
     if args.prompt_len + 2 > model.context_limit:
         raise CommandError(f"--prompt-len must leave room in the model's {model.context_limit}-token context")
     chunked = impl.load("chunked")

@@ -13,6 +13,7 @@ import json
 import statistics
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.commands._setup import load_model, set_threads
 
 
 def add_arguments(parser):
@@ -29,14 +30,6 @@ def add_arguments(parser):
                         help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
 
 
-def _load_model(impl, device, path):
-    from course.models import tiny_qwen3
-    if path is None:
-        return tiny_qwen3(impl.package, device=device)
-    import torch
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return impl.load("checkpoint").load_checkpoint(path, dtype=dtype, device=device).eval()
-
 
 def run(args):
     try:
@@ -51,12 +44,10 @@ def _run(args):
     from course.impl import load
     impl = load(args.impl)
     device = resolve_device(args.device)
-    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    set_threads(device, args.threads)
     if min(args.batch) < 1 or args.context < 0 or args.tokens < 2 or args.prompt_len < 1:
         raise CommandError("--batch >= 1, --context >= 0, --tokens >= 2 and --prompt-len >= 1 please")
-    model = _load_model(impl, device, args.model)
+    model = load_model(impl, device, args.model)
     timing = impl.load("decode_timing")
     hardware = timing.measure_hardware(device)
     print(json.dumps({"hardware": hardware.name, "bandwidth_GB_s": round(hardware.bandwidth / 1e9, 1),

@@ -15,6 +15,7 @@ import random
 import statistics
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.commands._setup import load_model, set_threads
 
 
 def add_arguments(parser):
@@ -40,19 +41,12 @@ def _run(args):
     import torch
 
     from course.impl import load
-    from course.models import tiny_qwen3
     impl = load(args.impl)
     device = resolve_device(args.device)
-    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    set_threads(device, args.threads)
     if args.prompts < 1 or args.tokens < 1:
         raise CommandError("--prompts and --tokens must be at least 1")
-    if args.model is None:
-        model = tiny_qwen3(impl.package, device=device)
-    else:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = impl.load("checkpoint").load_checkpoint(args.model, dtype=dtype, device=device).eval()
+    model = load_model(impl, device, args.model)
     quant = impl.load("quant")
     qmodel = quant.quantize_model(copy.deepcopy(model), skip=tuple(args.skip))
     print(json.dumps({"linear_bytes_float": quant.linear_weight_bytes(model),

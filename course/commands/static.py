@@ -13,6 +13,7 @@ import random
 import time
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.commands._setup import load_model, set_threads
 
 
 def add_arguments(parser):
@@ -50,19 +51,12 @@ def _run(args):
     import torch
 
     from course.impl import load
-    from course.models import tiny_qwen3
     impl = load(args.impl)
     device = resolve_device(args.device)
-    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    set_threads(device, args.threads)
     if not 1 <= args.min_len <= args.max_len or args.requests < 1 or args.tokens < 1 or min(args.batch) < 1:
         raise CommandError("need 1 <= --min-len <= --max-len, and positive --requests, --tokens, --batch")
-    if args.model is None:
-        model = tiny_qwen3(impl.package, device=device)
-    else:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = impl.load("checkpoint").load_checkpoint(args.model, dtype=dtype, device=device).eval()
+    model = load_model(impl, device, args.model)
     rng = random.Random(args.seed)
     vocab = min(model.cfg.vocab_size, 256)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]

@@ -1,0 +1,26 @@
+"""What the model-running commands share: threads, and the model to run (not a command:
+the dispatcher skips files whose name starts with an underscore)."""
+from course.cli import CommandError
+
+
+def set_threads(device, threads):
+    """torch threads: `threads` if given, else 1 on a CPU (steadier timings on a shared
+    machine) and torch's own choice on CUDA."""
+    import torch
+    threads = threads if threads is not None else (1 if device.type == "cpu" else None)
+    if threads is not None:
+        if threads < 1:
+            raise CommandError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def load_model(impl, device, model_path=None):
+    """The tiny test model of `impl`, or a real checkpoint (Chapter 11's loader) with --model;
+    bfloat16 on CUDA, float32 on a CPU."""
+    import torch
+
+    from course.models import tiny_qwen3
+    if model_path is None:
+        return tiny_qwen3(impl.package, device=device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return impl.load("checkpoint").load_checkpoint(model_path, dtype=dtype, device=device).eval()
