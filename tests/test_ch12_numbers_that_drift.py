@@ -15,6 +15,9 @@ Stated bounds (bfloat16 u = 2^-8, float16 u = 2^-11, float32 u = 2^-24):
 import pytest
 import torch
 
+from course.impl import reference
+from course.models import tiny_qwen3
+
 pytestmark = pytest.mark.chapter(12)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -106,7 +109,7 @@ def test_rms_norm_error_within_stated_bound(impl, dtype, bound):
 
 
 def independent_drift(model, prompts):
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=next(model.parameters()).device)
     with torch.no_grad():
         batched = model(ids)
         rows = []
@@ -118,24 +121,30 @@ def independent_drift(model, prompts):
     return rows
 
 
+@pytest.fixture
+def tiny(device):
+    """The reference's tiny model (float32) even under --model: its margins are the claim."""
+    return tiny_qwen3(reference().package, device=device)
+
+
 @pytest.mark.parametrize("length", [1, 3, 16])
-def test_batch_drift_matches_an_independent_run(impl, ref_model, length):
+def test_batch_drift_matches_an_independent_run(impl, tiny, length):
     prompts = torch.randint(0, 320, (6, length), generator=torch.Generator().manual_seed(length)).tolist()
-    report = impl.numerics.batch_drift(ref_model, prompts)
+    report = impl.numerics.batch_drift(tiny, prompts)
     assert len(report) == len(prompts)
-    for i, (got, want) in enumerate(zip(report, independent_drift(ref_model, prompts))):
+    for i, (got, want) in enumerate(zip(report, independent_drift(tiny, prompts))):
         assert (got.max_abs, got.differing, got.argmax_flips) == want, \
             f"prompt {i} (length {length}): batch_drift says {got}, running it here gives {want}"
         assert got.argmax_flips == 0, f"prompt {i}: batching flipped a greedy choice of the tiny model"
 
 
-def test_batch_shape_changes_bits_on_this_machine(impl, ref_model):
+def test_batch_shape_changes_bits_on_this_machine(impl, tiny):
     """The demonstration of the chapter: one decode step (T = 1) for 8 sequences, each
     alone and all together. On CPUs with MKL/oneDNN (and on GPUs) the one-row and the
     many-row matrix products add in different orders, so bits differ; the tiny model's
     greedy margins keep every choice the same."""
     prompts = [[t] for t in range(10, 90, 10)]
-    report = impl.numerics.batch_drift(ref_model, prompts)
+    report = impl.numerics.batch_drift(tiny, prompts)
     if sum(r.differing for r in report) == 0:
         pytest.skip("this machine's matrix kernels add a row the same way alone and in a batch")
     assert max(r.max_abs for r in report) < 1e-3, "differences should be rounding-sized"

@@ -23,9 +23,10 @@ REL_TOL = 1e-5
 
 
 def hf_twin(model, device):
-    """transformers' Qwen3ForCausalLM with `model`'s config and weights; EOS never stops it."""
+    """transformers' Qwen3ForCausalLM with `model`'s config and weights (and dtype); EOS
+    never stops it."""
     hcfg = transformers.Qwen3Config(**dataclasses.asdict(model.cfg), attn_implementation="eager")
-    twin = transformers.Qwen3ForCausalLM(hcfg)
+    twin = transformers.Qwen3ForCausalLM(hcfg).to(next(model.parameters()).dtype)
     twin.load_state_dict(model.state_dict(), strict=True)
     twin.generation_config.eos_token_id = None
     twin.generation_config.pad_token_id = 0
@@ -46,28 +47,35 @@ def make_prompts(count, seed, low=3, high=14):
     return [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in lengths]
 
 
+@pytest.fixture
+def model(tiny_model):
+    """The model under test in float32 (a no-op for the tiny model; with --model, a real
+    bfloat16 checkpoint is compared in float32, where rounding cannot flip its choices)."""
+    return tiny_model.float()
+
+
 def first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def test_identical_models_report_parity(impl, tiny_model):
-    twin = copy.deepcopy(tiny_model)
+def test_identical_models_report_parity(impl, model):
+    twin = copy.deepcopy(model)
     prompts = make_prompts(3, seed=1)
-    report = impl.parity.compare_logits(tiny_model, twin, prompts)
+    report = impl.parity.compare_logits(model, twin, prompts)
     assert report.max_abs == 0.0 and report.mean_abs == 0.0, f"identical models: {report}"
     assert report.argmax_agreement == 1.0
     assert [len(row) for row in report.per_position] == [len(p) for p in prompts], \
         "per_position needs one entry per position of each prompt"
-    assert impl.parity.greedy_parity(tiny_model, twin, prompts, 6) == []
+    assert impl.parity.greedy_parity(model, twin, prompts, 6) == []
 
 
-def test_logits_match_transformers(impl, tiny_model, device):
-    twin = hf_twin(tiny_model, device)
+def test_logits_match_transformers(impl, model, device):
+    twin = hf_twin(model, device)
     prompts = make_prompts(4, seed=2)
-    report = impl.parity.compare_logits(tiny_model, twin, prompts)
+    report = impl.parity.compare_logits(model, twin, prompts)
     with torch.no_grad():
         scale = max(float(twin(torch.tensor([p], device=device)).logits.abs().max()) for p in prompts)
-        direct = max(float((tiny_model(torch.tensor([p], device=device)) - twin(torch.tensor([p], device=device)).logits)
+        direct = max(float((model(torch.tensor([p], device=device)) - twin(torch.tensor([p], device=device)).logits)
                            .abs().max()) for p in prompts)
     assert report.max_abs == pytest.approx(direct, rel=1e-6, abs=1e-9), \
         f"compare_logits says max |diff| {report.max_abs:.6g}; running both models here gives {direct:.6g}"
@@ -75,22 +83,22 @@ def test_logits_match_transformers(impl, tiny_model, device):
     assert report.argmax_agreement == 1.0, f"ours vs transformers: {report}"
 
 
-def test_greedy_generate_matches_transformers_generate(impl, tiny_model, device):
+def test_greedy_generate_matches_transformers_generate(impl, model, device):
     """Our Chapter 8 generate (full recompute) against transformers' generate, token for token."""
-    twin = hf_twin(tiny_model, device)
+    twin = hf_twin(model, device)
     for i, prompt in enumerate(make_prompts(5, seed=3)):
-        ours = impl.sampling.generate(tiny_model, prompt, NEW_TOKENS, use_cache=False)
+        ours = impl.sampling.generate(model, prompt, NEW_TOKENS, use_cache=False)
         theirs = hf_greedy(twin, prompt, NEW_TOKENS)
         step = first_diff(ours, theirs)
         assert ours == theirs, (f"prompt {i} {prompt}: greedy tokens part at step {step}: "
                                 f"transformers {theirs}, ours {ours}")
 
 
-def test_harness_agrees_with_transformers_generate(impl, tiny_model, device):
+def test_harness_agrees_with_transformers_generate(impl, model, device):
     """greedy_parity with transformers' own generate on one side finds no divergence."""
-    twin = hf_twin(tiny_model, device)
+    twin = hf_twin(model, device)
     prompts = make_prompts(3, seed=4)
-    found = impl.parity.greedy_parity(tiny_model, twin, prompts, 8, generate_b=hf_greedy)
+    found = impl.parity.greedy_parity(model, twin, prompts, 8, generate_b=hf_greedy)
     assert found == [], "ours vs transformers: " + "; ".join(map(str, found))
 
 
@@ -104,17 +112,17 @@ def plant(model, token, seed=5):
     return broken
 
 
-def test_planted_divergence_found_at_the_right_token(impl, tiny_model, device):
+def test_planted_divergence_found_at_the_right_token(impl, model, device):
     prompt = [72, 101, 108, 108, 111, 44, 32, 119]
-    good = hf_greedy(hf_twin(tiny_model, device), prompt, NEW_TOKENS)
+    good = hf_greedy(hf_twin(model, device), prompt, NEW_TOKENS)
     # The first generated token that the prompt does not contain: its embedding is first
     # read one step after it is generated, so that is where the copies can first part.
     step, token = next((s, t) for s, t in enumerate(good) if t not in prompt and t not in good[:s])
-    broken = plant(tiny_model, token)
+    broken = plant(model, token)
     bad = hf_greedy(hf_twin(broken, device), prompt, NEW_TOKENS)
     where = first_diff(good, bad)
     assert where == step + 1, f"test setup: the planted change should act at step {step + 1}, acted at {where}"
-    found = impl.parity.greedy_parity(tiny_model, broken, [[9, 9, 9], prompt], NEW_TOKENS)
+    found = impl.parity.greedy_parity(model, broken, [[9, 9, 9], prompt], NEW_TOKENS)
     assert len(found) == 1, f"expected one divergence (prompt 1), got {[str(d) for d in found]}"
     d = found[0]
     assert (d.prompt_index, d.step, d.expected, d.got) == (1, where, good[where], bad[where]), (
@@ -124,11 +132,11 @@ def test_planted_divergence_found_at_the_right_token(impl, tiny_model, device):
     assert d.margin_a > 0 and d.margin_b > 0, f"each model prefers its own token: margins {d.margin_a}, {d.margin_b}"
 
 
-def test_planted_divergence_in_the_logits(impl, tiny_model):
+def test_planted_divergence_in_the_logits(impl, model):
     token = 200
-    broken = plant(tiny_model, token)
+    broken = plant(model, token)
     prompts = [[5, 6, 7, 8, token, 9, 10], [1, 2, 3], [token, 4, 4]]
-    report = impl.parity.compare_logits(tiny_model, broken, prompts)
+    report = impl.parity.compare_logits(model, broken, prompts)
     assert report.per_position[1] == [0.0, 0.0, 0.0], "a prompt without the token must match exactly"
     assert report.per_position[0][:4] == [0.0] * 4, "positions before the token must match exactly"
     assert min(report.per_position[0][4:]) > 1e-3, "positions from the token on must differ"
