@@ -1,0 +1,209 @@
+"""Chapter 26 milestone: speculative decoding changes how many target forwards a request
+costs, never which tokens it gets.
+
+Oracles: the reference's solo greedy `generate` on the target (token for token, whatever the
+draft), hand-worked logits for the acceptance rule, the reference's solo `generate` on the
+draft for what `propose` must guess, exact counts of target forwards when the draft is the
+target itself, and the target's own distribution (estimated from many seeded draws) for
+the sampled acceptance rule. Greedy parity is deterministic: the tiny model's greedy
+choices have margins far above the ~1e-6 by which a k + 1-token verify differs from
+one-token steps.
+"""
+import math
+
+import pytest
+import torch
+
+import course
+from course.models import tiny_qwen3
+from course.pytest_plugin import build_model
+
+pytestmark = pytest.mark.chapter(26)
+
+PROMPT_LENGTHS = (1, 6, 19, 40)
+
+
+def prompt(length, seed, vocab=256):
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def first_difference(expected, got):
+    for step, (e, g) in enumerate(zip(expected, got)):
+        if e != g:
+            return f"step {step}: expected token {e}, got {g}"
+    return f"lengths differ: expected {len(expected)} tokens, got {len(got)}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return course.reference()
+
+
+@pytest.fixture(scope="module")
+def solo(reference, device, model_path):
+    """solo(prompt, new, eos) -> the reference target's greedy generate (memoised)."""
+    target = build_model(reference.package, device, model_path)
+    memo = {}
+
+    def run(p, new, eos_token_id=None):
+        key = (tuple(p), new, eos_token_id)
+        if key not in memo:
+            memo[key] = reference.sampling.generate(target, p, new, eos_token_id=eos_token_id)
+        return memo[key]
+    return run
+
+
+@pytest.fixture
+def drafts(impl, tiny_model, device, model_path):
+    """Three drafts: the target itself (every guess right), the target's first layer (some
+    right), and an unrelated 1-layer model (almost all wrong)."""
+    found = {"target itself": tiny_model,
+             "first layer of the target": impl.speculative.truncated_draft(tiny_model, 1)}
+    if model_path is None:
+        found["unrelated model"] = tiny_qwen3(impl.package, device=device, seed=7, num_hidden_layers=1)
+    return found
+
+
+def one_hot_logits(tokens, vocab=10):
+    logits = torch.zeros(len(tokens), vocab)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize("target_choices, guesses, expected", [
+    ([4, 7, 1, 9], [4, 7, 1], [4, 7, 1, 9]),       # all three accepted, plus the bonus token
+    ([4, 7, 1, 9], [5, 7, 1], [4]),                # the first guess is wrong: only the correction
+    ([4, 7, 1, 9], [4, 2, 1], [4, 7]),             # a later guess matching by chance does not count
+    ([3], [], [3]),                                # no guesses: a plain decode step
+])
+def test_accept_greedy_keeps_the_matching_prefix_plus_one(impl, target_choices, guesses, expected):
+    got = impl.speculative.accept_greedy(one_hot_logits(target_choices), guesses)
+    assert list(got) == expected, (
+        f"target's choices {target_choices}, guesses {guesses}: expected emitted {expected}, got {list(got)}")
+
+
+def test_propose_guesses_what_the_draft_would_generate(impl, reference, drafts, device):
+    draft = drafts["first layer of the target"]
+    for length in PROMPT_LENGTHS:
+        p = prompt(length, seed=length)
+        expected = reference.sampling.generate(draft, p, 5)
+        cache = impl.kv_cache.KVCache.for_model(draft, 1, length + 8)
+        tokens, probs = impl.speculative.propose(draft, cache, p, 5)
+        assert list(tokens) == expected, f"prompt of {length} tokens: {first_difference(expected, list(tokens))}"
+        assert probs is None, "greedy proposals carry no probabilities"
+        assert cache.length == length + 4, (
+            f"after 5 guesses the draft cache should hold the prompt and guesses 1..4 "
+            f"({length + 4} slots), it holds {cache.length}")
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_output_equals_target_solo_generate(impl, solo, tiny_model, drafts, k):
+    for name, draft in drafts.items():
+        for length in PROMPT_LENGTHS:
+            p = prompt(length, seed=100 + length)
+            for new in ((1, 2, 17) if length == 6 else (2, 17)):
+                expected = solo(p, new)
+                got = impl.speculative.speculative_generate(tiny_model, draft, p, new, k=k)
+                assert list(got) == expected, (
+                    f"draft '{name}', k={k}, prompt of {length} tokens, {new} new tokens: "
+                    f"{first_difference(expected, list(got))}")
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_perfect_draft_counts(impl, tiny_model, k):
+    """With the target as its own draft every guess is accepted: one prefill, then one
+    verify per k + 1 tokens (fewer guesses near the end, never past max_new_tokens)."""
+    stats = impl.speculative.SpecStats()
+    new = 20
+    out = impl.speculative.speculative_generate(tiny_model, tiny_model, prompt(9, 1), new, k=k, stats=stats)
+    assert len(out) == new
+    verifies = math.ceil((new - 1) / (k + 1))
+    assert stats.target_forwards == 1 + verifies, (
+        f"k={k}, {new} tokens, perfect draft: expected 1 prefill + {verifies} verify forwards, "
+        f"counted {stats.target_forwards}")
+    assert stats.proposed == stats.accepted == new - 1 - verifies, (
+        f"k={k}: expected {new - 1 - verifies} guesses proposed and all accepted; "
+        f"proposed {stats.proposed}, accepted {stats.accepted}")
+    assert stats.acceptance_rate == 1.0
+    assert stats.emitted == new
+
+
+def test_acceptance_rate_reflects_the_draft(impl, tiny_model, drafts, model_path):
+    rates = {}
+    for name, draft in drafts.items():
+        stats = impl.speculative.SpecStats()
+        for length in PROMPT_LENGTHS:
+            impl.speculative.speculative_generate(tiny_model, draft, prompt(length, 7), 16, k=3, stats=stats)
+        assert 0 <= stats.accepted <= stats.proposed, f"draft '{name}': accepted more guesses than proposed"
+        assert stats.emitted == 16 * len(PROMPT_LENGTHS)
+        rates[name] = stats.acceptance_rate
+    assert rates["target itself"] == 1.0
+    assert rates["first layer of the target"] < 1.0
+    if model_path is None:
+        assert rates["unrelated model"] < rates["first layer of the target"], (
+            f"an unrelated draft should be accepted less often than the target's own first layer: {rates}")
+
+
+def test_stops_at_a_stop_token_like_generate(impl, solo, tiny_model, drafts):
+    p = prompt(12, 3)
+    stop = solo(p, 20)[6]                               # a token the target emits at step 6 (or earlier)
+    expected = solo(p, 20, eos_token_id=stop)
+    for name in ("target itself", "first layer of the target"):
+        got = impl.speculative.speculative_generate(tiny_model, drafts[name], p, 20, k=4, eos_token_id=stop)
+        assert list(got) == expected, (
+            f"draft '{name}', stop token {stop}: {first_difference(expected, list(got))} "
+            f"(the stop token is the last token returned; accepted guesses after it are dropped)")
+
+
+CASES = {
+    # target rows (k + 1 = 3 of them) and draft rows (k = 2) over a 5-token vocabulary
+    "draft always guesses 4": ([[0.6, 0.1, 0.1, 0.1, 0.1], [0.5, 0.1, 0.1, 0.2, 0.1], [0.2] * 5],
+                               [[0.0, 0.0, 0.0, 0.0, 1.0], [0.2] * 5]),
+    "draft too confident": ([[0.1, 0.2, 0.3, 0.4, 0.0], [0.5, 0.1, 0.1, 0.2, 0.1], [0.2] * 5],
+                            [[0.0, 0.0, 0.1, 0.1, 0.8], [0.2] * 5]),
+    "draft spread out": ([[0.6, 0.1, 0.1, 0.1, 0.1], [0.0, 0.0, 1.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1, 0.6]],
+                         [[0.2] * 5, [0.3, 0.3, 0.2, 0.1, 0.1]]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sampled_acceptance_keeps_the_target_distribution(impl, case):
+    """Speculative sampling's promise: the first emitted token is distributed as the
+    target's first row, whatever the draft proposes (draws: seeded, so the test is fixed).
+    Bounds: four standard deviations of a frequency over `draws` draws; the usual mistakes
+    (accepting every guess, or redrawing a rejected one from p instead of max(p - q, 0))
+    miss p's frequencies by 0.09 or more in these cases."""
+    p_rows, q_rows = (torch.tensor(rows) for rows in CASES[case])
+    g = torch.Generator().manual_seed(0)
+    draws = 3000
+    first = torch.zeros(5)
+    lengths = torch.zeros(4)
+    all_guesses = torch.stack([torch.multinomial(q, draws, replacement=True, generator=g) for q in q_rows], 1)
+    for guesses in all_guesses.tolist():
+        out = impl.speculative.accept_sampled(p_rows, q_rows, guesses, generator=g)
+        assert 1 <= len(out) <= 3, f"accept_sampled emitted {len(out)} tokens for 2 guesses"
+        assert list(out[:-1]) == guesses[:len(out) - 1], "tokens before the last must be accepted guesses"
+        first[out[0]] += 1
+        lengths[len(out)] += 1
+    freq = first / draws
+    p0 = p_rows[0]
+    bound = 4 * (p0 * (1 - p0) / draws).sqrt() + 0.005
+    assert bool(((freq - p0).abs() <= bound).all()), (
+        f"{case}: the first emitted token should follow the target row {p0.tolist()}, "
+        f"measured {[round(x, 3) for x in freq.tolist()]}")
+    # Expected acceptance of the first guess: sum over x of min(p(x), q(x)).
+    accept_first = torch.minimum(p_rows[0], q_rows[0]).sum().item()
+    measured = (lengths[2:].sum() / draws).item()
+    assert abs(measured - accept_first) < 4 * (0.25 / draws) ** 0.5 + 0.005, (
+        f"{case}: the first guess should be accepted with probability {accept_first:.3f}, measured {measured:.3f}")
+
+
+def test_sampled_generation_is_seeded(impl, tiny_model, drafts):
+    draft = drafts["first layer of the target"]
+    runs = []
+    for _ in range(2):
+        g = torch.Generator(device=next(tiny_model.parameters()).device).manual_seed(11)
+        runs.append(impl.speculative.speculative_generate(tiny_model, draft, prompt(8, 2), 12, k=3,
+                                                          temperature=0.8, generator=g))
+    assert len(runs[0]) == 12
+    assert runs[0] == runs[1], f"same seed, different samples: {runs[0]} vs {runs[1]}"
