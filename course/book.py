@@ -21,15 +21,21 @@ from .manifest import ROOT, Chapter, Manifest
 DEFAULT_OUT = ROOT / "build" / "book"
 
 
-def chapter_table(manifest: Manifest, link=lambda chapter: chapter.notebook_md) -> str:
-    """A Markdown table of every chapter: part, number, title and status. A written
-    chapter's title links to `link(chapter)` (its MyST notebook by default)."""
-    lines = ["| Part | # | Chapter | Status |", "|---|---:|---|---|"]
+def chapter_table(manifest: Manifest, link=lambda chapter: chapter.notebook_md, with_status: bool = True) -> str:
+    """A Markdown table of every chapter: part, number and title, plus (with_status) the
+    status, a written chapter's title then linking to `link(chapter)`."""
+    header = "| Part | # | Chapter |" + (" Status |" if with_status else "")
+    lines = [header, "|---|---:|---|" + ("---|" if with_status else "")]
     for part in manifest.parts:
         for index, chapter in enumerate(manifest.in_part(part.id)):
             part_cell = f"{part.id}. {part.title}" if index == 0 else ""
-            title = f"[{chapter.title}]({link(chapter)})" if chapter.written else chapter.title
-            lines.append(f"| {part_cell} | {chapter.number} | {title} | {chapter.status} |")
+            row = f"| {part_cell} | {chapter.number} | "
+            if with_status:
+                title = f"[{chapter.title}]({link(chapter)})" if chapter.written else chapter.title
+                row += f"{title} | {chapter.status} |"
+            else:
+                row += f"{chapter.title} |"
+            lines.append(row)
     return "\n".join(lines)
 
 
