@@ -32,6 +32,8 @@ def test_special_ids(tok):
     assert (tok.bos_token_id, tok.eos_token_id) == (256, 257), (
         f"<|bos|> is 256 and <|eos|> 257, right after the 256 byte values (the tiny config's bos/eos); "
         f"got {tok.bos_token_id}, {tok.eos_token_id}")
+    assert tok.encode("A", add_bos=True) == [256, 65], "encode('A', add_bos=True) is [<|bos|>, 65]"
+    assert tok.decode([256, 257], skip_special=False) == "<|bos|><|eos|>", "specials decode to their names on request"
 
 
 @pytest.mark.parametrize("text", TEXTS)
