@@ -16,6 +16,8 @@ ReferenceBackend, which stays slow on purpose.
 """
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from ..attention import causal_attention
@@ -80,52 +82,59 @@ class ReferenceBackend:
         once per step (positions, masks, which blocks to read) and reuses it.
         """
         plan = self.plan(meta, q.device, window)
-        # Head-major copies, made once per layer: per-request slices of them are cheap views
-        # whose last two axes are contiguous, the layout causal_attention's matmuls like best.
-        k_all, v_all = (self.dequantize(gather_context(pool, plan.blocks, plan.num_slots), cache, which, meta, None,
-                                        plan.num_slots).contiguous()
+        # Once per layer: every request's keys and values in one read per pool, head-major
+        # ([1, Hkv, S, D]) so that each request's share is a cheap view whose last two axes
+        # are contiguous; likewise the queries. The loop then only calls causal_attention.
+        keys, values = (self.dequantize(pool.view(-1, *pool.shape[2:]).index_select(0, plan.slots), cache, which,
+                                        meta, None, plan.num_slots).contiguous().split(plan.contexts, dim=2)
                         for which, pool in enumerate(cache[:2]))
-        q_heads = q.transpose(0, 1).contiguous()                                     # [H, N, D]
-        pieces, done = [], 0
-        for first, stop, offset, context, q_pos, k_pos, allowed in plan.requests:
-            if first > done:                      # rows of padding requests stay zero
-                pieces.append(q_heads.new_zeros((q_heads.shape[0], first - done, q_heads.shape[2])))
-            attended = causal_attention(q_heads[None, :, first:stop], k_all[:, :, offset:offset + context],
-                                        v_all[:, :, offset:offset + context], q_pos, k_pos, allowed, scale)
-            pieces.append(attended[0])
-            done = stop
-        if done < q.shape[0]:
-            pieces.append(q_heads.new_zeros((q_heads.shape[0], q.shape[0] - done, q_heads.shape[2])))
-        return (torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]).transpose(0, 1)
+        queries = q.transpose(0, 1).unsqueeze(0).contiguous().split(plan.segments, dim=2)
+        pieces = []
+        for part, job in zip(queries, plan.jobs):
+            if job is None:                           # a padding request: its rows stay zero
+                pieces.append(torch.zeros_like(part))
+                continue
+            which, q_pos, k_pos, allowed = job
+            pieces.append(causal_attention(part, keys[which], values[which], q_pos, k_pos, allowed, scale))
+        return torch.cat(pieces, dim=2)[0].transpose(0, 1)
 
     def plan(self, meta, device, window=0):
-        """Per-step facts every layer shares, computed on the first layer and then reused:
-        for each real request (first row, end row, where its context starts in the gathered
-        rows, context length, query positions, key positions, sliding-window mask), plus the
-        concatenated block list to gather all contexts with one read per pool."""
+        """What every layer of this step shares, worked out on the first layer and reused:
+        the flat pool slots holding every request's context (one gather per pool), how many
+        of them belong to each request, how many query rows each request has, and per real
+        request its query positions, key positions and sliding-window mask."""
         cached = self._plan
         if cached is not None and cached.meta is meta and cached.window == window:
             return cached
-        bounds, block_size = meta.query_start_loc_cpu, meta.block_size
-        requests, blocks, offset = [], [], 0
-        table_rows = meta.block_table.tolist() if meta.block_table.device.type == "cpu" else None
+        size, bounds = meta.block_size, meta.query_start_loc_cpu
+        on_host = meta.block_table.device.type == "cpu"
+        tables = meta.block_table.tolist() if on_host else None       # no device read on CUDA
+        positions = torch.arange(max(meta.seq_lens_cpu + [1]), device=device)
+        segments, contexts, jobs, blocks, keep = [], [], [], [], array("q")
+        gathered = 0                                        # blocks listed so far
         for r, context in enumerate(meta.seq_lens_cpu):
-            first, stop = bounds[r], bounds[r + 1]
-            if context == 0 or stop == first:
+            rows = bounds[r + 1] - bounds[r]
+            segments.append(rows)
+            if context == 0 or rows == 0:
+                jobs.append(None)
                 continue
-            used = -(-context // block_size)
-            row = table_rows[r][:used] if table_rows is not None else meta.block_table[r, :used]
-            blocks.append(torch.as_tensor(row, dtype=torch.int64, device=device) if table_rows is None else row)
-            k_pos = torch.arange(context, device=device)
-            q_pos = k_pos[context - (stop - first):]
+            used = -(-context // size)
+            blocks.append(tables[r][:used] if on_host else meta.block_table[r, :used])
+            keep.extend(range(gathered * size, gathered * size + context))   # not the last block's unused tail
+            gathered += used
+            k_pos = positions[:context]
+            q_pos = k_pos[context - rows:]
             allowed = (k_pos[None, :] > q_pos[:, None] - window) if window > 0 else None
-            requests.append((first, stop, offset, context, q_pos, k_pos, allowed))
-            offset += used * block_size
-        if table_rows is not None:
-            index = torch.tensor([b for row in blocks for b in row], dtype=torch.int64, device=device)
+            jobs.append((len(contexts), q_pos, k_pos, allowed))
+            contexts.append(context)
+        if on_host:
+            block_ids = torch.tensor([b for row in blocks for b in row], dtype=torch.int64, device=device)
         else:
-            index = torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64, device=device)
-        self._plan = _StepPlan(meta, window, requests, index, offset)
+            block_ids = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.int64, device=device)
+        every_slot = (block_ids[:, None] * size + torch.arange(size, device=device)).view(-1)
+        wanted = torch.frombuffer(keep, dtype=torch.int64) if keep else torch.zeros(0, dtype=torch.int64)
+        slots = every_slot.index_select(0, wanted.to(device))
+        self._plan = _StepPlan(meta, window, segments, contexts, jobs, slots)
         return self._plan
 
     def write(self, cache, k, v, meta):
@@ -137,19 +146,29 @@ class ReferenceBackend:
 
         A quantized pool (Chapter 32) keeps per-token scales after K and V in the cache
         tuple (cache[2] for K, cache[3] for V, each [num_blocks + 1, block_size, Hkv]); they
-        are read through the same blocks (request r's, or the whole step's when r is None)."""
+        are read from the same places: request r's blocks, or, when r is None, the slots of
+        the whole step that self.plan gathered."""
         x = x.float()
         if len(cache) > 2:
-            blocks = self._plan.blocks if r is None else meta.block_table[r]
-            x = x * gather_context(cache[2 + which], blocks, length).float().unsqueeze(-1)
+            scales = cache[2 + which]
+            if r is None:
+                picked = scales.view(-1, *scales.shape[2:]).index_select(0, self._plan.slots)
+            else:
+                picked = gather_context(scales, meta.block_table[r], length)
+            x = x * picked.float().unsqueeze(-1)
         return x.transpose(0, 1).unsqueeze(0)
 
 
 class _StepPlan:
-    __slots__ = ("meta", "window", "requests", "blocks", "num_slots")
+    __slots__ = ("meta", "window", "segments", "contexts", "jobs", "slots")
 
-    def __init__(self, meta, window, requests, blocks, num_slots):
-        self.meta, self.window, self.requests, self.blocks, self.num_slots = meta, window, requests, blocks, num_slots
+    def __init__(self, meta, window, segments, contexts, jobs, slots):
+        self.meta, self.window, self.segments, self.contexts = meta, window, segments, contexts
+        self.jobs, self.slots = jobs, slots
+
+    @property
+    def num_slots(self):
+        return sum(self.contexts)
 
 
 # --- the registry ----------------------------------------------------------------------------

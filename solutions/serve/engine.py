@@ -289,7 +289,8 @@ class EngineCore:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"generate: {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
-        tag = f"gen{self.steps}-{id(prompts):x}"
+        self._generate_calls = getattr(self, "_generate_calls", 0) + 1
+        tag = f"generate{self._generate_calls}"
         ids = [f"{tag}-{i}" for i in range(len(prompts))]
         added = []
         try:
