@@ -64,7 +64,10 @@ def _load(impl, args, device, dtype):
     pipeline = impl.load("pipeline")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = impl.load("checkpoint").load_checkpoint(args.model, dtype=dtype, device=device)
+    try:
+        model = impl.load("checkpoint").load_checkpoint(args.model, dtype=dtype, device=device)
+    except (OSError, ValueError) as exc:          # CheckpointError is a ValueError
+        raise CommandError(f"--model {args.model}: {exc}") from None
     tokenizer = pipeline.load_tokenizer(args.model, model.cfg.vocab_size)
     return model, tokenizer, pipeline.stop_token_ids(args.model), str(args.model)
 
