@@ -76,11 +76,12 @@ def matmul_parameters(cfg):
     plus the LM head (counted even when it is tied to the embedding, because the lookup of
     an embedding row is a copy, while the LM head is a real matrix product). Norm weights and
     biases are left out; they cost a handful of operations per channel."""
-    hidden, head_dim = cfg.hidden_size, head_dim_of(cfg)
-    q_width = cfg.num_attention_heads * head_dim
-    kv_width = cfg.num_key_value_heads * head_dim
-    per_layer = 2 * hidden * q_width + 2 * hidden * kv_width + 3 * hidden * cfg.intermediate_size
-    return cfg.num_hidden_layers * per_layer + cfg.vocab_size * hidden
+    hidden, layers, head_dim = cfg.hidden_size, cfg.num_hidden_layers, head_dim_of(cfg)
+    norms = layers * (2 * head_dim + 2 * hidden) + hidden
+    biases = 0
+    if getattr(cfg, "attention_bias", False):
+        biases = layers * ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim + hidden)
+    return count_parameters(cfg, embeddings=False) - norms - biases + cfg.vocab_size * hidden
 
 
 def bytes_per_element(dtype):
