@@ -1,0 +1,193 @@
+"""Chapter 11: reading (and writing) a Hugging Face Qwen3 checkpoint directory.
+
+A checkpoint directory holds config.json and the weights in safetensors files: either one
+model.safetensors, or several shards plus model.safetensors.index.json, whose "weight_map"
+says which shard holds each tensor. Our parameter names are Hugging Face's, so the mapping
+is nearly the identity; what the loader really does is check: every parameter present
+once, no stray tensors, every shape as the config promises, then cast and place each
+tensor as it is read, so a model never exists twice in memory.
+"""
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
+MODEL_TYPE = "qwen3"
+# Tensors some exporters wrote that hold nothing we load: rotary tables are recomputed.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot become our model. The message names the file and tensor."""
+
+
+def read_config(path):
+    """config.json of the directory `path` -> (Qwen3Config, the raw dict).
+
+    Refuses a config that does not describe a Qwen3 (model_type / architectures), because
+    another family's tensors may well have the same names and shapes and still compute
+    something else (Llama has no q_norm, Qwen2 has attention biases)."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file}: not found; a checkpoint directory needs {CONFIG_FILE}")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file}: not valid JSON ({exc})") from None
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    if model_type != MODEL_TYPE or (architectures and not set(architectures) & set(ARCHITECTURES)):
+        raise CheckpointError(
+            f"{file}: unknown architecture {architectures or None} (model_type {model_type!r}); "
+            f"this loader reads Qwen3 checkpoints (model_type {MODEL_TYPE!r}, "
+            f"architectures {list(ARCHITECTURES)})")
+    return Qwen3Config.from_dict(raw), raw
+
+
+def tensor_locations(path):
+    """Which safetensors file holds each tensor: {tensor name: Path}.  (Your engine: Chapter 11)
+
+    A directory has either model.safetensors.index.json (sharded: its "weight_map" maps
+    every tensor name to a shard file name in the same directory) or a single
+    model.safetensors (list its tensor names with safetensors' safe_open(...).keys(),
+    which reads only the header). Raise CheckpointError naming the file when neither
+    exists, or when the index names a shard that is not in the directory. Read names only:
+    no tensor data is loaded here.
+    """
+    raise NotImplementedError("Your engine: Chapter 11: tensor_locations")
+
+
+def match_names(locations, parameter_names, tied):
+    """Pair each checkpoint tensor with one of our parameters.  (Your engine: Chapter 11)
+
+    locations: {checkpoint tensor name: file} from tensor_locations; parameter_names: our
+    model's parameter names (`model.layers.0.self_attn.q_proj.weight`, ..., `lm_head.weight`),
+    which equal Hugging Face's. Returns {checkpoint name: our name}.
+      - A checkpoint saved from the bare Qwen3Model has no "model." prefix
+        (`layers.0...`, `embed_tokens.weight`, `norm.weight`): add it.
+      - With tied embeddings (`tied`), lm_head.weight IS the embedding: it is usually absent
+        from the file; if present it is skipped (the embedding is loaded once).
+      - Names ending in IGNORED_SUFFIXES are skipped.
+    Raise CheckpointError naming the tensor and its file for a tensor that matches no
+    parameter (or that two file names map onto), and naming the tensor for every parameter
+    no file provides.
+    """
+    raise NotImplementedError("Your engine: Chapter 11: match_names")
+
+
+def _resolve_dtype(dtype, raw_config, locations):
+    if dtype is not None:
+        return dtype
+    named = raw_config.get("dtype") or raw_config.get("torch_dtype")
+    if named in DTYPES:
+        return DTYPES[named]
+    name, file = next(iter(locations.items()))
+    with safe_open(file, framework="pt") as handle:
+        stored = handle.get_slice(name).get_dtype()
+    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}[stored]
+
+
+@contextmanager
+def skip_init():
+    """Skip nn.Linear / nn.Embedding random initialisation while the model is built on
+    "meta": the values would be thrown away, and drawing them on meta is slow."""
+    names = ("normal_", "uniform_", "kaiming_uniform_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def _set_parameter(model, name, tensor):
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
+
+
+def load_checkpoint(path, dtype=None, device=None):
+    """A Hugging Face Qwen3 directory -> Qwen3ForCausalLM in eval mode.  (Your engine: Chapter 11)
+
+    dtype: the parameter dtype (None: the config's "dtype"/"torch_dtype", else the file's);
+    device: where the parameters live (None: cpu). Steps: read_config; build the model on
+    the "meta" device inside skip_init() (shapes only: no memory, no random draws);
+    tensor_locations and
+    match_names; then for each file, open it once with safe_open, and for each of its
+    tensors check the shape against the parameter's (CheckpointError naming the tensor,
+    the file, both shapes), cast, move and install it as the parameter. Re-tie lm_head to
+    the embedding when the config says tie_word_embeddings (installing a new embedding
+    Parameter breaks the tie made in __init__). No parameter may stay on "meta".
+    """
+    raise NotImplementedError("Your engine: Chapter 11: load_checkpoint")
+
+
+def save_checkpoint(model, path, max_shard_bytes=None):
+    """Write `model` as a Hugging Face-style directory that load_checkpoint (and
+    transformers' from_pretrained) reads: config.json plus model.safetensors, or shards of
+    at most max_shard_bytes each (a tensor larger than that gets a shard of its own) and
+    model.safetensors.index.json. A tied lm_head is not written. Returns the file names."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in [*root.glob("model*.safetensors"), root / INDEX_FILE]:
+        stale.unlink(missing_ok=True)           # shards of an earlier save would confuse a reader
+    cfg = model.cfg
+    tensors = {name: p.detach().contiguous().cpu() for name, p in model.state_dict().items()
+               if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
+    dtype = next(iter(tensors.values())).dtype
+    config = dict(vars(cfg), architectures=["Qwen3ForCausalLM"], model_type=MODEL_TYPE,
+                  dtype=str(dtype).removeprefix("torch."))
+    (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if max_shard_bytes is None:
+        save_file(tensors, root / SINGLE_FILE, metadata={"format": "pt"})
+        return [CONFIG_FILE, SINGLE_FILE]
+    shards, size = [[]], 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map, files = {}, []
+    for i, names in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, root / file, metadata={"format": "pt"})
+        weight_map.update({n: file for n in names})
+        files.append(file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return [CONFIG_FILE, INDEX_FILE, *files]
+
+
+def inventory(path):
+    """Every tensor of a checkpoint directory without loading data: a list of dicts with
+    name, file, shape, dtype (as safetensors spells it) and nbytes, in file order."""
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+    rows = []
+    locations = tensor_locations(path)
+    for file in sorted(set(locations.values())):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                shape, kind = tuple(piece.get_shape()), piece.get_dtype()
+                count = 1
+                for n in shape:
+                    count *= n
+                rows.append(dict(name=name, file=file.name, shape=shape, dtype=kind,
+                                 nbytes=count * sizes.get(kind, 0)))
+    return rows

@@ -1,0 +1,104 @@
+"""Chapter 23: chunked prefill. A long prompt enters the cache C tokens at a time.
+
+One forward call over a 4,000-token prompt is the most efficient way to fill its cache,
+and the worst thing a server can do to everyone else: while that call runs, no other
+request gets a token. Splitting the prompt into chunks of C tokens bounds how long any
+single call takes, so a server can put one chunk and everyone's decode token into each
+step (Chapter 24 does exactly that).
+
+Nothing new is needed in the model. Since Chapter 16, a call continues from the cache's
+length: a chunk's queries sit at slots start .. start + C - 1, they see every key already
+in the cache plus the earlier keys of their own chunk, and the causal rule does the rest.
+A chunked prefill is therefore the one-shot prefill computed in pieces, and its logits
+agree with the one-shot ones up to float rounding.
+"""
+import time
+
+import torch
+
+from .kv_cache import KVCache
+from .sampling import sample
+
+
+def chunk_spans(num_tokens, chunk_size):
+    """[(start, end), ...] covering 0 .. num_tokens in pieces of chunk_size (the last may be short)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    return [(start, min(start + chunk_size, num_tokens)) for start in range(0, num_tokens, chunk_size)]
+
+
+@torch.inference_mode()
+def prefill_chunked(model, cache, prompt_ids, chunk_size, keep_logits=False):
+    """Feed prompt_ids (list of ints) into `cache` with one model call per chunk.
+    (Your engine: Chapter 23)
+
+    Call the model on [1, c] tokens at a time, c <= chunk_size, in order, each call with
+    cache=cache (the model continues positions from cache.length, so the chunks need no
+    positions of their own, and a cache that already holds a prefix simply continues).
+    Returns the logits of the prompt's last position, shape [vocab]; with keep_logits=True
+    the logits of every prompt position, [len(prompt_ids), vocab], which must match a
+    one-shot model(prompt) to float tolerance. Only the final chunk's last row is needed
+    for generation; keeping every chunk's logits costs memory a real engine never spends.
+    """
+    raise NotImplementedError("Your engine: Chapter 23: prefill_chunked")
+
+
+@torch.inference_mode()
+def generate_chunked(model, prompt_ids, max_new_tokens, chunk_size, *, eos_token_id=None, stop_token_ids=(),
+                     temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, generator=None):
+    """Chapter 17's generate with the prompt prefilled in chunks of chunk_size tokens.
+    (Your engine: Chapter 23)
+
+    Same contract and stop rules as generate (max_new_tokens; eos_token_id or a stop
+    token, included in the output; the model's context_limit), and for greedy decoding the
+    same tokens, whatever chunk_size is. Size a KVCache for prompt plus output (capped at
+    the context limit), prefill with prefill_chunked, then decode one token per call.
+    """
+    raise NotImplementedError("Your engine: Chapter 23: generate_chunked")
+
+
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def serve_two(model, running_prompt, long_prompt, chunk_size=None, decode_steps=16):
+    """A two-request picture of why servers chunk: request A is decoding when request B
+    arrives with a long prompt. Each step gives A one decode token and B either its whole
+    prompt (chunk_size=None: one-shot) or its next chunk, until B has its first token.
+
+    Greedy, one forward call per request per step (Chapter 24 merges them into one call).
+    Returns a dict of wall-clock times in seconds, measured from B's arrival:
+      a_token_times  when each of A's decode_steps tokens came out,
+      a_gaps         the wait before each of them (the first counts from B's arrival),
+      a_max_gap      the longest of those waits (A's stall),
+      b_first_token  when B's first token came out (B's time to first token; None when
+                     B's prefill needs more than decode_steps steps),
+      b_steps        how many steps B's prefill took.
+    """
+    device = next(model.parameters()).device
+    cache_a = KVCache.for_model(model, 1, len(running_prompt) + decode_steps + 1)
+    cache_b = KVCache.for_model(model, 1, len(long_prompt) + 1)
+    logits_a = prefill_chunked(model, cache_a, running_prompt, len(running_prompt))
+    spans = chunk_spans(len(long_prompt), chunk_size or len(long_prompt))
+    _synchronize(device)
+    begin, last = time.perf_counter(), None
+    a_times, b_first, b_steps, gaps = [], None, 0, []
+    for step in range(decode_steps):
+        if step < len(spans):                               # B's next piece of prefill
+            start, end = spans[step]
+            ids = torch.tensor([list(long_prompt[start:end])], device=device)
+            logits_b = model(ids, cache=cache_b)[0, -1]
+            b_steps += 1
+            if end == len(long_prompt):
+                int(sample(logits_b))                       # B's first token (forces the sync)
+                b_first = time.perf_counter() - begin
+        token = int(sample(logits_a))                       # A's token of this step
+        now = time.perf_counter() - begin
+        a_times.append(now)
+        gaps.append(now - (last if last is not None else 0.0))
+        last = now
+        logits_a = model(torch.tensor([[token]], device=device), cache=cache_a)[0, -1]
+    return {"a_token_times": a_times, "a_gaps": gaps, "a_max_gap": max(gaps), "b_first_token": b_first,
+            "b_steps": b_steps}

@@ -1,0 +1,261 @@
+"""Chapter 24: continuous batching over a static cache of fixed-size rows ("slots").
+
+Static batching (Chapter 21) starts a batch together and ends it together: a request that
+finishes early leaves its row idle until the longest one is done, and a request that arrives
+late waits for the whole batch. Continuous batching decides again at every step. Each
+request owns one row (a slot) of a preallocated cache for as long as it runs; the moment it
+finishes, its slot is handed to the next waiting request, while the others keep decoding.
+
+Per step the engine makes
+  * one forward call per request that is still prefilling (one chunk of its prompt, on a
+    view of its own row), and
+  * ONE forward call for every request that is decoding: their newest tokens form a
+    [num_decoding, 1] batch over their rows of the cache, each row at its own length.
+
+The second point is what the model's per-row cache lengths are for: with `cache.length` a
+tensor [B], Qwen3Model gives row b the slot cache.length[b] and RoPE position
+cache.length[b], and causal attention hides the keys beyond each row's own length, so rows
+of different lengths share one call without padding the queries.
+
+The price of this design is memory: every slot reserves slot_len tokens of K/V whether its
+request uses 20 of them or 300. Chapter 25 removes that waste with a paged cache.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SlotKVCache:
+    """K/V of `num_slots` sequences of at most `slot_len` tokens, one row each.
+
+    Per layer: k[layer], v[layer] of shape [num_slots, kv_heads, slot_len, head_dim].
+    lengths[s] (host ints) counts the filled positions of slot s. The model never sees this
+    object directly: `rows(slot_ids)` returns a view over some rows that speaks the cache
+    protocol Qwen3Model expects (length, update, advance).
+    """
+
+    def __init__(self, num_layers, num_slots, kv_heads, head_dim, slot_len, dtype=torch.float32, device="cpu"):
+        shape = (num_slots, kv_heads, slot_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots, self.slot_len = num_slots, slot_len
+        self.device = torch.device(device)
+        self.lengths = [0] * num_slots
+
+    @classmethod
+    def for_model(cls, model, num_slots, slot_len):
+        cfg, weight = model.cfg, next(model.parameters())
+        return cls(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, cfg.head_dim, slot_len,
+                   weight.dtype, weight.device)
+
+    def rows(self, slot_ids):
+        return SlotRows(self, list(slot_ids))
+
+    def reset(self, slot):
+        """Forget slot's contents (its stale keys stay in memory but lie beyond length 0)."""
+        self.lengths[slot] = 0
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class SlotRows:
+    """A view of some rows of a SlotKVCache, in the order given, as one batch for the model.
+
+    With one row, `length` is a plain int and the view is that row's slice of the cache (a
+    prefill chunk, or a lone decoder). With several, `length` is a long tensor [B] of the
+    rows' own lengths, which makes the model place every row's tokens at that row's end.
+    """
+
+    def __init__(self, cache, slot_ids):
+        self.cache, self.slot_ids = cache, slot_ids
+        self._index = torch.tensor(slot_ids, dtype=torch.long, device=cache.device)
+        self._starts = [cache.lengths[s] for s in slot_ids]
+
+    @property
+    def length(self):
+        if len(self.slot_ids) == 1:
+            return self._starts[0]
+        return torch.tensor(self._starts, dtype=torch.long, device=self.cache.device)
+
+    def update(self, layer, k, v):
+        """Store each row's new keys/values at that row's own length and return every row's
+        keys/values so far.  (Your engine: Chapter 24)
+
+        k, v: [B, kv_heads, T, head_dim], row b belonging to slot slot_ids[b] whose filled
+        length (before this step) is self._starts[b]; its T new entries go to cache positions
+        starts[b] .. starts[b] + T - 1 of that slot, in layer `layer` of cache.k / cache.v.
+        Return (keys, values), each [B, kv_heads, Tk, head_dim] with Tk = max(starts) + T:
+        row b holds slot slot_ids[b]'s positions 0 .. Tk - 1. Positions past a row's own end
+        hold stale data from earlier requests; that is fine, because causal attention masks
+        every key whose slot lies beyond the query's slot. Raise ValueError naming the slot
+        if a row would overflow slot_len. Do not move the lengths: advance() does that once
+        every layer has written.
+        Hint: with one row, write and return slices of the cache (no copy). With several,
+        an advanced-indexing assignment cache.k[layer][slots, :, positions] = ... writes all
+        rows at once (slots [B, 1] and positions [B, T] broadcast), and index_select on
+        dim 0 gathers the rows back.
+        """
+        raise NotImplementedError("Your engine: Chapter 24: SlotRows.update")
+
+    def advance(self, num_tokens):
+        for slot in self.slot_ids:
+            self.cache.lengths[slot] += num_tokens
+
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+@dataclass(eq=False)
+class SlotRequest:
+    """A request's state inside the engine."""
+    request_id: str
+    prompt_ids: list
+    max_new_tokens: int
+    stop_token_ids: tuple = ()
+    slot: int | None = None
+    num_prefilled: int = 0                 # prompt tokens whose K/V are in the slot
+    output_ids: list = field(default_factory=list)
+
+    @property
+    def phase(self):
+        return PREFILL if self.num_prefilled < len(self.prompt_ids) else DECODE
+
+
+class ContinuousBatchingEngine:
+    """Serve many requests at once, each in its own slot of a static cache.
+
+    model: a Qwen3ForCausalLM (or anything with the same forward and cache protocol).
+    num_slots: how many requests run at once; slot_len: tokens per slot (prompt plus output
+    must fit). chunk_size: prompt tokens per prefill call (None: the whole prompt at once).
+    eos_token_id: ends any request that emits it (defaults to the model config's).
+    Greedy decoding: every request's output equals solo `generate` on its prompt.
+    """
+
+    def __init__(self, model, num_slots=8, slot_len=320, chunk_size=None, eos_token_id=None):
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.model = model
+        self.num_slots, self.slot_len, self.chunk_size = num_slots, slot_len, chunk_size
+        self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(model.cfg, "eos_token_id", None)
+        self.device = next(model.parameters()).device
+        self.cache = SlotKVCache.for_model(model, num_slots, slot_len)
+        self.limit = getattr(model, "context_limit", 1 << 30)
+        self.waiting = deque()
+        self.slots = [None] * num_slots          # slot -> SlotRequest running in it
+        self.steps = 0
+        self.forward_calls = 0
+
+    # -- the public API -----------------------------------------------------------------
+    def add_request(self, request_id, prompt_ids, max_new_tokens, stop_token_ids=()):
+        """Queue a request. It is admitted at a step when a slot is free (first come, first served)."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError(f"{request_id}: empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"{request_id}: max_new_tokens must be at least 1")
+        # The last output token is never fed back, so prompt + max_new - 1 positions are stored.
+        need = len(prompt_ids) + max_new_tokens - 1
+        if need > self.slot_len:
+            raise ValueError(f"{request_id}: needs {need} cache positions "
+                             f"({len(prompt_ids)} prompt + {max_new_tokens} new - 1) but a slot holds {self.slot_len}")
+        self.waiting.append(SlotRequest(request_id, prompt_ids, max_new_tokens, tuple(stop_token_ids)))
+
+    @property
+    def has_unfinished(self):
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    @property
+    def running(self):
+        return [r for r in self.slots if r is not None]
+
+    def step(self):
+        """One engine step: admit, decode every decoding request in one call, then run one
+        prefill chunk for each prefilling request. Returns [(request_id, new_token_ids, finished)]."""
+        self._admit()
+        decoding = [r for r in self.running if r.phase == DECODE]
+        prefilling = [r for r in self.running if r.phase == PREFILL]
+        events = []
+        if decoding:
+            for request, token in zip(decoding, self._decode(decoding)):
+                events.append(self._emit(request, token))
+        for request in prefilling:
+            token = self._prefill_chunk(request)
+            if token is not None:
+                events.append(self._emit(request, token))
+        self.steps += 1
+        return events
+
+    def run(self, items):
+        """Serve WorkItems (Chapter 22) to completion; returns {request_id: output token ids}."""
+        outputs = {}
+        for item in items:
+            self.add_request(item.request_id, item.prompt_ids, item.max_tokens)
+            outputs[item.request_id] = []
+        while self.has_unfinished:
+            for request_id, tokens, _ in self.step():
+                outputs[request_id].extend(tokens)
+        return outputs
+
+    # -- the parts of a step --------------------------------------------------------------
+    def _admit(self):
+        """Give every free slot to the oldest waiting request."""
+        for slot in range(self.num_slots):
+            if self.slots[slot] is None and self.waiting:
+                request = self.waiting.popleft()
+                request.slot = slot
+                self.cache.reset(slot)
+                self.slots[slot] = request
+
+    def _forward(self, token_rows, slot_ids):
+        """One model call on token_rows [B, T] over the given slots; logits of the last position [B, V]."""
+        self.forward_calls += 1
+        ids = torch.tensor(token_rows, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(ids, cache=self.cache.rows(slot_ids))
+        return logits[:, -1]
+
+    @staticmethod
+    def _pick(logits):
+        """Greedy choice per row: argmax, lowest id on ties (as sampling.sample does)."""
+        return [int(t) for t in logits.argmax(dim=-1)]
+
+    def _prefill_chunk(self, request):
+        """Run the next chunk of one request's prompt through the model on its own slot.
+        (Your engine: Chapter 24)
+
+        The chunk is prompt_ids[num_prefilled : num_prefilled + chunk_size] (the whole rest
+        of the prompt when chunk_size is None), fed as a [1, T] batch with
+        self._forward(rows, [request.slot]); the slot's cache length says where the chunk
+        starts, so its keys land after the earlier chunks' and its RoPE positions continue
+        from them. Add T to num_prefilled. If this chunk completes the prompt, the logits
+        of its last position give the request's first output token: return it (greedy,
+        self._pick). Otherwise return None: a mid-prompt chunk's logits predict a token
+        the prompt already contains.
+        """
+        raise NotImplementedError("Your engine: Chapter 24: ContinuousBatchingEngine._prefill_chunk")
+
+    def _decode(self, requests):
+        """One forward call for all decoding requests; returns one new token per request.
+        (Your engine: Chapter 24)
+
+        Every request here has its prompt in its slot and at least one output token whose
+        K/V are not yet stored: its newest token output_ids[-1]. Feed those as a
+        [len(requests), 1] batch over the requests' slots (self._forward with their slot
+        ids, in the same order), and return the greedy choice for each row, in order.
+        There is no padding: each row's cache length places its token (and its RoPE
+        position) at the end of its own sequence.
+        """
+        raise NotImplementedError("Your engine: Chapter 24: ContinuousBatchingEngine._decode")
+
+    def _emit(self, request, token):
+        """Append a sampled token; free the slot if the request is done."""
+        request.output_ids.append(token)
+        finished = (len(request.output_ids) >= request.max_new_tokens or token == self.eos_token_id
+                    or token in request.stop_token_ids
+                    or len(request.prompt_ids) + len(request.output_ids) >= self.limit)
+        if finished:
+            self.slots[request.slot] = None
+        return request.request_id, [token], finished

@@ -1,0 +1,174 @@
+"""Chapters 1 and 2: what a model costs, from its config alone.
+
+Every function here reads only config fields with Hugging Face's names (hidden_size,
+num_hidden_layers, ...), so it accepts our Qwen3Config, a transformers Qwen3Config or any
+object with those attributes. Nothing is allocated: the numbers for a 32B model come out
+as fast as those for the tiny test model.
+"""
+from dataclasses import dataclass
+
+import torch
+
+# Config values of the dense Qwen3 releases, copied from each checkpoint's config.json on the
+# Hugging Face hub (Qwen/Qwen3-0.6B ... Qwen/Qwen3-32B). All share vocab_size 151936 and
+# head_dim 128; the three smallest tie the LM head to the embedding.
+QWEN3_CONFIGS = {
+    "Qwen3-0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen3-4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "Qwen3-14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+    "Qwen3-32B": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def qwen3_config(name):
+    """Our Qwen3Config for one of the published sizes, e.g. qwen3_config("Qwen3-8B")."""
+    from .qwen3 import Qwen3Config
+    if name not in QWEN3_CONFIGS:
+        raise KeyError(f"unknown Qwen3 size {name!r}; known: {', '.join(QWEN3_CONFIGS)}")
+    return Qwen3Config(vocab_size=151936, head_dim=128, rope_theta=1000000.0,
+                       max_position_embeddings=40960, **QWEN3_CONFIGS[name])
+
+
+def head_dim_of(cfg):
+    """cfg.head_dim, or hidden_size / num_attention_heads for configs that leave it out."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def count_parameters(cfg, embeddings=True):
+    """The number of parameters of a Qwen3ForCausalLM with this config.  (Your engine: Chapter 1)
+
+    Count by formula from the config; do not build the model. Per decoder layer: the q, k,
+    v and o projections (q and o are num_attention_heads * head_dim wide, k and v only
+    num_key_value_heads * head_dim: grouped-query attention), a bias on each of the four
+    when cfg.attention_bias is true, q_norm and k_norm (head_dim each), the two layer norms
+    (hidden_size each) and the three MLP matrices (gate, up, down). Around the layers: the
+    embedding table (vocab_size x hidden_size), the final norm, and the LM head, which is a
+    second vocab_size x hidden_size matrix unless cfg.tie_word_embeddings shares the table.
+    With embeddings=False leave out the embedding table and an untied LM head (the
+    "non-embedding" figure that model cards quote).
+    Must equal sum(p.numel() for p in model.parameters()), which counts a tied matrix once.
+    """
+    raise NotImplementedError("Your engine: Chapter 1: count_parameters")
+
+
+def matmul_parameters(cfg):
+    """Parameters that every token is multiplied by: all projection matrices of the layers
+    plus the LM head (counted even when it is tied to the embedding, because the lookup of
+    an embedding row is a copy, while the LM head is a real matrix product). Norm weights and
+    biases are left out; they cost a handful of operations per channel."""
+    hidden, layers, head_dim = cfg.hidden_size, cfg.num_hidden_layers, head_dim_of(cfg)
+    norms = layers * (2 * head_dim + 2 * hidden) + hidden
+    biases = 0
+    if getattr(cfg, "attention_bias", False):
+        biases = layers * ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim + hidden)
+    return count_parameters(cfg, embeddings=False) - norms - biases + cfg.vocab_size * hidden
+
+
+def bytes_per_element(dtype):
+    """2 for torch.bfloat16, 4 for torch.float32, 1 for torch.int8 or float8 types."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def weight_bytes(cfg, dtype=torch.bfloat16):
+    """Bytes the model's parameters occupy in `dtype` (a tied matrix stored once)."""
+    return count_parameters(cfg) * bytes_per_element(dtype)
+
+
+def flops_per_token(cfg, context=0):
+    """Forward FLOPs for one token that attends to `context` keys.  (Your engine: Chapter 2)
+
+    Two parts, counting a multiply-add as 2 FLOPs:
+      weights:   every token multiplies a vector by each matrix in matmul_parameters(cfg)
+                 once, which is 2 FLOPs per parameter;
+      attention: in every layer, each query head takes a dot product with `context` keys
+                 (Q K^T) and then a weighted sum of `context` values (A V), each costing
+                 2 * head_dim FLOPs per key.
+    `context` counts the keys the token sees, itself included (a decode step at position p
+    of a causal model has context p + 1). Norms, RoPE, softmax and SiLU are left out.
+    Returns an int.
+    """
+    raise NotImplementedError("Your engine: Chapter 2: flops_per_token")
+
+
+def kv_bytes_per_token(cfg, dtype=torch.bfloat16):
+    """Bytes of KV cache one token occupies, over all layers.  (Your engine: Chapter 2)
+
+    Each layer stores one key and one value vector per key/value head for every token:
+    num_key_value_heads * head_dim numbers each, in `dtype`. Query heads store nothing, so
+    grouped-query attention divides this by num_attention_heads / num_key_value_heads.
+    Qwen3-8B in bfloat16: 2 * 36 * 8 * 128 * 2 = 147,456 bytes.
+    """
+    raise NotImplementedError("Your engine: Chapter 2: kv_bytes_per_token")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """FLOPs done and bytes moved by one forward step (see step_cost)."""
+    flops: int
+    bytes: int
+
+    @property
+    def intensity(self):
+        """Arithmetic intensity: FLOPs per byte moved."""
+        return self.flops / self.bytes
+
+    def time(self, hardware):
+        """Roofline lower bound in seconds: the slower of computing and moving the bytes."""
+        return max(self.flops / hardware.peak_flops, self.bytes / hardware.bandwidth)
+
+    def bound(self, hardware):
+        """'compute' when the FLOPs take longer than the bytes on `hardware`, else 'memory'."""
+        return "compute" if self.intensity >= hardware.ridge else "memory"
+
+
+def step_cost(cfg, new_tokens, past_tokens=0, batch=1, dtype=torch.bfloat16):
+    """FLOPs and bytes of one forward step of a batch of sequences.  (Your engine: Chapter 2)
+
+    Each of `batch` sequences already has `past_tokens` in its KV cache and feeds
+    `new_tokens` new ones: a prefill is (new_tokens=prompt length, past_tokens=0), a decode
+    step is (new_tokens=1, past_tokens=length so far).
+      flops: the i-th new token (i = 1 .. new_tokens) sees past_tokens + i keys (causal), so
+             sum flops_per_token(cfg, past_tokens + i) over the new tokens, times batch.
+      bytes: the weight matrices (matmul_parameters in `dtype`) are read once per step,
+             however many tokens share them; each sequence reads the K and V of its
+             past_tokens and writes those of its new_tokens (kv_bytes_per_token each).
+             Activations are ignored: they are small beside weights and cache.
+    Returns StepCost(flops, bytes) with ints. The point of the model: weight bytes are
+    shared by every token in the step, FLOPs are not, so intensity grows with the number of
+    tokens in a step.
+    """
+    raise NotImplementedError("Your engine: Chapter 2: step_cost")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """An accelerator as the roofline sees it: peak dense FLOP/s and memory bytes/s."""
+    name: str
+    peak_flops: float
+    bandwidth: float
+
+    @property
+    def ridge(self):
+        """The intensity (FLOPs/byte) where the roofline bends: below it a step is memory bound."""
+        return self.peak_flops / self.bandwidth
+
+    def attainable(self, intensity):
+        """FLOP/s reachable at a given intensity: min(peak, intensity * bandwidth)."""
+        return min(self.peak_flops, intensity * self.bandwidth)
+
+
+# Dense BF16 tensor-core peaks and HBM bandwidth from NVIDIA's datasheets (SXM parts; the
+# datasheets quote sparse FLOPs too, which are twice these).
+GPUS = {
+    "A100-80GB": Hardware("A100-80GB", 312e12, 2.039e12),
+    "H100-SXM": Hardware("H100-SXM", 989e12, 3.35e12),
+    "H200": Hardware("H200", 989e12, 4.8e12),
+}

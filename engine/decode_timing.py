@@ -1,0 +1,217 @@
+"""Chapter 18: where the time of one decode step goes.
+
+A decode step feeds one token per sequence. Chapter 2's roofline says such a step is
+bound by memory: every weight matrix is read once, however few tokens use it, so the
+step cannot be faster than weight bytes / memory bandwidth. Real steps are often slower
+than that bound, for a second reason the roofline leaves out: each operation is a separate
+kernel launch (or, on a CPU, a separate trip through PyTorch's dispatcher), and a small
+model at batch 1 spends more time launching work than doing it.
+
+This module measures both:
+  decode_step_seconds  the time of one decode step at a given batch size and context;
+  launch_overhead      the fixed cost of one tiny operation, from a chain of them;
+  count_ops            how many operations one decode step dispatches;
+  decode_report        the step set against the roofline: how much of it the launches
+                       explain, and what memory bandwidth it achieved.
+Timing uses Chapter 14's time_it (warm-up, device synchronisation, median).
+"""
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .cost import Hardware, step_cost
+from .kv_cache import KVCache
+from .profiling import synchronizer, time_it
+
+
+def _param_dtype(model):
+    return next(model.parameters()).dtype
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def decode_step_seconds(model, batch, context, *, repeats=10, warmup=2):
+    """Median seconds of ONE decode step: `batch` sequences, each with `context` tokens
+    already in its cache, feed one new token each.  (Your engine: Chapter 18)
+
+    Build a KVCache for `batch` rows and context + 1 slots and mark `context` slots as
+    filled with cache.advance(context): what the cached keys contain does not change how
+    long the step takes, so there is no need to run a prefill. Each timed call runs
+    model(ids [batch, 1], cache=cache) and then truncates the cache back to `context`, so
+    every repeat measures the same step (without the truncate, each repeat would see one
+    more key, and the last would not fit). Time with Chapter 14's time_it on the model's
+    device (warm-up calls untimed, synchronised, median of `repeats`).
+    """
+    raise NotImplementedError("Your engine: Chapter 18: decode_step_seconds")
+
+
+@torch.inference_mode()
+def launch_overhead(device="cpu", *, num_ops=200, repeats=10, warmup=2):
+    """Seconds of fixed cost per operation, measured on a chain of tiny operations.
+    (Your engine: Chapter 18)
+
+    Make a one-element tensor on `device` and time (with time_it) a function that applies
+    num_ops dependent elementwise operations to it (x = x + 1, num_ops times). The data
+    is a single number, so the arithmetic is free: what remains is the price every
+    operation pays to be dispatched and, on a GPU, launched. Return median / num_ops.
+    Each operation must depend on the previous one's result, or the chain measures nothing
+    a model would do.
+    """
+    raise NotImplementedError("Your engine: Chapter 18: launch_overhead")
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen operations that reach a kernel (views and metadata changes excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def count_ops(model, batch=1, context=16):
+    """How many operations one decode step runs: a Counter {aten op name: count}.
+
+    Operations that only create a view (reshape, transpose, slicing) are left out: they
+    launch no kernel. The total is, to a good approximation, the number of kernel launches
+    the step costs on a GPU in eager mode; it does not depend on batch or context, only on
+    the model's code and its number of layers.
+    """
+    device = _device(model)
+    cache = KVCache.for_model(model, batch, context + 1)
+    cache.advance(context)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    with _OpCounter() as counter:
+        model(ids, cache=cache)
+    return counter.ops
+
+
+def measure_hardware(device="cpu", *, copy_mib=64, matmul_size=None):
+    """A cost.Hardware for this machine, measured: bandwidth from copying a large buffer
+    (read + write, so 2 x its bytes moved) and peak FLOP/s from one large float32 matmul
+    (bfloat16 on CUDA, where tensor cores make that the number that matters)."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    src = torch.empty(copy_mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy_s = time_it(lambda: dst.copy_(src), warmup=2, repeats=5, device=device).best
+    n = matmul_size or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    mm_s = time_it(lambda: a @ b, warmup=2, repeats=5, device=device).best
+    return Hardware(f"measured {device.type}", peak_flops=2 * n**3 / mm_s, bandwidth=2 * src.numel() * 4 / copy_s)
+
+
+@dataclass
+class DecodeReport:
+    """One decode step set against the roofline (all times in seconds)."""
+    batch: int
+    context: int
+    step_seconds: float        # measured
+    num_ops: int               # operations dispatched per step
+    overhead_seconds: float    # fixed cost of one operation
+    launch_seconds: float      # num_ops * overhead_seconds
+    bytes_moved: int           # weights + KV cache read and written (Chapter 2)
+    flops: int                 # FLOPs of the step (Chapter 2)
+    roofline_seconds: float    # Chapter 2's lower bound on this hardware
+    achieved_bandwidth: float  # bytes_moved / step_seconds
+
+    @property
+    def launch_share(self):
+        """Part of the step the operation overhead alone accounts for (can exceed 1 when the
+        chain's per-op cost overestimates a model's ops)."""
+        return self.launch_seconds / self.step_seconds
+
+    @property
+    def roofline_fraction(self):
+        """How close the step came to the bound: 1.0 means as fast as the hardware allows."""
+        return self.roofline_seconds / self.step_seconds
+
+    def as_dict(self):
+        out = dict(self.__dict__)
+        out.update(launch_share=self.launch_share, roofline_fraction=self.roofline_fraction)
+        return out
+
+
+def decode_report(model, batch, context, hardware, *, step_seconds=None, overhead_seconds=None, num_ops=None):
+    """Measure a decode step and explain it.  (Your engine: Chapter 18)
+
+    step_seconds, overhead_seconds and num_ops are measured with decode_step_seconds,
+    launch_overhead (on the model's device) and count_ops (the total over all op names)
+    unless given. The roofline side comes from Chapter 2: step_cost(model.cfg, 1, context,
+    batch, dtype) for a decode step (one new token per sequence, `context` in the cache),
+    with dtype the model's parameter dtype, gives flops and bytes; its .time(hardware) is
+    the lower bound. Then
+        launch_seconds     = num_ops * overhead_seconds
+        achieved_bandwidth = bytes / step_seconds
+    Returns a DecodeReport.
+    """
+    raise NotImplementedError("Your engine: Chapter 18: decode_report")
+
+
+@torch.inference_mode()
+def step_breakdown(model, batch, context, *, repeats=5):
+    """Where one decode step's time goes, part by part: {part: seconds}.
+
+    Parts are the embedding, each decoder layer (layer.0, layer.1, ...), the final norm
+    and the LM head, timed by forward hooks that synchronise the device and read the clock
+    at each part's entry and exit, inside the same call that times the whole step
+    ("total"). Of `repeats` calls (after one warm-up) the one with the median total is
+    reported, so every figure comes from one call, and "other" (total minus the parts) is
+    the glue between them: rotary tables, the cache's bookkeeping, Python. Parts never
+    overlap, so "other" is never negative.
+    """
+    device = _device(model)
+    sync = synchronizer(device)
+    parts = {"embed": model.model.embed_tokens}
+    parts.update({f"layer.{i}": layer for i, layer in enumerate(model.model.layers)})
+    parts.update({"norm": model.model.norm, "lm_head": model.lm_head})
+    started, current = {}, {}
+
+    def enter(name):
+        def hook(module, args):
+            sync()
+            started[name] = time.perf_counter()
+        return hook
+
+    def leave(name):
+        def hook(module, args, output):
+            sync()
+            current[name] = time.perf_counter() - started[name]
+        return hook
+
+    handles = []
+    for name, module in parts.items():
+        handles.append(module.register_forward_pre_hook(enter(name)))
+        handles.append(module.register_forward_hook(leave(name)))
+    cache = KVCache.for_model(model, batch, context + 1)
+    cache.advance(context)
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    calls = []
+    try:
+        for _ in range(repeats + 1):
+            current.clear()
+            sync()
+            start = time.perf_counter()
+            model(ids, cache=cache)
+            sync()
+            calls.append(dict(current, total=time.perf_counter() - start))
+            cache.truncate(context)
+    finally:
+        for handle in handles:
+            handle.remove()
+    calls = sorted(calls[1:], key=lambda call: call["total"])          # drop the warm-up
+    chosen = calls[len(calls) // 2]
+    chosen["other"] = chosen["total"] - sum(chosen[name] for name in parts)
+    return chosen

@@ -1,0 +1,82 @@
+"""Chapter 29: FlashAttention's algorithm, written in PyTorch.
+
+Chapter 5's causal_attention builds the whole [Tq, Tk] score matrix, softmaxes it and
+multiplies by V. FlashAttention never holds that matrix: it walks over tiles of
+block_q queries x block_k keys, keeping for every query row a running maximum m, a running
+sum of exponentials l and an unnormalised output accumulator acc. When a new tile raises a
+row's maximum, everything accumulated so far is rescaled by exp(m_old - m_new), so the final
+acc / l equals the softmax-weighted sum exactly (up to rounding). Tiles that lie entirely in
+the causal future of their queries are skipped without being computed.
+
+This file is about the algorithm, not speed: PyTorch runs every tile as separate small
+operations. Chapter 32's Triton kernel does the same walk with each tile in on-chip memory.
+"""
+import math
+
+import torch
+
+
+def online_softmax_update(m, l, acc, scores, v):
+    """Fold one tile of scores into the running softmax state.  (Your engine: Chapter 29)
+
+    m, l: [..., Tq] running max and running sum of exp(score - m) (start: -inf and 0);
+    acc: [..., Tq, D] running sum of exp(score - m) * v (start: 0).
+    scores: [..., Tq, Tk] float32 for this tile, -inf where masked; v: [..., Tk, D].
+    New max m' = max(m, tile max); rescale the old state by alpha = exp(m - m') and add
+    this tile's exp(scores - m') (to l) and exp(scores - m') @ v (to acc).
+    Trap: a row that has seen only masked scores has m' = -inf, and -inf - -inf is NaN.
+    Use 0 in place of m' for such rows when exponentiating (their exp terms are all 0).
+    Returns the new (m, l, acc).
+    """
+    raise NotImplementedError("Your engine: Chapter 29: online_softmax_update")
+
+
+def tile_is_visible(q_pos, k_pos):
+    """Whether any query of a tile may see any key of it under the causal rule
+    k_pos <= q_pos: false exactly when the tile's earliest key comes after its latest query.
+    q_pos, k_pos: the positions of the tile's queries and keys ([..., n] of any batch shape)."""
+    return bool(k_pos.min() <= q_pos.max())
+
+
+def flash_attention(q, k, v, q_pos, k_pos, allowed=None, scale=None, block_q=64, block_k=64, stats=None):
+    """causal_attention computed tile by tile with an online softmax.  (Your engine: Chapter 29)
+
+    Same arguments and result as Chapter 5's causal_attention: q [B, H, Tq, D], k and v
+    [B, Hkv, Tk, D] (grouped-query: view q as [B, Hkv, H // Hkv, Tq, D]), q_pos [Tq] or
+    [B, Tq], k_pos [Tk] or [B, Tk], optional `allowed` broadcastable to [B, 1, Tq, Tk].
+    For each block of block_q queries: start m = -inf, l = 0, acc = 0; for each block of
+    block_k keys, skip the tile when tile_is_visible says no key is visible (count it in
+    stats["skipped"]); otherwise compute its float32 scores * scale, mask with the position
+    rule (and `allowed`), fold it in with online_softmax_update (stats["computed"]). At the
+    end of the key loop, out = acc / l; rows with l == 0 (no visible key) are zeros.
+    Result: q's dtype, [B, H, Tq, D]. stats: an optional dict whose counters are increased.
+    """
+    raise NotImplementedError("Your engine: Chapter 29: flash_attention")
+
+
+def online_softmax_trace(scores, block):
+    """Walk one row of scores [T] block by block; returns one dict per block with the running
+    max, running sum and the softmax the state implies so far (for the chapter's table)."""
+    m, l, rows = torch.tensor(float("-inf")), torch.tensor(0.0), []
+    for start in range(0, scores.shape[0], block):
+        tile = scores[start:start + block].float()
+        m_new = torch.maximum(m, tile.max())
+        l = l * torch.exp(m - m_new) + torch.exp(tile - m_new).sum()
+        m = m_new
+        rows.append({"block": start // block, "max": float(m), "sum": float(l),
+                     "partial": torch.exp(scores[:start + block].float() - m) / l})
+    return rows
+
+
+def tile_map(q_pos, k_pos, block_q, block_k):
+    """[n_q_blocks, n_k_blocks] ints for a picture: 0 skipped, 1 computed and fully visible,
+    2 computed and partly masked (the diagonal tiles that need the mask)."""
+    nq, nk = -(-q_pos.shape[-1] // block_q), -(-k_pos.shape[-1] // block_k)
+    grid = torch.zeros(nq, nk, dtype=torch.int64)
+    for i in range(nq):
+        qp = q_pos[..., i * block_q:(i + 1) * block_q]
+        for j in range(nk):
+            kp = k_pos[..., j * block_k:(j + 1) * block_k]
+            if tile_is_visible(qp, kp):
+                grid[i, j] = 1 if kp.max() <= qp.min() else 2
+    return grid

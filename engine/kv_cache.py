@@ -1,0 +1,48 @@
+"""Chapter 16: a contiguous KV cache, one preallocated row per sequence."""
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer for `batch` sequences of up to `max_len` tokens.
+
+    Layout per layer: k[layer], v[layer] of shape [batch, kv_heads, max_len, head_dim].
+    `length` slots of every row are filled; all rows advance together (a padded batch keeps
+    its rows aligned, Chapter 21). The model writes each layer's new keys with `update` and
+    calls `advance` once after the last layer, so every layer of a step sees the same start.
+    """
+
+    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu"):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model, batch, max_len):
+        """A cache shaped for `model` (its config, dtype and device)."""
+        cfg, weight = model.cfg, next(model.parameters())
+        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, max_len,
+                   weight.dtype, weight.device)
+
+    def update(self, layer, k, v):
+        """Store k, v [batch, kv_heads, T, head_dim] at slots length .. length + T - 1 and
+        return the keys and values of slots 0 .. length + T - 1.  (Your engine: Chapter 16)
+
+        Raises ValueError when the T new tokens do not fit in max_len. Does not move
+        `length`: the model calls advance(T) once all layers have written.
+        """
+        raise NotImplementedError("Your engine: Chapter 16: KVCache.update")
+
+    def advance(self, num_tokens):
+        self.length += num_tokens
+
+    def truncate(self, length):
+        """Forget every slot from `length` on (speculative decoding rolls back this way)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a {self.length}-token cache to {length}")
+        self.length = length
+
+    @property
+    def nbytes(self):
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

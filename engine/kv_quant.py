@@ -1,0 +1,103 @@
+"""Chapter 28: a quantized KV cache.
+
+Keys and values are stored as 8-bit numbers plus one float scale per (token, kv head): the
+vector of head_dim numbers a token writes for one head shares a scale chosen from its own
+largest magnitude. Storage drops from 2 bytes (bfloat16) or 4 (float32) to 1 byte per
+number, plus 4 bytes of scale per head_dim numbers.
+
+QuantizedKVCache is a drop-in replacement for Chapter 16's KVCache: the model calls the same
+update / advance / truncate and gets float keys and values back, so Qwen3 runs unchanged.
+It dequantizes the whole prefix at every step, which is slow on purpose: the point here is
+the numbers. Chapter 32's kernels read the 8-bit pool directly and scale inside attention.
+"""
+import torch
+
+from .kv_cache import KVCache
+
+FORMATS = {
+    # name: (storage dtype, largest representable magnitude)
+    "int8": (torch.int8, 127.0),
+    "fp8": (torch.float8_e4m3fn, 448.0),
+}
+
+
+def quantize_kv(x, fmt="int8"):
+    """Quantize the last axis of x with one scale per vector.  (Your engine: Chapter 28)
+
+    x: [..., head_dim] float (one vector per token and head). scale = max|x| / qmax over
+    the last axis, where qmax is FORMATS[fmt][1] (127 for int8, 448 for fp8 e4m3), computed
+    in float32, shape [...]. An all-zero vector would get scale 0 and divide by zero:
+    give it a tiny positive scale instead (its codes are then all 0). Codes = x / scale:
+    for int8 round to the nearest integer and clamp to [-127, 127]; for fp8 clamp to
+    [-448, 448] and cast (the cast rounds). Returns (codes [..., head_dim] in FORMATS[fmt][0],
+    scale [...] float32). Rounding error per element: at most scale / 2 for int8.
+    """
+    raise NotImplementedError("Your engine: Chapter 28: quantize_kv")
+
+
+def dequantize_kv(codes, scale, dtype=torch.float32):
+    """codes [..., D] and scale [...] -> codes * scale in `dtype`."""
+    return (codes.float() * scale[..., None]).to(dtype)
+
+
+class QuantizedKVCache(KVCache):
+    """KVCache with 8-bit storage: k[layer], v[layer] hold codes [batch, kv_heads, max_len,
+    head_dim]; k_scale[layer], v_scale[layer] hold float32 scales [batch, kv_heads, max_len].
+    `dtype` is what update returns (the model's dtype); `fmt` is "int8" or "fp8"."""
+
+    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu",
+                 fmt="int8"):
+        qdtype = FORMATS[fmt][0]
+        super().__init__(num_layers, batch, kv_heads, head_dim, max_len, qdtype, device)
+        scale_shape = (batch, kv_heads, max_len)
+        self.k_scale = [torch.zeros(scale_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.v_scale = [torch.zeros(scale_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.fmt, self.dtype = fmt, dtype
+
+    @classmethod
+    def for_model(cls, model, batch, max_len, fmt="int8"):
+        cfg, weight = model.cfg, next(model.parameters())
+        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, max_len,
+                   weight.dtype, weight.device, fmt)
+
+    def update(self, layer, k, v):
+        """Quantize and store the new keys and values; return ALL keys and values so far,
+        dequantized.  (Your engine: Chapter 28)
+
+        Same contract as KVCache.update: k, v [batch, kv_heads, T, head_dim] go to slots
+        length .. length + T - 1 (ValueError when they do not fit), `length` does not move,
+        and the return value is (keys, values) of slots 0 .. length + T - 1, shape
+        [batch, kv_heads, length + T, head_dim], in self.dtype. Store codes in self.k/self.v
+        and scales in self.k_scale/self.v_scale with quantize_kv(., self.fmt). The values
+        returned for the NEW tokens must be the dequantized ones too, not the exact inputs:
+        every later step will see the stored version, and this step must agree with them.
+        """
+        raise NotImplementedError("Your engine: Chapter 28: QuantizedKVCache.update")
+
+    @property
+    def nbytes(self):
+        return super().nbytes + sum(t.numel() * t.element_size() for t in self.k_scale + self.v_scale)
+
+
+def kv_bytes_per_token(cfg, dtype=torch.bfloat16, fmt=None):
+    """Bytes of K and V one token occupies across all layers: float storage in `dtype`, or
+    8-bit codes plus one float32 scale per kv head when fmt is "int8"/"fp8"."""
+    per_head = cfg.head_dim * torch.tensor([], dtype=dtype).element_size() if fmt is None else cfg.head_dim + 4
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * per_head
+
+
+@torch.inference_mode()
+def greedy_with_cache(model, prompt_ids, max_new_tokens, cache, forced=None):
+    """Greedy decoding through any cache with KVCache's protocol (float or quantized):
+    prefill once, then one token per step. Returns (new tokens, logits [max_new_tokens, vocab]).
+
+    forced: a list of tokens to feed instead of the model's own choices (teacher forcing),
+    so that two caches can be compared on the same sequence even after their choices part."""
+    device = next(model.parameters()).device
+    feed, out, rows = list(prompt_ids), [], []
+    for step in range(max_new_tokens):
+        logits = model(torch.tensor([feed], device=device), cache=cache)[0, -1]
+        rows.append(logits)
+        out.append(int(logits.argmax()))
+        feed = [out[-1] if forced is None else forced[step]]
+    return out, torch.stack(rows)

@@ -1,0 +1,54 @@
+"""Chapters 4 and 6: RMSNorm and rotary position embeddings."""
+import torch
+from torch import nn
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """Normalise the last axis to unit root-mean-square, then scale.  (Your engine: Chapter 4)
+
+    y = x / sqrt(mean(x^2, last axis) + eps) * weight. The statistic is computed in float32
+    even for bfloat16 inputs (a sum of squares overflows or loses bits in 16-bit formats);
+    the result is cast back to x's dtype before the weight multiplies it, as Qwen3 does.
+    """
+    raise NotImplementedError("Your engine: Chapter 4: rms_norm")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis with a learned per-channel scale (initialised to ones)."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_cos_sin(positions, head_dim, theta, dtype=torch.float32):
+    """Cosine and sine tables for rotary embeddings.  (Your engine: Chapter 6)
+
+    positions: int tensor [T] or [B, T]. Returns cos, sin of shape [1, 1, T, head_dim]
+    (or [B, 1, T, head_dim]) in `dtype`, ready to broadcast over [B, H, T, head_dim].
+    Frequency i (of head_dim // 2) is theta ** (-2i / head_dim); the table repeats the
+    head_dim // 2 angles twice ("rotate half" layout: channel c pairs with c + head_dim/2).
+    Angles are computed in float32 from integer positions: in bfloat16 a position like
+    1000 is not even representable exactly.
+    """
+    raise NotImplementedError("Your engine: Chapter 6: rope_cos_sin")
+
+
+def rotate_half(x):
+    """(x1, x2) -> (-x2, x1) on the two halves of the last axis."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each channel pair (c, c + D/2) of x by its position's angle.  (Your engine: Chapter 6)
+
+    x: [..., D] with cos/sin broadcastable to it ([B, 1, T, D] for [B, H, T, D] inputs,
+    [N, 1, D] for the flat [N, H, D] rows of Chapter 31). Elementwise only: the function
+    never looks at which axis is time, so every layout works.
+    """
+    raise NotImplementedError("Your engine: Chapter 6: apply_rope")

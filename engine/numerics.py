@@ -1,0 +1,154 @@
+"""Chapter 12: numbers that drift. Floating-point formats, measured error, tolerances,
+and why the same row computed alone or inside a batch can come out with different bits.
+
+Every measurement here compares a low-precision result with a float64 reference of the
+same computation: float64 carries 53 significant bits, so its own error is far below
+anything float32, bfloat16 or float16 can show.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Significant bits (including the implicit leading 1) and exponent bits of each format.
+FORMATS = {
+    torch.float64: (53, 11),
+    torch.float32: (24, 8),
+    torch.bfloat16: (8, 8),
+    torch.float16: (11, 5),
+}
+
+
+def unit_roundoff(dtype):
+    """The largest relative error of one rounding to nearest in `dtype`: eps / 2."""
+    return torch.finfo(dtype).eps / 2
+
+
+def ulp(x, dtype=None):
+    """The spacing of `dtype`'s number grid at each element of x.  (Your engine: Chapter 12)
+
+    Returns a float64 tensor shaped like x: the distance from |x| to the next larger
+    representable magnitude in `dtype` (default x.dtype). Write |x| = m * 2**e with m in
+    [0.5, 1) (torch.frexp); a format with p significant bits spaces the numbers of that
+    binade 2**(e - p) apart, which is eps * 2**(e - 1) since eps = 2**(1 - p). Below the
+    smallest normal number (torch.finfo(dtype).tiny) the spacing stays at its smallest
+    value, eps * tiny (subnormals); zero gets that smallest spacing too. Compute in
+    float64 (2**(e - p) underflows in bfloat16). inf and nan give nan.
+    """
+    raise NotImplementedError("Your engine: Chapter 12: ulp")
+
+
+@dataclass
+class ErrorStats:
+    """How far an approximation is from a reference, over all elements."""
+    max_abs: float          # largest |approx - reference|
+    mean_abs: float         # mean |approx - reference|
+    max_rel: float          # largest |approx - reference| / |reference| over nonzero references
+    max_ulp: float          # largest error counted in ulps of the approximation's dtype
+
+    def __str__(self):
+        return (f"max abs {self.max_abs:.3g}, mean abs {self.mean_abs:.3g}, "
+                f"max rel {self.max_rel:.3g}, max {self.max_ulp:.3g} ulp")
+
+
+def measure_error(approx, reference):
+    """Error statistics of `approx` against `reference` (same shape).  (Your engine: Chapter 12)
+
+    Convert both to float64 first: subtracting in a 16-bit format would round the error
+    itself. Absolute error |a - r|; relative error |a - r| / |r| over the elements whose
+    reference is not zero (a relative error at zero is meaningless; max_rel is 0.0 when
+    every reference is zero); ulp error |a - r| / ulp(r, approx.dtype), the error in
+    units of the grid the approximation lives on (1/2 ulp is the best one rounding can
+    do). Returns ErrorStats with plain Python floats.
+    """
+    raise NotImplementedError("Your engine: Chapter 12: measure_error")
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+    def allows(self, approx, reference):
+        """True when every |approx - reference| <= atol + rtol * |reference| (in float64)."""
+        a, r = approx.double(), reference.double()
+        return bool(((a - r).abs() <= self.atol + self.rtol * r.abs()).all())
+
+
+def tolerance_for(dtype, roundings=8, scale=1.0):
+    """The tolerance for comparing two computations of the same quantity in `dtype`
+    against each other (or one against float64), for values of size ~`scale`.
+
+    Each rounding costs at most one unit roundoff u (relative), so a result that went
+    through `roundings` roundings in sequence is within about roundings * u of the exact
+    value: rtol = roundings * u. Near zero a relative bound is useless (cancellation
+    leaves an absolute error of the size of the operands), so atol = roundings * u * scale.
+    The default of 8 roundings fits one layer-sized computation (a norm, a projection, an
+    activation); a whole model needs a larger budget, which Chapter 13 measures.
+    """
+    u = unit_roundoff(dtype)
+    return Tolerance(rtol=roundings * u, atol=roundings * u * scale)
+
+
+def bits_differ(a, b):
+    """How many elements of two same-dtype tensors differ in their bit patterns."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"compare like with like: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+    return int((a.contiguous().view(ints) != b.contiguous().view(ints)).sum())
+
+
+def matmul_alone_vs_batched(x, weight):
+    """x [N, K] @ weight.T, once as one [N, K] batch and once row by row ([1, K] each).
+    Returns (batched, alone): the same numbers in exact arithmetic; the kernels that a
+    library picks for N rows and for 1 row may add the K products in different orders."""
+    batched = torch.nn.functional.linear(x, weight)
+    alone = torch.cat([torch.nn.functional.linear(x[i:i + 1], weight) for i in range(x.shape[0])])
+    return batched, alone
+
+
+@dataclass
+class BatchDrift:
+    """Solo versus batched logits of one prompt."""
+    max_abs: float          # largest |solo - batched| logit difference over positions and vocab
+    differing: int          # logits whose bits differ
+    argmax_flips: int       # positions whose greedy choice differs
+
+
+@torch.inference_mode()
+def batch_drift(model, prompts):
+    """Run each prompt alone and all prompts as one batch; compare.  (Your engine: Chapter 12)
+
+    prompts: a list of equal-length lists of token ids (no padding needed). For prompt i,
+    solo = model(ids [1, T]) and batched = row i of model(ids [N, T]); both are float32
+    logits [T, vocab] of the same sequence, so in exact arithmetic they are equal. Returns
+    one BatchDrift per prompt: the largest absolute difference, how many logits differ in
+    their bits (bits_differ), and at how many positions the argmax differs. The greedy
+    margins of the test model are chosen so that argmax_flips stays 0.
+    """
+    raise NotImplementedError("Your engine: Chapter 12: batch_drift")
+
+
+def sum_in_order(values, block=None):
+    """Add float values in float32 left to right, or in blocks of `block` whose partial
+    sums are then added: two orders a kernel might choose. Returns a Python float."""
+    values = values.float()
+    if block is None:
+        total = torch.zeros((), dtype=torch.float32)
+        for v in values:
+            total = total + v
+        return float(total)
+    partial = [sum_in_order(values[i:i + block]) for i in range(0, values.numel(), block)]
+    return sum_in_order(torch.tensor(partial, dtype=torch.float32))
+
+
+def format_table():
+    """Rows describing each format: bits, eps, unit roundoff, smallest normal, largest."""
+    rows = []
+    for dtype, (digits, exp_bits) in FORMATS.items():
+        info = torch.finfo(dtype)
+        rows.append(dict(dtype=str(dtype).removeprefix("torch."), bits=info.bits, significant_bits=digits,
+                         exponent_bits=exp_bits, eps=info.eps, unit_roundoff=info.eps / 2,
+                         smallest_normal=info.tiny, largest=info.max,
+                         decimal_digits=round(digits * math.log10(2), 1)))
+    return rows

@@ -1,0 +1,456 @@
+"""Chapter 25: a paged KV cache, a prefix cache over its blocks, and an engine that uses both.
+
+Chapter 24 gave every request a row of slot_len positions. A request that uses 40 of them
+wastes the rest, and two requests that start with the same 200-token system prompt store
+those 200 tokens' keys twice. Paging fixes both, the way an operating system's virtual
+memory does:
+
+  * K/V live in a pool of fixed-size BLOCKS (block_size positions each) shared by all
+    sequences. Per layer the pool is [num_blocks, kv_heads, block_size, head_dim].
+  * Each sequence has a BLOCK TABLE: its physical block ids in logical order. Position p
+    of the sequence lives in block table[p // block_size], at offset p % block_size.
+    Blocks are taken from a free list only when a sequence grows into them, so the only
+    waste is the unused tail of each sequence's last block.
+  * Blocks are reference counted, so several tables can point at one block. The PREFIX
+    CACHE publishes full blocks under a key that is the whole token prefix up to the
+    block's end; a new request whose prompt starts with the same tokens adopts those
+    blocks instead of recomputing them. The cache holds one reference of its own on each
+    published block, so cached blocks outlive their requests until evicted explicitly.
+
+`PagedEngine` serves requests over this cache with Chapter 24's step structure (one
+forward call per prefill chunk, one for all decodes) plus prefix sharing, and preemption
+by recompute when the pool runs dry.
+"""
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has fewer free blocks than a request needs."""
+
+
+class PagedKVCache:
+    """A pool of KV blocks per layer, a free list, reference counts and block tables.
+
+    k[layer], v[layer]: [num_blocks, kv_heads, block_size, head_dim].
+    block_tables[seq_id]: physical block ids in logical order; seq_lens[seq_id]: positions
+    of the sequence whose K/V are stored. ref_count[b]: how many tables (and the prefix
+    cache) point at block b; a block is on the free list exactly when its count is 0.
+    """
+
+    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("a paged cache needs at least one block of at least one position")
+        shape = (num_blocks, kv_heads, block_size, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device = torch.device(device)
+        self.free_blocks = deque(range(num_blocks))
+        self.ref_count = [0] * num_blocks
+        self.block_tables = {}
+        self.seq_lens = {}
+
+    @classmethod
+    def for_model(cls, model, num_blocks, block_size):
+        cfg, weight = model.cfg, next(model.parameters())
+        return cls(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                   weight.dtype, weight.device)
+
+    # -- accounting ---------------------------------------------------------------------
+    @property
+    def num_free(self):
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens):
+        """Blocks needed to hold num_tokens positions."""
+        return -(-num_tokens // self.block_size)
+
+    def incref(self, block):
+        if self.ref_count[block] == 0:
+            raise ValueError(f"block {block} is free; only a block in use can gain a reference")
+        self.ref_count[block] += 1
+
+    def decref(self, block):
+        if self.ref_count[block] <= 0:
+            raise ValueError(f"block {block} has no reference to drop (double free?)")
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free_blocks.append(block)
+
+    def add_sequence(self, seq_id, shared_blocks=()):
+        """Start a sequence, optionally on top of full blocks another sequence computed (a
+        prefix-cache hit): the table starts with them, each gains a reference, and the
+        sequence's length starts at len(shared_blocks) * block_size."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        for block in shared_blocks:
+            self.incref(block)
+        self.block_tables[seq_id] = list(shared_blocks)
+        self.seq_lens[seq_id] = len(shared_blocks) * self.block_size
+
+    def reserve(self, seq_id, num_tokens):
+        """Make room for num_tokens more positions of seq_id.  (Your engine: Chapter 25)
+
+        After the call the sequence's table has exactly blocks_for(seq_lens[seq_id] +
+        num_tokens) blocks: take each missing block from the FRONT of free_blocks (popleft)
+        and set its ref_count to 1. Reserving never moves seq_lens (advance does, once the
+        K/V are written). All or nothing: if the free list is too short, raise OutOfBlocks
+        (saying how many blocks are needed and how many are free) and change nothing, so
+        the caller can evict or preempt and try again.
+        """
+        raise NotImplementedError("Your engine: Chapter 25: PagedKVCache.reserve")
+
+    def free(self, seq_id):
+        """Drop the sequence: each of its blocks loses one reference (shared ones survive)."""
+        for block in self.block_tables.pop(seq_id):
+            self.decref(block)
+        del self.seq_lens[seq_id]
+
+    def advance(self, seq_id, num_tokens):
+        self.seq_lens[seq_id] += num_tokens
+
+    # -- data ---------------------------------------------------------------------------
+    def write(self, layer, seq_id, start, k, v):
+        """Store k, v [kv_heads, T, head_dim] at positions start .. start + T - 1 of seq_id
+        (its blocks must be reserved): one scatter over (block, offset) pairs."""
+        positions = torch.arange(start, start + k.shape[1], device=self.device)
+        table = torch.tensor(self.block_tables[seq_id], dtype=torch.long, device=self.device)
+        blocks, offsets = table[positions // self.block_size], positions % self.block_size
+        # Advanced indices on axes 0 and 2 with a slice between: the indexed view is [T, kv_heads, D].
+        self.k[layer][blocks, :, offsets] = k.transpose(0, 1)
+        self.v[layer][blocks, :, offsets] = v.transpose(0, 1)
+
+    def gather(self, layer, seq_id, length=None):
+        """The keys and values of positions 0 .. length - 1 of seq_id, contiguous.
+        (Your engine: Chapter 25)
+
+        Returns (k, v), each [kv_heads, length, head_dim], in position order (length defaults
+        to seq_lens[seq_id]). Read the first blocks_for(length) entries of the block table,
+        index the layer's pool with them ([n, kv_heads, block_size, head_dim]), put the block
+        axis next to the offset axis and flatten the two into one position axis, then cut
+        at length: the tail of the last block holds garbage from whoever used it before.
+        """
+        raise NotImplementedError("Your engine: Chapter 25: PagedKVCache.gather")
+
+    def view(self, seq_ids):
+        """A cache object for one model call over these sequences (see PagedView)."""
+        return PagedView(self, list(seq_ids))
+
+    # -- measurements -------------------------------------------------------------------
+    @property
+    def num_used_blocks(self):
+        return self.num_blocks - self.num_free
+
+    def stored_tokens(self):
+        return sum(self.seq_lens.values())
+
+
+class PagedView:
+    """The cache protocol Qwen3Model expects (length, update, advance) over some sequences.
+
+    update writes each row's new K/V into its sequence's blocks, then gathers every row's
+    keys so far; rows of different lengths are right-padded with zeros to the longest.
+    The padding is never seen: causal attention only lets a query at slot s read keys at
+    slots <= s, and a row's padding lies beyond its own last slot.
+    """
+
+    def __init__(self, kv, seq_ids):
+        self.kv, self.seq_ids = kv, seq_ids
+        self._starts = [kv.seq_lens[s] for s in seq_ids]
+
+    @property
+    def length(self):
+        if len(self.seq_ids) == 1:
+            return self._starts[0]
+        return torch.tensor(self._starts, dtype=torch.long, device=self.kv.device)
+
+    def update(self, layer, k, v):
+        new = k.shape[2]
+        rows_k, rows_v = [], []
+        for b, (seq_id, start) in enumerate(zip(self.seq_ids, self._starts)):
+            self.kv.write(layer, seq_id, start, k[b], v[b])
+            keys, values = self.kv.gather(layer, seq_id, start + new)
+            rows_k.append(keys)
+            rows_v.append(values)
+        if len(rows_k) == 1:
+            return rows_k[0][None], rows_v[0][None]
+        width = max(t.shape[1] for t in rows_k)
+        out_k = k.new_zeros((len(rows_k), k.shape[1], width, k.shape[3]))
+        out_v = torch.zeros_like(out_k)
+        for b, (keys, values) in enumerate(zip(rows_k, rows_v)):
+            out_k[b, :, :keys.shape[1]] = keys
+            out_v[b, :, :values.shape[1]] = values
+        return out_k, out_v
+
+    def advance(self, num_tokens):
+        for seq_id in self.seq_ids:
+            self.kv.advance(seq_id, num_tokens)
+
+
+class PrefixCache:
+    """Full blocks published under the whole token prefix that ends with them.
+
+    entries maps key -> block id, where the key of block i of a sequence is
+    tuple(tokens[:(i + 1) * block_size]): a block's K/V depend on every token before it,
+    so nothing shorter identifies them. The cache holds one reference on each published
+    block. entries is kept in LRU order (least recently used first), with every prefix
+    at least as recent as its extensions, so eviction removes leaves before their parents.
+    """
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.entries = OrderedDict()
+        self.queries = self.hits = 0            # blocks looked up / found, by match()
+
+    def __len__(self):
+        return len(self.entries)
+
+    def _key(self, tokens, i):
+        return tuple(tokens[:(i + 1) * self.kv.block_size])
+
+    def match(self, tokens, max_tokens=None):
+        """The cached blocks that hold the longest cached prefix of tokens.
+        (Your engine: Chapter 25)
+
+        Walk the full blocks of tokens in order (block i covers tokens[i*bs:(i+1)*bs]) and
+        stop at the first whose key is not in entries; never go past max_tokens tokens
+        (default len(tokens)): the engine passes len(prompt) - 1, because the last prompt
+        token must be computed to produce logits. Return the block ids found, in order.
+        Count queries (full blocks looked at, up to the first miss inclusive) and hits, and
+        mark what was found as recently used so that a prefix stays at least as recent as
+        its extensions: move the found keys to the end of entries DEEPEST FIRST
+        (the longest key first, the first block's key last).
+        """
+        raise NotImplementedError("Your engine: Chapter 25: PrefixCache.match")
+
+    def publish(self, tokens, blocks):
+        """Publish the full blocks of a sequence: blocks[i] holds tokens[i*bs:(i+1)*bs].
+
+        Each newly published block gains the cache's reference. A key already present keeps
+        its block (two requests computed the same prefix at once: the first one wins, and
+        the duplicate is freed with its request). Returns how many blocks were added."""
+        count = min(len(tokens) // self.kv.block_size, len(blocks))
+        added = 0
+        for i in range(count):
+            key = self._key(tokens, i)
+            if key not in self.entries:
+                self.entries[key] = blocks[i]
+                self.kv.incref(blocks[i])
+                added += 1
+        for i in reversed(range(count)):                 # keep parents at least as recent as children
+            self.entries.move_to_end(self._key(tokens, i))
+        return added
+
+    def num_evictable(self):
+        """Blocks only the cache still references: evicting them frees them."""
+        return sum(1 for block in self.entries.values() if self.kv.ref_count[block] == 1)
+
+    def evict(self, num_blocks=None):
+        """Free up to num_blocks cached blocks (all that can be freed when None); returns how
+        many were freed.  (Your engine: Chapter 25)
+
+        Go through entries from least to most recently used. An entry whose block is still
+        in some block table (ref_count > 1) stays: evicting it would free nothing. Any other
+        entry is removed and its block loses the cache's reference (kv.decref), which puts
+        it back on the free list. Stop once num_blocks have been freed.
+        """
+        raise NotImplementedError("Your engine: Chapter 25: PrefixCache.evict")
+
+
+@dataclass(eq=False)
+class PagedRequest:
+    request_id: str
+    prompt_ids: list
+    max_new_tokens: int
+    stop_token_ids: tuple = ()
+    output_ids: list = field(default_factory=list)
+    num_computed: int = 0          # tokens of prompt + output whose K/V are in the cache
+    num_published: int = 0         # full blocks already given to the prefix cache
+    counted: bool = False          # prompt counted in the hit-rate statistics
+
+    @property
+    def tokens(self):
+        return self.prompt_ids + self.output_ids
+
+
+class PagedEngine:
+    """Chapter 24's engine on a paged cache, with prefix sharing and preemption.
+
+    Same API as ContinuousBatchingEngine: add_request, step, has_unfinished, run, steps,
+    forward_calls. A request's work is always "compute tokens[num_computed:]": a fresh
+    request prefills its prompt (minus what the prefix cache supplies), a decoding request
+    has exactly one such token (its newest), and a preempted request resumes by prefilling
+    prompt + output again. At most max_num_seqs requests run at once; when the pool runs
+    out of blocks the engine first evicts prefix-cache entries, then preempts the youngest
+    running request (frees its blocks; it waits at the head of the queue to recompute).
+    """
+
+    def __init__(self, model, num_blocks=64, block_size=16, max_num_seqs=8, chunk_size=None,
+                 enable_prefix_caching=True, eos_token_id=None):
+        self.model = model
+        self.kv = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None
+        self.max_num_seqs, self.chunk_size = max_num_seqs, chunk_size
+        self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(model.cfg, "eos_token_id", None)
+        self.device = next(model.parameters()).device
+        self.limit = getattr(model, "context_limit", 1 << 30)
+        self.waiting = deque()
+        self.running = []                       # admission order: the last is preempted first
+        self.steps = self.forward_calls = 0
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "preemptions": 0}
+
+    @property
+    def prefix_hit_rate(self):
+        """Fraction of admitted prompt tokens whose K/V came from the prefix cache."""
+        return self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"])
+
+    def add_request(self, request_id, prompt_ids, max_new_tokens, stop_token_ids=()):
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError(f"{request_id}: empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"{request_id}: max_new_tokens must be at least 1")
+        need = self.kv.blocks_for(len(prompt_ids) + max_new_tokens - 1)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"{request_id}: needs {need} blocks but the pool has {self.kv.num_blocks}")
+        self.waiting.append(PagedRequest(request_id, prompt_ids, max_new_tokens, tuple(stop_token_ids)))
+
+    @property
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def run(self, items):
+        outputs = {}
+        for item in items:
+            self.add_request(item.request_id, item.prompt_ids, item.max_tokens)
+            outputs[item.request_id] = []
+        while self.has_unfinished:
+            for request_id, tokens, _ in self.step():
+                outputs[request_id].extend(tokens)
+        return outputs
+
+    # -- a step -------------------------------------------------------------------------
+    def step(self):
+        """Decode every decoding request in one call, then run one prefill chunk per
+        prefilling request, admitting waiting requests just before their first chunk (so a
+        request sees the blocks the previous prefill call of this very step published).
+        Returns [(request_id, new_token_ids, finished)]."""
+        decoding = []
+        for request in list(self.running):           # oldest first: they get blocks first
+            if request in self.running and self._todo(request) == 1 and self._reserve(request, 1):
+                decoding.append(request)
+        decoding = [r for r in decoding if r in self.running]
+        events = []
+        if decoding:
+            logits = self._forward([[r.tokens[-1]] for r in decoding], decoding)
+            for request, token in zip(decoding, logits.argmax(dim=-1).tolist()):
+                request.num_computed += 1
+                events.append(self._emit(request, token))
+        prefilling = [r for r in self.running if self._todo(r) > 1]
+        while True:
+            if prefilling:
+                request = prefilling.pop(0)
+                if request not in self.running:         # preempted by an older request's growth
+                    continue
+            elif self.waiting and len(self.running) < self.max_num_seqs and self._admit():
+                request = self.running[-1]
+            else:
+                break
+            n = self._todo(request) if self.chunk_size is None else min(self._todo(request), self.chunk_size)
+            if not self._reserve(request, n):
+                continue
+            start = request.num_computed
+            logits = self._forward([request.tokens[start:start + n]], [request])
+            request.num_computed += n
+            self._publish(request)
+            if request.num_computed == len(request.tokens):
+                events.append(self._emit(request, int(logits[0].argmax())))
+        self.steps += 1
+        return events
+
+    @staticmethod
+    def _todo(request):
+        """Tokens of the request whose K/V are not in the cache yet (its newest is always one)."""
+        return len(request.tokens) - request.num_computed
+
+    def _admit(self):
+        """Admit the oldest waiting request if the blocks of its first chunk can be had
+        (evicting prefix-cache entries if need be); a prefix-cache hit starts it past its
+        cached blocks. Returns whether it was admitted."""
+        request = self.waiting[0]
+        tokens = request.tokens
+        shared = self.prefix_cache.match(tokens, len(tokens) - 1) if self.prefix_cache else []
+        self.kv.add_sequence(request.request_id, shared)
+        request.num_published = len(shared)
+        request.num_computed = len(shared) * self.kv.block_size
+        first = len(tokens) - request.num_computed
+        if self.chunk_size is not None:
+            first = min(first, self.chunk_size)
+        if not self._make_room(self.kv.blocks_for(request.num_computed + first) - len(shared)):
+            self.kv.free(request.request_id)
+            return False
+        self.waiting.popleft()
+        self.running.append(request)
+        if not request.counted:                         # a resumed request was counted already
+            request.counted = True
+            self.stats["prompt_tokens"] += len(tokens)
+            self.stats["cached_tokens"] += request.num_computed
+        return True
+
+    def _make_room(self, blocks):
+        """Evict prefix-cache entries until `blocks` blocks are free; False if impossible."""
+        if blocks > self.kv.num_free and self.prefix_cache is not None:
+            self.prefix_cache.evict(blocks - self.kv.num_free)
+        return blocks <= self.kv.num_free
+
+    def _reserve(self, request, n):
+        """Blocks for n more tokens of request, evicting and then preempting younger requests."""
+        while True:
+            table = self.kv.block_tables[request.request_id]
+            need = self.kv.blocks_for(request.num_computed + n) - len(table)
+            if self._make_room(need):
+                self.kv.reserve(request.request_id, n)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+
+    def _preempt(self, request):
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed = request.num_published = 0
+        self.waiting.appendleft(request)
+        self.stats["preemptions"] += 1
+
+    def _forward(self, token_rows, requests):
+        self.forward_calls += 1
+        self.stats["computed_tokens"] += sum(len(row) for row in token_rows)
+        ids = torch.tensor(token_rows, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(ids, cache=self.kv.view([r.request_id for r in requests]))
+        return logits[:, -1]
+
+    def _publish(self, request):
+        """Give the request's newly completed full blocks to the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        full = request.num_computed // self.kv.block_size
+        if full > request.num_published:
+            table = self.kv.block_tables[request.request_id]
+            self.prefix_cache.publish(request.tokens[:full * self.kv.block_size], table[:full])
+            request.num_published = full
+
+    def _emit(self, request, token):
+        request.output_ids.append(int(token))
+        self._publish(request)
+        finished = (len(request.output_ids) >= request.max_new_tokens or token == self.eos_token_id
+                    or token in request.stop_token_ids
+                    or len(request.prompt_ids) + len(request.output_ids) >= self.limit)
+        if finished:
+            self.running.remove(request)
+            self.kv.free(request.request_id)
+        return request.request_id, [int(token)], finished

@@ -1,0 +1,119 @@
+"""Chapter 13: parity. Is our model the same model as someone else's?
+
+Two checks, from fine to coarse. Logit parity runs both models on the same prompts and
+measures how far apart the logits are, position by position. Greedy parity generates from
+both and reports the first token where they part, with the context that led there and how
+close the call was in each model: a divergence at a near-tie is rounding; one where a model
+was sure of its choice is a bug.
+
+The models may be ours or transformers' (whose forward returns an object with .logits);
+`logits_of` hides the difference, so the harness needs nothing else from either.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _device_of(model):
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def logits_of(model, token_ids):
+    """Logits [T, vocab] (float64, on the CPU) of one sequence (a list of ints), for our
+    model or a transformers model alike."""
+    ids = torch.tensor([list(token_ids)], device=_device_of(model))
+    out = model(ids)
+    out = getattr(out, "logits", out)
+    return out[0].double().cpu()
+
+
+def greedy_tokens(model, prompt_ids, max_new_tokens):
+    """Greedy continuation by full recompute (argmax, lowest id on ties), through
+    logits_of, so it works for either kind of model."""
+    tokens = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        tokens.append(int(logits_of(model, tokens)[-1].argmax()))
+    return tokens[len(prompt_ids):]
+
+
+@dataclass
+class LogitParity:
+    """Logit agreement of two models over a set of prompts."""
+    max_abs: float                  # largest |a - b| over every prompt, position and token
+    mean_abs: float                 # mean |a - b| over the same
+    argmax_agreement: float         # fraction of positions where both pick the same token
+    per_position: list = field(default_factory=list)   # per prompt: [max |a - b| at each position]
+    worst: tuple = (0, 0)           # (prompt index, position) of max_abs
+
+    def first_position_over(self, atol):
+        """Per prompt, the first position whose logits differ by more than atol (or None)."""
+        return [next((t for t, d in enumerate(row) if d > atol), None) for row in self.per_position]
+
+    def __str__(self):
+        return (f"max |diff| {self.max_abs:.3g} (prompt {self.worst[0]}, position {self.worst[1]}), "
+                f"mean |diff| {self.mean_abs:.3g}, argmax agreement {self.argmax_agreement:.1%}")
+
+
+def compare_logits(model_a, model_b, prompts):
+    """Logit parity of two models on a list of prompts.  (Your engine: Chapter 13)
+
+    prompts: list of lists of token ids (any lengths; each runs alone, so no padding).
+    For each prompt take logits_of both models ([T, vocab], float64) and their absolute
+    difference. Returns LogitParity: max and mean |a - b| over every prompt, position and
+    vocabulary entry (the mean weighs every logit equally, so long prompts count more);
+    the fraction of positions (over all prompts) where the two argmaxes agree; per prompt
+    the list of per-position maxima (the curve to plot); and where the maximum sits.
+    """
+    raise NotImplementedError("Your engine: Chapter 13: compare_logits")
+
+
+@dataclass
+class Divergence:
+    """Where greedy generation from two models first parts."""
+    prompt_index: int
+    step: int                       # index of the first differing generated token (0 = first new token)
+    expected: int                   # model a's token there
+    got: int                        # model b's token there
+    context: list                   # the tokens both models saw before choosing: prompt + agreed tokens
+    margin_a: float                 # in model a: logit[expected] - logit[got] (how sure a was)
+    margin_b: float                 # in model b: logit[got] - logit[expected] (how sure b was)
+
+    def __str__(self):
+        tail = self.context[-8:]
+        return (f"prompt {self.prompt_index}, step {self.step}: expected token {self.expected}, got {self.got} "
+                f"after ...{tail} (margins: a {self.margin_a:.3g}, b {self.margin_b:.3g})")
+
+
+def first_difference(a, b):
+    """Index of the first position where two token lists differ (a shorter list differs
+    where it ends), or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def greedy_parity(model_a, model_b, prompts, max_new_tokens, generate_a=None, generate_b=None):
+    """Greedy-generate from both models and report every prompt where they part.  (Your engine: Chapter 13)
+
+    generate_a / generate_b: functions (model, prompt_ids, max_new_tokens) -> new token ids;
+    default greedy_tokens (full recompute through logits_of). For each prompt, find the
+    first step where the two outputs differ (first_difference). There, the context is the
+    prompt plus the tokens both produced before that step; re-run both models on that
+    context with logits_of and record the margins: in a, logit[a's token] - logit[b's
+    token]; in b, logit[b's token] - logit[a's token]. Returns a list of Divergence, one
+    per prompt that diverged, in prompt order; empty means token-for-token parity.
+    """
+    raise NotImplementedError("Your engine: Chapter 13: greedy_parity")
+
+
+def parity_report(model_a, model_b, prompts, max_new_tokens, atol):
+    """Both checks in one dict (what `python run.py parity` prints): logit statistics, the
+    first position over atol per prompt, and the greedy divergences as strings."""
+    logits = compare_logits(model_a, model_b, prompts)
+    divergences = greedy_parity(model_a, model_b, prompts, max_new_tokens)
+    return dict(prompts=len(prompts), max_abs=logits.max_abs, mean_abs=logits.mean_abs,
+                argmax_agreement=logits.argmax_agreement, logits_ok=logits.max_abs <= atol,
+                first_position_over_atol=logits.first_position_over(atol),
+                greedy_divergences=[str(d) for d in divergences], greedy_ok=not divergences)

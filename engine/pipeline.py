@@ -1,0 +1,135 @@
+"""Chapter 17: Qwen3 end to end, from a checkpoint directory and a prompt to text.
+
+Everything here is glue between parts built earlier: Chapter 11's loader makes the model,
+the checkpoint's own tokenizer (or Chapter 3's byte tokenizer for the tiny model) turns
+text into ids, Chapter 16's cached generate continues them, and the stop tokens the
+checkpoint declares end the answer. Glue is where end-to-end bugs live: the wrong stop
+token, a prompt decoded together with the answer, a BOS the model never saw in training.
+"""
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CONFIG_FILE, load_checkpoint
+from .profiling import synchronizer
+from .sampling import generate
+from .tokenizer import ByteTokenizer
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _read_json(file):
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+
+
+def stop_token_ids(path):
+    """Every token id that ends a generation for the checkpoint directory `path`.  (Your engine: Chapter 17)
+
+    Two files may name end-of-sequence ids, each as an int, a list of ints, or not at all:
+    config.json's "eos_token_id" (what the model was trained with) and, when present,
+    generation_config.json's "eos_token_id" (what its authors want generate to stop on).
+    They differ in practice: Qwen3's config.json names <|im_end|> (151645) alone, while its
+    generation_config.json names [151645, 151643], adding <|endoftext|>; a loader that
+    reads only config.json (as Qwen3Config.from_dict does: it keeps the first id) lets a
+    model that ends with <|endoftext|> ramble on. Return the union, as a sorted tuple of
+    ints (empty when neither file names one). A missing generation_config.json is normal.
+    """
+    raise NotImplementedError("Your engine: Chapter 17: stop_token_ids")
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer (tokenizer.json, read by transformers), behind the same
+    encode/decode interface as ByteTokenizer. Chapter 36 replaces it with our own BPE."""
+
+    def __init__(self, path):
+        from transformers import AutoTokenizer
+        self.inner = AutoTokenizer.from_pretrained(str(path))
+        self.bos_token_id = self.inner.bos_token_id
+        self.eos_token_id = self.inner.eos_token_id
+        self.vocab_size = len(self.inner)
+
+    def encode(self, text, add_bos=False):
+        ids = self.inner.encode(text, add_special_tokens=False)
+        return [self.bos_token_id] + ids if add_bos and self.bos_token_id is not None else ids
+
+    def decode(self, ids, skip_special=True):
+        return self.inner.decode([int(t) for t in ids], skip_special_tokens=skip_special)
+
+    def chat_prompt(self, user_text):
+        """The ids of a one-turn chat in the checkpoint's own template (thinking off)."""
+        messages = [{"role": "user", "content": user_text}]
+        text = self.inner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              enable_thinking=False)
+        return self.inner.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(path, vocab_size):
+    """The tokenizer for a checkpoint: its tokenizer.json when it ships one, else the byte
+    tokenizer (the tiny test checkpoints have none; their vocabulary is bytes + specials)."""
+    if (Path(path) / TOKENIZER_FILE).is_file():
+        return HFTokenizer(path)
+    return ByteTokenizer(vocab_size)
+
+
+@dataclass
+class Completion:
+    """The result of one Pipeline.complete call.
+
+    finish_reason: "stop" (a stop token was generated; it is in token_ids, not in text),
+    "length" (max_new_tokens reached) or "context" (the model's context limit reached).
+    """
+    text: str
+    token_ids: list
+    prompt_ids: list
+    finish_reason: str
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self):
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else float("inf")
+
+
+class Pipeline:
+    """A model, its tokenizer and its stop tokens: text in, text out."""
+
+    def __init__(self, model, tokenizer, stop_ids=(), add_bos=False):
+        self.model, self.tokenizer = model, tokenizer
+        self.stop_ids = tuple(stop_ids)
+        self.add_bos = add_bos
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, device=None):
+        """Load the checkpoint directory `path` (Chapter 11), its tokenizer and stop ids."""
+        model = load_checkpoint(path, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(path, model.cfg.vocab_size)
+        return cls(model, tokenizer, stop_token_ids(path))
+
+    def encode(self, prompt):
+        """A str through the tokenizer; a list of ints as it is."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_bos=self.add_bos)
+        return [int(t) for t in prompt]
+
+    def complete(self, prompt, max_new_tokens=32, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                 seed=None):
+        """Continue `prompt` and return a Completion.  (Your engine: Chapter 17)
+
+        prompt: a str (encoded with self.encode) or a list of ids. Generate with Chapter 16's
+        cached generate (sampling.generate), passing self.stop_ids as stop tokens and the
+        sampling options; a seed makes a sampled completion reproducible (a torch.Generator
+        on the model's device, seeded with manual_seed). The Completion holds:
+          token_ids: the new ids only, a stop token included when one ended the answer;
+          text: self.tokenizer.decode of the new ids WITHOUT a final stop token. Decode the
+                new ids on their own, never decode(prompt + new) and cut the prompt's
+                characters off: a tokenizer need not map a prefix of ids to a prefix of text;
+          finish_reason: "stop" when the last id is a stop id, "length" when max_new_tokens
+                ids came, otherwise "context" (generate stopped at the context limit);
+          seconds: wall time of the generate call, device synchronized before and after.
+        """
+        raise NotImplementedError("Your engine: Chapter 17: Pipeline.complete")

@@ -1,0 +1,117 @@
+"""Chapter 20: int8 weight-only quantization of the linear layers.
+
+A decode step is bound by reading the weights (Chapter 18), so storing them in fewer
+bytes makes the step cheaper almost one for one. Weight-only int8 keeps activations in the
+model's float dtype and stores each weight matrix as int8 plus one float scale per output
+channel (per row of the [out, in] matrix):
+
+    scale[o] = max_i |W[o, i]| / 127        q[o, i] = round(W[o, i] / scale[o])  in [-127, 127]
+    W[o, i] ~= q[o, i] * scale[o]            with |error| <= scale[o] / 2
+
+Symmetric (no zero point) because trained weights are centred on zero; per output channel
+because rows differ in magnitude by orders of magnitude and one scale for the whole matrix
+would waste most of the 255 levels on the rows with small weights.
+"""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+QMAX = 127
+
+
+def quantize_per_channel(weight):
+    """Symmetric int8 quantization of weight [out, in], one scale per output row.
+    (Your engine: Chapter 20)
+
+    Returns (q, scale): q int8 [out, in], scale float32 [out] with
+    scale = max |row| / 127 and q = round(weight / scale) clamped to [-127, 127] (-128 is
+    left unused so the range is symmetric). Compute in float32 whatever weight's dtype is.
+    A row of zeros must not divide by zero: give it a tiny positive scale (its q is all
+    zeros either way). Every element then satisfies |q * scale - weight| <= scale / 2.
+    """
+    raise NotImplementedError("Your engine: Chapter 20: quantize_per_channel")
+
+
+def dequantize(q, scale, dtype=torch.float32):
+    """q int8 [out, in] and scale [out] -> the float weight they stand for, in dtype."""
+    return (q.float() * scale[:, None].float()).to(dtype)
+
+
+class Int8Linear(nn.Module):
+    """A drop-in replacement for nn.Linear holding int8 weights and per-row float32 scales.
+
+    Buffers (so .to(device) moves them and state_dict() saves them, but no optimizer sees
+    them): qweight int8 [out, in], scale float32 [out], and bias (the float one, kept as it
+    was) when the original layer had one.
+    """
+
+    def __init__(self, in_features, out_features, bias=False, device=None, dtype=torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear):
+        """Quantize an nn.Linear's weight; its bias is copied unchanged."""
+        weight = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, weight.device, weight.dtype)
+        q, scale = quantize_per_channel(weight)
+        layer.qweight.copy_(q)
+        layer.scale.copy_(scale)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def forward(self, x):
+        """y = x W^T + b for x [..., in] in x's own dtype, W the dequantized weight.
+        (Your engine: Chapter 20)
+
+        Rebuild W = qweight * scale (per row) in x.dtype and use F.linear (the bias, if
+        any, cast to x.dtype too, so one quantized layer serves any activation dtype). Do not fold the
+        scale in after the matmul in float16: x @ qweight^T sums hundreds of products as
+        large as 127 |x| and can overflow float16's 65,504 before the scale shrinks it.
+        (A real int8 kernel dequantizes tiles in registers and never writes W to memory;
+        this reference materialises W, so it saves memory but not time.)
+        """
+        raise NotImplementedError("Your engine: Chapter 20: Int8Linear.forward")
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_model(model, skip=()):
+    """Swap every nn.Linear inside `model` for Int8Linear.from_linear(it), in place; returns model.
+    (Your engine: Chapter 20)
+
+    Walk the module tree (named_modules / named_children) and replace each nn.Linear child
+    on its parent with setattr, so module names, and therefore state_dict keys like
+    model.layers.0.mlp.up_proj.qweight, stay where they were. A module whose qualified name
+    (e.g. "lm_head") is in `skip` stays float. Collect the replacements first and apply
+    them after the walk: changing a module's children while iterating over them is a bug.
+    Embedding tables are not nn.Linear and stay float; a tied LM head becomes an int8 copy
+    while the embedding keeps the float original.
+    """
+    raise NotImplementedError("Your engine: Chapter 20: quantize_model")
+
+
+def linear_weight_bytes(model):
+    """Bytes held by the weights of the linear layers (float nn.Linear and Int8Linear alike,
+    scales and biases included): what a decode step must read for its matmuls."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            total += sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
+        elif isinstance(module, Int8Linear):
+            total += sum(t.numel() * t.element_size() for t in module.buffers(recurse=False))
+    return total
+
+
+def weight_error_bound(x, scale):
+    """The worst-case error of y = x W^T that int8 rounding can cause, per output channel.
+
+    Each weight is off by at most scale[o] / 2, so |y_q[..., o] - y[..., o]| is at most
+    sum_i |x_i| * scale[o] / 2. x [..., in], scale [out] -> bound [..., out].
+    """
+    return x.abs().sum(dim=-1, keepdim=True).float() * scale.float() / 2

@@ -1,0 +1,164 @@
+"""Chapters 7, 9 and 10: the MLP, Qwen3's attention, the decoder layer and the whole model.
+
+Module and parameter names follow Hugging Face's Qwen3 exactly, so a transformers
+state_dict loads into this model unchanged and the other way round.
+"""
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .attention import causal_attention
+from .layers import RMSNorm, apply_rope, rope_cos_sin
+
+
+@dataclass
+class Qwen3Config:
+    """The fields of a Hugging Face Qwen3 config.json that the model needs (same names)."""
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, values):
+        """Keep the fields this class knows; config.json carries many more.
+
+        Newer config files may nest rope_theta inside rope_parameters/rope_scaling."""
+        known = {f.name for f in fields(cls)}
+        kept = {k: v for k, v in values.items() if k in known}
+        for nested in ("rope_parameters", "rope_scaling"):
+            extra = values.get(nested) or {}
+            if "rope_theta" not in kept and isinstance(extra, dict) and "rope_theta" in extra:
+                kept["rope_theta"] = extra["rope_theta"]
+        if "head_dim" not in values and "hidden_size" in values:
+            kept["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        if isinstance(kept.get("eos_token_id"), list):
+            kept["eos_token_id"] = kept["eos_token_id"][0]
+        return cls(**kept)
+
+
+class Qwen3MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        """SwiGLU feed-forward on [..., hidden].  (Your engine: Chapter 7)
+
+        The gate path goes through SiLU and multiplies the up path elementwise; the product
+        ([..., intermediate]) is projected back down. Works on any leading shape, which is
+        what lets Chapter 31 feed it flat [N, hidden] rows.
+        """
+        raise NotImplementedError("Your engine: Chapter 7: Qwen3MLP.forward")
+
+
+class Qwen3Attention(nn.Module):
+    """Grouped-query attention with RMSNorm on each query and key head (QK-norm)."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, slots, cache=None, allowed=None):
+        """Attention sublayer on x [B, T, hidden] -> [B, T, hidden].  (Your engine: Chapter 9)
+
+        Project to q [B, H, T, D], k and v [B, Hkv, T, D]; apply q_norm / k_norm to every
+        head vector BEFORE the rotary embedding (cos, sin: [B or 1, 1, T, D]); then attend
+        with Chapter 5's causal_attention. `slots` [T] (or [B, T]) are the places of these
+        T tokens in the sequence's cache (0..T-1 without a cache): they, not the RoPE positions, decide
+        who sees whom. With a cache (Chapter 16), store k, v first with
+        cache.update(self.layer_idx, k, v), which returns every key and value so far.
+        `allowed` (padding masks, Chapter 21) passes straight to causal_attention.
+        """
+        raise NotImplementedError("Your engine: Chapter 9: Qwen3Attention.forward")
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, layer_idx)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, slots, cache=None, allowed=None):
+        """One decoder layer on the residual stream x [B, T, hidden].  (Your engine: Chapter 7)
+
+        Two residual branches, each reading a normalised copy of the stream: attention
+        (input_layernorm first) and the MLP (post_attention_layernorm first). The stream
+        itself is never normalised in place; each branch's output is added to it.
+        """
+        raise NotImplementedError("Your engine: Chapter 7: Qwen3DecoderLayer.forward")
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, the decoder layers and the final norm: token ids -> hidden states."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions=None, cache=None, allowed=None):
+        """Token ids [B, T] -> final hidden states [B, T, hidden].  (Your engine: Chapter 10)
+
+        The T tokens occupy cache slots start .. start + T - 1, where start is
+        cache.length (0 without a cache; a tensor [B] of per-row lengths gives per-row slots
+        [B, T]); positions for RoPE default to those slots (a padded batch, Chapter 21,
+        passes its own [B, T] positions). Compute the rotary
+        tables once and share them across layers; after the last layer, apply the final
+        norm and, with a cache, advance it by T with cache.advance(T).
+        """
+        raise NotImplementedError("Your engine: Chapter 10: Qwen3Model.forward")
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3Model plus the LM head (tied to the embedding when the config says so)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Qwen3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def context_limit(self):
+        """The most positions this model was trained for; engines stop requests there."""
+        return self.cfg.max_position_embeddings
+
+    def forward(self, input_ids, positions=None, cache=None, allowed=None):
+        """Token ids [B, T] -> logits [B, T, vocab] in float32.  (Your engine: Chapter 10)"""
+        raise NotImplementedError("Your engine: Chapter 10: Qwen3ForCausalLM.forward")
+
+
+Qwen3 = Qwen3ForCausalLM

@@ -1,0 +1,108 @@
+"""Chapter 31: one step's work as one flattened, unpadded batch.
+
+The scheduler hands over [(request, n), ...]. Their new tokens are concatenated into one
+sequence of N rows: the linear layers see an [N, D] matrix and never ask which request a
+row came from. Attention does ask, and reads the answer from BatchMeta: where each
+request's rows start, how long its context is, and where its blocks live in the pool.
+
+    request          a (3-token chunk)   b (decode)   c (new, 4 tokens)
+    input_ids        a6 a7 a8            b41          c0 c1 c2 c3
+    positions        6  7  8             41           0  1  2  3
+    query_start_loc  0                   3            4               8
+    seq_lens         9                   42           4
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class BatchMeta:
+    """What attention needs to find each request's rows and blocks.
+
+    query_start_loc [R + 1]  request r's rows are query_start_loc[r] : query_start_loc[r + 1]
+    seq_lens [R]             request r's context length after this step (computed + new)
+    block_table [R, W]       request r's physical blocks in logical order (zero-padded)
+    slot_mapping [N]         flat pool slot of each new token (block * block_size + offset);
+                             -1 for padding rows
+    The *_cpu lists are host copies, so a kernel launcher can read sizes without waiting
+    for the device.
+    """
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    query_start_loc_cpu: list
+    seq_lens_cpu: list
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def decode_only(self):
+        """Every request has exactly one new row (CUDA graphs and decode kernels like that)."""
+        return self.max_query_len == 1
+
+    @property
+    def num_reqs(self):
+        return len(self.query_start_loc_cpu) - 1
+
+
+@dataclass
+class Batch:
+    """A step's inputs.
+
+    input_ids, positions [N]   the new tokens and their positions
+    meta                       BatchMeta for attention
+    logits_indices [L]         rows whose logits are needed: first the sampling rows, in
+                               request order, then (Chapter 34) prompt-logprob rows
+    sample_counts              per scheduled request, how many of its rows are sampled
+                               (0 for a mid-prompt chunk, 1 normally, more when verifying drafts)
+    request_ids                the scheduled requests' ids, in row order
+    extra                      per-step inputs of later chapters (LoRA ids, M-RoPE positions)
+    prompt_spans               (request, first position, prompt tokens) for prompt logprobs
+    """
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: BatchMeta
+    logits_indices: torch.Tensor
+    sample_counts: list
+    request_ids: list
+    extra: dict = field(default_factory=dict)
+    prompt_spans: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self):
+        return self.input_ids.shape[0]
+
+    @property
+    def num_sample_rows(self):
+        """How many leading rows of the logits are sampling rows (the rest are prompt rows)."""
+        return sum(self.sample_counts)
+
+
+def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
+    """Flatten [(request, n), ...] into one Batch.  (Your engine: Chapter 31)
+
+    For each scheduled (request, n), with c = request.num_computed_tokens:
+      - its new tokens are (request.token_ids + request.spec_token_ids)[c : c + n], at
+        positions c .. c + n - 1; raise ValueError (naming the request) if fewer exist;
+      - position p is stored in slot block_tables[request_id][p // block_size] * block_size
+        + p % block_size (get a block boundary wrong and a neighbour's K/V is overwritten);
+      - its rows are one contiguous range: query_start_loc grows by n, seq_lens gets c + n;
+      - logits rows: a row is sampled when the token after it is not known yet, i.e. rows at
+        positions >= num_tokens - 1. A decode gives its one row, the chunk that ends a
+        prompt gives its last row, a mid-prompt chunk gives NONE (sample_counts gets 0).
+        With draft tokens (Chapter 37) the rows from the last real token on are all sampled.
+      - with params.prompt_logprobs set (Chapter 34), rows whose next token is a prompt
+        token go after all sampling rows in logits_indices, and prompt_spans records
+        (request, c, the prompt tokens those rows predict).
+    pad_to (Chapter 33's CUDA graphs): append dummy requests of one row each (token 0,
+    position 0, slot -1, seq_len 0, empty block table) until there are pad_to requests.
+    block_table is an int32 [R, W] tensor padded with zeros (W >= 1); slot_mapping is int64;
+    input_ids, positions and logits_indices are int64. Build Python lists first and make
+    each tensor once: this runs every step.
+    """
+    raise NotImplementedError("Your engine: Chapter 31: build_batch")

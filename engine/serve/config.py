@@ -1,0 +1,124 @@
+"""Chapter 31: every knob of the engine core in one validated object.
+
+Some fields name features that later chapters build (CUDA graphs, asynchronous scheduling,
+the full sampler, quantized pools). Their defaults keep them off; asking for one before
+its chapter exists raises an error that says which chapter brings it, instead of being
+silently ignored. A later chapter deletes its row from `NOT_YET_BUILT`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# (field, value that would need the feature) -> the chapter that builds it.
+NOT_YET_BUILT = {
+    ("kv_cache_dtype", "int8"): 32,
+    ("kv_cache_dtype", "fp8"): 32,
+    ("cuda_graphs", "auto"): 33,
+    ("cuda_graphs", "on"): 33,
+    ("cuda_graphs", "static"): 33,
+    ("async_scheduling", True): 33,
+    ("sampler", "full"): 34,
+}
+
+CHOICES = {
+    "policy": ("fcfs", "priority"),
+    "preemption_mode": ("recompute", "swap"),
+    "sampler": ("simple", "full"),
+    "kv_cache_dtype": ("auto", "int8", "fp8"),
+    "cuda_graphs": ("off", "auto", "on", "static"),
+}
+
+
+@dataclass
+class SchedulerConfig:
+    """The part of EngineConfig the Scheduler reads."""
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of EngineCore.
+
+    max_num_batched_tokens   token budget of one step (all requests' new tokens together)
+    max_num_seqs             most requests running at once
+    block_size               tokens per KV block
+    num_blocks               pool size in blocks; None sizes it from memory: on CUDA by
+                             profiling (gpu_memory_utilization), elsewhere kv_cache_bytes
+    kv_cache_bytes           pool bytes (all layers, K and V) when num_blocks is None off CUDA
+    enable_prefix_caching    reuse cached full blocks through hash chains
+    enable_chunked_prefill   split prompts across steps; off: a prompt must fit one budget
+    long_prefill_token_threshold  cap on one request's tokens per step (0: no cap)
+    policy                   "fcfs" or "priority" (smaller priority value first)
+    preemption_mode          "recompute" or "swap"
+    attention_backend        a name in serve.backends' registry
+    seed                     seeds the engine's generator for unseeded sampled requests
+    sampler                  "simple" (Chapter 31) or "full" (Chapter 34)
+    max_model_len            positions a request may reach; None: the model's context limit
+    gpu_memory_utilization   share of the GPU the weights, activations and pool may use
+    kv_cache_dtype           "auto" (the model's dtype) or a quantized pool (Chapter 32)
+    cuda_graphs              "off", or graph capture modes of Chapter 33
+    async_scheduling         overlap scheduling with the device (Chapter 33)
+    """
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 256 << 20
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    attention_backend: str = "reference"
+    seed: int = 0
+    sampler: str = "simple"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    cuda_graphs: str = "off"
+    async_scheduling: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Raise ValueError naming the field and the rule it breaks."""
+        def positive(name, allow_none=False, low=1):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= {low}, got {value!r}")
+
+        positive("max_num_batched_tokens")
+        positive("max_num_seqs")
+        positive("block_size")
+        positive("num_blocks", allow_none=True)
+        positive("kv_cache_bytes")
+        positive("long_prefill_token_threshold", low=0)
+        positive("max_model_len", allow_none=True)
+        positive("seed", low=0)
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not isinstance(self.attention_backend, str) or not self.attention_backend:
+            raise ValueError(f"EngineConfig.attention_backend must be a backend name, got {self.attention_backend!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        for (name, value), chapter in NOT_YET_BUILT.items():
+            if getattr(self, name) == value and type(getattr(self, name)) is type(value):
+                raise ValueError(f"EngineConfig.{name}={value!r} arrives in Chapter {chapter}; "
+                                 f"this engine does not build it yet")
+        return self
+
+    def scheduler_config(self):
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.enable_chunked_prefill,
+                               self.long_prefill_token_threshold, self.policy, self.preemption_mode)

@@ -1,0 +1,267 @@
+"""Chapter 31: EngineCore, the loop that ties requests, blocks, scheduler and model together.
+
+    add_request  validate everything, then queue (n > 1 becomes n requests)
+    step         schedule -> swaps -> one flattened batch -> one forward -> sample -> update
+    generate     a blocking helper: many prompts in, their finished outputs back
+
+Features of later chapters have seams here and nothing more: asking for one raises an error
+that names the chapter that builds it.
+"""
+from __future__ import annotations
+
+import operator
+import time
+
+import torch
+
+from .blocks import BlockManager
+from .config import EngineConfig
+from .flat_model import FlatModel
+from .request import Request, RequestOutput, SamplingParams, Status
+from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
+from .sampler import SimpleSampler
+from .scheduler import Scheduler
+
+
+class EngineCore:
+    """The engine: one pool, one scheduler, one forward pass per step.
+
+    model: a loaded Qwen3ForCausalLM (or Qwen3Moe), or a FlatModel around one.
+    eos_token_id: the token that ends a request (None: only the other stop rules apply).
+    sampler: anything with the sampler interface of serve.sampler (default SimpleSampler).
+    vocab_bytes: each token's bytes, for constrained decoding (Chapter 35).
+    """
+
+    def __init__(self, model, config=None, eos_token_id=None, sampler=None, vocab_bytes=None):
+        if config is None:
+            config = EngineConfig()
+        self.config = config.validate()
+        flat = FlatModel(model) if not isinstance(model, FlatModel) else model
+        weight = next(flat.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        options = {"kv_cache_dtype": config.kv_cache_dtype} if config.kv_cache_dtype != "auto" else {}
+        from .backends import get_backend
+        backend = get_backend(config.attention_backend, **options)
+        pool_blocks = config.num_blocks if config.num_blocks is not None else self._size_pool(flat, backend)
+        self.blocks = BlockManager(pool_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
+        self.runner = ModelRunner(flat, pool_blocks, config.block_size, backend)
+        self.engine_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampler = sampler if sampler is not None else SimpleSampler(self.engine_generator)
+        self.eos_token_id = eos_token_id
+        self.vocab_bytes = vocab_bytes
+        self.vocab_size = flat.cfg.vocab_size
+        self.max_model_len = config.max_model_len or getattr(flat.model, "context_limit", None) or (1 << 30)
+        self.generators = {}            # request id -> its own seeded generator
+        self.groups = {}                # id given to add_request with n > 1 -> its samples' ids
+        self.steps = 0
+        self.preemptions = 0
+        self.last_plan = None           # the SchedulerOutput of the latest step (for tools and widgets)
+        self.drafter = None             # Chapter 37
+        self.inflight = None            # Chapter 33
+
+    def _size_pool(self, flat, backend):
+        """Blocks for the pool when the config gives no number: measured on CUDA, else from
+        kv_cache_bytes."""
+        cfg = self.config
+        if self.device.type == "cuda":
+            found = profile_num_blocks(flat, backend, cfg.block_size, self.dtype, self.device,
+                                       cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
+        else:
+            layers, kv_heads, head_dim = flat.kv_spec()
+            pools = getattr(flat.model, "kv_pools", 2)          # a latent cache has one pool, not K and V
+            found = num_blocks_for_memory(cfg.kv_cache_bytes, layers, kv_heads, head_dim, cfg.block_size,
+                                          self.dtype, pools)
+        if found < 1:
+            raise ValueError("the KV pool would hold no block: give more memory or set EngineConfig.num_blocks")
+        return found
+
+    # --- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, request_id, prompt_token_ids, params=None, priority=0, cache_key=(), arrival_time=None,
+                    lora=None, features=None):
+        """Queue a request; returns its Request (a list of n Requests when params.n > 1).
+
+        Everything is checked before anything changes: a ValueError (naming the request and
+        the rule) leaves the engine exactly as it was. With n > 1 the samples are requests
+        "<id>:0" .. "<id>:<n-1>" with seeds seed + i; they share the prompt's blocks through
+        the prefix cache."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request ids are non-empty strings, got {request_id!r}")
+        prompt = self._check_prompt(request_id, prompt_token_ids)
+        self._check_features(request_id, params, lora, features)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
+        try:
+            cache_key = tuple(cache_key)
+            hash(cache_key)
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: cache_key must be a tuple of hashable values, "
+                             f"got {cache_key!r}") from None
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
+                             f"exceed the model's {self.max_model_len} positions")
+        if params.n > 1:
+            if request_id in self.groups:
+                raise ValueError(f"request {request_id!r} is already in the engine")
+            ids = [f"{request_id}:{i}" for i in range(params.n)]
+            each = [params.child(i) for i in range(params.n)]
+        else:
+            ids, each = [request_id], [params]
+        now = time.monotonic() if arrival_time is None else arrival_time
+        requests = [Request(rid, list(prompt), p, self.eos_token_id, priority, now, cache_key)
+                    for rid, p in zip(ids, each)]
+        for request in requests:
+            self.scheduler.check(request)          # pool capacity, budget, duplicate id
+        # Nothing below can fail: the engine changes only now.
+        for request in requests:
+            self.scheduler.add(request)
+            if request.params.seed is not None:
+                self.generators[request.request_id] = torch.Generator(device=self.device).manual_seed(
+                    request.params.seed)
+        if params.n > 1:
+            self.groups[request_id] = ids
+            return requests
+        return requests[0]
+
+    def _check_prompt(self, request_id, prompt_token_ids):
+        if isinstance(prompt_token_ids, torch.Tensor):
+            prompt_token_ids = prompt_token_ids.reshape(-1).tolist()
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise ValueError(f"request {request_id!r}: give token ids, not text")
+        try:
+            prompt = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: the prompt must be a sequence of integer token ids") from None
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        bad = [(i, t) for i, t in enumerate(prompt) if not 0 <= t < self.vocab_size]
+        if bad:
+            i, t = bad[0]
+            raise ValueError(f"request {request_id!r}: token {t} at prompt position {i} is outside the "
+                             f"vocabulary (0..{self.vocab_size - 1}); {len(bad)} such token(s)")
+        return prompt
+
+    def _check_features(self, request_id, params, lora, features):
+        if lora is not None or features:
+            raise ValueError(f"request {request_id!r}: adapters and image features arrive in Chapter 43")
+        if params.guided_regex is not None or params.guided_json is not None:
+            raise ValueError(f"request {request_id!r}: guided decoding arrives in Chapter 35")
+        wanted = [name for name, on in (("logprobs", params.logprobs is not None),
+                                        ("prompt_logprobs", params.prompt_logprobs is not None),
+                                        ("penalties", params.needs_penalties),
+                                        ("logit_bias", bool(params.logit_bias)),
+                                        ("allowed_token_ids", params.allowed_token_ids is not None),
+                                        ("min_tokens", params.min_tokens > 0)) if on]
+        if wanted:
+            raise ValueError(f"request {request_id!r}: {', '.join(wanted)} need the full sampler "
+                             f"(EngineConfig(sampler='full')), which arrives in Chapter 34")
+
+    def abort_request(self, request_id):
+        """Stop a request wherever it is (waiting, running, preempted, swapped) and give back
+        everything it holds. An n > 1 group id aborts all its samples. Returns the Request
+        (a list for a group), or None for an unknown or already finished id."""
+        if request_id in self.groups:
+            return [self.abort_request(rid) for rid in self.groups.pop(request_id)]
+        self.runner.swapped.pop(request_id, None)        # host copies of a swapped request
+        self.generators.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_unfinished(self):
+        """True while any request waits or runs."""
+        return bool(self.scheduler.has_unfinished)
+
+    # --- the two stubs -------------------------------------------------------------------------
+
+    def check_stop(self, request, index=-1):
+        """Why the request ends after its token at `index` (the newest by default), or None.  (Your engine: Chapter 31)
+
+        produced = how many OUTPUT tokens exist up to and including that token.
+        - Only once produced >= params.min_tokens: a token in params.stop_token_ids ->
+          FINISHED_STOPPED with request.stop_reason = that token; the request's eos_token_id
+          (unless params.ignore_eos) -> FINISHED_STOPPED.
+        - produced >= params.max_tokens, or prompt + produced >= self.max_model_len (no
+          position left) -> FINISHED_LENGTH.
+        - A constrained-decoding guide that is finished (request.extra["guide"], Chapter 35)
+          -> FINISHED_STOPPED with stop_reason "guided".
+        Stop tokens win over the length rule when both hold.
+        """
+        raise NotImplementedError("Your engine: Chapter 31: EngineCore.check_stop")
+
+    def step(self):
+        """One engine iteration; returns a RequestOutput per request that gained a token or
+        finished this step.  (Your engine: Chapter 31)
+
+        1. plan = self.scheduler.schedule(); count plan.preempted into self.preemptions; keep
+           it in self.last_plan.
+        2. Swaps, before any compute: every runner.swap_out(request, blocks) of plan.swap_out,
+           THEN every runner.swap_in(request, blocks) (freed blocks may be reused right away).
+        3. Nothing scheduled -> return [].
+        4. batch = runner.prepare(plan.scheduled, self.blocks.req_blocks);
+           logits = runner.execute(batch): one row per sampled row, in request order.
+        5. The requests with a nonzero batch.sample_counts entry get tokens from
+           self.sampler(logits, those requests, self.generators).
+        6. For every scheduled (request, n): num_computed_tokens += n; append its new tokens;
+           self.blocks.cache_full_blocks(request) (generated tokens fill blocks too). A
+           request without new tokens (mid-prompt chunk) reports nothing. Otherwise set
+           first_token_time once; if self.check_stop(request) gives a status,
+           self.scheduler.finish(request, status) (its blocks return NOW, so the next step
+           can admit someone) and drop its generator; report self.make_output(...).
+        7. self.steps += 1.
+        """
+        raise NotImplementedError("Your engine: Chapter 31: EngineCore.step")
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def make_output(self, request, new_tokens, logprobs=None):
+        return RequestOutput(request.request_id, new_tokens, request.output_token_ids, request.status.finished,
+                             request.status, request.stop_reason, request.num_cached_tokens, logprobs)
+
+    def stats(self):
+        """Counters for benchmarks and plots."""
+        return {"steps": self.steps, "preemptions": self.preemptions, "prefix_hit_rate": self.blocks.hit_rate,
+                "blocks_free": self.blocks.num_free, "num_blocks": self.blocks.num_blocks,
+                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                **{f"prefix_{k}": v for k, v in self.blocks.stats.items()}}
+
+    def generate(self, prompts, params=None, priorities=None):
+        """Run prompts (lists of token ids) to completion; returns one final RequestOutput per
+        prompt, in order (a list of n of them when that prompt's params.n > 1).
+
+        params: one SamplingParams for all prompts or one per prompt. Every prompt is
+        validated before any is queued. Other requests already in the engine advance too,
+        but only these prompts' outputs are returned."""
+        prompts = list(prompts)
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"generate: {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        priorities = list(priorities) if priorities is not None else [0] * len(prompts)
+        self._generate_calls = getattr(self, "_generate_calls", 0) + 1
+        tag = f"generate{self._generate_calls}"
+        ids = [f"{tag}-{i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for rid, prompt, p, priority in zip(ids, prompts, per_prompt, priorities):
+                added.append(self.add_request(rid, prompt, p, priority))
+        except ValueError:
+            for rid in ids[:len(added)]:
+                self.abort_request(rid)
+            raise
+        final = {}
+        wanted = {r.request_id for x in added for r in (x if isinstance(x, list) else [x])}
+        while wanted - final.keys():
+            outputs = self.step()
+            if not outputs and self.last_plan is not None and self.last_plan.empty:
+                raise RuntimeError(f"the scheduler planned nothing while {len(wanted - final.keys())} "
+                                   f"request(s) are unfinished: {sorted(wanted - final.keys())[:4]}")
+            for out in outputs:
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        for rid in ids:
+            self.groups.pop(rid, None)
+        return [[final[r.request_id] for r in x] if isinstance(x, list) else final[x.request_id] for x in added]

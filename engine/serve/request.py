@@ -1,0 +1,212 @@
+"""Chapter 31: what the engine knows about one request.
+
+A request is a list of token ids (the prompt, then every token generated so far) and one
+counter, `num_computed_tokens`: how many of those tokens already have keys and values in
+the pool. Everything the scheduler decides is "compute the next n tokens of this request",
+whether that is a prompt chunk, a decode step or a preempted request catching up.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+# The value a token slot holds while the step that computes it is still running on the
+# device (Chapter 33's asynchronous scheduling). Nothing in Chapter 31 produces it.
+PLACEHOLDER = -1
+
+
+class Status(enum.Enum):
+    """Where a request is in its life. The three FINISHED_* kinds say why it ended."""
+    WAITING = "waiting"                    # queued, never run
+    RUNNING = "running"                    # holds blocks, scheduled step after step
+    PREEMPTED = "preempted"                # lost its blocks; queued again to resume
+    FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token
+    FINISHED_LENGTH = "finished_length"    # max_tokens or the model's context limit
+    FINISHED_ABORTED = "finished_aborted"  # the client gave up
+
+    @property
+    def finished(self):
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self):
+        """The OpenAI-style word for a finished status ("stop", "length", "abort"), else None."""
+        return {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length",
+                "FINISHED_ABORTED": "abort"}.get(self.name)
+
+
+def _check(ok, message):
+    if not ok:
+        raise ValueError(f"SamplingParams: {message}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick a request's tokens and when to stop.
+
+    Chapter 31's SimpleSampler honours temperature, top_k, top_p, min_p and seed; the stop
+    rules (max_tokens, min_tokens, stop_token_ids, ignore_eos) live in EngineCore.check_stop.
+    The penalty, bias, logprob and guided fields are declared here so every chapter sees
+    one parameter object; the engine refuses them until Chapter 34 (the full sampler) and
+    Chapter 35 (constrained decoding) exist.
+    """
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None            # top-k logprobs per output token (Chapter 34)
+    prompt_logprobs: int | None = None     # logprobs of the prompt's own tokens (Chapter 34)
+    presence_penalty: float = 0.0          # Chapter 34
+    frequency_penalty: float = 0.0         # Chapter 34
+    repetition_penalty: float = 1.0        # Chapter 34
+    logit_bias: dict | None = None         # token id -> added logit (Chapter 34)
+    allowed_token_ids: tuple | None = None  # Chapter 34
+    guided_regex: str | None = None        # Chapter 35
+    guided_json: object = None             # Chapter 35
+
+    def __post_init__(self):
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = tuple(int(t) for t in self.allowed_token_ids)
+        self.validate()
+
+    def validate(self):
+        """Raise ValueError naming the first field whose value makes no sense."""
+        def whole(name, low):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                   f"{name} must be an integer >= {low}, got {value!r}")
+
+        def real(name):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                   f"{name} must be a finite number, got {value!r}")
+            return value
+
+        whole("n", 1)
+        whole("max_tokens", 1)
+        whole("min_tokens", 0)
+        whole("top_k", 0)
+        _check(self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        _check(real("temperature") >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < real("top_p") <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0 <= real("min_p") <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(real("repetition_penalty") > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        real("presence_penalty")
+        real("frequency_penalty")
+        if self.seed is not None:
+            whole("seed", 0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                whole(name, 0)
+        _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        _check(self.guided_regex is None or self.guided_json is None,
+               "give guided_regex or guided_json, not both")
+        return self
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self):
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def child(self, index):
+        """The parameters of sample `index` of an n > 1 request: n = 1, and a seed of its own
+        (seed + index) so the samples differ yet reproduce."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence inside the engine.
+
+    `token_ids` holds the prompt followed by the output; `num_computed_tokens` of them have
+    K/V in the pool. Invariant once a request runs: the newest token is never computed yet
+    (the step that samples it only appends it), so a decode step feeds exactly one token.
+    """
+    request_id: str
+    prompt_token_ids: list
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    priority: int = 0                  # "priority" policy: smaller runs first (vLLM's convention)
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_key: tuple = ()              # whatever else changes the activations: adapter, images, salt
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0         # statistic: prompt tokens found in the prefix cache at admission
+    spec_token_ids: list = field(default_factory=list)   # draft tokens to verify (Chapter 37)
+    swapped_out: bool = False          # True while its K/V are parked on the host
+    stop_reason: int | str | None = None   # the stop token (or rule) that ended it
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    extra: dict = field(default_factory=dict)            # per-feature state of later chapters
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty")
+        self.token_ids = [int(t) for t in self.prompt_token_ids]
+        self.num_prompt_tokens = len(self.token_ids)
+        self.block_hashes = []         # one per full block, appended by the block manager
+        self.num_placeholders = 0      # trailing PLACEHOLDER tokens (Chapter 33)
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self):
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self):
+        return len(self.token_ids) + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self):
+        return self.status.finished
+
+    def append(self, token_id):
+        self.token_ids.append(int(token_id))
+
+    def __repr__(self):
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class RequestOutput:
+    """What one step reports for one request: the tokens it gained this step and, once it
+    has finished, why."""
+    request_id: str
+    new_token_ids: list
+    output_token_ids: list
+    finished: bool = False
+    status: Status = Status.RUNNING
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+    @property
+    def finish_reason(self):
+        return self.status.finish_reason if self.finished else None
+
+
+__all__ = ["PLACEHOLDER", "Status", "SamplingParams", "Request", "RequestOutput"]

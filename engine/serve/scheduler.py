@@ -1,0 +1,161 @@
+"""Chapter 31: deciding, each step, which requests compute how many tokens.
+
+The scheduler's whole answer is a list of (request, n): compute the next n tokens of this
+request. A decode is n = 1, a prompt chunk is n = chunk, a resumed request is n = what it
+lost. Running requests are served first (they hold memory and someone is reading their
+stream), then waiting requests are admitted with whatever is left of the token budget.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .request import Status
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    scheduled   [(request, n)] in row order of the batch
+    preempted   requests that lost their blocks this step
+    swap_out    [(request, blocks)]: copy these blocks to host memory BEFORE the forward
+                pass (the blocks are already free and may be reused by this very step)
+    swap_in     [(request, blocks)]: copy the saved K/V back into these new blocks
+    """
+    scheduled: list = field(default_factory=list)
+    preempted: list = field(default_factory=list)
+    swap_out: list = field(default_factory=list)
+    swap_in: list = field(default_factory=list)
+
+    @property
+    def empty(self):
+        return not self.scheduled
+
+    @property
+    def num_tokens(self):
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config, block_manager):
+        self.config, self.blocks = config, block_manager
+        self.waiting = deque()       # admission order (or priority order)
+        self.running = []            # order of service; the last one is preempted first
+        self.requests = {}           # every unfinished request by id
+        self.on_finish = None        # hook(request), called before a finished request's blocks go back
+
+    # --- entering and leaving -------------------------------------------------------------
+
+    def check(self, request):
+        """Raise ValueError if `request` could never run here; changes nothing."""
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        need = request.num_tokens + request.params.max_tokens
+        if need > capacity:
+            raise ValueError(f"request {request.request_id!r}: prompt ({request.num_tokens}) + max_tokens "
+                             f"({request.params.max_tokens}) needs {need} KV slots, more than the whole "
+                             f"pool holds ({self.blocks.num_blocks} blocks x {self.blocks.block_size} = {capacity})")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and request.num_tokens > budget:
+            raise ValueError(f"request {request.request_id!r}: its {request.num_tokens}-token prompt exceeds the "
+                             f"{budget}-token step budget and chunked prefill is off")
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+
+    def add(self, request):
+        self.check(request)
+        self._enqueue(request)
+        self.requests[request.request_id] = request
+
+    def _enqueue(self, request, front=False):
+        """Queue for admission: by (priority, arrival) under "priority", else arrival order
+        (front=True puts a preempted request ahead of everyone who arrived after it)."""
+        if self.config.policy == "priority":
+            rank = (request.priority, request.arrival_time)
+            spot = len(self.waiting)
+            for i, other in enumerate(self.waiting):
+                if (other.priority, other.arrival_time) > rank:
+                    spot = i
+                    break
+            self.waiting.insert(spot, request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def finish(self, request, status):
+        """End a request: out of the queues, on_finish(request), then its blocks go back."""
+        request.status = status
+        request.finish_time = time.monotonic()
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if self.on_finish is not None:
+            self.on_finish(request)          # e.g. ship its K/V elsewhere (Chapter 41): blocks still valid
+        self.blocks.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id):
+        """Finish a request as aborted wherever it is; returns it, or None if unknown."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.swapped_out = False
+            self.finish(request, Status.FINISHED_ABORTED)
+        return request
+
+    @property
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, wanted, budget):
+        cap = self.config.long_prefill_token_threshold
+        n = min(wanted, budget)
+        return min(n, cap) if cap else n
+
+    # --- the stubs ---------------------------------------------------------------------------
+
+    def _preempt(self, request, out):
+        """Take a running request off the device.  (Your engine: Chapter 31)
+
+        Remove it from self.running, clear its spec_token_ids (drafts are for the next step
+        only), then by self.config.preemption_mode:
+          "recompute": num_computed_tokens = 0; it will prefill prompt + output again, and
+                       will probably find its own blocks still in the prefix cache;
+          "swap":      record (request, a COPY of its block list) in out.swap_out BEFORE
+                       freeing, set swapped_out = True, keep num_computed_tokens.
+        Then free its blocks, set status PREEMPTED, count num_preemptions, add it to
+        out.preempted, and put it back at the FRONT of the waiting queue (self._enqueue(...,
+        front=True)): it was admitted before everyone still waiting.
+        """
+        raise NotImplementedError("Your engine: Chapter 31: Scheduler._preempt")
+
+    def schedule(self):
+        """Plan one step within the token budget.  (Your engine: Chapter 31)
+
+        budget = config.max_num_batched_tokens; under policy "priority", first sort
+        self.running by (priority, arrival_time).
+        1. Running requests, in order, while budget is left: n = self._chunk(num_tokens_with_spec
+           - num_computed_tokens, budget); skip n == 0. Until blocks.allocate_slots(request, n)
+           succeeds, preempt the LAST running request (self._preempt); if that victim was
+           this request itself, stop the whole pass. Otherwise schedule (request, n), publish
+           its blocks at once (blocks.cache_full_blocks(request, computed + n)), spend n.
+        2. Then waiting requests from the front, while budget is left, fewer than
+           max_num_seqs run, and NOTHING was preempted this step (memory is evidently full):
+           cached = find_cached_prefix(request) unless it already has computed tokens (a
+           swapped request); remaining = num_tokens - computed - cached tokens. With chunked
+           prefill off, a remaining that does not fit the budget left waits (unless it
+           exceeds even a full budget: a long resumed request is chunked anyway). n =
+           self._chunk(remaining, budget); if allocate_slots(request, n, cached) fails, stop
+           admitting (never preempt to admit); a request that waits after a lookup calls
+           blocks.forget_lookup(request, cached), so the hit rate counts each admission once.
+           Else pop it from waiting; a swapped_out
+           request goes to out.swap_in with a copy of its new block list (swapped_out =
+           False); computed += cached tokens; on a FIRST admission (status WAITING) record
+           num_cached_tokens; status RUNNING; append to running; schedule (request, n);
+           publish its blocks at once so a request admitted after it in this same step can
+           adopt them; spend n.
+        Returns a SchedulerOutput.
+        """
+        raise NotImplementedError("Your engine: Chapter 31: Scheduler.schedule")

@@ -1,0 +1,88 @@
+"""Chapter 21: static batching. Several prompts decode together, one forward call per step.
+
+A decode step reads every weight once whatever the batch size (Chapter 18), so B requests
+in one call cost little more than one. The catch is shape: a batch is a rectangle
+[B, T] and prompts have different lengths. We pad every prompt on the LEFT to the longest,
+so that all rows end at the same column: the last column holds each row's last real token,
+and every new token of a decode step lands in the same cache slot for all rows.
+
+Three things keep the padding invisible:
+  * positions: row b with p_b pad tokens gives its real tokens RoPE positions 0, 1, ...
+    starting at column p_b, exactly as if it ran alone;
+  * a mask: no query may attend to a pad slot (the `allowed` argument of the model);
+  * the cache: one KVCache row per prompt; the pad slots hold keys nobody reads.
+With those, each row's greedy output equals its solo `generate`, token for token.
+"""
+import torch
+
+from .kv_cache import KVCache
+from .sampling import sample
+
+
+def left_pad(prompts, pad_id=0, device="cpu"):
+    """Pack prompts (lists of ints, lengths L_b) into a left-padded batch.  (Your engine: Chapter 21)
+
+    Returns (input_ids, positions, pad_lens):
+      input_ids  int64 [B, L] with L = max L_b; row b is pad_id repeated p_b = L - L_b
+                 times, then the prompt;
+      positions  int64 [B, L]: the real tokens of row b get 0 .. L_b - 1 (the positions
+                 they would have alone); pad columns get 0 (any value works, they are masked);
+      pad_lens   int64 [B]: p_b.
+    All on `device`. Raise ValueError for an empty batch or an empty prompt.
+    """
+    raise NotImplementedError("Your engine: Chapter 21: left_pad")
+
+
+def padding_mask(pad_lens, num_slots):
+    """Which cache slots each row may attend to: bool [B, 1, 1, num_slots].  (Your engine: Chapter 21)
+
+    Slot j of row b is a real token exactly when j >= pad_lens[b]. The result goes to the
+    model's `allowed` argument, which is broadcast to [B, 1, Tq, Tk] and intersected with
+    the causal rule, so one mask over the key slots serves the prefill (Tq = L) and every
+    decode step (Tq = 1) alike; it just grows by one slot per step.
+    A pad query (a pad column during prefill) sees no allowed key at all; attention returns
+    zeros for it rather than NaN, and nothing real ever reads its output.
+    """
+    raise NotImplementedError("Your engine: Chapter 21: padding_mask")
+
+
+def padding_waste(prompt_lens, output_lens=None):
+    """Fractions of a static batch's token slots that hold no real token.
+
+    prompt_lens: each row's prompt length; output_lens: how many tokens each row actually
+    generated (None: prompts only). The batch runs for max(output_lens) decode steps, and a
+    row that finished early still occupies its slot in every step after. Returns a dict
+    with prefill_waste (pad share of the [B, L] prefill), decode_waste (share of decode
+    rows that were already finished) and total (both together, over all slots processed).
+    """
+    prompt_lens = list(prompt_lens)
+    width, rows = max(prompt_lens), len(prompt_lens)
+    prefill_slots, prefill_real = rows * width, sum(prompt_lens)
+    if output_lens is None:
+        output_lens = [0] * rows
+    steps = max(output_lens) if output_lens else 0
+    decode_slots, decode_real = rows * steps, sum(output_lens)
+    return {
+        "prefill_waste": 1 - prefill_real / prefill_slots,
+        "decode_waste": (1 - decode_real / decode_slots) if decode_slots else 0.0,
+        "total": 1 - (prefill_real + decode_real) / (prefill_slots + decode_slots),
+    }
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts, max_new_tokens, *, eos_token_id=None, stop_token_ids=(), pad_id=0,
+                   temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, generator=None):
+    """Generate for every prompt at once; returns one list of new tokens per prompt.
+    (Your engine: Chapter 21)
+
+    Left-pad with left_pad, prefill all rows in ONE forward call through a KVCache of
+    batch B sized L + max_new_tokens, then decode with one call per step for all rows.
+    Every call passes the rows' own positions ([B, T]) and allowed=padding_mask(...) over
+    the slots filled so far (the prompt columns plus the new ones). Per row, the same stop
+    rules as solo generate: max_new_tokens, eos_token_id or a stop token (kept in the
+    output), or the row's own sequence (its prompt plus output, not the padded width)
+    reaching the model's context_limit. A finished row keeps riding along (feed it any
+    token, e.g. pad_id) but gets no more output; stop as soon as every row has finished.
+    Greedy output per row must equal generate(model, prompt, ...) alone.
+    """
+    raise NotImplementedError("Your engine: Chapter 21: generate_batch")

@@ -1,0 +1,92 @@
+"""Chapter 3: text to token ids and back, and the two matrices at the ends of the model.
+
+The byte tokenizer is the smallest tokenizer that can represent every string: a token is
+one UTF-8 byte. It is what the tiny test model speaks (vocab_size 320 = 256 bytes + 64
+special ids). Real checkpoints ship a byte-level BPE tokenizer, which Chapter 36 builds.
+"""
+import torch
+from torch.nn import functional as F
+
+NUM_BYTES = 256
+# Named special tokens; every other id from 256 to vocab_size - 1 is "<|reserved_N|>".
+SPECIAL_TOKENS = {"<|bos|>": 256, "<|eos|>": 257, "<|pad|>": 258, "<|im_start|>": 259,
+                  "<|im_end|>": 260}
+
+
+class ByteTokenizer:
+    """Ids 0-255 are the byte values; ids 256 .. vocab_size - 1 are special tokens.
+
+    The specials are never produced from text: encode("<|eos|>") gives the seven bytes of
+    that string, so no user text can forge an end-of-sequence. Only add_bos (or a caller
+    that appends ids itself) puts a special id into a sequence.
+    """
+
+    def __init__(self, vocab_size=320):
+        if vocab_size < NUM_BYTES + len(SPECIAL_TOKENS):
+            raise ValueError(f"a byte tokenizer needs at least {NUM_BYTES + len(SPECIAL_TOKENS)} ids")
+        self.vocab_size = vocab_size
+        names = {i: f"<|reserved_{i - NUM_BYTES}|>" for i in range(NUM_BYTES, vocab_size)}
+        names.update({i: name for name, i in SPECIAL_TOKENS.items()})
+        self.special_names = names                   # id -> name, for every id >= 256
+        self.bos_token_id = SPECIAL_TOKENS["<|bos|>"]
+        self.eos_token_id = SPECIAL_TOKENS["<|eos|>"]
+        self.pad_token_id = SPECIAL_TOKENS["<|pad|>"]
+
+    def is_special(self, token_id):
+        return NUM_BYTES <= token_id < self.vocab_size
+
+    def encode(self, text, add_bos=False):
+        """A str -> a list of ints, one per UTF-8 byte.  (Your engine: Chapter 3)
+
+        Characters outside ASCII take 2-4 bytes each ("é" is [195, 169]), so the list is
+        usually longer than len(text). With add_bos, the list starts with bos_token_id.
+        Special-token names in the text are plain text here and are encoded byte by byte.
+        """
+        raise NotImplementedError("Your engine: Chapter 3: ByteTokenizer.encode")
+
+    def decode(self, ids, skip_special=True):
+        """A sequence of ints (or a 1-D tensor) -> str.  (Your engine: Chapter 3)
+
+        Collect the bytes and decode them as UTF-8 in one go, not id by id: a character's
+        bytes are only meaningful together. Bytes that do not form valid UTF-8 (a sequence
+        cut in the middle of a character) become U+FFFD rather than an error. Special ids
+        are dropped with skip_special, otherwise written as their names ("<|eos|>").
+        Ids outside 0 .. vocab_size - 1 raise ValueError.
+        """
+        raise NotImplementedError("Your engine: Chapter 3: ByteTokenizer.decode")
+
+    def token_to_str(self, token_id):
+        """A readable label for one id: the character of a printable ASCII byte, '\\xNN' for
+        other bytes, the name of a special id. For tables and plots."""
+        if self.is_special(token_id):
+            return self.special_names[token_id]
+        if 32 <= token_id < 127:
+            return chr(token_id)
+        return f"\\x{token_id:02x}"
+
+
+def embed(ids, table):
+    """Look up the embedding row of every token id.  (Your engine: Chapter 3)
+
+    ids: int64 tensor of any shape [...]; table: [vocab, hidden]. Returns [..., hidden] in
+    the table's dtype: row ids[i] of the table for each position. This equals multiplying a
+    one-hot vector by the table, but costs a copy of hidden numbers instead of vocab * hidden
+    multiply-adds.
+    """
+    raise NotImplementedError("Your engine: Chapter 3: embed")
+
+
+def lm_logits(hidden, weight):
+    """Score every vocabulary entry against the final hidden states.  (Your engine: Chapter 3)
+
+    hidden: [..., hidden_size]; weight: [vocab, hidden_size] (the LM head; with tied
+    embeddings, the embedding table itself). Logit v is the dot product of the hidden state
+    with row v of weight. The product runs in the inputs' dtype; the result is returned in
+    float32, as the model's logits always are (softmax and sampling want the extra bits).
+    """
+    raise NotImplementedError("Your engine: Chapter 3: lm_logits")
+
+
+def one_hot_embed(ids, table):
+    """The same lookup as a matrix product, for comparison: one_hot(ids) @ table."""
+    return F.one_hot(ids, table.shape[0]).to(table.dtype) @ table

@@ -1,0 +1,115 @@
+"""Chapter 30: first Triton kernels, a vector add and a row softmax.
+
+A Triton kernel is a Python function compiled for the GPU. It is launched over a grid of
+programs; each program handles one block of data, addressed through pointers and offsets:
+    offsets = program_id * BLOCK + tl.arange(0, BLOCK)
+Loads and stores take a mask so the last, partial block never touches memory past the end.
+
+Without a GPU, Triton's interpreter (environment variable TRITON_INTERPRET=1) runs the same
+kernels on the CPU with NumPy, one program after another: slow, but exact enough to test.
+The variable is read when a kernel is DEFINED (at @triton.jit), so it must be set before
+this module is imported. This module sets it itself when torch sees no CUDA device, so
+importing it on a CPU-only machine always works. The interpreter has no bfloat16 arithmetic,
+so the wrappers compute in float32 there and cast the result back.
+"""
+import inspect
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton                      # noqa: E402  (after the interpreter choice, on purpose)
+import triton.language as tl       # noqa: E402
+
+
+def interpreting():
+    """True when kernels run in Triton's CPU interpreter rather than compiled for a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    """out[i] = x[i] + y[i] for the BLOCK elements of this program.  (Your engine: Chapter 30)
+
+    Program p (tl.program_id(0)) owns elements p * BLOCK .. p * BLOCK + BLOCK - 1. Build
+    those offsets with tl.arange(0, BLOCK), mask off the ones >= n_elements (the last
+    program usually hangs over the end), tl.load x and y with the mask, and tl.store the sum
+    with the same mask. Pointer + offsets addresses elements, not bytes.
+    """
+    raise NotImplementedError("Your engine: Chapter 30: add_kernel")
+
+
+@triton.jit
+def softmax_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+    """Softmax of one row per program.  (Your engine: Chapter 30)
+
+    Program r reads row r: it starts at x_ptr + r * x_row_stride and has n_cols elements;
+    BLOCK is a power of two >= n_cols, so one tl.arange(0, BLOCK) covers the row. Load with
+    a mask and other=-float("inf") so padding lanes vanish from the max and from the sum,
+    and compute in float32 (.to(tl.float32): tl.exp takes no 16-bit floats). Subtract the
+    row max before tl.exp (exp of a large logit overflows), divide by the sum, and store
+    the n_cols valid lanes at out_ptr + r * out_row_stride (the store casts back).
+    """
+    raise NotImplementedError("Your engine: Chapter 30: softmax_kernel")
+
+
+def _require_written(kernel):
+    """An unwritten stub kernel cannot compile on a GPU (Triton has no `raise`), and the
+    interpreter wraps its exception in its own error type: say so in the course's words."""
+    if 'raise NotImplementedError("Your engine: Chapter' in inspect.getsource(kernel.fn):
+        raise NotImplementedError(f"Your engine: Chapter 30: {kernel.fn.__name__}")
+
+
+def _check_device(*tensors):
+    for t in tensors:
+        if not interpreting() and not t.is_cuda:
+            raise ValueError("compiled Triton kernels need CUDA tensors (set TRITON_INTERPRET=1 for the CPU)")
+
+
+def _compute_dtype(t):
+    """The interpreter has no 16-bit float arithmetic: compute in float32 there."""
+    return torch.float32 if interpreting() and t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+
+
+def vector_add(x, y, block_size=1024):
+    """x + y for two tensors of the same shape, through add_kernel.
+
+    One program per block_size elements: grid = (ceil(n / block_size),). Inputs are made
+    contiguous, since the kernel addresses elements as one flat array."""
+    if x.shape != y.shape:
+        raise ValueError(f"vector_add needs equal shapes, got {tuple(x.shape)} and {tuple(y.shape)}")
+    _require_written(add_kernel)
+    _check_device(x, y)
+    dtype = _compute_dtype(x)
+    xc, yc = x.contiguous().to(dtype), y.contiguous().to(dtype)
+    out = torch.empty_like(xc)
+    n = out.numel()
+    grid = (triton.cdiv(n, block_size),)
+    add_kernel[grid](xc, yc, out, n, BLOCK=block_size)
+    return out.to(x.dtype)
+
+
+def softmax(x):
+    """Softmax over the last axis of a 2-D tensor [rows, cols], through softmax_kernel:
+    one program per row, BLOCK the next power of two of cols."""
+    if x.dim() != 2:
+        raise ValueError(f"softmax expects [rows, cols], got shape {tuple(x.shape)}")
+    _require_written(softmax_kernel)
+    _check_device(x)
+    dtype = _compute_dtype(x)
+    xc = x.to(dtype)
+    if xc.stride(-1) != 1:
+        xc = xc.contiguous()
+    rows, cols = xc.shape
+    out = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    block = triton.next_power_of_2(cols)
+    softmax_kernel[(rows,)](xc, out, cols, xc.stride(0), out.stride(0), BLOCK=block)
+    return out.to(x.dtype)
+
+
+def program_ranges(n_elements, block_size):
+    """(program id, first element, last element + 1) for each program of vector_add's grid."""
+    return [(p, p * block_size, min((p + 1) * block_size, n_elements))
+            for p in range(triton.cdiv(n_elements, block_size))]

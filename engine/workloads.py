@@ -1,0 +1,331 @@
+"""Chapter 22: workloads to serve and the numbers that say how well they were served.
+
+A workload is a list of `WorkItem`s: a prompt, how many tokens to generate, and when the
+request arrives. Every benchmark from Chapter 24 on draws its requests from here, so two
+engines compared in one run see exactly the same requests. Everything is seeded with
+Python's `random.Random`, so a workload is a pure function of its arguments (no torch, no
+global state).
+
+The metrics side turns what a server observed about each request (`RequestRecord`: when it
+arrived, when its first token came out, when it finished, how many tokens it produced) into
+the figures serving papers report: time to first token (TTFT), time per output token (TPOT),
+end-to-end latency, throughput, and their percentiles (`summarize`). `replay` drives any
+engine with the step API of Chapters 24, 25 and 31-lite (`add_request`, `step`,
+`has_unfinished`) through a timed workload and records those observations.
+"""
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkItem:
+    """One request of a workload. arrival_time is in seconds from the start of the run."""
+    request_id: str
+    prompt_ids: list
+    max_tokens: int
+    arrival_time: float = 0.0
+
+
+def _tokens(rng, n, vocab_size):
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
+def _between(rng, bounds):
+    """An int drawn uniformly from an inclusive (low, high) pair, or the int itself."""
+    if isinstance(bounds, int):
+        return bounds
+    low, high = bounds
+    return rng.randint(low, high)
+
+
+def shared_prefix_workload(num_requests=16, prefix_len=192, question_len=(8, 48), output_len=(8, 40),
+                           vocab_size=256, seed=0):
+    """Requests that all start with the same system prompt, then ask their own question.
+
+    The prefix (prefix_len tokens) is drawn once; each request appends a question of a length
+    drawn uniformly from question_len (inclusive) and asks for a number of output tokens drawn
+    from output_len. Token ids are below vocab_size (256: byte-sized ids, so they never hit
+    the tiny model's special tokens). All requests arrive at time 0. This is the workload
+    of `python run.py batch` and of Chapter 31's `python run.py core`.
+    """
+    rng = random.Random(seed)
+    prefix = _tokens(rng, prefix_len, vocab_size)
+    items = []
+    for i in range(num_requests):
+        question = _tokens(rng, _between(rng, question_len), vocab_size)
+        items.append(WorkItem(f"req-{i}", prefix + question, _between(rng, output_len)))
+    return items
+
+
+def poisson_arrivals(rate, n, seed=0):
+    """Arrival times of n requests from a Poisson process of `rate` requests per second.
+    (Your engine: Chapter 22)
+
+    In a Poisson process the gaps between consecutive arrivals are independent and
+    exponentially distributed with mean 1 / rate. Draw each gap by inverse-transform
+    sampling from one `random.Random(seed)`: for u uniform in [0, 1), -ln(1 - u) / rate is
+    exponential (use 1 - u, not u: random() can return 0.0 and ln(0) is -inf). Return the
+    running sums, a list of n non-decreasing floats; the first arrival is one gap after 0,
+    not at 0. Same (rate, n, seed), same list. rate must be positive.
+    """
+    raise NotImplementedError("Your engine: Chapter 22: poisson_arrivals")
+
+
+def with_arrivals(items, arrival_times):
+    """A copy of items with the given arrival times (one per item, in order)."""
+    if len(arrival_times) != len(items):
+        raise ValueError(f"{len(items)} items but {len(arrival_times)} arrival times")
+    return [WorkItem(it.request_id, list(it.prompt_ids), it.max_tokens, float(t))
+            for it, t in zip(items, arrival_times)]
+
+
+@dataclass
+class LengthClass:
+    """One kind of request in a length mix: its share of requests and its length ranges."""
+    name: str
+    weight: float
+    prompt_len: tuple
+    output_len: tuple
+
+
+CHAT_MIX = (LengthClass("chat", 0.7, (16, 64), (16, 64)),
+            LengthClass("summarise", 0.2, (192, 384), (8, 32)),
+            LengthClass("write", 0.1, (8, 24), (96, 160)))
+
+
+def length_mix_workload(num_requests=32, mix=CHAT_MIX, rate=None, vocab_size=256, seed=0):
+    """Independent prompts whose lengths come from a mix of request kinds.
+
+    Each request picks a LengthClass with probability proportional to its weight, then a
+    prompt length and an output length uniformly from that class's inclusive ranges. With
+    `rate`, requests arrive as a Poisson process (poisson_arrivals with the same seed);
+    otherwise all at time 0. The class name is kept in the request id ("req-3-summarise") so
+    a plot can colour by kind.
+    """
+    rng = random.Random(seed)
+    weights = [c.weight for c in mix]
+    items = []
+    for i in range(num_requests):
+        kind = rng.choices(mix, weights)[0]
+        prompt = _tokens(rng, _between(rng, kind.prompt_len), vocab_size)
+        items.append(WorkItem(f"req-{i}-{kind.name}", prompt, _between(rng, kind.output_len)))
+    if rate is not None:
+        items = with_arrivals(items, poisson_arrivals(rate, num_requests, seed))
+    return items
+
+
+def multi_turn_workload(num_conversations=4, num_turns=4, system_len=64, message_len=(8, 32),
+                        answer_len=(8, 32), shared_system=True, turn_gap=1.0, vocab_size=256, seed=0):
+    """Chat sessions: each turn's prompt is the previous turn's prompt, the answer to it and a
+    new user message.
+
+    Conversation c starts with a system prompt (one shared by all conversations when
+    shared_system, else one each) and a first message. The "answer" appended before the next
+    message is a stand-in drawn here (a workload cannot know what a model will say), of the
+    length that turn asks the model to generate, so prompts grow as they would in a real
+    chat. Turn t arrives at t * turn_gap (conversations interleave). Ids: "c{c}-t{t}".
+
+    What a prefix cache can reuse: every turn after the first repeats the whole previous
+    prompt, and with shared_system all conversations share the system prompt.
+    """
+    rng = random.Random(seed)
+    shared = _tokens(rng, system_len, vocab_size)
+    items = []
+    for c in range(num_conversations):
+        history = list(shared) if shared_system else _tokens(rng, system_len, vocab_size)
+        for t in range(num_turns):
+            history = history + _tokens(rng, _between(rng, message_len), vocab_size)
+            answer = _between(rng, answer_len)
+            items.append(WorkItem(f"c{c}-t{t}", list(history), answer, t * turn_gap))
+            history = history + _tokens(rng, answer, vocab_size)
+    items.sort(key=lambda it: (it.arrival_time, it.request_id))
+    return items
+
+
+# ----------------------------------------------------------------------------------------
+# Metrics
+
+@dataclass
+class RequestRecord:
+    """What a server saw of one request. Times in seconds on one clock."""
+    request_id: str
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_output_tokens: int = 0
+    token_times: list = field(default_factory=list)   # when each output token came out
+
+    @property
+    def ttft(self):
+        """Time to first token: waiting in the queue plus prefill."""
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self):
+        """End-to-end latency: arrival to last token."""
+        return self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self):
+        """Time per output token after the first; None with fewer than two tokens."""
+        if self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def inter_token_gaps(self):
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def percentile(values, q):
+    """The q-th percentile (0 <= q <= 100) of a non-empty list of numbers, interpolating
+    linearly between the two nearest order statistics.  (Your engine: Chapter 22)
+
+    Sort the values; the percentile sits at fractional rank r = q / 100 * (n - 1) (rank 0
+    is the smallest value, rank n - 1 the largest), between sorted[floor(r)] and
+    sorted[ceil(r)], weighted by the fractional part of r. This is numpy.percentile's
+    default ("linear") method, so p50 of [1, 2, 3, 4] is 2.5, p0 the minimum, p100 the
+    maximum. Raise ValueError on an empty list or q outside [0, 100].
+    """
+    raise NotImplementedError("Your engine: Chapter 22: percentile")
+
+
+PERCENTILES = (50, 90, 99)
+
+
+def summarize(records):
+    """Aggregate figures of a served workload.  (Your engine: Chapter 22)
+
+    records: RequestRecords of finished requests (each with first_token_time, finish_time
+    and num_output_tokens set). Returns a dict with
+      num_requests, output_tokens (sum), duration_s (first arrival to last finish),
+      throughput_tok_s (output_tokens / duration_s), requests_per_s,
+      and for each metric m in ttft, tpot, e2e: m_mean, m_p50, m_p90, m_p99 (PERCENTILES)
+      computed with `percentile`.
+    TPOT is undefined for a request with fewer than two tokens: leave such requests out of
+    the TPOT figures (and report None for them all if no request has two tokens). Note
+    that throughput divides by the whole span, not by the sum of latencies: requests
+    overlap, and that overlap is what a batching server sells.
+    """
+    raise NotImplementedError("Your engine: Chapter 22: summarize")
+
+
+# ----------------------------------------------------------------------------------------
+# Driving an engine through a timed workload
+
+class SkipIdleClock:
+    """Wall time that jumps over idle gaps.
+
+    While a server computes, time is real (perf_counter). When it has nothing to do until
+    the next arrival, `skip_to(t)` moves the clock forward instead of sleeping, so a
+    workload spread over a minute of arrivals replays in the seconds of compute it needs,
+    with the same queueing behaviour as if we had waited.
+    """
+
+    def __init__(self):
+        self._start = time.perf_counter()
+        self._skipped = 0.0
+
+    def __call__(self):
+        return time.perf_counter() - self._start + self._skipped
+
+    def skip_to(self, t):
+        now = self()
+        if t > now:
+            self._skipped += t - now
+
+
+def replay(engine, items, clock=None):
+    """Serve a timed workload on an engine with the step API; returns {request_id: RequestRecord}.
+
+    A request is handed to the engine (engine.add_request(request_id, prompt_ids,
+    max_tokens)) once the clock passes its arrival_time; each engine.step() returns
+    (request_id, new_token_ids, finished) triples, stamped with the clock when the step
+    returns. Idle gaps are skipped (SkipIdleClock), never slept.
+    """
+    clock = clock or SkipIdleClock()
+    pending = sorted(items, key=lambda it: it.arrival_time)
+    records, next_item = {}, 0
+    while next_item < len(pending) or engine.has_unfinished:
+        now = clock()
+        while next_item < len(pending) and pending[next_item].arrival_time <= now:
+            item = pending[next_item]
+            records[item.request_id] = RequestRecord(item.request_id, item.arrival_time)
+            engine.add_request(item.request_id, item.prompt_ids, item.max_tokens)
+            next_item += 1
+        if not engine.has_unfinished:
+            clock.skip_to(pending[next_item].arrival_time)
+            continue
+        outputs = engine.step()
+        stamp = clock()
+        for request_id, new_tokens, finished in outputs:
+            record = records[request_id]
+            if new_tokens and record.first_token_time is None:
+                record.first_token_time = stamp
+            record.num_output_tokens += len(new_tokens)
+            record.token_times.extend([stamp] * len(new_tokens))
+            if finished:
+                record.finish_time = stamp
+    return records
+
+
+class OneAtATimeEngine:
+    """The simplest server: requests queue, and one at a time is prefilled and decoded to the
+    end before the next starts. It has the step API, so `replay` measures it like any other
+    engine; Chapter 22 uses it to show what queueing does to TTFT, and Chapter 24 beats it.
+    Each step is one forward call: the whole prompt of the request at the head of the queue,
+    or one decode token of the request being served. Greedy only.
+    """
+
+    def __init__(self, model, eos_token_id=None):
+        from .kv_cache import KVCache
+        self._kv_cache = KVCache
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.device = next(model.parameters()).device
+        self.queue = []                 # [request_id, prompt, max_new, stop_ids]
+        self.current = None             # (request_id, cache, outputs, max_new, stop_ids)
+        self.steps = self.forward_calls = 0
+
+    def add_request(self, request_id, prompt_ids, max_new_tokens, stop_token_ids=()):
+        if not prompt_ids:
+            raise ValueError(f"{request_id}: empty prompt")
+        self.queue.append((request_id, list(prompt_ids), max_new_tokens, tuple(stop_token_ids)))
+
+    @property
+    def has_unfinished(self):
+        return bool(self.queue) or self.current is not None
+
+    def step(self):
+        import torch
+        if self.current is None:
+            if not self.queue:
+                return []
+            request_id, prompt, max_new, stops = self.queue.pop(0)
+            cache = self._kv_cache.for_model(self.model, 1, len(prompt) + max_new)
+            self.current = [request_id, cache, [], max_new, stops]
+            feed = prompt
+        else:
+            feed = self.current[2][-1:]
+        request_id, cache, outputs, max_new, stops = self.current
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([feed], device=self.device), cache=cache)
+        self.steps += 1
+        self.forward_calls += 1
+        token = int(logits[0, -1].argmax())
+        outputs.append(token)
+        finished = (len(outputs) >= max_new or token == self.eos_token_id or token in stops)
+        if finished:
+            self.current = None
+        return [(request_id, [token], finished)]
+
+    def run(self, items):
+        for item in items:
+            self.add_request(item.request_id, item.prompt_ids, item.max_tokens)
+        outputs = {item.request_id: [] for item in items}
+        while self.has_unfinished:
+            for request_id, tokens, _ in self.step():
+                outputs[request_id].extend(tokens)
+        return outputs
