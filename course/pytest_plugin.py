@@ -7,6 +7,7 @@ Options
     --upto N        only milestones (and notebooks) of Chapters 1..N
     --device D      cpu or cuda (default: cuda when torch sees one)
     --model PATH    a real Hugging Face Qwen3 directory for the model fixtures
+    --stress        the reliability tests' full sweeps instead of their fast subsets
 
 Fixtures: `impl`, `device`, `model_path`, `tiny_model`, `ref_model`, `chapter`. They live
 here rather than in tests/conftest.py so that milestone files anywhere (an instructor's
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,10 +46,50 @@ def pytest_addoption(parser):
                     help="device for models in tests (default: cuda when available)")
     group.addoption("--model", default=None, metavar="PATH",
                     help="a Hugging Face Qwen3 checkpoint directory to use instead of the tiny model")
+    group.addoption("--stress", action="store_true", default=False,
+                    help="run the full reliability sweeps (random workloads, state machines) instead of "
+                         "their fast subsets")
+
+
+MAX_WORKERS = 8
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                      # not on Linux
+        return os.cpu_count() or 1
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config):
+    """A whole-suite run (`pytest` with no paths: milestones, machinery tests and every
+    notebook) spreads over the CPU cores with pytest-xdist, one file per worker at a time
+    (--dist loadfile keeps a notebook's cells in one kernel and a milestone file's module
+    fixtures in one process). Running chosen files, passing -n yourself, or setting
+    COURSE_SERIAL=1 keeps the run serial. A wrapper, so it runs before xdist reads -n."""
+    if (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and config.pluginmanager.hasplugin("xdist")
+            and getattr(config.option, "numprocesses", 0) is None
+            and not hasattr(config, "workerinput")
+            and not config.getoption("collectonly")
+            and not os.environ.get("COURSE_SERIAL")
+            and _cores() > 1):
+        config.option.numprocesses = min(_cores(), MAX_WORKERS)
+        config.option.dist = "loadfile"
+    return (yield)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "chapter(n): this milestone belongs to Chapter n of book.toml")
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        # Share the cores among workers (and their notebook kernels) instead of each
+        # spawning a thread per core.
+        threads = max(1, _cores() // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
     # Notebook kernels (nbval) start in the chapter's folder; this lets them import course.
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(manifest.ROOT) not in paths:

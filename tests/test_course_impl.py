@@ -168,3 +168,17 @@ def test_device_fixture_follows_the_option(pytester):
     """)
     result = pytester.runpytest_inprocess(*INNER, "--device", "cpu")
     result.assert_outcomes(passed=1)
+
+
+def test_a_whole_suite_run_spreads_over_the_cores(pytester):
+    from course.pytest_plugin import _cores
+    if _cores() < 2:
+        pytest.skip("one core: the run stays serial")
+    pytester.makeini("[pytest]\ntestpaths = .\n")
+    pytester.makepyfile(test_a="def test_a(): pass", test_b="def test_b(): pass")
+    plugins = ("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
+    parallel = pytester.runpytest_subprocess(*plugins)
+    parallel.assert_outcomes(passed=2)
+    parallel.stdout.fnmatch_lines(["*created: * workers*"])
+    serial = pytester.runpytest_subprocess(*plugins, "test_a.py")
+    assert "workers" not in serial.stdout.str()

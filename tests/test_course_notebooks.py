@@ -121,6 +121,8 @@ def test_check_reports_pass_fail_and_not_implemented(fake_package, isolated_cach
     crashed = check(lambda impl: impl.ops.add(1, None), impl=gated, expected=1, name="add None")
     assert crashed.status == "fail" and crashed.detail.startswith("TypeError:")
     assert "TODO" in todo._repr_html_() and isinstance(todo, CheckResult)
+    missing = check("ops.add", 1, 2, impl=str(fake_package.parent / "nowhere"))
+    assert missing.status == "not implemented" and "unknown implementation" in missing.detail
 
 
 def test_differences_say_where():
