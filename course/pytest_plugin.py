@@ -90,6 +90,11 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(threads)
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)
+    # Triton decides at import whether its kernels (and its own library functions) are
+    # interpreted, and transformers imports triton as a side effect: so the choice must be
+    # made before any test runs, not by the Triton chapter's module when it is imported.
+    if "TRITON_INTERPRET" not in os.environ and _device_name(config) == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     # Notebook kernels (nbval) start in the chapter's folder; this lets them import course.
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(manifest.ROOT) not in paths:
