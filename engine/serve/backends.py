@@ -74,8 +74,8 @@ class ReferenceBackend:
         [1, H, t, D] / [1, Hkv, seq_len, D] with those positions; with window > 0 (sliding
         window, Chapter 42) also pass allowed = key position > query position - window.
         Skip padding requests (seq_len 0 or no rows): their output rows stay zero.
-        Everything but the pools is the same in every layer: self.plan(meta) works it out
-        once per step (positions, masks, which blocks to read) and reuses it.
+        Everything but the pools is the same in every layer: self.plan(meta, q.device, window)
+        works it out once per step (positions, masks, which slots to read) and reuses it.
         """
         raise NotImplementedError("Your engine: Chapter 31: ReferenceBackend.forward")
 
