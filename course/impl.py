@@ -50,10 +50,6 @@ class ImplSpec:
     upto: int | None
     module_name: str
 
-    @property
-    def label(self) -> str:
-        return self.text
-
 
 def _module_name_for(source: Path) -> str:
     for name, path in NAMED.items():
