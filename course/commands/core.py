@@ -30,6 +30,9 @@ def add_arguments(parser):
     parser.add_argument("--ample-blocks", type=int, default=4096, help="blocks of the ample pool (default 4096)")
     parser.add_argument("--small-blocks", type=int, default=24, help="blocks of the small pool (default 24)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    parser.add_argument("--backend", default="reference",
+                        help="attention backend of the core, by registry name (default: reference; "
+                             "Chapter 32 registers faster ones)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the best is reported (default 3)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
@@ -75,8 +78,8 @@ def slot_contender(continuous, model, items):
                      lambda engine: engine.run(items))
 
 
-def core_contender(serve, model, items, num_blocks, block_size, label):
-    config = serve.config.EngineConfig(num_blocks=num_blocks, block_size=block_size)
+def core_contender(serve, model, items, num_blocks, block_size, label, backend="reference"):
+    config = serve.config.EngineConfig(num_blocks=num_blocks, block_size=block_size, attention_backend=backend)
     eos = getattr(model.cfg, "eos_token_id", None)
     prompts = [it.prompt_ids for it in items]
     params = [serve.request.SamplingParams(max_tokens=it.max_tokens) for it in items]
@@ -119,9 +122,10 @@ def run(args):
     items = workloads.shared_prefix_workload(num_requests=args.requests, seed=args.seed)
 
     contenders = [slot_contender(continuous, model, items),
-                  core_contender(Serve, model, items, args.ample_blocks, args.block_size, "ch31 core, ample pool"),
+                  core_contender(Serve, model, items, args.ample_blocks, args.block_size, "ch31 core, ample pool",
+                                 args.backend),
                   core_contender(Serve, model, items, args.small_blocks, args.block_size,
-                                 f"ch31 core, {args.small_blocks}-block pool")]
+                                 f"ch31 core, {args.small_blocks}-block pool", args.backend)]
     try:
         for contender in contenders:           # warm-up: first calls pay one-off costs
             contender.serve(contender.make())
@@ -130,6 +134,8 @@ def run(args):
                 contender.timed_run(device)
     except NotImplementedError as exc:
         raise CommandError(f"{impl.name} is not complete yet: {exc}") from None
+    except ValueError as exc:                  # a configuration the engine refuses (say, an unknown backend)
+        raise CommandError(str(exc)) from None
     lines = [c.line() for c in contenders]
     for line in lines:
         print(json.dumps(line), flush=True)
