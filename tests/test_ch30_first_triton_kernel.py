@@ -2,9 +2,9 @@
 
 Without a GPU the kernels run in Triton's interpreter on the CPU; with one (--device cuda)
 the very same tests run the compiled kernels. The interpreter is chosen by the
-environment variable TRITON_INTERPRET=1, which Triton reads when a kernel is DEFINED, so
-it is set here, before the implementation's module is imported by any test (the module
-also sets it itself when torch sees no GPU).
+environment variable TRITON_INTERPRET=1, which Triton reads when it is imported and when a
+kernel is defined; the course's pytest plugin sets it before any test runs, and this file
+sets it too for runs without the plugin.
 
 Oracles: torch's own `+` and `torch.softmax` (in float64 where exactness matters).
 """
