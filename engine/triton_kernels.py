@@ -7,18 +7,25 @@ Loads and stores take a mask so the last, partial block never touches memory pas
 
 Without a GPU, Triton's interpreter (environment variable TRITON_INTERPRET=1) runs the same
 kernels on the CPU with NumPy, one program after another: slow, but exact enough to test.
-The variable is read when a kernel is DEFINED (at @triton.jit), so it must be set before
-this module is imported. This module sets it itself when torch sees no CUDA device, so
-importing it on a CPU-only machine always works. The interpreter has no bfloat16 arithmetic,
-so the wrappers compute in float32 there and cast the result back.
+Triton reads the variable when it is imported (its own library functions, tl.max and
+friends, are built then) and again when each kernel is defined, so it must be set before
+anything imports triton, and some libraries do (transformers, torch's compiler). This
+module sets it when torch sees no CUDA device and triton is not loaded yet; the course's
+pytest plugin and the chapter's notebook set it first thing. The interpreter has no
+bfloat16 arithmetic, so the wrappers compute in float32 there and cast the result back.
 """
 import inspect
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# True when triton was imported before the interpreter was chosen: its library functions
+# are then compiled-mode objects, and interpreted kernels that call them fail.
+_CHOSEN_TOO_LATE = False
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    _CHOSEN_TOO_LATE = "triton" in sys.modules
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import triton                      # noqa: E402  (after the interpreter choice, on purpose)
 import triton.language as tl       # noqa: E402
@@ -63,6 +70,10 @@ def _require_written(kernel):
 
 
 def _check_device(*tensors):
+    if _CHOSEN_TOO_LATE:
+        raise RuntimeError("triton was imported (by transformers, say) before TRITON_INTERPRET=1 was set, so "
+                           "its library functions were built for a GPU: set TRITON_INTERPRET=1 before anything "
+                           "imports triton (the environment, or the first lines of the notebook)")
     for t in tensors:
         if not interpreting() and not t.is_cuda:
             raise ValueError("compiled Triton kernels need CUDA tensors (set TRITON_INTERPRET=1 for the CPU)")
