@@ -16,8 +16,6 @@ ReferenceBackend, which stays slow on purpose.
 """
 from __future__ import annotations
 
-from array import array
-
 import torch
 
 from ..attention import causal_attention
@@ -54,12 +52,12 @@ class ReferenceBackend:
     one request at a time. Slow and plainly right: every faster backend is compared to it."""
     name = "reference"
 
-    def __init__(self):
-        self._plan = None
-
     def allocate(self, shape, dtype, device):
         """One layer's pool: (k_cache, v_cache), zero-filled."""
         return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+
+    def write(self, cache, k, v, meta):
+        write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
 
     def forward(self, q, cache, meta, scale=None, window=0):
         """Attention of this step's queries against the pool.  (Your engine: Chapter 31)
@@ -74,82 +72,20 @@ class ReferenceBackend:
         [1, H, t, D] / [1, Hkv, seq_len, D] with those positions; with window > 0 (sliding
         window, Chapter 42) also pass allowed = key position > query position - window.
         Skip padding requests (seq_len 0 or no rows): their output rows stay zero.
-        Everything but the pools is the same in every layer: self.plan(meta, q.device, window)
-        works it out once per step (positions, masks, which slots to read) and reuses it.
         """
         raise NotImplementedError("Your engine: Chapter 31: ReferenceBackend.forward")
 
-    def plan(self, meta, device, window=0):
-        """What every layer of this step shares, worked out on the first layer and reused:
-        the flat pool slots holding every request's context (one gather per pool), how many
-        of them belong to each request, how many query rows each request has, and per real
-        request its query positions, key positions and sliding-window mask."""
-        cached = self._plan
-        if cached is not None and cached.meta is meta and cached.window == window:
-            return cached
-        size, bounds = meta.block_size, meta.query_start_loc_cpu
-        on_host = meta.block_table.device.type == "cpu"
-        tables = meta.block_table.tolist() if on_host else None       # no device read on CUDA
-        positions = torch.arange(max(meta.seq_lens_cpu + [1]), device=device)
-        segments, contexts, jobs, blocks, keep = [], [], [], [], array("q")
-        gathered = 0                                        # blocks listed so far
-        for r, context in enumerate(meta.seq_lens_cpu):
-            rows = bounds[r + 1] - bounds[r]
-            segments.append(rows)
-            if context == 0 or rows == 0:
-                jobs.append(None)
-                continue
-            used = -(-context // size)
-            blocks.append(tables[r][:used] if on_host else meta.block_table[r, :used])
-            keep.extend(range(gathered * size, gathered * size + context))   # not the last block's unused tail
-            gathered += used
-            k_pos = positions[:context]
-            q_pos = k_pos[context - rows:]
-            allowed = (k_pos[None, :] > q_pos[:, None] - window) if window > 0 else None
-            jobs.append((len(contexts), q_pos, k_pos, allowed))
-            contexts.append(context)
-        if on_host:
-            block_ids = torch.tensor([b for row in blocks for b in row], dtype=torch.int64, device=device)
-        else:
-            block_ids = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.int64, device=device)
-        every_slot = (block_ids[:, None] * size + torch.arange(size, device=device)).view(-1)
-        wanted = torch.frombuffer(keep, dtype=torch.int64) if keep else torch.zeros(0, dtype=torch.int64)
-        slots = every_slot.index_select(0, wanted.to(device))
-        self._plan = _StepPlan(meta, window, segments, contexts, jobs, slots)
-        return self._plan
-
-    def write(self, cache, k, v, meta):
-        k_pool, v_pool = cache[:2]
-        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
-
-    def dequantize(self, x, cache, which, meta, r, length):
-        """[length, Hkv, D] read from the pool -> [1, Hkv, length, D] in float32.
+    @staticmethod
+    def dequantize(x, cache, which, meta, r, length):
+        """[length, Hkv, D] read from request r's blocks -> [1, Hkv, length, D] in float32.
 
         A quantized pool (Chapter 32) keeps per-token scales after K and V in the cache
-        tuple (cache[2] for K, cache[3] for V, each [num_blocks + 1, block_size, Hkv]); they
-        are read from the same places: request r's blocks, or, when r is None, the slots of
-        the whole step that self.plan gathered."""
+        tuple (cache[2] for K, cache[3] for V, each [num_blocks + 1, block_size, Hkv]),
+        read through the same block table."""
         x = x.float()
         if len(cache) > 2:
-            scales = cache[2 + which]
-            if r is None:
-                picked = scales.view(-1, *scales.shape[2:]).index_select(0, self._plan.slots)
-            else:
-                picked = gather_context(scales, meta.block_table[r], length)
-            x = x * picked.float().unsqueeze(-1)
+            x = x * gather_context(cache[2 + which], meta.block_table[r], length).float().unsqueeze(-1)
         return x.transpose(0, 1).unsqueeze(0)
-
-
-class _StepPlan:
-    __slots__ = ("meta", "window", "segments", "contexts", "jobs", "slots")
-
-    def __init__(self, meta, window, segments, contexts, jobs, slots):
-        self.meta, self.window, self.segments, self.contexts = meta, window, segments, contexts
-        self.jobs, self.slots = jobs, slots
-
-    @property
-    def num_slots(self):
-        return sum(self.contexts)
 
 
 # --- the registry ----------------------------------------------------------------------------
