@@ -57,7 +57,8 @@ class ReferenceBackend:
         return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
 
     def write(self, cache, k, v, meta):
-        write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+        k_pool, v_pool = cache[:2]
+        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
 
     def forward(self, q, cache, meta, scale=None, window=0):
         """Attention of this step's queries against the pool.  (Your engine: Chapter 31)
@@ -82,10 +83,11 @@ class ReferenceBackend:
         A quantized pool (Chapter 32) keeps per-token scales after K and V in the cache
         tuple (cache[2] for K, cache[3] for V, each [num_blocks + 1, block_size, Hkv]),
         read through the same block table."""
-        x = x.float()
-        if len(cache) > 2:
-            x = x * gather_context(cache[2 + which], meta.block_table[r], length).float().unsqueeze(-1)
-        return x.transpose(0, 1).unsqueeze(0)
+        values = x.float()
+        if len(cache) > 2:                       # quantized: per-token scales follow K and V
+            scales = gather_context(cache[2 + which], meta.block_table[r], length)
+            values = values * scales.float().unsqueeze(-1)
+        return values.transpose(0, 1).unsqueeze(0)
 
 
 # --- the registry ----------------------------------------------------------------------------
