@@ -448,7 +448,7 @@ def test_reference_backend_matches_sdpa(serve):
                                        msg=lambda m: f"request {rid} (window {window}): {m}")
 
 
-def test_flat_model_matches_dense_forward(serve, tiny_model, ref_model):
+def test_flat_model_matches_dense_forward(serve, tiny_model, ref_model, device):
     """Two requests flattened into one batch (one mid-sequence) give the dense model's logits,
     RoPE tables are built once per step, and only the selected rows reach the LM head."""
     runner = serve.runner.ModelRunner(tiny_model, num_blocks=8, block_size=4)
@@ -466,8 +466,8 @@ def test_flat_model_matches_dense_forward(serve, tiny_model, ref_model):
     second = runner.prepare([(b, 5)], tables)
     logits_b = runner.execute(second)
     with torch.inference_mode():
-        dense_a = ref_model(torch.tensor([a.token_ids]))[0, -1]
-        dense_b = ref_model(torch.tensor([b.token_ids]))[0, -1]
+        dense_a = ref_model(torch.tensor([a.token_ids], device=device))[0, -1]
+        dense_b = ref_model(torch.tensor([b.token_ids], device=device))[0, -1]
     torch.testing.assert_close(logits[0], dense_a, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits_b[0], dense_b, atol=1e-4, rtol=1e-4,
                                msg=lambda m: f"b's second chunk must read its first chunk's K/V from the pool: {m}")
@@ -634,10 +634,10 @@ def test_check_stop_rules(serve, tiny_model):
     assert engine.check_stop(req([4] * 8)) is Status.FINISHED_LENGTH
 
 
-def test_sampled_requests_reproduce_with_a_seed(serve, tiny_model, ref_model):
+def test_sampled_requests_reproduce_with_a_seed(serve, tiny_model, ref_model, device):
     prompt = list(range(30, 52))
     solo_sampled = reference().sampling.generate(ref_model, prompt, 12, eos_token_id=EOS, temperature=0.9,
-                                                 top_k=50, generator=torch.Generator().manual_seed(123))
+                                                 top_k=50, generator=torch.Generator(device=device).manual_seed(123))
     engine = make_engine(serve, tiny_model)
     outs = engine.generate([prompt, list(range(60, 90))],
                            [params(serve, 12, temperature=0.9, top_k=50, seed=123), params(serve, 7)])
