@@ -22,5 +22,9 @@ def load_model(impl, device, model_path=None):
     from course.models import tiny_qwen3
     if model_path is None:
         return tiny_qwen3(impl.package, device=device)
+    try:
+        checkpoint = impl.load("checkpoint")
+    except ModuleNotFoundError as exc:
+        raise CommandError(f"--model needs {impl.name}.checkpoint (Chapter 11): {exc}") from exc
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return impl.load("checkpoint").load_checkpoint(model_path, dtype=dtype, device=device).eval()
+    return checkpoint.load_checkpoint(model_path, dtype=dtype, device=device).eval()

@@ -12,6 +12,7 @@ import json
 import time
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.commands._setup import load_model, set_threads
 
 
 def add_arguments(parser):
@@ -32,20 +33,6 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
     parser.add_argument("--check", action="store_true", help="compare outputs with solo generate")
-
-
-def load_model(impl, device, model_path=None):
-    """The tiny test model of `impl`, or a real checkpoint when --model is given."""
-    from course.models import tiny_qwen3
-    if model_path is None:
-        return tiny_qwen3(impl.package, device=device)
-    try:
-        checkpoint = impl.load("checkpoint")
-    except ModuleNotFoundError as exc:
-        raise CommandError(f"--model needs {impl.name}.checkpoint (Chapter 11): {exc}") from exc
-    import torch
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return checkpoint.load_checkpoint(model_path, dtype=dtype, device=device).eval()
 
 
 def make_engine(impl, model, args):
@@ -70,11 +57,7 @@ def run(args):
     from course.impl import load
     impl = load(args.impl)
     device = resolve_device(args.device)
-    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
-    if threads is not None:
-        if threads < 1:
-            raise CommandError(f"--threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
+    set_threads(device, args.threads)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
     model = load_model(impl, device, args.model)

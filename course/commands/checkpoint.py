@@ -23,13 +23,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    try:
-        return _checkpoint(args)
-    except NotImplementedError as exc:
-        raise CommandError(f"{exc} is not written yet (run its milestone to check it once it is)") from None
-
-
-def _checkpoint(args):
     import torch
 
     from course.cli import resolve_device

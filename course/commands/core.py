@@ -97,17 +97,11 @@ def _first_difference(a, b):
 
 
 def run(args):
-    import torch
-
-    from course.commands.batch import load_model
+    from course.commands._setup import load_model, set_threads
     from course.impl import load
     impl = load(args.impl)
     device = resolve_device(args.device)
-    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
-    if threads is not None:
-        if threads < 1:
-            raise CommandError(f"--threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
+    set_threads(device, args.threads)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
 

@@ -44,13 +44,6 @@ def _config(impl, args):
 
 
 def run(args):
-    try:
-        return _report(args)
-    except NotImplementedError as exc:
-        raise CommandError(f"{exc} is not written yet (run its milestone to check it once it is)") from None
-
-
-def _report(args):
     import torch
 
     from course.impl import load

@@ -40,13 +40,6 @@ def add_arguments(parser):
                         help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
 
 
-def run(args):
-    try:
-        return _run(args)
-    except NotImplementedError as exc:
-        raise CommandError(f"{exc} is not written yet (its chapter's milestone checks it once it is)") from None
-
-
 def printable(text):
     """Text with control characters (other than newline and tab) shown as \\xNN escapes:
     the tiny model's random bytes would otherwise garble the terminal."""
@@ -90,7 +83,7 @@ def _prompt_ids(args, tokenizer, vocab_size):
     return tokenizer.encode(text)
 
 
-def _run(args):
+def run(args):
     import time
 
     import torch

@@ -9,7 +9,7 @@ prompt, and every greedy divergence (empty: token-for-token parity).
 import dataclasses
 import json
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.cli import add_device_argument, add_impl_argument, add_model_argument, resolve_device
 
 
 def add_arguments(parser):
@@ -23,13 +23,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    try:
-        return _parity(args)
-    except NotImplementedError as exc:
-        raise CommandError(f"{exc} is not written yet (run its milestone to check it once it is)") from None
-
-
-def _parity(args):
     import torch
     import transformers
 

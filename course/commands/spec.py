@@ -32,13 +32,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    try:
-        return _run(args)
-    except NotImplementedError as exc:
-        raise CommandError(f"{exc} is not written yet (its chapter's milestone checks it once it is)") from None
-
-
-def _run(args):
     from course.impl import load
     impl = load(args.impl)
     device = resolve_device(args.device)

@@ -19,13 +19,6 @@ def add_arguments(parser):
 
 
 def run(args):
-    try:
-        return _tokenize(args)
-    except NotImplementedError as exc:
-        raise CommandError(f"{exc} is not written yet (run its milestone to check it once it is)") from None
-
-
-def _tokenize(args):
     from course.impl import load
     tokenizer = load(args.impl).tokenizer.ByteTokenizer()
     if args.ids is not None:
