@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cost import Hardware, step_cost
 from .kv_cache import KVCache
+from . import roofline
 from .profiling import synchronizer, time_it
 
 
@@ -98,19 +99,14 @@ def count_ops(model, batch=1, context=16):
 
 
 def measure_hardware(device="cpu", *, copy_mib=64, matmul_size=None):
-    """A cost.Hardware for this machine, measured: bandwidth from copying a large buffer
-    (read + write, so 2 x its bytes moved) and peak FLOP/s from one large float32 matmul
-    (bfloat16 on CUDA, where tensor cores make that the number that matters)."""
+    """This machine as a cost.Hardware: Chapter 15's measured roofline, sized for the device
+    (a bfloat16 8192-square matmul on CUDA, where tensor cores set the peak that matters;
+    float32 and 1024 on a CPU)."""
     device = torch.device(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    src = torch.empty(copy_mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    copy_s = time_it(lambda: dst.copy_(src), warmup=2, repeats=5, device=device).best
-    n = matmul_size or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    mm_s = time_it(lambda: a @ b, warmup=2, repeats=5, device=device).best
-    return Hardware(f"measured {device.type}", peak_flops=2 * n**3 / mm_s, bandwidth=2 * src.numel() * 4 / copy_s)
+    cuda = device.type == "cuda"
+    hardware, _ = roofline.measure_hardware(device, matmul_size or (8192 if cuda else 1024), copy_mib,
+                                            torch.bfloat16 if cuda else torch.float32)
+    return hardware
 
 
 @dataclass

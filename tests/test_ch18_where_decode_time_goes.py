@@ -56,8 +56,13 @@ def test_step_time_grows_with_batch(impl, tiny_model):
     model = SleepyModel(tiny_model, per_row=0.005)
     times = [impl.decode_timing.decode_step_seconds(model, b, 4, repeats=3, warmup=1) for b in (1, 4, 16)]
     assert times[0] < times[1] < times[2], f"step times must follow the per-row sleeps (5, 20, 80 ms): {times}"
-    real = [impl.decode_timing.decode_step_seconds(tiny_model, b, 8, repeats=5, warmup=1) for b in (1, 512)]
-    assert real[0] < real[1], f"512 rows must take longer than 1 row on the real tiny model: {real}"
+    # On the real model the gap is large on an idle machine but a busy one can swallow a single
+    # measurement, so the claim only has to hold in one of three tries.
+    for _ in range(3):
+        real = [impl.decode_timing.decode_step_seconds(tiny_model, b, 8, repeats=5, warmup=1) for b in (1, 2048)]
+        if real[0] < real[1]:
+            break
+    assert real[0] < real[1], f"2048 rows must take longer than 1 row on the real tiny model: {real}"
 
 
 class AddCounter(TorchDispatchMode):
