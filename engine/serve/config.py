@@ -108,7 +108,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError(f"EngineConfig.attention_backend must be a backend name, got {self.attention_backend!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):

@@ -9,6 +9,7 @@ that names the chapter that builds it.
 """
 from __future__ import annotations
 
+import math
 import operator
 import time
 
@@ -102,12 +103,19 @@ class EngineCore:
         except TypeError:
             raise ValueError(f"request {request_id!r}: cache_key must be a tuple of hashable values, "
                              f"got {cache_key!r}") from None
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds, "
+                             f"got {arrival_time!r}")
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) "
                              f"exceed the model's {self.max_model_len} positions")
+        # One id names one thing (abort_request takes either kind): a live request, or a group
+        # with a live sample. A group whose samples all finished frees its id.
+        if request_id in self.scheduler.requests or any(
+                rid in self.scheduler.requests for rid in self.groups.get(request_id, ())):
+            raise ValueError(f"request {request_id!r} is already in the engine")
         if params.n > 1:
-            if request_id in self.groups:
-                raise ValueError(f"request {request_id!r} is already in the engine")
             ids = [f"{request_id}:{i}" for i in range(params.n)]
             each = [params.child(i) for i in range(params.n)]
         else:
@@ -118,6 +126,7 @@ class EngineCore:
         for request in requests:
             self.scheduler.check(request)          # pool capacity, budget, duplicate id
         # Nothing below can fail: the engine changes only now.
+        self.groups.pop(request_id, None)          # a finished group's id, reused
         for request in requests:
             self.scheduler.add(request)
             if request.params.seed is not None:
@@ -135,6 +144,8 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: give token ids, not text")
         try:
             prompt = [operator.index(t) for t in prompt_token_ids]
+            if any(isinstance(t, bool) for t in prompt_token_ids):
+                raise TypeError("True and False are not token ids")
         except TypeError:
             raise ValueError(f"request {request_id!r}: the prompt must be a sequence of integer token ids") from None
         if not prompt:
@@ -165,6 +176,8 @@ class EngineCore:
         """Stop a request wherever it is (waiting, running, preempted, swapped) and give back
         everything it holds. An n > 1 group id aborts all its samples. Returns the Request
         (a list for a group), or None for an unknown or already finished id."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request ids are non-empty strings, got {request_id!r}")
         if request_id in self.groups:
             return [self.abort_request(rid) for rid in self.groups.pop(request_id)]
         self.runner.swapped.pop(request_id, None)        # host copies of a swapped request

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import time
 from dataclasses import dataclass, field, replace
 
@@ -42,6 +43,16 @@ def _check(ok, message):
         raise ValueError(f"SamplingParams: {message}")
 
 
+def _token_ids(name, values):
+    """A tuple of integer token ids; 2.7 or "5" is refused, not rounded or parsed."""
+    try:
+        ids = tuple(operator.index(t) for t in values)
+        _check(not any(isinstance(t, bool) for t in values), f"{name} must be integer token ids, got {values!r}")
+        return ids
+    except TypeError:
+        raise ValueError(f"SamplingParams: {name} must be a sequence of integer token ids, got {values!r}") from None
+
+
 @dataclass
 class SamplingParams:
     """How to pick a request's tokens and when to stop.
@@ -73,9 +84,9 @@ class SamplingParams:
     guided_json: object = None             # Chapter 35
 
     def __post_init__(self):
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = tuple(int(t) for t in self.allowed_token_ids)
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
         self.validate()
 
     def validate(self):
