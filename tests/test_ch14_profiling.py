@@ -6,6 +6,7 @@ hand-built event tree whose shares are computed by hand; torch.profiler's own in
 time of the root range, which the per-kind self times must add up to; on CUDA, CUDA events.
 """
 import queue
+import statistics
 import threading
 import time
 from types import SimpleNamespace
@@ -44,6 +45,7 @@ class FakeStream:
 
 
 KERNEL_S = 0.1
+WARMUP_KERNEL_S = 0.6           # the warm-up call queues much more work than the timed ones
 
 
 def test_timer_waits_for_the_device(impl):
@@ -52,7 +54,7 @@ def test_timer_waits_for_the_device(impl):
 
     def step():                     # returns at once; its "kernel" runs on the stream
         calls.append(1)
-        stream.launch(KERNEL_S)
+        stream.launch(WARMUP_KERNEL_S if len(calls) == 1 else KERNEL_S)
 
     timing = impl.profiling.time_it(step, warmup=1, repeats=3, sync=stream.sync)
     assert len(calls) == 4, f"warmup=1, repeats=3 should call fn 4 times, got {len(calls)}"
@@ -61,14 +63,19 @@ def test_timer_waits_for_the_device(impl):
     assert not short, (f"each call queues {KERNEL_S * 1e3:.0f} ms of device work but samples were "
                        f"{[round(s * 1e3, 1) for s in timing.samples]} ms: the clock stopped before "
                        f"the device finished (sync before reading the clock)")
+    # Sleeps are floors a busy machine can only lengthen: a first sample that also waited for
+    # the warm-up's queued work takes at least 600 + 100 ms, a right one 100 ms plus noise, so
+    # a 600 ms line leaves half a second of noise on either side.
     first = timing.samples[0]
-    assert first < 1.7 * KERNEL_S, (
+    assert first < WARMUP_KERNEL_S, (
         f"the first timed sample took {first * 1e3:.0f} ms for {KERNEL_S * 1e3:.0f} ms of work: it "
-        f"also waited for the warm-up call's queued work (sync before starting the clock)")
+        f"also waited for the warm-up call's {WARMUP_KERNEL_S * 1e3:.0f} ms of queued work (sync before "
+        f"starting the clock)")
 
 
 def test_warmup_is_not_timed_and_samples_are_in_call_order(impl):
-    durations = iter([0.25, 0.25, 0.01, 0.06, 0.11])     # two slow warm-up calls, then three
+    timed = [0.01, 0.06, 0.11]
+    durations = iter([0.5, 0.5] + timed)     # two slow warm-up calls, then three
 
     def step():
         time.sleep(next(durations))
@@ -76,10 +83,15 @@ def test_warmup_is_not_timed_and_samples_are_in_call_order(impl):
     timing = impl.profiling.time_it(step, warmup=2, repeats=3, sync=lambda: None)
     got = [round(s * 1e3) for s in timing.samples]
     assert len(got) == 3, f"expected 3 samples, got {got} ms"
-    assert max(timing.samples) < 0.2, f"a warm-up call was timed: samples {got} ms"
-    assert timing.samples[0] < timing.samples[1] < timing.samples[2], (
+    # A sleep is a floor a busy machine can only lengthen, so the checks are floors: a timed
+    # warm-up call takes at least 500 ms (the calls timed here: at most 110 ms plus noise),
+    # and sample i can reach call i's floor only if it timed call i (or a slower one). With
+    # the increasing floors 10, 60, 110 ms that pins the order; comparing the noisy samples
+    # with each other would not.
+    assert max(timing.samples) < 0.4, f"a warm-up call was timed: samples {got} ms"
+    assert all(s >= d for s, d in zip(timing.samples, timed)), (
         f"samples {got} ms should follow the calls' 10, 60, 110 ms: time each call separately, in order")
-    assert timing.median == pytest.approx(timing.samples[1])
+    assert timing.median == pytest.approx(statistics.median(timing.samples)), "median of the samples"
 
 
 def event(name, self_us, parent=None, device_us=0.0):
@@ -158,7 +170,10 @@ class SlowRMSNorm(nn.Module):
 
 
 def test_time_goes_to_the_innermost_labelled_module(impl, tiny_model, device):
-    seconds = 0.05
+    # The sleep is a floor; the rest of a tiny forward is well under a millisecond of 'other'
+    # on an idle machine, but a busy one can stall any op for tens of milliseconds, so the
+    # sleep is long enough that 'other' stays far below it unless the sleep itself lands there.
+    seconds = 0.2
     original = tiny_model.model.norm
     tiny_model.model.norm = SlowRMSNorm(original, seconds)
     try:
