@@ -204,3 +204,16 @@ def test_the_sweep_exercised_every_feature(request):
     print(f"\nrandom workloads: {len(SWEEP)} workloads, {sum(s for _, s in SWEEP.values())} engine steps; "
           f"workloads exercising each feature: {dict(sorted(totals.items()))}")
     assert not missing, f"no workload of this sweep exercised {missing}"
+
+
+def test_finished_sample_groups_are_forgotten(serve, tiny_model):
+    """A long-running engine serves unboundedly many n > 1 requests: the map from a group's id
+    to its samples must hold live groups only, and a finished group's id is free again."""
+    engine = serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(num_blocks=64, block_size=4))
+    params = serve.request.SamplingParams(max_tokens=2, n=3, temperature=0.8, seed=1)
+    for turn in range(5):
+        engine.add_request(f"group{turn}", [5, 6, 7, 8, 9], params)
+        while engine.has_unfinished:
+            engine.step()
+    engine.add_request("group0", [5, 6, 7], params)        # a finished group's id, reused
+    assert list(engine.groups) == ["group0"], f"finished groups kept: {sorted(engine.groups)}"

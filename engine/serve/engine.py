@@ -126,7 +126,10 @@ class EngineCore:
         for request in requests:
             self.scheduler.check(request)          # pool capacity, budget, duplicate id
         # Nothing below can fail: the engine changes only now.
-        self.groups.pop(request_id, None)          # a finished group's id, reused
+        # Forget groups whose samples have all finished (their ids become free again), so the
+        # map holds live groups only, however many requests a long-running engine serves.
+        live = self.scheduler.requests
+        self.groups = {gid: ids for gid, ids in self.groups.items() if any(rid in live for rid in ids)}
         for request in requests:
             self.scheduler.add(request)
             if request.params.seed is not None:
@@ -275,6 +278,4 @@ class EngineCore:
             for out in outputs:
                 if out.finished and out.request_id in wanted:
                     final[out.request_id] = out
-        for rid in ids:
-            self.groups.pop(rid, None)
         return [[final[r.request_id] for r in x] if isinstance(x, list) else final[x.request_id] for x in added]
