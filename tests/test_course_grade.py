@@ -70,11 +70,20 @@ BROKEN = {
             """(Your engine: Chapter 3)"""
             import signal
             import time
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})   # per-test timeout can't fire
+            # pytest-timeout's SIGALRM can't interrupt this. Blocking it in this thread alone is
+            # not enough: a process-directed signal goes to any thread that does not block it
+            # (torch, imported at start-up on a CUDA machine, starts threads), and Python then
+            # runs the handler here all the same. Ignoring it holds whatever threads exist.
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
             while True:
                 time.sleep(0.05)
     ''',
 }
+
+# The per-test limit: a passing test here takes milliseconds, so a busy machine stays far
+# below it; the hanging one (spin) hits it whatever the machine.
+TEST_TIMEOUT = 5
 
 CHAPTERS = {number: manifest.load().chapter(number) for number in (1, 2, 3)}
 
@@ -138,7 +147,7 @@ def setup(tmp_path):
 def test_a_broken_engine_costs_tests_never_the_report(setup, tmp_path):
     reference, engine, tests_dir = setup
     report = grade.grade(str(tmp_path / "learner"), upto=3, tests_dir=tests_dir, reference=reference,
-                         test_timeout=2, chapter_timeout=120, jobs=3)
+                         test_timeout=TEST_TIMEOUT, chapter_timeout=120, jobs=3)
     by_number = {c.chapter.number: c for c in report.chapters}
     outcomes = {n: {t.name: (t.outcome, t.message) for t in c.tests} for n, c in by_number.items()}
 
@@ -189,9 +198,11 @@ def test_a_hang_no_timeout_can_interrupt_costs_the_chapter(setup, tmp_path):
         def test_never_reached(impl):
             pass
     """}) / milestone_name(3)
-    tests, notes, _ = grade.run_milestone(str(engine), milestone, test_timeout=1, chapter_timeout=6)
+    # The per-test limit must not fire in test_stuck's setup (then test_never_reached would
+    # run and pass); the chapter limit is the one that has to end the hang.
+    tests, notes, _ = grade.run_milestone(str(engine), milestone, test_timeout=3, chapter_timeout=8)
     assert tests and all(t.outcome == "failed" for t in tests)
-    assert notes and "time limit (6s) ran out" in notes[0]
+    assert notes and "time limit (8s) ran out" in notes[0]
 
 
 def test_grade_command_writes_json_and_junit(setup, tmp_path):
@@ -201,7 +212,7 @@ def test_grade_command_writes_json_and_junit(setup, tmp_path):
     reference, engine, tests_dir = setup
     # Only Chapter 1's file is used here; the fake reference is irrelevant to the exit code.
     out = subprocess.run([sys.executable, str(ROOT / "run.py"), "grade", "--impl", str(engine),
-                          "--chapter", "1", "--tests-dir", str(tests_dir), "--test-timeout", "2",
+                          "--chapter", "1", "--tests-dir", str(tests_dir), "--test-timeout", str(TEST_TIMEOUT),
                           "--json", str(tmp_path / "g.json"), "--junit", str(tmp_path / "g.xml")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr
