@@ -134,11 +134,18 @@ class SlowMLP(nn.Module):
 def test_breakdown_adds_up_and_finds_the_slow_layer(impl, device):
     model = tiny_qwen3(impl.package, device=device)
     layer = model.model.layers[1]
-    layer.mlp = SlowMLP(layer.mlp, 0.02)
-    parts = impl.decode_timing.step_breakdown(model, 2, 8, repeats=3)
-    named = [k for k in parts if k not in ("total", "other")]
-    assert set(named) == {"embed", "layer.0", "layer.1", "norm", "lm_head"}
-    assert sum(parts[k] for k in named) + parts["other"] == pytest.approx(parts["total"])
-    assert parts["other"] >= 0, "parts must not overlap"
-    assert parts["layer.1"] >= 0.02 and parts["layer.1"] > 0.5 * parts["total"], \
-        f"layer.1 sleeps 20 ms per call and must dominate: {parts}"
+    layer.mlp = SlowMLP(layer.mlp, 0.05)
+    # The sleep is a floor, so layer.1 >= 50 ms always holds; that it dominates the step compares
+    # it with the rest of the step, which a busy machine can stall for as long (layer.0 was
+    # seen at 105 ms): that claim only has to hold in one of three tries. The other checks are
+    # exact and hold in every try.
+    for _ in range(3):
+        parts = impl.decode_timing.step_breakdown(model, 2, 8, repeats=3)
+        named = [k for k in parts if k not in ("total", "other")]
+        assert set(named) == {"embed", "layer.0", "layer.1", "norm", "lm_head"}
+        assert sum(parts[k] for k in named) + parts["other"] == pytest.approx(parts["total"])
+        assert parts["other"] >= 0, "parts must not overlap"
+        assert parts["layer.1"] >= 0.05, f"layer.1 sleeps 50 ms per call: {parts}"
+        if parts["layer.1"] > 0.5 * parts["total"]:
+            break
+    assert parts["layer.1"] > 0.5 * parts["total"], f"layer.1 sleeps 50 ms per call and must dominate: {parts}"
