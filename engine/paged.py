@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .workloads import run_to_completion
+
 
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than a request needs."""
@@ -323,14 +325,8 @@ class PagedEngine:
         return bool(self.waiting or self.running)
 
     def run(self, items):
-        outputs = {}
-        for item in items:
-            self.add_request(item.request_id, item.prompt_ids, item.max_tokens)
-            outputs[item.request_id] = []
-        while self.has_unfinished:
-            for request_id, tokens, _ in self.step():
-                outputs[request_id].extend(tokens)
-        return outputs
+        """Serve WorkItems (Chapter 22) to completion; returns {request_id: output token ids}."""
+        return run_to_completion(self, items)
 
     # -- a step -------------------------------------------------------------------------
     def step(self):

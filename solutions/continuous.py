@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .workloads import run_to_completion
+
 
 class SlotKVCache:
     """K/V of `num_slots` sequences of at most `slot_len` tokens, one row each.
@@ -208,14 +210,7 @@ class ContinuousBatchingEngine:
 
     def run(self, items):
         """Serve WorkItems (Chapter 22) to completion; returns {request_id: output token ids}."""
-        outputs = {}
-        for item in items:
-            self.add_request(item.request_id, item.prompt_ids, item.max_tokens)
-            outputs[item.request_id] = []
-        while self.has_unfinished:
-            for request_id, tokens, _ in self.step():
-                outputs[request_id].extend(tokens)
-        return outputs
+        return run_to_completion(self, items)
 
     # -- the parts of a step --------------------------------------------------------------
     def _admit(self):

@@ -353,10 +353,17 @@ class OneAtATimeEngine:
         return [(request_id, [token], finished)]
 
     def run(self, items):
-        for item in items:
-            self.add_request(item.request_id, item.prompt_ids, item.max_tokens)
-        outputs = {item.request_id: [] for item in items}
-        while self.has_unfinished:
-            for request_id, tokens, _ in self.step():
-                outputs[request_id].extend(tokens)
-        return outputs
+        return run_to_completion(self, items)
+
+
+def run_to_completion(engine, items):
+    """Serve WorkItems on any engine with the Part V step API (add_request, step, has_unfinished)
+    until none is left; returns {request_id: output token ids}."""
+    outputs = {}
+    for item in items:
+        engine.add_request(item.request_id, item.prompt_ids, item.max_tokens)
+        outputs[item.request_id] = []
+    while engine.has_unfinished:
+        for request_id, tokens, _ in engine.step():
+            outputs[request_id].extend(tokens)
+    return outputs
