@@ -7,7 +7,7 @@ learner's code: a file that no longer parses counts its stubs as not done, with 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import impl as impl_module
@@ -71,11 +71,13 @@ def chapter_progress(spec: str = "engine", manifest=None, reference: Path | None
                      tests_dir: Path | None = None) -> list[ChapterProgress]:
     """One entry per chapter of book.toml, in order."""
     manifest = manifest or manifest_module.load()
-    source = impl_module.parse(spec).source
+    parsed = impl_module.parse(spec)
     tests_dir = Path(tests_dir or ROOT / "tests")
     by_chapter = {c.number: ChapterProgress(c, milestone_exists=(tests_dir / Path(c.milestone).name).is_file())
                   for c in manifest.chapters}
-    for state in stub_states(source, reference):
+    for state in stub_states(parsed.source, reference):
+        if parsed.upto is not None and state.chapter > parsed.upto:      # NAME@N removes these stubs
+            state = replace(state, done=False, note=f"removed by @{parsed.upto}")
         by_chapter[state.chapter].stubs.append(state)
     return list(by_chapter.values())
 

@@ -49,3 +49,11 @@ def test_a_broken_file_counts_as_not_done_with_a_note(learner, fake_package, tmp
 def test_milestone_command_names_the_chapter_file():
     chapter = manifest.load().chapter(5)
     assert progress.milestone_command("engine", chapter) == "pytest --impl engine tests/test_ch05_attention.py"
+
+
+def test_a_gated_implementation_counts_later_stubs_as_not_done():
+    """solutions@4 is a learner who finished Chapter 4: chapters after it have nothing done."""
+    rows = {row.chapter.number: row for row in progress.chapter_progress("solutions@4")}
+    assert all(rows[n].complete for n in range(1, 5))
+    assert rows[5].total and rows[5].done == 0, "Chapter 5's stubs are removed by @4"
+    assert all(row.done == 0 for n, row in rows.items() if n > 4)
