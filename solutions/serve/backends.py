@@ -97,7 +97,8 @@ class ReferenceBackend:
 
     @staticmethod
     def dequantize(x, cache, which, meta, r, length):
-        """[length, Hkv, D] read from request r's blocks -> [1, Hkv, length, D] in float32.
+        """Turn rows read from request r's blocks ([length, Hkv, D]) into float32 keys or
+        values laid out for causal_attention ([1, Hkv, length, D]).
 
         A quantized pool (Chapter 32) keeps per-token scales after K and V in the cache
         tuple (cache[2] for K, cache[3] for V, each [num_blocks + 1, block_size, Hkv]),
