@@ -83,10 +83,11 @@ def pytest_cmdline_main(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "chapter(n): this milestone belongs to Chapter n of book.toml")
     workers = getattr(config, "workerinput", {}).get("workercount")
-    if workers and "OMP_NUM_THREADS" not in os.environ:
+    if "OMP_NUM_THREADS" not in os.environ and (workers or _device_name(config) == "cpu"):
         # Share the cores among workers (and their notebook kernels) instead of each
-        # spawning a thread per core.
-        threads = max(1, _cores() // workers)
+        # spawning a thread per core; a serial CPU run gets one thread, because the tiny
+        # model's operations take microseconds and extra threads only add waiting.
+        threads = max(1, _cores() // workers) if workers else 1
         os.environ["OMP_NUM_THREADS"] = str(threads)
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(threads)

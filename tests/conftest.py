@@ -8,6 +8,7 @@ instructor's own, the grading tests' fakes). What is here serves the machinery's
 tests (tests/test_course_*.py).
 """
 import textwrap
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,13 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
     cache = tmp_path / "cache"
     monkeypatch.setenv("COURSE_CACHE_DIR", str(cache))
     return cache
+
+
+SERVE_MODULES = ("request", "config", "batch", "backends", "flat_model", "blocks", "scheduler", "runner",
+                 "sampler", "engine")
+
+
+@pytest.fixture(scope="module")
+def serve(impl):
+    """Chapter 31's modules of the implementation under test: serve.engine, serve.blocks, ..."""
+    return SimpleNamespace(**{name: impl.load(f"serve.{name}") for name in SERVE_MODULES})

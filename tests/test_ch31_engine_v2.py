@@ -28,31 +28,6 @@ BLOCK = 16
 
 # --- helpers ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are microseconds long: extra threads only add waiting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def serve(impl):
-    """The chapter's modules of the implementation under test."""
-    class Modules:
-        engine = impl.load("serve.engine")
-        config = impl.load("serve.config")
-        request = impl.load("serve.request")
-        blocks = impl.load("serve.blocks")
-        batch = impl.load("serve.batch")
-        backends = impl.load("serve.backends")
-        scheduler = impl.load("serve.scheduler")
-        flat_model = impl.load("serve.flat_model")
-        runner = impl.load("serve.runner")
-    return Modules
-
-
 _SOLO = {}
 
 

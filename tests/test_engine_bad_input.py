@@ -25,24 +25,6 @@ PROMPTS = {"run0": list(range(10, 30)), "run1": list(range(40, 60)), "grp": list
 MAX_TOKENS = {"run0": 30, "run1": 30, "grp": 20, "solo:1": 10}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def serve(impl):
-    class Modules:
-        engine = impl.load("serve.engine")
-        config = impl.load("serve.config")
-        request = impl.load("serve.request")
-        blocks = impl.load("serve.blocks")
-    return Modules
-
-
 def busy_engine(serve, model):
     engine = serve.engine.EngineCore(model, serve.config.EngineConfig(**BUSY), eos_token_id=EOS)
     for rid, prompt in PROMPTS.items():

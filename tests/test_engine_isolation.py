@@ -9,7 +9,6 @@ from the cache, and its output (solo greedy `generate` of the REFERENCE package:
 never changes what the model computes).
 """
 import pytest
-import torch
 
 from course import reference
 from course.engine_checks import check_engine_idle, check_scheduler
@@ -19,24 +18,6 @@ pytestmark = pytest.mark.chapter(31)
 EOS = 257
 BLOCK = 8
 PROMPT = list(range(100, 133))            # 33 tokens: four full blocks and one more token
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def serve(impl):
-    class Modules:
-        engine = impl.load("serve.engine")
-        config = impl.load("serve.config")
-        request = impl.load("serve.request")
-        blocks = impl.load("serve.blocks")
-    return Modules
 
 
 def make_engine(serve, model, **config):

@@ -21,7 +21,6 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 
 from course import reference
 from course.engine_checks import check_engine_idle, check_scheduler
@@ -43,23 +42,6 @@ def pytest_generate_tests(metafunc):
     if "seed" in metafunc.fixturenames:
         seeds = range(STRESS_SEEDS) if metafunc.config.getoption("stress") else FAST_SEEDS
         metafunc.parametrize("seed", list(seeds))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def serve(impl):
-    class Modules:
-        engine = impl.load("serve.engine")
-        config = impl.load("serve.config")
-        request = impl.load("serve.request")
-    return Modules
 
 
 _SOLO = {}

@@ -52,16 +52,6 @@ def machine_settings(request, examples, steps, stress_examples, stress_steps):
                     suppress_health_check=list(HealthCheck))
 
 
-@pytest.fixture(scope="module")
-def serve(impl):
-    class Modules:
-        request = impl.load("serve.request")
-        blocks = impl.load("serve.blocks")
-        scheduler = impl.load("serve.scheduler")
-        config = impl.load("serve.config")
-    return Modules
-
-
 prompts = st.tuples(st.integers(0, len(PROMPTS) - 1), st.lists(st.integers(0, 7), max_size=3))
 
 
