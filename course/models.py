@@ -14,6 +14,11 @@ import zlib
 import torch
 
 TINY_SEED = 0
+# Every Qwen3 checkpoint's vocabulary: rows of the embedding, columns of the LM head. The tiny
+# model's 320 (Chapter 3's bytes plus specials) makes its LM head nearly free; `run.py core`
+# puts the real width back, because computing logits only where they are sampled is one of
+# the savings it measures.
+QWEN3_VOCAB_SIZE = 151_936
 
 
 def tiny_config(package, **overrides):

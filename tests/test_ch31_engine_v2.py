@@ -701,3 +701,30 @@ def test_qwen3_moe_runs_through_the_flat_model_unchanged(serve, impl, device):
         trace.expect(rid, want, "[Qwen3-MoE] ")
     assert trace.preemptions > 0 and engine.blocks.stats["hits"] > 0
     assert_idle(engine, "[Qwen3-MoE] ")
+
+
+# --- the chapter's command ---------------------------------------------------------------------
+
+def test_run_py_core_serves_the_workload_three_ways(impl, device, capsys):
+    """`python run.py core` on the implementation under test, shortened (4 requests, one timed
+    run), with --check: Chapter 24's engine and the core with both pools give the same tokens
+    as solo `generate` (the command exits 2 otherwise), and each prints its JSON line."""
+    import json
+
+    from course import cli
+    status = cli.main(["core", "--impl", impl.spec.text, "--device", str(device), "--requests", "4",
+                       "--repeat", "1", "--check"])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py core failed:\n{out}{err}"
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    engines = {line["engine"]: line for line in lines if "engine" in line}
+    assert list(engines) == ["ch24 slots", "ch31 core, ample pool", "ch31 core, 24-block pool"], out
+    fields = {"engine", "kv_slots", "output_tokens", "tok_s", "steps", "prefix_hit_rate", "preemptions"}
+    for line in engines.values():
+        assert fields <= set(line), f"{line['engine']}: missing {sorted(fields - set(line))}"
+        assert line["tok_s"] > 0 and line["steps"] > 0, line
+    assert [line["kv_slots"] for line in engines.values()] == [8 * 320, 4096 * BLOCK, 24 * BLOCK]
+    assert len({line["output_tokens"] for line in engines.values()}) == 1, out
+    # Four requests share a 192-token system prompt: the last three find it cached.
+    assert engines["ch31 core, ample pool"]["prefix_hit_rate"] > 0.5, out
+    assert lines[-1]["outputs_identical"] is True, out

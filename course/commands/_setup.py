@@ -14,14 +14,18 @@ def set_threads(device, threads):
         torch.set_num_threads(threads)
 
 
-def load_model(impl, device, model_path=None):
-    """The tiny test model of `impl`, or a real checkpoint (Chapter 11's loader) with --model;
-    bfloat16 on CUDA, float32 on a CPU."""
+def load_model(impl, device, model_path=None, vocab_size=None):
+    """The tiny test model of `impl` (with `vocab_size` rows of embedding and LM head if
+    given), or a real checkpoint (Chapter 11's loader) with --model; bfloat16 on CUDA,
+    float32 on a CPU."""
     import torch
 
     from course.models import tiny_qwen3
+    if model_path is not None and vocab_size is not None:
+        raise CommandError("a vocabulary size applies to the tiny model only: a checkpoint brings its own")
     if model_path is None:
-        return tiny_qwen3(impl.package, device=device)
+        overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
+        return tiny_qwen3(impl.package, device=device, **overrides)
     try:
         checkpoint = impl.load("checkpoint")
     except ModuleNotFoundError as exc:

@@ -9,22 +9,33 @@ output_tokens, tok_s, steps, prefix_hit_rate, preemptions; then one summary line
 speedups. The three engines' outputs are compared request by request: any difference is an
 error (exit status 2), never a footnote.
 
-Each engine is warmed up once, then the three are timed in turn, --repeat rounds, from the
-first request to the last token (building an engine and its cache is not timed); each
-engine's best run is reported: other processes on a small machine only ever make a run
-slower, and interleaving spreads a busy moment over all three. On a CPU the tiny model's
-operations take microseconds, so by default torch uses one thread (--threads).
+The model is the tiny test model's two layers with Qwen3's vocabulary of 151,936 tokens
+(--vocab-size). With the tests' 320-token vocabulary a step does almost no arithmetic: its
+time is PyTorch's per-operation overhead, and the comparison would count the small
+operations each engine issues instead of the work the core avoids (prompt tokens served
+from the prefix cache, logits computed for sampled rows only). `--vocab-size 320` shows
+that regime; --model runs a real checkpoint with its own vocabulary.
+
+Each engine is warmed up on the first two requests, then the three are timed in turn,
+--repeat rounds, from the first request to the last token (building an engine and its
+cache is not timed); each engine's best run is reported: other processes on a small
+machine only ever make a run slower, and interleaving spreads a busy moment over all
+three. By default torch uses one thread on a CPU (--threads), for steadier timings.
 """
 import json
 import time
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.models import QWEN3_VOCAB_SIZE
 
 
 def add_arguments(parser):
     add_impl_argument(parser)
     add_device_argument(parser)
     add_model_argument(parser)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help=f"vocabulary of the tiny model (default {QWEN3_VOCAB_SIZE:,}, Qwen3's; "
+                             "the tests use 320); not with --model")
     parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--ample-blocks", type=int, default=4096, help="blocks of the ample pool (default 4096)")
@@ -52,11 +63,11 @@ class Contender:
         self.label, self.kv_slots, self.make, self.serve = label, kv_slots, make, serve
         self.best = None                       # (seconds, engine, outputs) of the fastest run
 
-    def timed_run(self, device):
+    def timed_run(self, device, items):
         engine = self.make()                   # building an engine and its cache is start-up, not serving
         _sync(device)
         start = time.perf_counter()
-        outputs = self.serve(engine)
+        outputs = self.serve(engine, items)
         _sync(device)
         elapsed = time.perf_counter() - start
         if self.best is None or elapsed < self.best[0]:
@@ -72,20 +83,19 @@ class Contender:
                 "preemptions": getattr(engine, "preemptions", 0)}
 
 
-def slot_contender(continuous, model, items):
+def slot_contender(continuous, model):
     return Contender("ch24 slots", 8 * 320,
                      lambda: continuous.ContinuousBatchingEngine(model, num_slots=8, slot_len=320),
-                     lambda engine: engine.run(items))
+                     lambda engine, items: engine.run(items))
 
 
-def core_contender(serve, model, items, num_blocks, block_size, label, backend="reference"):
+def core_contender(serve, model, num_blocks, block_size, label, backend="reference"):
     config = serve.config.EngineConfig(num_blocks=num_blocks, block_size=block_size, attention_backend=backend)
     eos = getattr(model.cfg, "eos_token_id", None)
-    prompts = [it.prompt_ids for it in items]
-    params = [serve.request.SamplingParams(max_tokens=it.max_tokens) for it in items]
 
-    def run_all(engine):
-        results = engine.generate(prompts, params)
+    def run_all(engine, items):
+        params = [serve.request.SamplingParams(max_tokens=it.max_tokens) for it in items]
+        results = engine.generate([it.prompt_ids for it in items], params)
         return {it.request_id: out.output_token_ids for it, out in zip(items, results)}
 
     return Contender(label, num_blocks * block_size,
@@ -104,6 +114,9 @@ def run(args):
     set_threads(device, args.threads)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
+    if args.vocab_size is not None and args.vocab_size < 320:
+        raise CommandError(f"--vocab-size must be at least 320, the tiny model's own (bytes and special ids); "
+                           f"got {args.vocab_size}")
 
     class Serve:
         engine = impl.load("serve.engine")
@@ -112,20 +125,21 @@ def run(args):
 
     continuous = impl.load("continuous")
     workloads = impl.load("workloads")
-    model = load_model(impl, device, args.model)
+    vocab_size = QWEN3_VOCAB_SIZE if args.vocab_size is None and args.model is None else args.vocab_size
+    model = load_model(impl, device, args.model, vocab_size)
     items = workloads.shared_prefix_workload(num_requests=args.requests, seed=args.seed)
 
-    contenders = [slot_contender(continuous, model, items),
-                  core_contender(Serve, model, items, args.ample_blocks, args.block_size, "ch31 core, ample pool",
+    contenders = [slot_contender(continuous, model),
+                  core_contender(Serve, model, args.ample_blocks, args.block_size, "ch31 core, ample pool",
                                  args.backend),
-                  core_contender(Serve, model, items, args.small_blocks, args.block_size,
+                  core_contender(Serve, model, args.small_blocks, args.block_size,
                                  f"ch31 core, {args.small_blocks}-block pool", args.backend)]
     try:
         for contender in contenders:           # warm-up: first calls pay one-off costs
-            contender.serve(contender.make())
+            contender.serve(contender.make(), items[:2])
         for _ in range(args.repeat):           # interleaved, so a busy moment slows every engine alike
             for contender in contenders:
-                contender.timed_run(device)
+                contender.timed_run(device, items)
     except NotImplementedError as exc:
         raise CommandError(f"{impl.name} is not complete yet: {exc}") from None
     except ValueError as exc:                  # a configuration the engine refuses (say, an unknown backend)
