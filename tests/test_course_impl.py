@@ -170,10 +170,11 @@ def test_device_fixture_follows_the_option(pytester):
     result.assert_outcomes(passed=1)
 
 
-def test_a_whole_suite_run_spreads_over_the_cores(pytester):
+def test_a_whole_suite_run_spreads_over_the_cores(pytester, monkeypatch):
     from course.pytest_plugin import _cores
     if _cores() < 2:
         pytest.skip("one core: the run stays serial")
+    monkeypatch.delenv("COURSE_SERIAL", raising=False)      # the inner runs inherit the environment
     pytester.makeini("[pytest]\ntestpaths = .\n")
     pytester.makepyfile(test_a="def test_a(): pass", test_b="def test_b(): pass")
     plugins = ("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
