@@ -14,16 +14,16 @@ import zlib
 import torch
 
 TINY_SEED = 0
+TINY_VOCAB_SIZE = 320           # Chapter 3's 256 bytes, BOS 256, EOS 257 and spare ids
 # Every Qwen3 checkpoint's vocabulary: rows of the embedding, columns of the LM head. The tiny
-# model's 320 (Chapter 3's bytes plus specials) makes its LM head nearly free; `run.py core`
-# puts the real width back, because computing logits only where they are sampled is one of
-# the savings it measures.
+# vocabulary makes the LM head nearly free; `run.py core` puts the real width back, because
+# computing logits only where they are sampled is one of the savings it measures.
 QWEN3_VOCAB_SIZE = 151_936
 
 
 def tiny_config(package, **overrides):
     """A 2-layer Qwen3 config of `package` (a solutions-like module)."""
-    values = dict(vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+    values = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                   rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
                   bos_token_id=256, eos_token_id=257)

@@ -26,7 +26,7 @@ import json
 import time
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
-from course.models import QWEN3_VOCAB_SIZE
+from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 
 
 def add_arguments(parser):
@@ -35,7 +35,7 @@ def add_arguments(parser):
     add_model_argument(parser)
     parser.add_argument("--vocab-size", type=int, default=None,
                         help=f"vocabulary of the tiny model (default {QWEN3_VOCAB_SIZE:,}, Qwen3's; "
-                             "the tests use 320); not with --model")
+                             f"the tests use {TINY_VOCAB_SIZE}); not with --model")
     parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--ample-blocks", type=int, default=4096, help="blocks of the ample pool (default 4096)")
@@ -114,9 +114,9 @@ def run(args):
     set_threads(device, args.threads)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
-    if args.vocab_size is not None and args.vocab_size < 320:
-        raise CommandError(f"--vocab-size must be at least 320, the tiny model's own (bytes and special ids); "
-                           f"got {args.vocab_size}")
+    if args.vocab_size is not None and args.vocab_size < TINY_VOCAB_SIZE:
+        raise CommandError(f"--vocab-size must be at least {TINY_VOCAB_SIZE}, the tiny model's own (bytes and "
+                           f"special ids); got {args.vocab_size}")
 
     class Serve:
         engine = impl.load("serve.engine")
