@@ -159,8 +159,8 @@ def run_milestone(spec: str, milestone: Path, test_timeout: float = DEFAULT_TEST
                     process.wait(timeout=max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
                     timed_out = True
-                    os.killpg(process.pid, signal.SIGKILL)   # the engine may have started children
-                    process.wait()
+                _end_session(process.pid)
+                process.wait()
             events = _read_record(record)
             running = None
             for event in events:
@@ -195,6 +195,18 @@ def run_milestone(spec: str, milestone: Path, test_timeout: float = DEFAULT_TEST
         results[str(milestone)] = TestResult(str(milestone), "failed", notes[-1])
     ordered = [results.pop(n) for n in order if n in results] + list(results.values())
     return ordered, notes, log_tail
+
+
+def _end_session(group: int) -> None:
+    """Kill every process left in pytest's session, pytest included if it still runs.
+
+    The code under test may start children (an engine's workers, a command a test runs);
+    one stuck in a hung engine would outlive the test that started it, and the grading run.
+    """
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:               # pytest ended and left nothing behind
+        pass
 
 
 def _merge_phase(results: dict[str, TestResult], event: dict) -> None:

@@ -1,7 +1,9 @@
 """Grading survives a deliberately broken engine: a hang costs one test, a dead
-interpreter costs one test, a hang nothing can interrupt costs the chapter; the report,
-the JSON and the JUnit file always come out."""
+interpreter costs one test, a hang nothing can interrupt costs the chapter, a process a
+test leaves behind ends with its chapter; the report, the JSON and the JUnit file always
+come out."""
 import json
+import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -203,6 +205,44 @@ def test_a_hang_no_timeout_can_interrupt_costs_the_chapter(setup, tmp_path):
     tests, notes, _ = grade.run_milestone(str(engine), milestone, test_timeout=3, chapter_timeout=8)
     assert tests and all(t.outcome == "failed" for t in tests)
     assert notes and "time limit (8s) ran out" in notes[0]
+
+
+def test_processes_a_test_leaves_behind_end_with_its_chapter(setup, tmp_path):
+    """A milestone that starts a child and passes (think of an engine's worker stuck in a hung
+    step): the child must not outlive the grading of its chapter."""
+    reference, engine, tests_dir = setup
+    pid_file = tmp_path / "child.pid"
+    milestone = write_tree(tmp_path / "spawns", {milestone_name(1): f"""
+        import subprocess, sys
+        import pytest
+        pytestmark = pytest.mark.chapter(1)
+
+        def test_starts_a_worker(impl):
+            worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            open({str(pid_file)!r}, "w").write(str(worker.pid))
+    """}) / milestone_name(1)
+    tests, notes, _ = grade.run_milestone(str(engine), milestone, test_timeout=TEST_TIMEOUT, chapter_timeout=120)
+    assert [t.outcome for t in tests] == ["passed"] and not notes
+    child = int(pid_file.read_text())
+    for _ in range(100):                     # SIGKILL is sent; give the kernel a moment to act on it
+        if not _running(child):
+            break
+        time.sleep(0.05)
+    assert not _running(child), "the test's child outlived the grading of its chapter"
+
+
+def _running(pid):
+    """Whether pid names a live process (a zombie waiting to be reaped has ended)."""
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = f"/proc/{pid}/stat"
+    if os.path.exists(stat):
+        with open(stat) as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    return True
 
 
 def test_grade_command_writes_json_and_junit(setup, tmp_path):
