@@ -3,6 +3,7 @@ interpreter costs one test, a hang nothing can interrupt costs the chapter, a pr
 test leaves behind ends with its chapter; the report, the JSON and the JUnit file always
 come out."""
 import json
+import os
 import time
 import xml.etree.ElementTree as ET
 
@@ -233,7 +234,6 @@ def test_processes_a_test_leaves_behind_end_with_its_chapter(setup, tmp_path):
 
 def _running(pid):
     """Whether pid names a live process (a zombie waiting to be reaped has ended)."""
-    import os
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

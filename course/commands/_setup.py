@@ -20,9 +20,12 @@ def load_model(impl, device, model_path=None, vocab_size=None):
     float32 on a CPU."""
     import torch
 
-    from course.models import tiny_qwen3
+    from course.models import TINY_VOCAB_SIZE, tiny_qwen3
     if model_path is not None and vocab_size is not None:
         raise CommandError("a vocabulary size applies to the tiny model only: a checkpoint brings its own")
+    if vocab_size is not None and vocab_size < TINY_VOCAB_SIZE:
+        raise CommandError(f"the tiny model's vocabulary must be at least {TINY_VOCAB_SIZE} (bytes and special "
+                           f"ids), got {vocab_size}")
     if model_path is None:
         overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
         return tiny_qwen3(impl.package, device=device, **overrides)

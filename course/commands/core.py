@@ -114,9 +114,6 @@ def run(args):
     set_threads(device, args.threads)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
-    if args.vocab_size is not None and args.vocab_size < TINY_VOCAB_SIZE:
-        raise CommandError(f"--vocab-size must be at least {TINY_VOCAB_SIZE}, the tiny model's own (bytes and "
-                           f"special ids); got {args.vocab_size}")
 
     class Serve:
         engine = impl.load("serve.engine")
