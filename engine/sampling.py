@@ -4,16 +4,28 @@ import torch
 from .kv_cache import KVCache
 
 
-def sample(logits, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, generator=None):
+# Below this temperature a request is sampled greedily, as vLLM does (its _SAMPLING_EPS):
+# dividing logits by 1e-39 overflows every one of them to +-inf, and the softmax of that is
+# NaN, while the distribution it stands for is the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+           min_p: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token id per row of logits [B, V] (or [V]).  (Your engine: Chapter 8)
 
-    temperature == 0: greedy, the argmax (the lowest id among exact ties). Otherwise divide
-    by the temperature, then filter, then draw from the renormalised softmax with
+    temperature < GREEDY_BELOW_TEMPERATURE (0 included): greedy, the argmax (the lowest id
+    among exact ties); the filters and the generator are ignored. Otherwise divide by the
+    temperature, then filter, then draw from the renormalised softmax with
     torch.multinomial(..., generator=generator) so a seeded generator reproduces a draw:
       top_k > 0  keeps the k highest logits;
       top_p < 1  keeps the smallest highest-probability set whose mass reaches top_p
                  (the most likely token always survives);
       min_p > 0  keeps tokens whose probability is at least min_p times the top one's.
+    Numerically robust for every valid setting: no finite logits, temperature >= the
+    threshold, top_p in (0, 1] or min_p in [0, 1] may produce NaN, an empty set or an
+    error. Trap: float32 loses tiny values (a top_p of 1e-39 is below its smallest normal
+    number and may read as 0), so do the sampled path's arithmetic in float64.
     Returns int64 ids of shape [B] (a scalar tensor for a [V] input).
     """
     raise NotImplementedError("Your engine: Chapter 8: sample")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from course import reference
+from course.oracles import ScriptedRunner
 
 pytestmark = pytest.mark.chapter(31)
 
@@ -728,3 +729,36 @@ def test_run_py_core_serves_the_workload_three_ways(impl, device, capsys):
     # Four requests share a 192-token system prompt: the last three find it cached.
     assert engines["ch31 core, ample pool"]["prefix_hit_rate"] > 0.5, out
     assert lines[-1]["outputs_identical"] is True, out
+
+
+def test_statistics_after_a_swap_in(serve, tiny_model):
+    """A swapped request comes back with its K/V: no prefix lookup, so its retries while it
+    waits for room are not taken back from the hit rate either (it never looked up);
+    num_cached_tokens stays as recorded at its first admission; one preemption is counted;
+    its tokens are those of a run without the preemption. The real EngineCore.step runs
+    around a scripted model (course.oracles.ScriptedRunner)."""
+    def run(num_blocks):
+        engine = make_engine(serve, tiny_model, block_size=4, num_blocks=num_blocks, max_num_seqs=2,
+                             preemption_mode="swap")
+        ScriptedRunner.install(serve, engine, lambda tokens: 1 + len(tokens) * 7 % 50)
+        engine.add_request("a", list(range(10, 18)), params(serve, 16))
+        engine.step()
+        b = engine.add_request("b", list(range(10, 18)) + [1, 2], params(serve, 10))
+        lookups = []
+        while engine.has_unfinished:
+            before = engine.blocks.stats["queries"]
+            engine.step()
+            lookups.append(engine.blocks.stats["queries"] - before)
+        return engine, b, lookups
+
+    _, b_alone, _ = run(32)
+    engine, b, lookups = run(7)
+    assert engine.preemptions == 1 and b.num_preemptions == 1, (
+        f"expected exactly b preempted once: engine {engine.preemptions}, b {b.num_preemptions}")
+    assert b.num_cached_tokens == b_alone.num_cached_tokens == 8, (
+        f"b found a's two prompt blocks at its first admission; a swap-in changes nothing: {b.num_cached_tokens}")
+    assert lookups == [b.num_prompt_tokens] + [0] * (len(lookups) - 1), (
+        f"prompt tokens looked up per step: only b's first admission counts ({b.num_prompt_tokens}); a swapped "
+        f"request waiting for room never looked up, so nothing is taken back (forget_lookup) either: {lookups}")
+    assert b.output_token_ids == b_alone.output_token_ids
+    assert_idle(engine)

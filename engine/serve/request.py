@@ -13,6 +13,8 @@ import operator
 import time
 from dataclasses import dataclass, field, replace
 
+from ..sampling import GREEDY_BELOW_TEMPERATURE
+
 # The value a token slot holds while the step that computes it is still running on the
 # device (Chapter 33's asynchronous scheduling). Nothing in Chapter 31 produces it.
 PLACEHOLDER = -1
@@ -116,6 +118,9 @@ class SamplingParams:
         real("frequency_penalty")
         if self.seed is not None:
             whole("seed", 0)
+            # torch seeds are 64-bit, and sample i of an n > 1 request is seeded seed + i.
+            _check(self.seed + self.n - 1 < 1 << 64, f"seed + n - 1 must be below 2**64, got seed {self.seed} "
+                                                      f"with n {self.n}")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 whole(name, 0)
@@ -125,8 +130,9 @@ class SamplingParams:
         return self
 
     @property
-    def greedy(self):
-        return self.temperature == 0
+    def greedy(self) -> bool:
+        """Chapter 8's rule: temperatures this close to 0 are argmax, whatever the filters say."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def needs_penalties(self):
@@ -164,6 +170,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     extra: dict = field(default_factory=dict)            # per-feature state of later chapters
+    error: str | None = None           # why the engine aborted it, when its own processing failed
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -214,6 +221,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    error: str | None = None           # set when the engine aborted the request because its processing failed
 
     @property
     def finish_reason(self):

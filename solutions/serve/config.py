@@ -63,6 +63,8 @@ class EngineConfig:
     kv_cache_dtype           "auto" (the model's dtype) or a quantized pool (Chapter 32)
     cuda_graphs              "off", or graph capture modes of Chapter 33
     async_scheduling         overlap scheduling with the device (Chapter 33)
+    debug_checks             check the scheduler's and block manager's invariants
+                             (course/engine_checks.py) inside every step: slow, for tests
     """
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -82,6 +84,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     cuda_graphs: str = "off"
     async_scheduling: bool = False
+    debug_checks: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -111,7 +114,7 @@ class EngineConfig:
         if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
                 or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "debug_checks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for (name, value), chapter in NOT_YET_BUILT.items():

@@ -9,9 +9,15 @@ that names the chapter that builds it.
 """
 from __future__ import annotations
 
+import copy
+import importlib
+import logging
 import math
 import operator
+import os
 import time
+from collections.abc import Hashable, Iterable, Sequence
+from types import ModuleType
 
 import torch
 
@@ -22,6 +28,28 @@ from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
 from .sampler import SimpleSampler
 from .scheduler import Scheduler
+
+
+logger = logging.getLogger(__name__)
+
+# Setting this environment variable to 1 turns on EngineConfig.debug_checks for every engine.
+DEBUG_CHECKS_ENV = "COURSE_ENGINE_DEBUG_CHECKS"
+
+
+def invariant_checks(config: EngineConfig) -> ModuleType | None:
+    """course/engine_checks.py when config.debug_checks (or $COURSE_ENGINE_DEBUG_CHECKS=1)
+    asks for them, else None.
+
+    Imported here, on demand, never when this module loads: the checks are the course's
+    test machinery (they read any implementation's attributes and import none), the engine
+    runs without them, and so this package imports nothing from course/ unless asked to."""
+    if not (config.debug_checks or os.environ.get(DEBUG_CHECKS_ENV) == "1"):
+        return None
+    try:
+        return importlib.import_module("course.engine_checks")
+    except ImportError as exc:
+        raise ValueError(f"EngineConfig.debug_checks needs the course package (course/engine_checks.py) on the "
+                         f"path: {exc}") from None
 
 
 class EngineCore:
@@ -60,6 +88,8 @@ class EngineCore:
         self.last_plan = None           # the SchedulerOutput of the latest step (for tools and widgets)
         self.drafter = None             # Chapter 37
         self.inflight = None            # Chapter 33
+        self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
+        self._generate_calls = 0
 
     def _size_pool(self, flat, backend):
         """Blocks for the pool when the config gives no number: measured on CUDA, else from
@@ -79,18 +109,21 @@ class EngineCore:
 
     # --- requests in and out ------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt_token_ids, params=None, priority=0, cache_key=(), arrival_time=None,
-                    lora=None, features=None):
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | torch.Tensor,
+                    params: SamplingParams | None = None, priority: int = 0, cache_key: Iterable[Hashable] = (),
+                    arrival_time: float | None = None, lora: object = None,
+                    features: object = None) -> Request | list[Request]:
         """Queue a request; returns its Request (a list of n Requests when params.n > 1).
 
         Everything is checked before anything changes: a ValueError (naming the request and
-        the rule) leaves the engine exactly as it was. With n > 1 the samples are requests
-        "<id>:0" .. "<id>:<n-1>" with seeds seed + i; they share the prompt's blocks through
-        the prefix cache."""
+        the rule) leaves the engine exactly as it was. The engine keeps its own copy of
+        `params` and of the prompt, so the caller may reuse or change them afterwards. With
+        n > 1 the samples are requests "<id>:0" .. "<id>:<n-1>" with seeds seed + i; they
+        share the prompt's blocks through the prefix cache."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
+        params = copy.deepcopy(params).validate()      # the caller may mutate theirs after this call
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request ids are non-empty strings, got {request_id!r}")
         prompt = self._check_prompt(request_id, prompt_token_ids)
@@ -112,39 +145,62 @@ class EngineCore:
                              f"exceed the model's {self.max_model_len} positions")
         # One id names one thing (abort_request takes either kind): a live request, or a group
         # with a live sample. A group whose samples all finished frees its id.
-        if request_id in self.scheduler.requests or any(
-                rid in self.scheduler.requests for rid in self.groups.get(request_id, ())):
-            raise ValueError(f"request {request_id!r} is already in the engine")
         if params.n > 1:
             ids = [f"{request_id}:{i}" for i in range(params.n)]
             each = [params.child(i) for i in range(params.n)]
         else:
             ids, each = [request_id], [params]
+        # A sample's id may not be a live group's id either, or aborting that group would
+        # reach this sample (and aborting this sample would reach the group).
+        taken = [rid for rid in dict.fromkeys([request_id, *ids]) if self._id_taken(rid)]
+        if taken:
+            raise ValueError(f"request {taken[0]!r} is already in the engine")
         now = time.monotonic() if arrival_time is None else arrival_time
         requests = [Request(rid, list(prompt), p, self.eos_token_id, priority, now, cache_key)
                     for rid, p in zip(ids, each)]
         for request in requests:
             self.scheduler.check(request)          # pool capacity, budget, duplicate id
+        # Generators are made here, before the engine changes: torch may still refuse a seed.
+        generators = {r.request_id: self._make_generator(r) for r in requests if r.params.seed is not None}
         # Nothing below can fail: the engine changes only now.
         # Forget groups whose samples have all finished (their ids become free again), so the
         # map holds live groups only, however many requests a long-running engine serves.
-        live = self.scheduler.requests
-        self.groups = {gid: ids for gid, ids in self.groups.items() if any(rid in live for rid in ids)}
+        self.groups = {gid: samples for gid, samples in self.groups.items() if self._live_samples(gid)}
         for request in requests:
             self.scheduler.add(request)
-            if request.params.seed is not None:
-                self.generators[request.request_id] = torch.Generator(device=self.device).manual_seed(
-                    request.params.seed)
+        self.generators.update(generators)
         if params.n > 1:
-            self.groups[request_id] = ids
+            self.groups[request_id] = requests
             return requests
         return requests[0]
 
-    def _check_prompt(self, request_id, prompt_token_ids):
-        if isinstance(prompt_token_ids, torch.Tensor):
-            prompt_token_ids = prompt_token_ids.reshape(-1).tolist()
+    def _id_taken(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests or bool(self._live_samples(request_id))
+
+    def _live_samples(self, group_id: str) -> list[Request]:
+        """The samples of group `group_id` that are still in the engine: the very Request
+        objects it queued, so a later request that reuses a finished sample's id is not one."""
+        live = self.scheduler.requests
+        return [r for r in self.groups.get(group_id, ()) if live.get(r.request_id) is r]
+
+    def _make_generator(self, request: Request) -> torch.Generator:
+        try:
+            return torch.Generator(device=self.device).manual_seed(request.params.seed)
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"request {request.request_id!r}: seed {request.params.seed} is refused by torch: "
+                             f"{exc}") from None
+
+    def _check_prompt(self, request_id: str, prompt_token_ids: Sequence[int] | torch.Tensor) -> list[int]:
         if isinstance(prompt_token_ids, (str, bytes)):
             raise ValueError(f"request {request_id!r}: give token ids, not text")
+        dims = getattr(prompt_token_ids, "ndim", 1)
+        if dims != 1:                       # a [1, T] batch is not flattened: that would hide a caller's bug
+            raise ValueError(f"request {request_id!r}: the prompt must be one sequence of token ids (1-D), "
+                             f"got an array with {dims} dimensions")
+        if isinstance(prompt_token_ids, torch.Tensor):
+            if prompt_token_ids.is_floating_point() or prompt_token_ids.is_complex():
+                raise ValueError(f"request {request_id!r}: the prompt must be a sequence of integer token ids")
+            prompt_token_ids = prompt_token_ids.tolist()
         try:
             prompt = [operator.index(t) for t in prompt_token_ids]
             if any(isinstance(t, bool) for t in prompt_token_ids):
@@ -182,7 +238,12 @@ class EngineCore:
         if not isinstance(request_id, str):
             raise ValueError(f"request ids are non-empty strings, got {request_id!r}")
         if request_id in self.groups:
-            return [self.abort_request(rid) for rid in self.groups.pop(request_id)]
+            live = self._live_samples(request_id)
+            return [self.abort_request(r.request_id) if r in live else None for r in self.groups.pop(request_id)]
+        return self._release(request_id)
+
+    def _release(self, request_id: str) -> Request | None:
+        """Abort one request (never a group) and drop everything the engine keeps for it."""
         self.runner.swapped.pop(request_id, None)        # host copies of a swapped request
         self.generators.pop(request_id, None)
         return self.scheduler.abort(request_id)
@@ -247,6 +308,8 @@ class EngineCore:
         7. self.steps += 1.
         """
         plan = self.last_plan = self.scheduler.schedule()
+        if self.checks is not None:
+            self.checks.check_plan(plan, self.scheduler, f"engine step {self.steps}, the plan")
         self.preemptions += len(plan.preempted)
         runner = self.runner
         for victim, old_blocks in plan.swap_out:          # all copies out before any copy in
@@ -257,14 +320,15 @@ class EngineCore:
             return []
         batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
         logits = self.runner.execute(batch)
-        samplers = [request for (request, _), k in zip(plan.scheduled, batch.sample_counts) if k]
-        new_tokens, logprobs = self.sampler(logits, samplers, self.generators) if samplers else ([], None)
-        by_id = {r.request_id: i for i, r in enumerate(samplers)}
+        rows = {request.request_id: k for (request, _), k in zip(plan.scheduled, batch.sample_counts) if k}
+        sampled, logprobs, failed = self._sample(logits, [r for r, _ in plan.scheduled if r.request_id in rows], rows)
         outputs, now = [], time.monotonic()
         for request, n in plan.scheduled:
             request.num_computed_tokens += n
-            slot = by_id.get(request.request_id)
-            new = new_tokens[slot] if slot is not None else ()
+            if request.request_id in failed:
+                outputs.append(self._abort_with_error(request, failed[request.request_id], "sampling"))
+                continue
+            new = sampled.get(request.request_id, ())
             for token in new:
                 request.append(token)
             self.blocks.cache_full_blocks(request)
@@ -272,19 +336,64 @@ class EngineCore:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            reason = self.check_stop(request)
+            try:
+                reason = self.check_stop(request)
+            except Exception as exc:                      # e.g. a guide that breaks on this token
+                outputs.append(self._abort_with_error(request, exc, "checking its stop rules"))
+                continue
             if reason is not None:                        # its blocks return now, for the next step
                 self.generators.pop(request.request_id, None)
                 self.scheduler.finish(request, reason)
-            outputs.append(self.make_output(request, list(new), logprobs[slot] if logprobs else None))
+            outputs.append(self.make_output(request, list(new), logprobs.get(request.request_id)))
         self.steps += 1
+        if self.checks is not None:
+            self.checks.check_scheduler(self.scheduler, f"after engine step {self.steps}")
         return outputs
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: dict[str, int]
+                ) -> tuple[dict[str, list[int]], dict[str, object], dict[str, Exception]]:
+        """New tokens and logprobs by request id, and the error of each request whose sampling
+        failed. One request must not cost the others their step: when the batched call fails,
+        each request is sampled alone, from the generator states the step started with, so
+        every other request draws exactly what it would have drawn."""
+        if not requests:
+            return {}, {}, {}
+        ids = [r.request_id for r in requests]
+        generators = [self.engine_generator] + [self.generators[i] for i in ids if i in self.generators]
+        states = [g.get_state() for g in generators]
+        try:
+            tokens, logprobs = self.sampler(logits, requests, self.generators)
+            return dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {}, {}
+        except Exception:
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+        tokens, logprobs, failed, start = {}, {}, {}, 0
+        for request in requests:
+            count = rows[request.request_id]
+            try:
+                got, lp = self.sampler(logits[start:start + count], [request], self.generators)
+                tokens[request.request_id] = got[0]
+                if lp:
+                    logprobs[request.request_id] = lp[0]
+            except Exception as exc:
+                failed[request.request_id] = exc
+            start += count
+        return tokens, logprobs, failed
+
+    def _abort_with_error(self, request: Request, exc: Exception, doing: str) -> RequestOutput:
+        """Finish one request whose own processing failed inside a step, as aborted, with the
+        error on its output; the step goes on for everyone else."""
+        request.error = f"request {request.request_id!r}: {doing} failed: {type(exc).__name__}: {exc}"
+        logger.error(request.error, exc_info=exc)
+        self._release(request.request_id)
+        return self.make_output(request, [])
 
     # --- helpers ----------------------------------------------------------------------------------
 
-    def make_output(self, request, new_tokens, logprobs=None):
+    def make_output(self, request: Request, new_tokens: list[int], logprobs: object = None) -> RequestOutput:
         return RequestOutput(request.request_id, new_tokens, request.output_token_ids, request.status.finished,
-                             request.status, request.stop_reason, request.num_cached_tokens, logprobs)
+                             request.status, request.stop_reason, request.num_cached_tokens, logprobs,
+                             error=request.error)
 
     def stats(self):
         """Counters for benchmarks and plots."""
@@ -305,17 +414,30 @@ class EngineCore:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"generate: {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
-        self._generate_calls = getattr(self, "_generate_calls", 0) + 1
-        tag = f"generate{self._generate_calls}"
-        ids = [f"{tag}-{i}" for i in range(len(prompts))]
+        if len(priorities) != len(prompts):
+            raise ValueError(f"generate: {len(priorities)} priorities for {len(prompts)} prompts")
+        ids = self._fresh_ids(len(prompts))
         added = []
         try:
             for rid, prompt, p, priority in zip(ids, prompts, per_prompt, priorities):
                 added.append(self.add_request(rid, prompt, p, priority))
-        except ValueError:
+            return self._run_to_completion(added)
+        except BaseException:
+            # Whatever went wrong (a bad prompt, a failing step, Ctrl-C), these requests must
+            # not stay behind to fail every later call.
             for rid in ids[:len(added)]:
                 self.abort_request(rid)
             raise
+
+    def _fresh_ids(self, count: int) -> list[str]:
+        """Ids for generate's prompts that no request or group in the engine uses."""
+        while True:
+            self._generate_calls += 1
+            ids = [f"generate{self._generate_calls}-{i}" for i in range(count)]
+            if not any(self._id_taken(rid) or any(self._id_taken(f"{rid}:{j}") for j in range(2)) for rid in ids):
+                return ids
+
+    def _run_to_completion(self, added: list[Request | list[Request]]) -> list[RequestOutput | list[RequestOutput]]:
         final = {}
         wanted = {r.request_id for x in added for r in (x if isinstance(x, list) else [x])}
         while wanted - final.keys():

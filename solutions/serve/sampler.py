@@ -33,7 +33,7 @@ class SimpleSampler:
         tokens = []
         for row, request in enumerate(requests):
             p = request.params
-            if p.temperature == 0:
+            if p.greedy:
                 tokens.append([greedy[row]])
                 continue
             generator = generators.get(request.request_id, self.generator)

@@ -1,0 +1,117 @@
+"""Test oracles shared by the milestones: one place for what every engine test compares with.
+
+- `TINY_EOS`: the tiny model's end-of-sequence id (its prompts use ids below 256).
+- `solo(ref_model, prompt, max_new, ...)`: the REFERENCE package's solo `generate`
+  (`course.reference()`, never the implementation under test), cached, so many tests can
+  ask for the same expected output at the price of one.
+- `make_engine(serve, model, **config)`: an `EngineCore` of the implementation under test
+  (`serve` is the milestone fixture with Chapter 31's modules) stopping at `TINY_EOS`.
+- `assert_engine_idle(engine, where)`: the engine holds nothing (course.engine_checks).
+- `first_difference(expected, got)`: where two token lists part.
+
+Nothing here imports an implementation: the engine's modules come in through `serve`.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from . import reference
+from .engine_checks import check_engine_idle
+from .models import TINY_VOCAB_SIZE
+
+TINY_EOS = 257
+assert TINY_EOS < TINY_VOCAB_SIZE
+
+# key -> (the model, its output): holding the model keeps its id from being reused by another.
+_SOLO: dict[tuple, tuple[object, list[int]]] = {}
+
+
+def solo(ref_model, prompt: list[int], max_new: int, eos_token_id: int | None = TINY_EOS,
+         **options) -> list[int]:
+    """Solo `generate` of the reference package on `ref_model`: the new tokens only.
+
+    Greedy unless options say otherwise; results of calls without a generator are cached
+    per (model, prompt, max_new, eos, options), so the same question costs one run."""
+    if options.get("generator") is not None:          # a generator's state changes: never cache
+        return reference().sampling.generate(ref_model, list(prompt), max_new, eos_token_id=eos_token_id,
+                                             **options)
+    key = (id(ref_model), tuple(prompt), max_new, eos_token_id,
+           tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())))
+    if key not in _SOLO:
+        _SOLO[key] = ref_model, reference().sampling.generate(ref_model, list(prompt), max_new,
+                                                              eos_token_id=eos_token_id, **options)
+    return list(_SOLO[key][1])
+
+
+def make_engine(serve: SimpleNamespace, model, eos_token_id: int | None = TINY_EOS, **config):
+    """An EngineCore of the implementation under test with EngineConfig(**config)."""
+    return serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=eos_token_id)
+
+
+def assert_engine_idle(engine, where: str = "") -> None:
+    """Every block free, no request registered, no host copies of swapped K/V left."""
+    check_engine_idle(engine, where)
+
+
+def first_difference(expected: list[int], got: list[int]) -> int:
+    """The first index where the lists differ (the shorter one's length when one is a prefix)."""
+    return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+
+
+class ScriptedRunner:
+    """A stand-in for Chapter 31's ModelRunner: the real `build_batch` makes the step's
+    Batch, and `execute` returns scripted logits instead of running a model, so the REAL
+    `EngineCore.step` (scheduling, swaps, sampling, stop rules, freeing) runs around it in
+    microseconds. Install it with `ScriptedRunner.install(engine, next_token)`.
+
+    next_token(token_ids) -> int: the token the "model" predicts after a sequence; its logit
+    row is a one-hot of height 10, so greedy sampling picks it. Hooks for tests:
+    `on_swap_out(request, blocks)`, `on_swap_in(request, blocks)` and
+    `on_execute(batch, requests)` (requests in batch order) run before the default action.
+    """
+
+    def __init__(self, serve: SimpleNamespace, engine, next_token):
+        self.serve, self.engine, self.next_token = serve, engine, next_token
+        self.block_size = engine.config.block_size
+        self.vocab_size = engine.vocab_size
+        self.swapped: dict[str, list[int]] = {}
+        self.on_swap_out = self.on_swap_in = self.on_execute = None
+        self.executed = 0
+
+    @classmethod
+    def install(cls, serve: SimpleNamespace, engine, next_token) -> "ScriptedRunner":
+        engine.runner = cls(serve, engine, next_token)
+        return engine.runner
+
+    def swap_out(self, request, blocks: list[int]) -> None:
+        if self.on_swap_out is not None:
+            self.on_swap_out(request, blocks)
+        self.swapped[request.request_id] = list(blocks)
+
+    def swap_in(self, request, blocks: list[int]) -> None:
+        if self.on_swap_in is not None:
+            self.on_swap_in(request, blocks)
+        saved = self.swapped.pop(request.request_id)
+        if len(blocks) < len(saved):
+            raise AssertionError(f"request {request.request_id!r}: {len(saved)} blocks swapped out, "
+                                 f"only {len(blocks)} to swap into")
+
+    def prepare(self, scheduled, block_tables, pad_to=None, previous=None):
+        return self.serve.batch.build_batch(scheduled, block_tables, self.block_size, "cpu", pad_to)
+
+    def execute(self, batch):
+        import torch
+
+        requests = [self.engine.scheduler.requests[rid] for rid in batch.request_ids]
+        if self.on_execute is not None:
+            self.on_execute(batch, requests)
+        self.executed += 1
+        rows = []
+        for request, count in zip(requests, batch.sample_counts):
+            tokens = list(request.token_ids)
+            for _ in range(count):
+                rows.append(self.next_token(tokens))
+                tokens.append(rows[-1])
+        logits = torch.zeros(len(rows), self.vocab_size)
+        logits[range(len(rows)), rows] = 10.0
+        return logits

@@ -1,0 +1,177 @@
+"""Engine core reliability (issue 10): the scheduler's RULES, pinned one by one.
+
+The invariant checks and the parity tests prove the engine safe and right; they do not
+notice a scheduler that serves requests in another order than Chapter 31 says, or counts
+its statistics twice. These tests pin each rule on a small, exact scenario, the way vLLM's
+scheduler tests do: the real Scheduler and BlockManager of the implementation under test,
+the real `EngineCore.step` around a scripted model (course.oracles.ScriptedRunner), and
+expected values written out by hand.
+"""
+import pytest
+
+from course.oracles import ScriptedRunner, assert_engine_idle, make_engine
+
+pytestmark = pytest.mark.chapter(31)
+
+
+def next_token(tokens):
+    """The scripted model: a fixed function of the sequence, never a stop token."""
+    return 1 + (len(tokens) * 7) % 50
+
+
+def scripted(serve, tiny_model, **config):
+    engine = make_engine(serve, tiny_model, eos_token_id=None, **config)
+    ScriptedRunner.install(serve, engine, next_token)
+    return engine
+
+
+def add(serve, engine, rid, prompt, max_tokens=8, **kwargs):
+    return engine.add_request(rid, prompt, serve.request.SamplingParams(max_tokens=max_tokens), **kwargs)
+
+
+def ids(requests):
+    return [r.request_id for r in requests]
+
+
+def scheduled(plan):
+    return [(r.request_id, n) for r, n in plan.scheduled]
+
+
+def step_until_preemption(engine, limit=50):
+    for _ in range(limit):
+        engine.step()
+        if engine.last_plan.preempted:
+            return engine.last_plan
+    pytest.fail(f"no preemption in {limit} steps: the scenario lost its point")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_preempted_request_resumes_before_later_arrivals(serve, tiny_model, mode):
+    """a and b run; c waits (max_num_seqs = 2); the pool runs out and b, the last running, is
+    preempted. b was admitted before c, so b goes back to the FRONT of the queue, ahead of c,
+    and is the next one admitted when a finishes."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=6, max_num_seqs=2, preemption_mode=mode,
+                      enable_prefix_caching=False)
+    a = add(serve, engine, "a", [1] * 8, max_tokens=6)
+    add(serve, engine, "b", [2] * 8, max_tokens=12)
+    engine.step()
+    add(serve, engine, "c", [3] * 3, max_tokens=2)
+    plan = step_until_preemption(engine)
+    assert ids(plan.preempted) == ["b"], f"the LAST running request is preempted: got {ids(plan.preempted)}"
+    assert ids(engine.scheduler.waiting) == ["b", "c"], (
+        f"a preempted request goes back to the front of the waiting queue, ahead of later arrivals: "
+        f"waiting is {ids(engine.scheduler.waiting)}")
+    while a.status.name == "RUNNING":
+        engine.step()
+    admitted = [rid for rid, _ in scheduled(engine.last_plan) if rid != "a"]
+    while not admitted:
+        engine.step()
+        admitted = [rid for rid, _ in scheduled(engine.last_plan)]
+    assert admitted[0] == "b", f"once a finishes, b (preempted) must resume before c; the step ran {admitted}"
+
+
+def test_nothing_is_admitted_in_a_step_that_preempted(serve, tiny_model):
+    """Preemption says memory is full: the same step admits nobody, even a request that would
+    fit in the blocks the victim just gave back."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=6, max_num_seqs=4, enable_prefix_caching=False)
+    add(serve, engine, "a", [1] * 8, max_tokens=12)
+    add(serve, engine, "b", [2] * 8, max_tokens=12)
+    engine.step()
+    add(serve, engine, "small", [3], max_tokens=1)     # 1 block; a preemption frees 3
+    plan = step_until_preemption(engine)
+    assert "small" not in dict(scheduled(plan)), f"a step that preempted admitted 'small': {scheduled(plan)}"
+    assert engine.scheduler.requests["small"].status.name == "WAITING"
+    for _ in range(100):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+    assert_engine_idle(engine)
+
+
+def test_without_chunked_prefill_a_long_prompt_blocks_the_queue(serve, tiny_model):
+    """Chunked prefill off: a prompt that does not fit the budget left this step waits for a
+    step with room, and the shorter prompt behind it waits too (first come, first served)."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_num_batched_tokens=10,
+                      enable_chunked_prefill=False, enable_prefix_caching=False)
+    add(serve, engine, "running", [1, 2, 3], max_tokens=8)
+    engine.step()
+    add(serve, engine, "long", [4] * 10)
+    add(serve, engine, "short", [5, 6])
+    engine.step()
+    assert scheduled(engine.last_plan) == [("running", 1)], (
+        f"10 tokens do not fit the 9 left after a decode, and 'short' may not overtake 'long': "
+        f"the step ran {scheduled(engine.last_plan)}")
+    assert ids(engine.scheduler.waiting) == ["long", "short"]
+
+
+def test_with_chunked_prefill_the_long_prompt_is_split(serve, tiny_model):
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_num_batched_tokens=10,
+                      enable_prefix_caching=False)
+    add(serve, engine, "running", [1, 2, 3], max_tokens=8)
+    engine.step()
+    add(serve, engine, "long", [4] * 10)
+    add(serve, engine, "short", [5, 6])
+    engine.step()
+    assert scheduled(engine.last_plan) == [("running", 1), ("long", 9)], (
+        f"chunked prefill fills the budget with a 9-token chunk of 'long': {scheduled(engine.last_plan)}")
+
+
+def test_exact_block_ids_and_free_queue_order(serve):
+    """Fresh blocks come from the front of the free queue; free() appends a request's blocks
+    to the back tail first; an allocation that does not fit changes nothing."""
+    bm = serve.blocks.BlockManager(6, 4, enable_prefix_caching=False)
+    r = {rid: serve.request.Request(rid, [7] * n) for rid, n in (("r1", 5), ("r2", 3), ("r3", 9), ("r4", 8))}
+    assert bm.allocate_slots(r["r1"], 5) and bm.req_blocks["r1"] == [0, 1]
+    assert bm.allocate_slots(r["r2"], 3) and bm.req_blocks["r2"] == [2]
+    assert list(bm.free_queue) == [3, 4, 5]
+    bm.free(r["r1"])
+    assert list(bm.free_queue) == [3, 4, 5, 1, 0], (
+        f"free() gives blocks back tail first, to the back of the queue: {list(bm.free_queue)}")
+    assert bm.allocate_slots(r["r3"], 9) and bm.req_blocks["r3"] == [3, 4, 5]
+    assert not bm.allocate_slots(r["r4"], 9) and list(bm.free_queue) == [1, 0] and "r4" not in bm.req_blocks
+    bm.free(r["r2"])
+    assert bm.allocate_slots(r["r4"], 8) and bm.req_blocks["r4"] == [1, 0]
+    assert list(bm.free_queue) == [2] and bm.ref_count == [1, 1, 0, 1, 1, 1]
+
+
+def test_cached_free_blocks_are_reused_least_recent_first(serve):
+    """With prefix caching on, a freed block keeps its key (cached-free) until the allocator
+    hands it to someone else; the least recently freed goes first and leaves the cache."""
+    bm = serve.blocks.BlockManager(4, 2)
+    first = serve.request.Request("first", [1, 2, 3, 4, 5])
+    assert bm.allocate_slots(first, 5) and bm.req_blocks["first"] == [0, 1, 2]
+    first.num_computed_tokens = 5
+    bm.cache_full_blocks(first)
+    assert [bm.state(b) for b in range(4)] == ["used", "used", "used", "free"]
+    bm.free(first)
+    assert list(bm.free_queue) == [3, 2, 1, 0]
+    assert [bm.state(b) for b in range(4)] == ["cached", "cached", "free", "free"]
+    other = serve.request.Request("other", [9, 9, 9, 9, 9])
+    assert bm.allocate_slots(other, 5) and bm.req_blocks["other"] == [3, 2, 1]
+    assert bm.stats["evictions"] == 1 and bm.state(0) == "cached" and bm.block_hash[1] is None, (
+        "block 1 was cached-free and reused: it leaves the prefix cache (one eviction); block 0 stays cached")
+
+
+def test_a_lookup_counts_once_however_many_times_admission_is_retried(serve, tiny_model):
+    """A request that finds cached blocks but waits for room is looked up again every step;
+    the hit rate must count its admission once."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=8, max_num_seqs=4)
+    shared = list(range(10, 22))                  # three full blocks
+    add(serve, engine, "seed", shared + [1], max_tokens=1)
+    while engine.has_unfinished:
+        engine.step()
+    stats = dict(engine.blocks.stats)
+    add(serve, engine, "hog", [2] * 20, max_tokens=8)          # 5 of 8 blocks, then more as it decodes
+    engine.step()
+    reader = add(serve, engine, "reader", shared + [3, 4, 5, 6, 7, 8, 9], max_tokens=4)   # needs 5 blocks
+    retries = 0
+    while reader.status.name == "WAITING":
+        engine.step()
+        retries += 1
+    assert retries >= 3, f"the reader was admitted after {retries} tries: the scenario lost its point"
+    queries = engine.blocks.stats["queries"] - stats["queries"]
+    hits = engine.blocks.stats["hits"] - stats["hits"]
+    assert queries == 20 + reader.num_tokens - reader.num_output_tokens, (
+        f"prompt tokens looked up: the hog's 20 and the reader's {reader.num_prompt_tokens} once, not once per "
+        f"retry ({retries + 1} tries); the statistics counted {queries}")
+    assert hits == reader.num_cached_tokens, f"hits counted {hits}, the reader reused {reader.num_cached_tokens}"
