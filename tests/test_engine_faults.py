@@ -1,0 +1,218 @@
+"""Engine core reliability (issue 10): one request can never hurt another.
+
+- Isolation: nothing a request carries makes a step fail for the others. Temperatures near
+  zero and filters below float32's range are sampled robustly (Chapter 8's `sample`); a
+  request whose own processing still fails inside a step (its sampling, its stop check)
+  finishes alone, aborted, with the error on its output, its blocks freed, while every other
+  request goes on and draws exactly what it would have drawn.
+- All-or-nothing: a seed torch refuses, a group with a taken sample id, lists of the wrong
+  length, a batched prompt: each is a ValueError before anything changes; the engine keeps
+  its own copies of what the caller may still mutate.
+- `generate()` leaves nothing behind when a step raises.
+Oracle: the REFERENCE package's solo `generate` (course.oracles.solo).
+"""
+import pytest
+import torch
+
+from course.engine_checks import engine_state
+from course.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
+
+pytestmark = pytest.mark.chapter(31)
+
+PROMPTS = {"a": list(range(10, 23)), "b": list(range(40, 47)), "c": [5, 6, 7, 8, 9, 10, 11, 12, 13]}
+
+
+def P(serve, max_tokens=6, **kwargs):
+    return serve.request.SamplingParams(max_tokens=max_tokens, **kwargs)
+
+
+def engine_for(serve, model, **config):
+    return make_engine(serve, model, **{"block_size": 4, "num_blocks": 64, **config})
+
+
+def drain(engine, limit=500):
+    outputs = {}
+    for _ in range(limit):
+        if not engine.has_unfinished:
+            break
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert_engine_idle(engine)
+    return outputs
+
+
+@pytest.mark.parametrize("extreme", [dict(temperature=1e-39), dict(temperature=1e-30, top_p=0.5),
+                                     dict(temperature=1.0, top_p=1e-39), dict(temperature=1e-6, min_p=1e-320)],
+                         ids=["temperature 1e-39", "temperature 1e-30", "top_p 1e-39", "temperature 1e-6"])
+def test_extreme_sampling_parameters_do_not_stall_the_engine(serve, tiny_model, ref_model, extreme):
+    """Found case 1: a 1e-39 temperature or top_p made every step raise. Such a request is
+    greedy (near-zero temperature) or keeps only its top token (tiny top_p): solo greedy output."""
+    engine = engine_for(serve, tiny_model)
+    engine.add_request("extreme", PROMPTS["a"], P(serve, **extreme))
+    engine.add_request("plain", PROMPTS["b"], P(serve))
+    outputs = drain(engine)
+    for rid, prompt in (("extreme", PROMPTS["a"]), ("plain", PROMPTS["b"])):
+        assert outputs[rid].error is None and outputs[rid].output_token_ids == solo(ref_model, prompt, 6), (
+            f"{extreme}: request {rid} gave {outputs[rid].output_token_ids} ({outputs[rid].error}), "
+            f"solo greedy generate gives {solo(ref_model, prompt, 6)}")
+
+
+class FailingFor:
+    """A sampler that fails whenever request `bad` is among its requests, else SimpleSampler."""
+
+    def __init__(self, inner, bad):
+        self.inner, self.bad = inner, bad
+
+    def __call__(self, logits, requests, generators):
+        if any(r.request_id == self.bad for r in requests):
+            raise RuntimeError("probability tensor contains inf or nan")
+        return self.inner(logits, requests, generators)
+
+
+def test_a_request_whose_sampling_fails_is_aborted_alone(serve, tiny_model, ref_model):
+    engine = engine_for(serve, tiny_model)
+    engine.sampler = FailingFor(engine.sampler, "bad")
+    engine.add_request("a", PROMPTS["a"], P(serve))
+    engine.add_request("seeded", PROMPTS["c"], P(serve, temperature=0.9, seed=3))
+    engine.add_request("bad", PROMPTS["b"], P(serve))
+    outputs = drain(engine)
+    bad = outputs["bad"]
+    assert bad.finished and bad.finish_reason == "abort" and bad.output_token_ids == [], (
+        f"the failing request ends aborted with no tokens: {bad}")
+    assert bad.error and "'bad'" in bad.error and "sampling" in bad.error and "inf or nan" in bad.error, (
+        f"the error on its output names the request, what failed and why: {bad.error!r}")
+    assert outputs["a"].output_token_ids == solo(ref_model, PROMPTS["a"], 6) and outputs["a"].error is None
+    alone = engine_for(serve, tiny_model)
+    alone.add_request("seeded", PROMPTS["c"], P(serve, temperature=0.9, seed=3))
+    assert outputs["seeded"].output_token_ids == drain(alone)["seeded"].output_token_ids, (
+        "a seeded request must draw the same tokens whether or not another request's sampling failed beside it")
+
+
+def test_a_request_whose_stop_check_fails_is_aborted_alone(serve, tiny_model, ref_model):
+    class BrokenGuide:
+        @property
+        def finished(self):
+            raise KeyError("state 17")
+
+    engine = engine_for(serve, tiny_model)
+    engine.add_request("a", PROMPTS["a"], P(serve))
+    broken = engine.add_request("guided", PROMPTS["b"], P(serve))
+    broken.extra["guide"] = BrokenGuide()
+    outputs = drain(engine)
+    assert outputs["guided"].finish_reason == "abort" and "'guided'" in outputs["guided"].error
+    assert "stop" in outputs["guided"].error and "state 17" in outputs["guided"].error
+    assert outputs["a"].output_token_ids == solo(ref_model, PROMPTS["a"], 6)
+
+
+def busy(serve, model):
+    engine = engine_for(serve, model, num_blocks=24)
+    engine.add_request("run", PROMPTS["a"], P(serve, 12))
+    engine.add_request("grp", PROMPTS["b"], P(serve, 12, n=2))
+    engine.step()
+    return engine
+
+
+# name -> (call(engine, serve), words the ValueError must contain)
+REFUSED = {
+    "seed 2**64": (lambda e, s: e.add_request("s", [1, 2], P(s, seed=2 ** 64)), r"seed"),
+    "seed + n - 1 beyond 64 bits": (lambda e, s: e.add_request("s", [1, 2], P(s, seed=2 ** 64 - 1, n=2)),
+                                    r"seed \+ n - 1"),
+    "a sample id that is a live group's id": (lambda e, s: e.add_request("grp:0", [1, 2], P(s)), r"'grp:0'"),
+    "a group whose sample id is a live group": (lambda e, s: _group_over_group(e, s), r"'twin:0'"),
+    "a [1, T] tensor prompt": (lambda e, s: e.add_request("t", torch.tensor([[1, 2, 3]]), P(s)), r"1-D"),
+    "a nested list prompt": (lambda e, s: e.add_request("t", [[1, 2, 3]], P(s)), r"integer token ids"),
+    "generate: fewer priorities than prompts": (
+        lambda e, s: e.generate([[1, 2], [3, 4], [5, 6]], P(s), priorities=[0, 1]), r"2 priorities for 3 prompts"),
+    "generate: more params than prompts": (
+        lambda e, s: e.generate([[1, 2]], [P(s), P(s)]), r"2 SamplingParams for 1 prompts"),
+    "generate: one bad prompt among good ones": (
+        lambda e, s: e.generate([[1, 2], [3, 10_000]], P(s)), r"outside the vocabulary"),
+}
+
+
+def _group_over_group(engine, serve):
+    engine.add_request("twin:0", [1, 2], P(serve, n=2))   # a live group named like a sample of "twin"
+    engine_state_before = engine_state(engine)
+    try:
+        engine.add_request("twin", [1, 2], P(serve, n=2))
+    finally:
+        assert engine_state(engine) == engine_state_before
+        engine.abort_request("twin:0")
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refused_before_any_change(serve, tiny_model, name):
+    engine = busy(serve, tiny_model)
+    call, words = REFUSED[name]
+    before = engine_state(engine)
+    with pytest.raises(ValueError, match=words):
+        call(engine, serve)
+    after = engine_state(engine)
+    changed = [k for k in before if before[k] != after[k]]
+    assert not changed, f"refusing '{name}' changed the engine: {changed}"
+
+
+def test_an_abort_never_reaches_another_request(serve, tiny_model):
+    """A group's sample that finished frees its id; a new request under that id is not the
+    group's: aborting the group must not reach it."""
+    engine = busy(serve, tiny_model)
+    engine.abort_request("grp:0")
+    stranger = engine.add_request("grp:0", [1, 2, 3], P(serve))
+    result = engine.abort_request("grp")
+    assert result[0] is None and result[1].request_id == "grp:1", f"aborting the group returned {result}"
+    assert stranger.status.name in ("WAITING", "RUNNING"), "aborting group 'grp' reached the newcomer 'grp:0'"
+    engine.abort_request("run")
+    engine.abort_request("grp:0")
+    assert_engine_idle(engine)
+
+
+def test_the_engine_copies_what_the_caller_may_change(serve, tiny_model, ref_model):
+    engine = engine_for(serve, tiny_model)
+    params, prompt = P(serve, 6), list(PROMPTS["a"])
+    request = engine.add_request("a", prompt, params)
+    params.max_tokens, params.temperature = 1, 5.0
+    prompt.append(99)
+    assert request.params.max_tokens == 6 and request.params.temperature == 0.0 and request.params is not params
+    assert drain(engine)["a"].output_token_ids == solo(ref_model, PROMPTS["a"], 6)
+
+
+def test_generate_cleans_up_when_a_step_raises(serve, tiny_model, ref_model):
+    """Found case 3: generate() left its requests in the engine when step() raised, so every
+    later call failed too."""
+    engine = engine_for(serve, tiny_model)
+    real_execute, calls = engine.runner.execute, []
+
+    def fails_once(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device lost")
+        return real_execute(batch)
+
+    engine.runner.execute = fails_once
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate([PROMPTS["a"], PROMPTS["b"]], P(serve, 4, n=2))
+    assert_engine_idle(engine, "after a generate whose step raised")
+    outs = engine.generate([PROMPTS["a"], PROMPTS["c"]], P(serve, 4))
+    assert [o.output_token_ids for o in outs] == [solo(ref_model, PROMPTS["a"], 4), solo(ref_model, PROMPTS["c"], 4)]
+
+
+def test_debug_checks_run_inside_every_step(serve, tiny_model, monkeypatch):
+    """EngineConfig(debug_checks=True) (or COURSE_ENGINE_DEBUG_CHECKS=1) checks the invariants
+    of course.engine_checks inside step(): a corrupted block manager is caught at once."""
+    for how in ("config", "environment"):
+        if how == "environment":
+            monkeypatch.setenv("COURSE_ENGINE_DEBUG_CHECKS", "1")
+        engine = engine_for(serve, tiny_model, debug_checks=how == "config")
+        engine.add_request("a", PROMPTS["a"], P(serve))
+        engine.step()
+        engine.blocks.ref_count[engine.blocks.req_blocks["a"][0]] += 1      # a leak the step cannot see
+        with pytest.raises(AssertionError, match="ref count"):
+            engine.step()
+    monkeypatch.delenv("COURSE_ENGINE_DEBUG_CHECKS")
+    quiet = engine_for(serve, tiny_model)
+    assert quiet.checks is None, "debug checks are opt-in"
+
+
+def test_eos_of_the_oracles_is_the_tiny_models(tiny_model):
+    assert tiny_model.cfg.eos_token_id == TINY_EOS
