@@ -204,3 +204,29 @@ def test_greedy_on_the_tiny_model_with_a_context_limit(impl, device, generate):
     model = tiny_qwen3(course.reference().package, device=device, max_position_embeddings=10)
     out = generate(model, [256, 1, 2, 3, 4, 5], 20)
     assert len(out) == 4, f"the tiny model with max_position_embeddings=10 stops a 6-token prompt after 4 tokens; got {len(out)}"
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1e-39), dict(temperature=1e-30, top_k=3, top_p=0.5),
+                                     dict(temperature=9e-6, min_p=0.5)],
+                         ids=["temperature 1e-39", "temperature 1e-30 with filters", "temperature 9e-6"])
+def test_temperatures_near_zero_are_greedy(impl, device, options):
+    """Below 1e-5 (vLLM's threshold) a temperature is greedy: dividing by 1e-39 would turn every
+    logit into +-inf and the softmax into NaN, where the distribution meant is the argmax."""
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(4)).to(device)
+    got = impl.sampling.sample(logits, generator=torch.Generator(device=device).manual_seed(0), **options)
+    assert got.tolist() == logits.argmax(-1).tolist(), f"{options}: a temperature below 1e-5 must pick the argmax"
+
+
+@pytest.mark.parametrize("options", [dict(top_p=1e-39), dict(top_p=1e-300), dict(min_p=1.0), dict(min_p=1e-320),
+                                     dict(temperature=1e-4), dict(temperature=1e30)],
+                         ids=["top_p 1e-39", "top_p 1e-300", "min_p 1", "min_p 1e-320", "temperature 1e-4",
+                              "temperature 1e30"])
+def test_sampling_is_numerically_robust(impl, device, options):
+    """Valid parameters at the edge of float32's range never give NaN, an empty set or an
+    error: a top_p below float32's smallest normal number keeps the top token only."""
+    logits = (torch.randn(64, 300, generator=torch.Generator().manual_seed(5)) * 30).to(device)
+    options = {"temperature": 1.0, **options}
+    got = impl.sampling.sample(logits, generator=torch.Generator(device=device).manual_seed(0), **options)
+    assert got.shape == (64,) and bool(((got >= 0) & (got < 300)).all()), f"{options}: ids out of range {got}"
+    if options.get("top_p", 1.0) < 1e-30 or options.get("min_p") == 1.0:
+        assert got.tolist() == logits.argmax(-1).tolist(), f"{options}: only the most likely token survives"
