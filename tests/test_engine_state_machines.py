@@ -1,9 +1,11 @@
-"""Engine core reliability (issue 6, part 1): the BlockManager and the Scheduler driven by
+"""Engine core reliability (issues 6 and 10): the BlockManager and the engine core driven by
 hypothesis state machines through random interleavings of their operations.
 
 Both machines run the implementation under test (`impl`, Chapter 31), so
 `pytest --impl engine tests/test_engine_state_machines.py` checks a learner's engine too.
-No model: a fake step stands in for the forward pass. It keeps a FakePool, the identity
+No model: the block manager machine calls the block manager as the scheduler would, and the
+engine machine runs the real EngineCore.step around a scripted model
+(course.oracles.ScriptedRunner). Both keep a FakePool, the identity
 of what the real pool would hold in every slot, (cache_key, the tokens up to and including
 that position): two slots with equal identities hold equal K/V. Every step writes its
 tokens' identities through the block tables, then reads back every position each scheduled
@@ -22,7 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from course.engine_checks import (block_manager_state, check_block_manager, check_plan, check_scheduler)
+from course.engine_checks import block_manager_state, check_block_manager, check_scheduler, engine_state
+from course.oracles import ScriptedRunner, assert_engine_idle, make_engine
 
 pytestmark = pytest.mark.chapter(31)
 
@@ -288,199 +291,178 @@ def test_block_manager_state_machine(serve, request):
                               settings=machine_settings(request, 40, 40, stress_examples=1500, stress_steps=80))
 
 
-# --- the scheduler with a fake model step ---------------------------------------------------------
+# --- the engine with a scripted model ----------------------------------------------------------------
 
-class SchedulerMachine(RuleBasedStateMachine):
-    """A Scheduler over a BlockManager, with schedule() and the step that completes it as
-    separate rules; requests arrive, are aborted or finish between steps."""
+class EngineMachine(RuleBasedStateMachine):
+    """The REAL EngineCore.step (schedule, swaps, build_batch, sampling, stop rules, finishing)
+    around a scripted model (course.oracles.ScriptedRunner): its logits make next_token the
+    greedy choice, and its forward writes each new token's identity into the FakePool and
+    reads back every position each scheduled request attends to. Requests arrive and are
+    aborted between steps; the engine runs with debug_checks, so course.engine_checks'
+    plan and scheduler invariants are checked inside every step too."""
     serve = None
+    model = None
 
     def __init__(self):
         super().__init__()
-        self.sched = None
-        self.plan = None
-        self.resets = self.aborts = 0
-        self.counter = 0
+        self.engine = None
+        self.aborts = self.resets = self.counter = self.steps = 0
         self.gone = []
         self.key_prefix = {}
         self.log = []
-        self.steps = 0
 
     @initialize(num_blocks=st.integers(4, 20), block_size=st.sampled_from([4, 2, 3]),
                 budget=st.integers(1, 32), max_num_seqs=st.integers(1, 4), chunked=st.booleans(),
                 threshold=st.sampled_from([0, 0, 1, 3, 8]), policy=st.sampled_from(["fcfs", "priority"]),
                 mode=st.sampled_from(["recompute", "swap"]), caching=st.sampled_from([True, True, False]))
     def make(self, num_blocks, block_size, budget, max_num_seqs, chunked, threshold, policy, mode, caching):
-        config = self.serve.config.SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
-            long_prefill_token_threshold=threshold, policy=policy, preemption_mode=mode)
-        bm = self.serve.blocks.BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-        self.sched = self.serve.scheduler.Scheduler(config, bm)
+        config = dict(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
+                      max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
+                      long_prefill_token_threshold=threshold, policy=policy, preemption_mode=mode,
+                      enable_prefix_caching=caching, debug_checks=True)
+        self.engine = make_engine(self.serve, self.model, eos_token_id=None, **config)
         self.pool = FakePool(block_size)
-        self.log.append(f"{config}, {num_blocks} blocks of {block_size}, caching={caching}")
+        runner = ScriptedRunner.install(self.serve, self.engine, next_token)
+        runner.on_swap_out = lambda request, blocks: self.pool.swap_out(request.request_id, blocks)
+        runner.on_swap_in = lambda request, blocks: self.pool.swap_in(request.request_id, blocks)
+        runner.on_execute = self.forward
+        self.log.append(f"EngineConfig({config})")
 
     @property
     def ready(self):
-        return self.sched is not None
+        return self.engine is not None
 
     def where(self):
         return f"step {self.steps}, after {self.log[-1] if self.log else 'start'}"
 
-    @precondition(lambda self: self.ready and len(self.sched.requests) < 8)
-    @rule(prompt=prompts, max_tokens=st.integers(1, 10), priority=st.integers(0, 2), salt=st.sampled_from(SALTS))
-    def add(self, prompt, max_tokens, priority, salt):
+    def forward(self, batch, requests):
+        """Every scheduled row writes its K/V, then each request reads all of its context."""
+        bm, what = self.engine.blocks, f"the forward of {self.where()}"
+        plan = [(r, n) for r, n in self.engine.last_plan.scheduled]
+        assert [r.request_id for r, _ in plan] == [r.request_id for r in requests], (
+            f"{what}: the batch's requests {[r.request_id for r in requests]} are not the plan's")
+        for request, n in plan:
+            table = bm.req_blocks[request.request_id]
+            self.pool.write(request, table, request.num_computed_tokens, request.num_computed_tokens + n)
+        for request, n in plan:
+            self.pool.check_read(request, bm.req_blocks[request.request_id], request.num_computed_tokens + n, what)
+
+    @precondition(lambda self: self.ready and len(self.engine.scheduler.requests) < 8)
+    @rule(prompt=prompts, max_tokens=st.integers(1, 10), priority=st.integers(0, 2), salt=st.sampled_from(SALTS),
+          stops=st.sampled_from([(), (), (3,), (5, 11)]))
+    def add(self, prompt, max_tokens, priority, salt, stops):
         self.counter += 1
         rid = f"q{self.counter}"
-        params = self.serve.request.SamplingParams(max_tokens=max_tokens)
-        request = self.serve.request.Request(rid, prompt_tokens(prompt), params, priority=priority,
-                                             arrival_time=float(self.counter), cache_key=salt)
-        sched, bm = self.sched, self.sched.blocks
-        before = (block_manager_state(bm), [r.request_id for r in sched.waiting], sorted(sched.requests))
-        fits_pool = request.num_tokens + max_tokens <= bm.num_blocks * bm.block_size
-        fits_step = sched.config.enable_chunked_prefill or request.num_tokens <= sched.config.max_num_batched_tokens
+        engine = self.engine
+        params = self.serve.request.SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)
+        tokens = prompt_tokens(prompt)
+        cfg = engine.config
+        before = engine_state(engine)
+        fits_pool = len(tokens) + max_tokens <= cfg.num_blocks * cfg.block_size
+        fits_step = cfg.enable_chunked_prefill or len(tokens) <= cfg.max_num_batched_tokens
         try:
-            sched.add(request)
+            engine.add_request(rid, tokens, params, priority=priority, cache_key=salt, arrival_time=float(self.counter))
         except ValueError as exc:
             self.log.append(f"add {rid} rejected: {exc}")
-            after = (block_manager_state(bm), [r.request_id for r in sched.waiting], sorted(sched.requests))
-            assert after == before, f"rejecting {rid} changed the scheduler"
+            assert engine_state(engine) == before, f"rejecting {rid} changed the engine"
             assert not (fits_pool and fits_step), f"{rid} fits the pool and the step budget, yet was rejected: {exc}"
             return
         assert fits_pool and fits_step, (
-            f"{rid} ({request.num_tokens} prompt + {max_tokens} tokens) can never run here, yet was accepted")
-        self.log.append(f"add {rid}: {request.token_ids} max_tokens={max_tokens} priority={priority} salt={salt}")
+            f"{rid} ({len(tokens)} prompt + {max_tokens} tokens) can never run here, yet was accepted")
+        self.log.append(f"add {rid}: {tokens} max_tokens={max_tokens} stops={stops} priority={priority} salt={salt}")
 
-    @precondition(lambda self: self.ready and self.plan is None and self.sched.has_unfinished)
-    @rule()
-    def schedule(self):
-        sched = self.sched
-        plan = sched.schedule()
-        self.log.append("schedule: " + ", ".join(f"{r.request_id}+{n}" for r, n in plan.scheduled)
-                        + (f"; preempted {[r.request_id for r in plan.preempted]}" if plan.preempted else ""))
-        check_plan(plan, sched, self.where())
-        assert plan.scheduled or not sched.has_unfinished, (
-            f"{self.where()}: the scheduler planned nothing while "
-            f"{[r.request_id for r in sched.waiting]} wait and {[r.request_id for r in sched.running]} run")
-        mode = sched.config.preemption_mode
-        for victim, blocks in plan.swap_out:
-            assert mode == "swap" and victim.swapped_out, f"{self.where()}: swap-out of {victim.request_id} in {mode} mode"
-            self.pool.swap_out(victim.request_id, blocks)
-        for resumed, blocks in plan.swap_in:
-            self.pool.swap_in(resumed.request_id, blocks)
-        self.plan = plan
-
-    @precondition(lambda self: self.ready and self.plan is not None)
-    @rule()
-    def complete_step(self):
-        """The fake forward: every scheduled row writes its K/V, then each request reads all
-        of its context; then the engine's update (computed += n, sample when due, stop)."""
-        sched, bm, plan = self.sched, self.sched.blocks, self.plan
-        self.plan = None
+    def step(self):
+        engine = self.engine
+        outputs = engine.step()
         self.steps += 1
-        what = self.where()
-        for request, n in plan.scheduled:
-            table = bm.req_blocks[request.request_id]
-            self.pool.write(request, table, request.num_computed_tokens, request.num_computed_tokens + n)
-        for request, n in plan.scheduled:
-            self.pool.check_read(request, bm.req_blocks[request.request_id], request.num_computed_tokens + n, what)
-        finished = []
-        for request, n in plan.scheduled:
-            request.num_computed_tokens += n
-            if request.num_computed_tokens < request.num_tokens:
-                bm.cache_full_blocks(request)
-                continue
-            request.append(next_token(request.token_ids))
-            bm.cache_full_blocks(request)
-            learn_keys(self.key_prefix, request, bm.block_size)
-            if request.num_output_tokens >= request.params.max_tokens:
-                sched.finish(request, self.serve.request.Status.FINISHED_LENGTH)
-                finished.append(request.request_id)
-                self.gone.append(request.request_id)
-        self.log.append(f"complete step {self.steps}" + (f", finished {finished}" if finished else ""))
+        plan = engine.last_plan
+        self.log.append("step: " + ", ".join(f"{r.request_id}+{n}" for r, n in plan.scheduled)
+                        + (f"; preempted {[r.request_id for r in plan.preempted]}" if plan.preempted else ""))
+        assert plan.scheduled or not engine.has_unfinished, (
+            f"{self.where()}: the scheduler planned nothing while {sorted(engine.scheduler.requests)} are unfinished")
+        for request, _ in plan.scheduled:
+            learn_keys(self.key_prefix, request, engine.blocks.block_size)
+        for out in outputs:
+            request = next(r for r, _ in plan.scheduled if r.request_id == out.request_id)
+            assert out.error is None, f"{self.where()}: {out.request_id} failed: {out.error}"
+            assert out.new_token_ids == [next_token(request.token_ids[:-1])], (
+                f"{self.where()}: {out.request_id} got {out.new_token_ids}, the scripted model says "
+                f"{next_token(request.token_ids[:-1])}")
+            if out.finished:
+                params = request.params
+                stopped = out.output_token_ids[-1] in params.stop_token_ids
+                assert stopped or len(out.output_token_ids) == params.max_tokens, (
+                    f"{self.where()}: {out.request_id} finished ({out.finish_reason}) after "
+                    f"{len(out.output_token_ids)} of {params.max_tokens} tokens without a stop token")
+                self.gone.append(out.request_id)
 
-    @precondition(lambda self: self.ready and self.plan is None and self.sched.has_unfinished)
+    @precondition(lambda self: self.ready and self.engine.has_unfinished)
     @rule(count=st.integers(1, 6))
     def run_steps(self, count):
         """Whole engine steps back to back: most of a server's life is this."""
         for _ in range(count):
-            if not self.sched.has_unfinished:
+            if not self.engine.has_unfinished:
                 break
-            self.schedule()
-            self.rules_hold()
-            self.complete_step()
+            self.step()
             self.rules_hold()
 
-    @precondition(lambda self: self.ready and self.plan is None and self.aborts * 3 < self.counter)
+    @precondition(lambda self: self.ready and self.aborts * 3 < self.counter)
     @rule(data=st.data())
     def abort(self, data):
-        sched = self.sched
-        choices = sorted(sched.requests) + self.gone[-2:] + ["no-such-request"]
+        engine = self.engine
+        choices = sorted(engine.scheduler.requests) + self.gone[-2:] + ["no-such-request"]
         rid = data.draw(st.sampled_from(choices), label="abort")
         self.aborts += 1
-        known = rid in sched.requests
-        before = block_manager_state(sched.blocks)
-        result = sched.abort(rid)
+        known = rid in engine.scheduler.requests
+        before = engine_state(engine)
+        result = engine.abort_request(rid)
         self.log.append(f"abort {rid}")
         if not known:
             assert result is None, f"aborting unknown or finished {rid!r} returned {result!r}"
-            assert block_manager_state(sched.blocks) == before, f"aborting unknown {rid!r} changed the blocks"
+            assert engine_state(engine) == before, f"aborting unknown {rid!r} changed the engine"
             return
         assert result is not None and result.status.name == "FINISHED_ABORTED", f"abort {rid} gave {result!r}"
-        assert rid not in sched.requests and not sched.blocks.req_blocks.get(rid)
-        self.pool.host.pop(rid, None)              # the engine drops the host copies of a swapped request
+        assert rid not in engine.scheduler.requests and not engine.blocks.req_blocks.get(rid)
+        assert rid not in engine.runner.swapped, f"aborting {rid} left its host copies"
+        self.pool.host.pop(rid, None)
         self.gone.append(rid)
-
-    @precondition(lambda self: self.ready and self.plan is None and self.sched.running)
-    @rule(data=st.data())
-    def finish(self, data):
-        """A running request meets a stop token."""
-        request = data.draw(st.sampled_from(list(self.sched.running)), label="finish")
-        self.sched.finish(request, self.serve.request.Status.FINISHED_STOPPED)
-        self.log.append(f"finish {request.request_id}")
-        self.gone.append(request.request_id)
 
     @precondition(lambda self: self.ready and self.resets * 3 < self.counter)
     @rule()
     def reset(self):
         """Forget the cached-free blocks (kept rare: it wipes what the other rules build up)."""
         self.resets += 1
-        self.sched.blocks.reset_prefix_cache()
+        self.engine.blocks.reset_prefix_cache()
         self.log.append("reset_prefix_cache")
 
     @invariant()
     def rules_hold(self):
         if not self.ready:
             return
-        sched, bm, where = self.sched, self.sched.blocks, self.where()
+        engine, where = self.engine, self.where()
+        sched, bm = engine.scheduler, engine.blocks
         check_scheduler(sched, where)
         swapped = sorted(r.request_id for r in sched.waiting if r.swapped_out)
-        assert sorted(self.pool.host) == swapped, (
+        assert sorted(self.pool.host) == sorted(engine.runner.swapped) == swapped, (
             f"{where}: host copies for {sorted(self.pool.host)}, swapped-out requests {swapped}")
-        if self.plan is None:
-            for request in sched.running:
-                self.pool.check_read(request, bm.req_blocks.get(request.request_id, []),
-                                     request.num_computed_tokens, where)
-            self.pool.check_published(bm, self.key_prefix, where)
+        for request in sched.running:
+            self.pool.check_read(request, bm.req_blocks.get(request.request_id, []), request.num_computed_tokens, where)
+        self.pool.check_published(bm, self.key_prefix, where)
 
     def teardown(self):
-        """Whatever state the rules left, the work drains: every request finishes, the pool
-        ends all free."""
+        """Whatever state the rules left, the work drains: every request finishes, the engine
+        ends idle."""
         if not self.ready:
             return
         for _ in range(2000):
-            if self.plan is None and not self.sched.has_unfinished:
+            if not self.engine.has_unfinished:
                 break
-            if self.plan is None:
-                self.schedule()
-            self.complete_step()
+            self.step()
             self.rules_hold()
-        assert not self.sched.has_unfinished, f"requests never finished: {sorted(self.sched.requests)}"
-        bm = self.sched.blocks
-        assert bm.num_free == bm.num_blocks and not any(bm.ref_count), (
-            f"drained, but {bm.num_blocks - bm.num_free} block(s) are still held")
+        assert_engine_idle(self.engine, f"drained after {self.where()}")
 
 
-def test_scheduler_state_machine(serve, request):
-    SchedulerMachine.serve = serve
-    run_state_machine_as_test(SchedulerMachine,
+def test_engine_state_machine(serve, tiny_model, request):
+    EngineMachine.serve, EngineMachine.model = serve, tiny_model
+    run_state_machine_as_test(EngineMachine,
                               settings=machine_settings(request, 60, 50, stress_examples=2000, stress_steps=100))
