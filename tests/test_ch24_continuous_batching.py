@@ -16,20 +16,15 @@ import random
 import pytest
 import torch
 
-from course import reference
+from course.oracles import TINY_EOS as EOS, solo
 
 pytestmark = pytest.mark.chapter(24)
 
-EOS = 257                       # the tiny model's eos_token_id; prompts use ids < 256
 
 
 def make_prompts(seed, count, low=3, high=60, vocab=256):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
-
-
-def solo(ref_model, prompt, max_new, **kwargs):
-    return reference().sampling.generate(ref_model, prompt, max_new, eos_token_id=EOS, **kwargs)
 
 
 def first_difference(expected, got):
@@ -211,7 +206,7 @@ def test_stop_tokens_and_eos_end_a_request(impl, tiny_model, ref_model):
     eos = plain[2][2]
     engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=2, slot_len=64, eos_token_id=eos)
     outputs, _ = serve(engine, [("r2", prompts[2], 16)])
-    expected = reference().sampling.generate(ref_model, prompts[2], 16, eos_token_id=eos)
+    expected = solo(ref_model, prompts[2], 16, eos_token_id=eos)
     assert_same_tokens("r2", expected, outputs["r2"])
 
 

@@ -19,30 +19,20 @@ import pytest
 import torch
 
 from course import reference
-from course.oracles import ScriptedRunner
+from course import oracles
+from course.engine_checks import engine_state
+from course.oracles import TINY_EOS as EOS, ScriptedRunner, solo
+from course.oracles import assert_engine_idle as assert_idle
 
 pytestmark = pytest.mark.chapter(31)
 
-EOS = 257                       # the tiny model's eos_token_id; prompts use ids < 256
 BLOCK = 16
 
 
 # --- helpers ---------------------------------------------------------------------------------
 
-_SOLO = {}
-
-
-def solo(ref_model, prompt, max_tokens, **kwargs):
-    key = (tuple(prompt), max_tokens, tuple(sorted(kwargs.items())))
-    if key not in _SOLO:
-        _SOLO[key] = reference().sampling.generate(ref_model, list(prompt), max_tokens, eos_token_id=EOS, **kwargs)
-    return _SOLO[key]
-
-
 def make_engine(serve, model, **config):
-    config.setdefault("block_size", BLOCK)
-    config.setdefault("num_blocks", 64)
-    return serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=EOS)
+    return oracles.make_engine(serve, model, **{"block_size": BLOCK, "num_blocks": 64, **config})
 
 
 def params(serve, max_tokens, **kwargs):
@@ -102,25 +92,6 @@ class Trace:
         pytest.fail(f"{label}request {request_id}: output token {i} (step {step}) differs from solo generate: "
                     f"expected {expected[i] if i < len(expected) else '(end)'}, got "
                     f"{got[i] if i < len(got) else '(end)'}\n  expected {expected}\n  got      {got}")
-
-
-def assert_idle(engine, label=""):
-    blocks = engine.blocks
-    held = {b: c for b, c in enumerate(blocks.ref_count) if c}
-    owners = {rid: b for rid, b in blocks.req_blocks.items() if b}
-    assert not held and not owners and blocks.num_free == blocks.num_blocks, (
-        f"{label}engine idle but blocks leaked: ref counts {held}, still owned {owners}, "
-        f"{blocks.num_free} of {blocks.num_blocks} free")
-    assert not engine.scheduler.requests, f"{label}finished requests still registered: {list(engine.scheduler.requests)}"
-    assert not engine.runner.swapped, f"{label}swapped K/V left behind for {list(engine.runner.swapped)}"
-
-
-def snapshot(engine):
-    """Everything add_request could disturb."""
-    b, s = engine.blocks, engine.scheduler
-    return (sorted(s.requests), [r.request_id for r in s.waiting], [r.request_id for r in s.running],
-            list(b.ref_count), list(b.free_queue), dict(b.cached), {k: list(v) for k, v in b.req_blocks.items() if v},
-            sorted(engine.generators))
 
 
 class FakeRequest:
@@ -612,8 +583,8 @@ def test_check_stop_rules(serve, tiny_model):
 
 def test_sampled_requests_reproduce_with_a_seed(serve, tiny_model, ref_model, device):
     prompt = list(range(30, 52))
-    solo_sampled = reference().sampling.generate(ref_model, prompt, 12, eos_token_id=EOS, temperature=0.9,
-                                                 top_k=50, generator=torch.Generator(device=device).manual_seed(123))
+    solo_sampled = solo(ref_model, prompt, 12, temperature=0.9, top_k=50,
+                        generator=torch.Generator(device=device).manual_seed(123))
     engine = make_engine(serve, tiny_model)
     outs = engine.generate([prompt, list(range(60, 90))],
                            [params(serve, 12, temperature=0.9, top_k=50, seed=123), params(serve, 7)])
@@ -625,7 +596,7 @@ def test_bad_input_leaves_the_engine_untouched(serve, tiny_model):
     engine.add_request("busy", list(range(20)), params(serve, 4))
     engine.add_request("x:1", [1, 2, 3], params(serve, 4))
     engine.step()
-    before = snapshot(engine)
+    before = engine_state(engine)
     cases = {
         "empty": (("e", [], params(serve, 4)), "empty"),
         "duplicate": (("busy", [1, 2], params(serve, 4)), "busy"),
@@ -641,7 +612,7 @@ def test_bad_input_leaves_the_engine_untouched(serve, tiny_model):
     for name, (args, words) in cases.items():
         with pytest.raises(ValueError, match=words):
             engine.add_request(*args)
-        assert snapshot(engine) == before, f"rejecting the {name} request changed the engine"
+        assert engine_state(engine) == before, f"rejecting the {name} request changed the engine"
     with pytest.raises(ValueError, match="Chapter 43"):
         engine.add_request("img", [1, 2], params(serve, 2), features={"image": 1})
     with pytest.raises(ValueError, match="temperature"):
@@ -653,7 +624,7 @@ def test_bad_input_leaves_the_engine_untouched(serve, tiny_model):
                        (dict(attention_backend="nope"), "nope")):
         with pytest.raises(ValueError, match=words):
             make_engine(serve, tiny_model, **bad)
-    assert snapshot(engine) == before
+    assert engine_state(engine) == before
     Trace(engine).run()
     assert_idle(engine)
 
@@ -698,7 +669,7 @@ def test_qwen3_moe_runs_through_the_flat_model_unchanged(serve, impl, device):
         trace.add(rid, prompt, params(serve, max_tokens[rid]))
     trace.run()
     for rid, prompt in prompts.items():
-        want = reference().sampling.generate(oracle, prompt, max_tokens[rid], eos_token_id=EOS)
+        want = solo(oracle, prompt, max_tokens[rid])
         trace.expect(rid, want, "[Qwen3-MoE] ")
     assert trace.preemptions > 0 and engine.blocks.stats["hits"] > 0
     assert_idle(engine, "[Qwen3-MoE] ")

@@ -11,12 +11,11 @@ package's solo greedy `generate`.
 import pytest
 import torch
 
-from course import reference
-from course.engine_checks import check_engine_idle, check_scheduler, engine_state
+from course.engine_checks import check_scheduler, engine_state
+from course.oracles import assert_engine_idle, make_engine, solo
 
 pytestmark = pytest.mark.chapter(31)
 
-EOS = 257
 VOCAB = 320                     # the tiny model's vocabulary
 BUSY = dict(block_size=8, num_blocks=10, max_num_batched_tokens=48, enable_chunked_prefill=False,
             preemption_mode="swap", max_num_seqs=4)
@@ -26,7 +25,7 @@ MAX_TOKENS = {"run0": 30, "run1": 30, "grp": 20, "solo:1": 10}
 
 
 def busy_engine(serve, model):
-    engine = serve.engine.EngineCore(model, serve.config.EngineConfig(**BUSY), eos_token_id=EOS)
+    engine = make_engine(serve, model, **BUSY)
     for rid, prompt in PROMPTS.items():
         n = 2 if rid == "grp" else 1
         engine.add_request(rid, prompt, serve.request.SamplingParams(max_tokens=MAX_TOKENS[rid], n=n))
@@ -102,7 +101,7 @@ def _mutated(params, **fields):
 
 
 def _engine_with(serve, model, **config):
-    return serve.engine.EngineCore(model, serve.config.EngineConfig(**{**BUSY, **config}), eos_token_id=EOS)
+    return make_engine(serve, model, **{**BUSY, **config})
 
 
 CONFIG_CASES = {
@@ -176,7 +175,7 @@ def test_a_finished_group_frees_its_id(serve, tiny_model):
     assert all(r.status.finished for r in first)
     again = engine.add_request("g", [4, 5, 6], P(serve, 2))      # the id is free again, as a plain request
     assert engine.abort_request("g") is again, "abort_request('g') must reach the live request, not the old group"
-    check_engine_idle(engine)
+    assert_engine_idle(engine)
 
 
 def test_the_engine_finishes_its_work_after_every_refusal(serve, busy, tiny_model, ref_model):
@@ -189,8 +188,8 @@ def test_the_engine_finishes_its_work_after_every_refusal(serve, busy, tiny_mode
             break
         busy.step()
         check_scheduler(busy.scheduler, f"step {busy.steps}")
-    check_engine_idle(busy)
+    assert_engine_idle(busy)
     for rid, request in requests.items():
         base = rid.split(":")[0] if rid.startswith("grp") else rid
-        want = reference().sampling.generate(ref_model, PROMPTS[base], MAX_TOKENS[base], eos_token_id=EOS)
+        want = solo(ref_model, PROMPTS[base], MAX_TOKENS[base])
         assert request.output_token_ids == want, f"{rid}: {request.output_token_ids} != solo generate's {want}"

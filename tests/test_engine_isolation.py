@@ -10,19 +10,19 @@ never changes what the model computes).
 """
 import pytest
 
-from course import reference
-from course.engine_checks import check_engine_idle, check_scheduler
+from course.engine_checks import check_scheduler
+from course import oracles
+from course.oracles import assert_engine_idle, solo
 
 pytestmark = pytest.mark.chapter(31)
 
-EOS = 257
 BLOCK = 8
 PROMPT = list(range(100, 133))            # 33 tokens: four full blocks and one more token
 
 
 def make_engine(serve, model, **config):
     config = {"block_size": BLOCK, "num_blocks": 64, **config}
-    return serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=EOS)
+    return oracles.make_engine(serve, model, **config)
 
 
 def P(serve, max_tokens=6, **kwargs):
@@ -55,12 +55,8 @@ class Watch:
                 for b in tables:
                     if a < b and tables[a] & tables[b]:
                         self.shared.add((a, b))
-        check_engine_idle(engine)
+        assert_engine_idle(engine)
         return self
-
-
-def solo(ref_model, prompt, max_tokens=6):
-    return reference().sampling.generate(ref_model, list(prompt), max_tokens, eos_token_id=EOS)
 
 
 def test_salts_hash_into_every_block_key(serve):
@@ -93,7 +89,7 @@ def test_different_salts_never_share_blocks(serve, tiny_model, ref_model, left, 
     stranger = watch.add("third-salt", PROMPT, ("someone-else",))
     watch.run()
     assert stranger.num_cached_tokens == 0, "a third salt found another tenant's blocks"
-    want = solo(ref_model, PROMPT)
+    want = solo(ref_model, PROMPT, 6)
     for rid, r in watch.requests.items():
         assert r.output_token_ids == want, f"{rid}: {r.output_token_ids} != solo generate's {want}"
 

@@ -22,12 +22,11 @@ from collections import Counter
 
 import pytest
 
-from course import reference
-from course.engine_checks import check_engine_idle, check_scheduler
+from course.engine_checks import check_scheduler
+from course.oracles import assert_engine_idle, make_engine, solo
 
 pytestmark = pytest.mark.chapter(31)
 
-EOS = 257
 STRESS_SEEDS = 1000
 # The 15 seeds of the stress sweep that exercise the most features each: together they
 # preempt in both modes (6 recompute, 8 swap), hit the prefix cache (also on prompts of whole
@@ -44,17 +43,6 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("seed", list(seeds))
 
 
-_SOLO = {}
-
-
-def solo(ref_model, prompt, max_tokens, stops=()):
-    key = (tuple(prompt), max_tokens, tuple(stops))
-    if key not in _SOLO:
-        _SOLO[key] = reference().sampling.generate(ref_model, list(prompt), max_tokens, eos_token_id=EOS,
-                                                   stop_token_ids=tuple(stops))
-    return _SOLO[key]
-
-
 def make_workload(seed, ref_model):
     """The configuration and the requests of workload `seed` (a pure function of the seed)."""
     rng = random.Random(seed)
@@ -69,7 +57,7 @@ def make_workload(seed, ref_model):
         max_tokens = rng.randint(1, 16)
         stops = ()
         if rng.random() < 0.25:                      # a stop token that really occurs in the output
-            plain = solo(ref_model, prompt, max_tokens)
+            plain = solo(ref_model, prompt, max_tokens, stop_token_ids=())
             stops = (rng.choice(plain),) + ((rng.randrange(256),) if rng.random() < 0.5 else ())
         requests.append(dict(
             request_id=f"w{seed}-{i}", prompt=prompt, max_tokens=max_tokens, stops=stops,
@@ -95,7 +83,8 @@ def run_workload(serve, model, ref_model, seed):
     Returns the features it exercised and its step count."""
     config, requests = make_workload(seed, ref_model)
     label = f"[workload {seed}: {config}]"
-    engine = serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=EOS)
+    # debug_checks: the plan and the scheduler's invariants are checked inside every step.
+    engine = make_engine(serve, model, debug_checks=True, **config)
     sched = engine.scheduler
     got, finished, aborted, children, admitted = {}, {}, set(), {}, []
     seen = Counter()
@@ -132,13 +121,12 @@ def run_workload(serve, model, ref_model, seed):
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.finished:
                     finished[out.request_id] = out
-            check_scheduler(sched, where)
         step += 1
         assert step < 3000, f"{label} still busy after 3000 steps"
-    check_engine_idle(engine, label)
+    assert_engine_idle(engine, label)
 
     for spec in requests:
-        want = solo(ref_model, spec["prompt"], spec["max_tokens"], spec["stops"])
+        want = solo(ref_model, spec["prompt"], spec["max_tokens"], stop_token_ids=tuple(spec["stops"]))
         for rid in children[spec["request_id"]]:
             out = got.get(rid, [])
             if rid in aborted:
@@ -191,7 +179,7 @@ def test_the_sweep_exercised_every_feature(request):
 def test_finished_sample_groups_are_forgotten(serve, tiny_model):
     """A long-running engine serves unboundedly many n > 1 requests: the map from a group's id
     to its samples must hold live groups only, and a finished group's id is free again."""
-    engine = serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(num_blocks=64, block_size=4))
+    engine = make_engine(serve, tiny_model, num_blocks=64, block_size=4)
     params = serve.request.SamplingParams(max_tokens=2, n=3, temperature=0.8, seed=1)
     for turn in range(5):
         engine.add_request(f"group{turn}", [5, 6, 7, 8, 9], params)

@@ -28,10 +28,9 @@ REDUCED_MILESTONE = '''
     import pytest
     import torch
 
-    from course import reference
+    from course.oracles import TINY_EOS, assert_engine_idle, solo
 
     pytestmark = pytest.mark.chapter(31)
-    EOS = 257
 
 
     def test_block_keys_chain(impl):
@@ -43,14 +42,12 @@ REDUCED_MILESTONE = '''
         torch.set_num_threads(1)
         serve = impl.load("serve.engine")
         config = impl.load("serve.config").EngineConfig(block_size=4, num_blocks=32)
-        engine = serve.EngineCore(tiny_model, config, eos_token_id=EOS)
+        engine = serve.EngineCore(tiny_model, config, eos_token_id=TINY_EOS)
         params = impl.load("serve.request").SamplingParams(max_tokens=6)
         prompts = [list(range(5, 19)), list(range(40, 47))]
         for prompt, out in zip(prompts, engine.generate(prompts, params)):
-            assert out.output_token_ids == reference().sampling.generate(ref_model, prompt, 6, eos_token_id=EOS)
-        held = {b: c for b, c in enumerate(engine.blocks.ref_count) if c}
-        assert not held and engine.blocks.num_free == engine.blocks.num_blocks, (
-            f"engine idle but blocks leaked: ref counts {held}")
+            assert out.output_token_ids == solo(ref_model, prompt, 6)
+        assert_engine_idle(engine)
 
 
     def test_config_is_validated(impl):

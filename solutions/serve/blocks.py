@@ -240,11 +240,3 @@ class BlockManager:
         for block in self.free_queue:
             self.block_hash[block] = None
         self.cached = {key: b for key, b in self.cached.items() if self.ref_count[b] > 0}
-
-    def check_idle(self):
-        """Raise AssertionError describing any block still referenced (for tests)."""
-        held = {b: n for b, n in enumerate(self.ref_count) if n}
-        owners = {rid: blocks for rid, blocks in self.req_blocks.items() if blocks}
-        if held or owners or self.num_free != self.num_blocks:
-            raise AssertionError(f"blocks still held when idle: ref counts {held}, owners {owners}, "
-                                 f"{self.num_free}/{self.num_blocks} free")
