@@ -1,5 +1,8 @@
 """Chapters 8, 16 and 17: choosing the next token, and generating a sequence."""
+from collections.abc import Sequence
+
 import torch
+from torch import nn
 
 from .kv_cache import KVCache
 
@@ -31,16 +34,17 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     raise NotImplementedError("Your engine: Chapter 8: sample")
 
 
-def _is_stop(token, eos_token_id, stop_token_ids):
+def _is_stop(token: int, eos_token_id: int | None, stop_token_ids: Sequence[int]) -> bool:
     return token == eos_token_id or token in stop_token_ids
 
 
-def _next_token(logits, options):
+def _next_token(logits: torch.Tensor, options: dict) -> int:
     return int(sample(logits[0, -1], **options))
 
 
 @torch.inference_mode()
-def generate_recompute(model, prompt_ids, max_new_tokens, eos_token_id=None, stop_token_ids=(), **options):
+def generate_recompute(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+                       stop_token_ids: Sequence[int] = (), **options) -> list[int]:
     """Generate by running the whole sequence through the model at every step.  (Your engine: Chapter 8)
 
     prompt_ids: a list of ints. Each step feeds all tokens so far as one [1, T] batch, takes
@@ -53,7 +57,8 @@ def generate_recompute(model, prompt_ids, max_new_tokens, eos_token_id=None, sto
 
 
 @torch.inference_mode()
-def generate_cached(model, prompt_ids, max_new_tokens, eos_token_id=None, stop_token_ids=(), **options):
+def generate_cached(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
+                    stop_token_ids: Sequence[int] = (), **options) -> list[int]:
     """Generate with a KV cache: one prefill, then one token per step.  (Your engine: Chapter 16)
 
     Same contract and same stopping rules as generate_recompute. Size a KVCache for the
@@ -64,8 +69,9 @@ def generate_cached(model, prompt_ids, max_new_tokens, eos_token_id=None, stop_t
     raise NotImplementedError("Your engine: Chapter 16: generate_cached")
 
 
-def generate(model, prompt_ids, max_new_tokens, *, eos_token_id=None, stop_token_ids=(), use_cache=True,
-             temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, generator=None):
+def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, *, eos_token_id: int | None = None,
+             stop_token_ids: Sequence[int] = (), use_cache: bool = True, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, min_p: float = 0.0, generator: torch.Generator | None = None) -> list[int]:
     """Continue prompt_ids (list of ints) by up to max_new_tokens; returns the new tokens.
 
     use_cache=False recomputes the whole sequence each step (Chapter 8); the default keeps a

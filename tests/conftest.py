@@ -109,7 +109,7 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
 
 
 SERVE_MODULES = ("request", "config", "batch", "backends", "flat_model", "blocks", "scheduler", "runner",
-                 "sampler", "engine")
+                 "sampler", "engine", "interfaces")
 
 
 @pytest.fixture(scope="module")

@@ -733,3 +733,13 @@ def test_statistics_after_a_swap_in(serve, tiny_model):
         f"request waiting for room never looked up, so nothing is taken back (forget_lookup) either: {lookups}")
     assert b.output_token_ids == b_alone.output_token_ids
     assert_idle(engine)
+
+
+def test_the_defaults_satisfy_the_interfaces(serve, tiny_model):
+    """serve/interfaces.py states the seams later chapters implement; Chapter 31's own
+    objects provide them."""
+    interfaces = serve.interfaces
+    engine = make_engine(serve, tiny_model)
+    assert isinstance(engine.runner.backend, interfaces.AttentionBackend)
+    assert isinstance(engine.sampler, interfaces.Sampler)
+    assert not isinstance(object(), interfaces.Drafter) and not isinstance(object(), interfaces.Guide)

@@ -13,4 +13,5 @@ flattened batch per step, one pool of fixed-size KV blocks shared by every reque
     runner.py      ModelRunner (pools, swaps, one forward per step) and pool sizing
     sampler.py     SimpleSampler: the sampler interface later chapters replace
     engine.py      EngineCore: add, abort, step, generate
+    interfaces.py  the Protocols later chapters implement: AttentionBackend, Sampler, Guide, Drafter
 """

@@ -15,11 +15,16 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .request import Request
 
 ROOT_PARENT = b"\x00chain-root"
 
 
-def hash_block(parent, tokens, extra=()):
+def hash_block(parent: bytes | None, tokens: Sequence[int], extra: Iterable[Hashable] = ()) -> bytes:
     """The prefix-cache key of one full block.  (Your engine: Chapter 31)
 
     parent: the previous block's key (bytes) or None for a sequence's first block;
@@ -36,7 +41,7 @@ def hash_block(parent, tokens, extra=()):
 class BlockManager:
     """Hands out blocks of `block_size` token slots from a pool of `num_blocks`."""
 
-    def __init__(self, num_blocks, block_size, enable_prefix_caching=True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a pool needs >= 1 block of >= 1 slot, got {num_blocks} x {block_size}")
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -52,29 +57,29 @@ class BlockManager:
     # --- bookkeeping ----------------------------------------------------------------------
 
     @property
-    def num_free(self):
+    def num_free(self) -> int:
         """Blocks allocatable now (free and cached-free)."""
         return len(self.free_queue)
 
     @property
-    def usage(self):
+    def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
     @property
-    def hit_rate(self):
+    def hit_rate(self) -> float:
         """Share of looked-up prompt tokens that the prefix cache supplied."""
         return self.stats["hits"] / self.stats["queries"] if self.stats["queries"] else 0.0
 
-    def blocks_for(self, num_tokens):
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def state(self, block):
+    def state(self, block: int) -> str:
         """"used", "cached" (cached-free) or "free": for pictures and tests."""
         if self.ref_count[block] > 0:
             return "used"
         return "cached" if self.block_hash[block] is not None else "free"
 
-    def update_hashes(self, request):
+    def update_hashes(self, request: Request) -> list[bytes]:
         """Extend request.block_hashes over every full block of its known tokens (tokens that
         are still placeholders, Chapter 33, are not known yet). Each key chains on the last."""
         keys, size = request.block_hashes, self.block_size
@@ -84,14 +89,14 @@ class BlockManager:
                                    request.cache_key))
         return keys
 
-    def forget_lookup(self, request, cached_blocks):
+    def forget_lookup(self, request: Request, cached_blocks: Sequence[int]) -> None:
         """Take back the statistics of a find_cached_prefix whose admission did not happen:
         the lookup is repeated when the request is tried again, and must count once."""
         if self.enable_prefix_caching and request.params.prompt_logprobs is None:
             self.stats["queries"] -= request.num_tokens
             self.stats["hits"] -= len(cached_blocks) * self.block_size
 
-    def _pop_free(self):
+    def _pop_free(self) -> int:
         """Take the least recently freed block for new contents; if it was cached-free, this
         is the moment it leaves the prefix cache."""
         block, _ = self.free_queue.popitem(last=False)
@@ -106,7 +111,7 @@ class BlockManager:
 
     # --- the stubs --------------------------------------------------------------------------
 
-    def find_cached_prefix(self, request):
+    def find_cached_prefix(self, request: Request) -> list[int]:
         """The blocks of the longest cached run at the start of request.  (Your engine: Chapter 31)
 
         Returns a list of block ids (possibly cached-free: do not touch their state here).
@@ -121,7 +126,7 @@ class BlockManager:
         """
         raise NotImplementedError("Your engine: Chapter 31: BlockManager.find_cached_prefix")
 
-    def allocate_slots(self, request, num_new_tokens, cached_blocks=()):
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Give request room for num_new_tokens more tokens.  (Your engine: Chapter 31)
 
         The request will then hold num_computed_tokens + len(cached_blocks) * block_size +
@@ -135,7 +140,7 @@ class BlockManager:
         """
         raise NotImplementedError("Your engine: Chapter 31: BlockManager.allocate_slots")
 
-    def cache_full_blocks(self, request, num_tokens=None):
+    def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Publish request's full blocks under their keys.  (Your engine: Chapter 31)
 
         Covers the full blocks among its first num_tokens tokens (default:
@@ -151,7 +156,7 @@ class BlockManager:
         """
         raise NotImplementedError("Your engine: Chapter 31: BlockManager.cache_full_blocks")
 
-    def free(self, request):
+    def free(self, request: Request) -> None:
         """Drop request's hold on all its blocks.  (Your engine: Chapter 31)
 
         Pop its list from self.req_blocks and its self.num_registered entry; decrement each
@@ -165,7 +170,7 @@ class BlockManager:
 
     # --- the rest ---------------------------------------------------------------------------
 
-    def trim(self, request, num_tokens):
+    def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the blocks past the first num_tokens tokens (rejected draft tokens,
         Chapter 37). Their contents are wrong for their keys, so they are unpublished."""
         owned = self.req_blocks.get(request.request_id, [])
@@ -182,7 +187,7 @@ class BlockManager:
         if self.num_registered.get(request.request_id, 0) > keep:
             self.num_registered[request.request_id] = keep
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self) -> None:
         """Forget every cached-free block (new weights make old K/V wrong). Blocks in use keep
         their keys: their owners still rely on them."""
         for block in self.free_queue:

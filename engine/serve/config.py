@@ -86,12 +86,12 @@ class EngineConfig:
     async_scheduling: bool = False
     debug_checks: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self):
+    def validate(self) -> EngineConfig:
         """Raise ValueError naming the field and the rule it breaks."""
-        def positive(name, allow_none=False, low=1):
+        def positive(name: str, allow_none: bool = False, low: int = 1) -> None:
             value = getattr(self, name)
             if value is None and allow_none:
                 return
@@ -123,6 +123,6 @@ class EngineConfig:
                                  f"this engine does not build it yet")
         return self
 
-    def scheduler_config(self):
+    def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.enable_chunked_prefill,
                                self.long_prefill_token_threshold, self.policy, self.preemption_mode)

@@ -11,7 +11,9 @@ import enum
 import math
 import operator
 import time
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..sampling import GREEDY_BELOW_TEMPERATURE
 
@@ -30,22 +32,22 @@ class Status(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"  # the client gave up
 
     @property
-    def finished(self):
+    def finished(self) -> bool:
         return self.name.startswith("FINISHED")
 
     @property
-    def finish_reason(self):
+    def finish_reason(self) -> str | None:
         """The OpenAI-style word for a finished status ("stop", "length", "abort"), else None."""
         return {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length",
                 "FINISHED_ABORTED": "abort"}.get(self.name)
 
 
-def _check(ok, message):
+def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams: {message}")
 
 
-def _token_ids(name, values):
+def _token_ids(name: str, values: Iterable[int]) -> tuple[int, ...]:
     """A tuple of integer token ids; 2.7 or "5" is refused, not rounded or parsed."""
     try:
         ids = tuple(operator.index(t) for t in values)
@@ -73,32 +75,32 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    stop_token_ids: tuple = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None            # top-k logprobs per output token (Chapter 34)
     prompt_logprobs: int | None = None     # logprobs of the prompt's own tokens (Chapter 34)
     presence_penalty: float = 0.0          # Chapter 34
     frequency_penalty: float = 0.0         # Chapter 34
     repetition_penalty: float = 1.0        # Chapter 34
-    logit_bias: dict | None = None         # token id -> added logit (Chapter 34)
-    allowed_token_ids: tuple | None = None  # Chapter 34
+    logit_bias: dict[int, float] | None = None         # token id -> added logit (Chapter 34)
+    allowed_token_ids: tuple[int, ...] | None = None  # Chapter 34
     guided_regex: str | None = None        # Chapter 35
     guided_json: object = None             # Chapter 35
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
         self.validate()
 
-    def validate(self):
+    def validate(self) -> SamplingParams:
         """Raise ValueError naming the first field whose value makes no sense."""
-        def whole(name, low):
+        def whole(name: str, low: int) -> None:
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= low,
                    f"{name} must be an integer >= {low}, got {value!r}")
 
-        def real(name):
+        def real(name: str) -> float:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                    f"{name} must be a finite number, got {value!r}")
@@ -135,10 +137,10 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
-    def needs_penalties(self):
+    def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    def child(self, index):
+    def child(self, index: int) -> SamplingParams:
         """The parameters of sample `index` of an n > 1 request: n = 1, and a seed of its own
         (seed + index) so the samples differ yet reproduce."""
         seed = None if self.seed is None else self.seed + index
@@ -154,25 +156,25 @@ class Request:
     (the step that samples it only appends it), so a decode step feeds exactly one token.
     """
     request_id: str
-    prompt_token_ids: list
+    prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     eos_token_id: int | None = None
     priority: int = 0                  # "priority" policy: smaller runs first (vLLM's convention)
     arrival_time: float = field(default_factory=time.monotonic)
-    cache_key: tuple = ()              # whatever else changes the activations: adapter, images, salt
+    cache_key: tuple[Hashable, ...] = ()              # whatever else changes the activations: adapter, images, salt
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0         # statistic: prompt tokens found in the prefix cache at admission
-    spec_token_ids: list = field(default_factory=list)   # draft tokens to verify (Chapter 37)
+    spec_token_ids: list[int] = field(default_factory=list)   # draft tokens to verify (Chapter 37)
     swapped_out: bool = False          # True while its K/V are parked on the host
     stop_reason: int | str | None = None   # the stop token (or rule) that ended it
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    extra: dict = field(default_factory=dict)            # per-feature state of later chapters
+    extra: dict[str, Any] = field(default_factory=dict)            # per-feature state of later chapters
     error: str | None = None           # why the engine aborted it, when its own processing failed
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt is empty")
         self.token_ids = [int(t) for t in self.prompt_token_ids]
@@ -181,29 +183,29 @@ class Request:
         self.num_placeholders = 0      # trailing PLACEHOLDER tokens (Chapter 33)
 
     @property
-    def output_token_ids(self):
+    def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def num_output_tokens(self):
+    def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
-    def num_tokens(self):
+    def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
-    def num_tokens_with_spec(self):
+    def num_tokens_with_spec(self) -> int:
         return len(self.token_ids) + len(self.spec_token_ids)
 
     @property
-    def is_finished(self):
+    def is_finished(self) -> bool:
         return self.status.finished
 
-    def append(self, token_id):
+    def append(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
 
@@ -213,18 +215,18 @@ class RequestOutput:
     """What one step reports for one request: the tokens it gained this step and, once it
     has finished, why."""
     request_id: str
-    new_token_ids: list
-    output_token_ids: list
+    new_token_ids: list[int]
+    output_token_ids: list[int]
     finished: bool = False
     status: Status = Status.RUNNING
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    logprobs: list | None = None
-    prompt_logprobs: list | None = None
+    logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
     error: str | None = None           # set when the engine aborted the request because its processing failed
 
     @property
-    def finish_reason(self):
+    def finish_reason(self) -> str | None:
         return self.status.finish_reason if self.finished else None
 
 

@@ -13,9 +13,14 @@ request's rows start, how long its context is, and where its blocks live in the 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .request import Request
 
 
 @dataclass
@@ -35,18 +40,18 @@ class BatchMeta:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     block_size: int
-    query_start_loc_cpu: list
-    seq_lens_cpu: list
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
 
     @property
-    def decode_only(self):
+    def decode_only(self) -> bool:
         """Every request has exactly one new row (CUDA graphs and decode kernels like that)."""
         return self.max_query_len == 1
 
     @property
-    def num_reqs(self):
+    def num_reqs(self) -> int:
         return len(self.query_start_loc_cpu) - 1
 
 
@@ -68,22 +73,23 @@ class Batch:
     positions: torch.Tensor
     meta: BatchMeta
     logits_indices: torch.Tensor
-    sample_counts: list
-    request_ids: list
-    extra: dict = field(default_factory=dict)
-    prompt_spans: list = field(default_factory=list)
+    sample_counts: list[int]
+    request_ids: list[str]
+    extra: dict[str, Any] = field(default_factory=dict)
+    prompt_spans: list[tuple[Request, int, list[int]]] = field(default_factory=list)
 
     @property
-    def num_tokens(self):
+    def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
     @property
-    def num_sample_rows(self):
+    def num_sample_rows(self) -> int:
         """How many leading rows of the logits are sampling rows (the rest are prompt rows)."""
         return sum(self.sample_counts)
 
 
-def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
+def build_batch(scheduled: Sequence[tuple[Request, int]], block_tables: Mapping[str, Sequence[int]], block_size: int,
+                device: torch.device | str = "cpu", pad_to: int | None = None) -> Batch:
     """Flatten [(request, n), ...] into one Batch.  (Your engine: Chapter 31)
 
     For each scheduled (request, n), with c = request.num_computed_tokens:
@@ -145,7 +151,7 @@ def build_batch(scheduled, block_tables, block_size, device="cpu", pad_to=None):
     width = max([1] + [len(t) for t in tables])
     padded = [list(t) + [0] * (width - len(t)) for t in tables]
 
-    def on_device(values, dtype):
+    def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
     meta = BatchMeta(

@@ -20,10 +20,12 @@ from collections.abc import Hashable, Iterable, Sequence
 from types import ModuleType
 
 import torch
+from torch import nn
 
 from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
+from .interfaces import AttentionBackend, Sampler
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
 from .sampler import SimpleSampler
@@ -61,7 +63,8 @@ class EngineCore:
     vocab_bytes: each token's bytes, for constrained decoding (Chapter 35).
     """
 
-    def __init__(self, model, config=None, eos_token_id=None, sampler=None, vocab_bytes=None):
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None, eos_token_id: int | None = None,
+                 sampler: Sampler | None = None, vocab_bytes: list[bytes] | None = None) -> None:
         if config is None:
             config = EngineConfig()
         self.config = config.validate()
@@ -91,7 +94,7 @@ class EngineCore:
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
         self._generate_calls = 0
 
-    def _size_pool(self, flat, backend):
+    def _size_pool(self, flat: FlatModel, backend: AttentionBackend) -> int:
         """Blocks for the pool when the config gives no number: measured on CUDA, else from
         kv_cache_bytes."""
         cfg = self.config
@@ -216,7 +219,7 @@ class EngineCore:
                              f"vocabulary (0..{self.vocab_size - 1}); {len(bad)} such token(s)")
         return prompt
 
-    def _check_features(self, request_id, params, lora, features):
+    def _check_features(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
         if lora is not None or features:
             raise ValueError(f"request {request_id!r}: adapters and image features arrive in Chapter 43")
         if params.guided_regex is not None or params.guided_json is not None:
@@ -231,7 +234,7 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: {', '.join(wanted)} need the full sampler "
                              f"(EngineConfig(sampler='full')), which arrives in Chapter 34")
 
-    def abort_request(self, request_id):
+    def abort_request(self, request_id: str) -> Request | list[Request | None] | None:
         """Stop a request wherever it is (waiting, running, preempted, swapped) and give back
         everything it holds. An n > 1 group id aborts all its samples. Returns the Request
         (a list for a group), or None for an unknown or already finished id."""
@@ -249,13 +252,13 @@ class EngineCore:
         return self.scheduler.abort(request_id)
 
     @property
-    def has_unfinished(self):
+    def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return bool(self.scheduler.has_unfinished)
 
     # --- the two stubs -------------------------------------------------------------------------
 
-    def check_stop(self, request, index=-1):
+    def check_stop(self, request: Request, index: int = -1) -> Status | None:
         """Why the request ends after its token at `index` (the newest by default), or None.  (Your engine: Chapter 31)
 
         produced = how many OUTPUT tokens exist up to and including that token.
@@ -286,7 +289,7 @@ class EngineCore:
             return Status.FINISHED_STOPPED
         return None
 
-    def step(self):
+    def step(self) -> list[RequestOutput]:
         """One engine iteration; returns a RequestOutput per request that gained a token or
         finished this step.  (Your engine: Chapter 31)
 
@@ -395,14 +398,15 @@ class EngineCore:
                              request.status, request.stop_reason, request.num_cached_tokens, logprobs,
                              error=request.error)
 
-    def stats(self):
+    def stats(self) -> dict[str, float]:
         """Counters for benchmarks and plots."""
         return {"steps": self.steps, "preemptions": self.preemptions, "prefix_hit_rate": self.blocks.hit_rate,
                 "blocks_free": self.blocks.num_free, "num_blocks": self.blocks.num_blocks,
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 **{f"prefix_{k}": v for k, v in self.blocks.stats.items()}}
 
-    def generate(self, prompts, params=None, priorities=None):
+    def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priorities: Sequence[int] | None = None) -> list[RequestOutput | list[RequestOutput]]:
         """Run prompts (lists of token ids) to completion; returns one final RequestOutput per
         prompt, in order (a list of n of them when that prompt's params.n > 1).
 

@@ -10,9 +10,12 @@ one list of new token ids per request; `logprobs` is None or one entry per reque
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from ..sampling import sample
+from .request import Request
 
 
 class SimpleSampler:
@@ -21,11 +24,12 @@ class SimpleSampler:
     One row per request (Chapter 37's verification rows need the full sampler). Unseeded
     sampled requests draw from `generator` (the engine's, seeded by EngineConfig.seed)."""
 
-    def __init__(self, generator=None):
+    def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
     @torch.inference_mode()
-    def __call__(self, logits, requests, generators):
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 generators: Mapping[str, torch.Generator]) -> tuple[list[list[int]], None]:
         if logits.shape[0] != len(requests):
             raise ValueError(f"SimpleSampler takes one row per request: {logits.shape[0]} rows for "
                              f"{len(requests)} requests")

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .request import Status
+from .blocks import BlockManager
+from .config import SchedulerConfig
+from .request import Request, Status
 
 
 @dataclass
@@ -24,31 +27,31 @@ class SchedulerOutput:
                 pass (the blocks are already free and may be reused by this very step)
     swap_in     [(request, blocks)]: copy the saved K/V back into these new blocks
     """
-    scheduled: list = field(default_factory=list)
-    preempted: list = field(default_factory=list)
-    swap_out: list = field(default_factory=list)
-    swap_in: list = field(default_factory=list)
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
 
     @property
-    def empty(self):
+    def empty(self) -> bool:
         return not self.scheduled
 
     @property
-    def num_tokens(self):
+    def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:
-    def __init__(self, config, block_manager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config, self.blocks = config, block_manager
-        self.waiting = deque()       # admission order (or priority order)
-        self.running = []            # order of service; the last one is preempted first
-        self.requests = {}           # every unfinished request by id
-        self.on_finish = None        # hook(request), called before a finished request's blocks go back
+        self.waiting: deque[Request] = deque()       # admission order (or priority order)
+        self.running: list[Request] = []             # order of service; the last one is preempted first
+        self.requests: dict[str, Request] = {}       # every unfinished request by id
+        self.on_finish: Callable[[Request], None] | None = None   # called before a finished request's blocks go back
 
     # --- entering and leaving -------------------------------------------------------------
 
-    def check(self, request):
+    def check(self, request: Request) -> None:
         """Raise ValueError if `request` could never run here; changes nothing."""
         capacity = self.blocks.num_blocks * self.blocks.block_size
         need = request.num_tokens + request.params.max_tokens
@@ -63,12 +66,12 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
 
-    def add(self, request):
+    def add(self, request: Request) -> None:
         self.check(request)
         self._enqueue(request)
         self.requests[request.request_id] = request
 
-    def _enqueue(self, request, front=False):
+    def _enqueue(self, request: Request, front: bool = False) -> None:
         """Queue for admission: by (priority, arrival) under "priority", else arrival order
         (front=True puts a preempted request ahead of everyone who arrived after it)."""
         if self.config.policy == "priority":
@@ -84,7 +87,7 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def finish(self, request, status):
+    def finish(self, request: Request, status: Status) -> None:
         """End a request: out of the queues, on_finish(request), then its blocks go back."""
         request.status = status
         request.finish_time = time.monotonic()
@@ -97,7 +100,7 @@ class Scheduler:
         self.blocks.free(request)
         self.requests.pop(request.request_id, None)
 
-    def abort(self, request_id):
+    def abort(self, request_id: str) -> Request | None:
         """Finish a request as aborted wherever it is; returns it, or None if unknown."""
         request = self.requests.get(request_id)
         if request is not None:
@@ -106,17 +109,17 @@ class Scheduler:
         return request
 
     @property
-    def has_unfinished(self):
+    def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, wanted, budget):
+    def _chunk(self, wanted: int, budget: int) -> int:
         cap = self.config.long_prefill_token_threshold
         n = min(wanted, budget)
         return min(n, cap) if cap else n
 
     # --- the stubs ---------------------------------------------------------------------------
 
-    def _preempt(self, request, out):
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the device.  (Your engine: Chapter 31)
 
         Remove it from self.running, clear its spec_token_ids (drafts are for the next step
@@ -143,7 +146,7 @@ class Scheduler:
         out.preempted.append(request)
         self._enqueue(request, front=True)
 
-    def schedule(self):
+    def schedule(self) -> SchedulerOutput:
         """Plan one step within the token budget.  (Your engine: Chapter 31)
 
         budget = config.max_num_batched_tokens; under policy "priority", first sort
