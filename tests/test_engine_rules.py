@@ -175,3 +175,83 @@ def test_a_lookup_counts_once_however_many_times_admission_is_retried(serve, tin
         f"prompt tokens looked up: the hog's 20 and the reader's {reader.num_prompt_tokens} once, not once per "
         f"retry ({retries + 1} tries); the statistics counted {queries}")
     assert hits == reader.num_cached_tokens, f"hits counted {hits}, the reader reused {reader.num_cached_tokens}"
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_running_requests_are_served_in_policy_order(serve, tiny_model, policy):
+    """Under "priority" the running list is served (and preempted from the back) in
+    (priority, arrival) order, whatever order the requests were admitted in; under "fcfs" the
+    priority field is ignored."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, policy=policy)
+    add(serve, engine, "late-but-urgent", [1, 2, 3], priority=0, arrival_time=2.0)
+    add(serve, engine, "early-but-lax", [4, 5, 6], priority=5, arrival_time=1.0)
+    engine.step()
+    add(serve, engine, "newcomer", [7, 8], priority=-1, arrival_time=3.0)
+    engine.step()                                  # the newcomer is admitted after the running ones
+    engine.step()
+    want = {"priority": ["newcomer", "late-but-urgent", "early-but-lax"],
+            "fcfs": ["late-but-urgent", "early-but-lax", "newcomer"]}[policy]
+    assert [rid for rid, _ in scheduled(engine.last_plan)] == want, (
+        f"{policy}: the step serves {scheduled(engine.last_plan)}, expected the order {want}")
+
+
+def test_equal_priorities_keep_their_arrival_order(serve):
+    bm = serve.blocks.BlockManager(8, 4)
+    sched = serve.scheduler.Scheduler(serve.config.SchedulerConfig(policy="priority"), bm)
+    for rid in ("first", "second", "third"):
+        sched.add(serve.request.Request(rid, [1, 2], priority=1, arrival_time=7.0))
+    assert ids(sched.waiting) == ["first", "second", "third"], (
+        f"requests with equal (priority, arrival) are queued in the order they came: {ids(sched.waiting)}")
+    with pytest.raises(ValueError, match="'second' is already in the engine"):
+        sched.add(serve.request.Request("second", [3]))
+
+
+def test_preemptions_are_counted_and_finish_is_stamped(serve, tiny_model):
+    """Each preemption counts (a request preempted twice says 2), a finished request carries
+    its finish time, and an aborted swapped request is no longer marked swapped out."""
+    engine = scripted(serve, tiny_model, block_size=2, num_blocks=8, max_num_seqs=3, preemption_mode="swap",
+                      enable_prefix_caching=False)
+    victims = [add(serve, engine, rid, [i + 1] * 3, max_tokens=10) for i, rid in enumerate(("a", "b", "c"))]
+    swapped = None
+    for _ in range(200):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+        waiting_swapped = [r for r in engine.scheduler.waiting if r.swapped_out]
+        if swapped is None and waiting_swapped and max(r.num_preemptions for r in victims) >= 2:
+            swapped = waiting_swapped[0]
+            assert engine.abort_request(swapped.request_id) is swapped
+            assert swapped.swapped_out is False and swapped.status.name == "FINISHED_ABORTED"
+    assert max(r.num_preemptions for r in victims) >= 2 and engine.preemptions == sum(
+        r.num_preemptions for r in victims), (
+        f"preemptions per request {[r.num_preemptions for r in victims]}, engine counted {engine.preemptions}")
+    assert swapped is not None, "no request was preempted twice and then found swapped out: scenario lost its point"
+    assert all(r.finish_time is not None and r.finish_time >= r.arrival_time for r in victims)
+    assert_engine_idle(engine)
+
+
+def test_trim_gives_back_draft_blocks_and_republishes(serve):
+    """BlockManager.trim (Chapter 37's rejected drafts): the blocks past num_tokens go back to
+    the free queue unpublished, the published count shrinks with them, and publishing after
+    regrowth covers the new blocks again; trimming a request with no blocks does nothing."""
+    from course.engine_checks import check_block_manager
+
+    bm = serve.blocks.BlockManager(8, 4)
+    bm.trim(serve.request.Request("nobody", [1]), 0)
+    assert "nobody" not in bm.num_registered and not bm.req_blocks.get("nobody")
+    r = serve.request.Request("r", list(range(1, 14)))
+    assert bm.allocate_slots(r, 13)
+    bm.cache_full_blocks(r, 12)
+    assert bm.num_registered["r"] == 3 and len(bm.cached) == 3
+    kept, dropped = bm.req_blocks["r"][:1], bm.req_blocks["r"][1:]
+    bm.trim(r, 4)
+    check_block_manager(bm, "after trim")
+    assert bm.req_blocks["r"] == kept and bm.num_registered["r"] == 1 and len(bm.cached) == 1
+    assert all(bm.state(b) == "free" and bm.block_hash[b] is None for b in dropped), (
+        f"trimmed blocks hold wrong K/V for their keys: they must be plain free, got "
+        f"{[bm.state(b) for b in dropped]}")
+    assert list(bm.free_queue)[-len(dropped):] == dropped[::-1], "trimmed blocks go back tail first"
+    assert bm.allocate_slots(r, 9 - r.num_computed_tokens)
+    bm.cache_full_blocks(r, 8)
+    assert bm.num_registered["r"] == 2 and len(bm.cached) == 2, "publishing after a trim covers the regrown block"
+    check_block_manager(bm, "after regrowth")
