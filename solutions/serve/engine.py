@@ -300,8 +300,9 @@ class EngineCore:
         3. Nothing scheduled -> return [].
         4. batch = runner.prepare(plan.scheduled, self.blocks.req_blocks);
            logits = runner.execute(batch): one row per sampled row, in request order.
-        5. The requests with a nonzero batch.sample_counts entry get tokens from
-           self.sampler(logits, those requests, self.generators).
+        5. The requests with a nonzero batch.sample_counts entry get tokens through
+           self._sample(logits, those requests, {id: count}), which calls self.sampler and
+           also reports the requests whose own sampling failed.
         6. For every scheduled (request, n): num_computed_tokens += n; append its new tokens;
            self.blocks.cache_full_blocks(request) (generated tokens fill blocks too). A
            request without new tokens (mid-prompt chunk) reports nothing. Otherwise set
@@ -309,6 +310,11 @@ class EngineCore:
            self.scheduler.finish(request, status) (its blocks return NOW, so the next step
            can admit someone) and drop its generator; report self.make_output(...).
         7. self.steps += 1.
+        Isolation: one request's failure is never the step's. A request whose sampling
+        failed, or whose check_stop raises, is finished alone as aborted, the error on its
+        output (self._abort_with_error); the others carry on in the same step.
+        With self.checks set (EngineConfig.debug_checks), check the plan right after
+        scheduling and the scheduler at the end of the step.
         """
         plan = self.last_plan = self.scheduler.schedule()
         if self.checks is not None:
@@ -324,18 +330,18 @@ class EngineCore:
         batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
         logits = self.runner.execute(batch)
         rows = {request.request_id: k for (request, _), k in zip(plan.scheduled, batch.sample_counts) if k}
-        sampled, logprobs, failed = self._sample(logits, [r for r, _ in plan.scheduled if r.request_id in rows], rows)
+        gained, logprobs, failed = self._sample(logits, [r for r, _ in plan.scheduled if r.request_id in rows], rows)
         outputs, now = [], time.monotonic()
         for request, n in plan.scheduled:
             request.num_computed_tokens += n
             if request.request_id in failed:
                 outputs.append(self._abort_with_error(request, failed[request.request_id], "sampling"))
                 continue
-            new = sampled.get(request.request_id, ())
+            new = gained.get(request.request_id) or []
             for token in new:
                 request.append(token)
             self.blocks.cache_full_blocks(request)
-            if not new:
+            if not new:                                      # a mid-prompt chunk: nothing to report
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
