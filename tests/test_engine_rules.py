@@ -255,3 +255,19 @@ def test_trim_gives_back_draft_blocks_and_republishes(serve):
     bm.cache_full_blocks(r, 8)
     assert bm.num_registered["r"] == 2 and len(bm.cached) == 2, "publishing after a trim covers the regrown block"
     check_block_manager(bm, "after regrowth")
+
+
+def test_blocks_are_published_when_allocated_so_the_same_step_can_adopt_them(serve, tiny_model):
+    """A running request's chunk publishes its blocks at allocation time, before the forward:
+    a request admitted later in the SAME step adopts them (one flattened step writes every
+    K/V before any attention reads)."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_num_batched_tokens=12)
+    prompt = list(range(30, 47))                       # 17 tokens: four full blocks and one more token
+    add(serve, engine, "first", prompt)
+    engine.step()                                      # first: tokens 0-11, blocks 0-2
+    second = add(serve, engine, "second", prompt)
+    engine.step()                                      # first: tokens 12-16 (block 3 fills); second admitted
+    assert scheduled(engine.last_plan)[0] == ("first", 5) and "second" in dict(scheduled(engine.last_plan))
+    assert second.num_cached_tokens == 16, (
+        f"'second' arrives in the step where 'first' fills its fourth block, and must adopt all four: "
+        f"{second.num_cached_tokens} cached tokens")
