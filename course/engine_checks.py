@@ -13,13 +13,14 @@ Request fields. Nothing here imports an implementation.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any  # implementations are duck-typed: this module imports none of them
 
 
 class InvariantError(AssertionError):
     """One or more engine invariants do not hold; the message lists each."""
 
 
-def _fail(problems, where):
+def _fail(problems: list[str], where: str) -> None:
     """Raise one InvariantError whose FIRST line already names the first broken rule (a
     grading table shows only that line), then lists every one."""
     if problems:
@@ -31,7 +32,7 @@ def _fail(problems, where):
 
 # --- the block manager ---------------------------------------------------------------------------
 
-def block_manager_problems(bm) -> list[str]:
+def block_manager_problems(bm: Any) -> list[str]:
     """Every broken rule of a BlockManager, as sentences (empty when all hold).
 
     - each block is in the free queue exactly when nothing references it (never both,
@@ -97,15 +98,15 @@ def block_manager_problems(bm) -> list[str]:
     return problems
 
 
-def check_block_manager(bm, where=""):
+def check_block_manager(bm: Any, where: str = "") -> None:
     _fail(block_manager_problems(bm), where)
 
 
-def _short(key):
+def _short(key: object) -> str:
     return key.hex()[:8] if isinstance(key, bytes) else repr(key)
 
 
-def block_manager_state(bm):
+def block_manager_state(bm: Any) -> dict[str, Any]:
     """Everything observable about a BlockManager, for before/after comparisons."""
     return {
         "ref_count": list(bm.ref_count),
@@ -123,7 +124,7 @@ def block_manager_state(bm):
 _QUEUED = {"WAITING", "PREEMPTED"}
 
 
-def scheduler_problems(sched) -> list[str]:
+def scheduler_problems(sched: Any) -> list[str]:
     """Every broken rule of a Scheduler and its BlockManager (empty when all hold).
 
     On top of block_manager_problems:
@@ -208,11 +209,11 @@ def scheduler_problems(sched) -> list[str]:
     return problems
 
 
-def check_scheduler(sched, where=""):
+def check_scheduler(sched: Any, where: str = "") -> None:
     _fail(scheduler_problems(sched), where)
 
 
-def plan_problems(plan, sched) -> list[str]:
+def plan_problems(plan: Any, sched: Any) -> list[str]:
     """Rules of one SchedulerOutput, checked right after schedule() (before the step runs)."""
     cfg, bm = sched.config, sched.blocks
     problems = []
@@ -248,13 +249,13 @@ def plan_problems(plan, sched) -> list[str]:
     return problems
 
 
-def check_plan(plan, sched, where=""):
+def check_plan(plan: Any, sched: Any, where: str = "") -> None:
     _fail(plan_problems(plan, sched), where)
 
 
 # --- the engine ----------------------------------------------------------------------------------
 
-def engine_state(engine):
+def engine_state(engine: Any) -> dict[str, Any]:
     """Everything a rejected add_request or a bad config must leave as it was."""
     sched = engine.scheduler
     return {
@@ -271,7 +272,7 @@ def engine_state(engine):
     }
 
 
-def check_engine_idle(engine, where=""):
+def check_engine_idle(engine: Any, where: str = "") -> None:
     """The engine has nothing left to do and holds nothing: every block free, no request
     registered, no host copies of swapped K/V."""
     problems = []

@@ -7,26 +7,30 @@
 - `make_engine(serve, model, **config)`: an `EngineCore` of the implementation under test
   (`serve` is the milestone fixture with Chapter 31's modules) stopping at `TINY_EOS`.
 - `assert_engine_idle(engine, where)`: the engine holds nothing (course.engine_checks).
-- `first_difference(expected, got)`: where two token lists part.
+- `ScriptedRunner`: a stand-in for the model runner, so the real `EngineCore.step` runs on
+  scripted logits.
 
 Nothing here imports an implementation: the engine's modules come in through `serve`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
 
 from . import reference
 from .engine_checks import check_engine_idle
-from .models import TINY_VOCAB_SIZE
 
-TINY_EOS = 257
-assert TINY_EOS < TINY_VOCAB_SIZE
+TINY_EOS = 257          # the tiny model's eos_token_id (course.models.tiny_config)
 
 # key -> (the model, its output): holding the model keeps its id from being reused by another.
 _SOLO: dict[tuple, tuple[object, list[int]]] = {}
 
 
-def solo(ref_model, prompt: list[int], max_new: int, eos_token_id: int | None = TINY_EOS,
+def solo(ref_model: nn.Module, prompt: list[int], max_new: int, eos_token_id: int | None = TINY_EOS,
          **options) -> list[int]:
     """Solo `generate` of the reference package on `ref_model`: the new tokens only.
 
@@ -43,19 +47,14 @@ def solo(ref_model, prompt: list[int], max_new: int, eos_token_id: int | None = 
     return list(_SOLO[key][1])
 
 
-def make_engine(serve: SimpleNamespace, model, eos_token_id: int | None = TINY_EOS, **config):
+def make_engine(serve: SimpleNamespace, model: nn.Module, eos_token_id: int | None = TINY_EOS, **config) -> Any:
     """An EngineCore of the implementation under test with EngineConfig(**config)."""
     return serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=eos_token_id)
 
 
-def assert_engine_idle(engine, where: str = "") -> None:
+def assert_engine_idle(engine: Any, where: str = "") -> None:
     """Every block free, no request registered, no host copies of swapped K/V left."""
     check_engine_idle(engine, where)
-
-
-def first_difference(expected: list[int], got: list[int]) -> int:
-    """The first index where the lists differ (the shorter one's length when one is a prefix)."""
-    return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
 
 
 class ScriptedRunner:
@@ -70,7 +69,7 @@ class ScriptedRunner:
     `on_execute(batch, requests)` (requests in batch order) run before the default action.
     """
 
-    def __init__(self, serve: SimpleNamespace, engine, next_token):
+    def __init__(self, serve: SimpleNamespace, engine: Any, next_token: Callable[[list[int]], int]) -> None:
         self.serve, self.engine, self.next_token = serve, engine, next_token
         self.block_size = engine.config.block_size
         self.vocab_size = engine.vocab_size
@@ -79,16 +78,16 @@ class ScriptedRunner:
         self.executed = 0
 
     @classmethod
-    def install(cls, serve: SimpleNamespace, engine, next_token) -> "ScriptedRunner":
+    def install(cls, serve: SimpleNamespace, engine: Any, next_token: Callable[[list[int]], int]) -> ScriptedRunner:
         engine.runner = cls(serve, engine, next_token)
         return engine.runner
 
-    def swap_out(self, request, blocks: list[int]) -> None:
+    def swap_out(self, request: Any, blocks: list[int]) -> None:
         if self.on_swap_out is not None:
             self.on_swap_out(request, blocks)
         self.swapped[request.request_id] = list(blocks)
 
-    def swap_in(self, request, blocks: list[int]) -> None:
+    def swap_in(self, request: Any, blocks: list[int]) -> None:
         if self.on_swap_in is not None:
             self.on_swap_in(request, blocks)
         saved = self.swapped.pop(request.request_id)
@@ -96,12 +95,11 @@ class ScriptedRunner:
             raise AssertionError(f"request {request.request_id!r}: {len(saved)} blocks swapped out, "
                                  f"only {len(blocks)} to swap into")
 
-    def prepare(self, scheduled, block_tables, pad_to=None, previous=None):
+    def prepare(self, scheduled: list[tuple[Any, int]], block_tables: dict[str, list[int]], pad_to: int | None = None,
+                previous: object = None) -> Any:
         return self.serve.batch.build_batch(scheduled, block_tables, self.block_size, "cpu", pad_to)
 
-    def execute(self, batch):
-        import torch
-
+    def execute(self, batch: Any) -> torch.Tensor:
         requests = [self.engine.scheduler.requests[rid] for rid in batch.request_ids]
         if self.on_execute is not None:
             self.on_execute(batch, requests)
