@@ -216,3 +216,23 @@ def test_debug_checks_run_inside_every_step(serve, tiny_model, monkeypatch):
 
 def test_eos_of_the_oracles_is_the_tiny_models(tiny_model):
     assert tiny_model.cfg.eos_token_id == TINY_EOS
+
+
+def test_a_sampler_that_loses_rows_is_caught(serve, tiny_model, ref_model):
+    """A sampler answering fewer token lists than requests is not silently zipped short:
+    the engine samples each request alone, and the ones still failing end with the error."""
+    class DropsTheLast:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, logits, requests, generators):
+            tokens, logprobs = self.inner(logits, requests, generators)
+            return tokens[:-1], logprobs
+
+    engine = engine_for(serve, tiny_model)
+    engine.sampler = DropsTheLast(engine.sampler)
+    engine.add_request("a", PROMPTS["a"], P(serve))
+    engine.add_request("b", PROMPTS["b"], P(serve))
+    outputs = drain(engine)
+    assert all(o.finish_reason == "abort" and o.error for o in outputs.values()), (
+        f"alone, each request gets no token from this sampler and must end with an error: {outputs}")

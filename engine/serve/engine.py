@@ -315,6 +315,8 @@ class EngineCore:
         states = [g.get_state() for g in generators]
         try:
             tokens, logprobs = self.sampler(logits, requests, self.generators)
+            if len(tokens) != len(requests) or (logprobs and len(logprobs) != len(requests)):
+                raise ValueError(f"the sampler returned {len(tokens)} token lists for {len(requests)} requests")
             return dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {}, {}
         except Exception:
             for generator, state in zip(generators, states):
