@@ -731,7 +731,7 @@ def test_statistics_after_a_swap_in(serve, tiny_model):
     assert lookups == [b.num_prompt_tokens] + [0] * (len(lookups) - 1), (
         f"prompt tokens looked up per step: only b's first admission counts ({b.num_prompt_tokens}); a swapped "
         f"request waiting for room never looked up, so nothing is taken back (forget_lookup) either: {lookups}")
-    assert b.output_token_ids == b_alone.output_token_ids
+    assert b.output_token_ids == b_alone.output_token_ids and b.swapped_out is False
     assert_idle(engine)
 
 

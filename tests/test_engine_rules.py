@@ -271,3 +271,29 @@ def test_blocks_are_published_when_allocated_so_the_same_step_can_adopt_them(ser
     assert second.num_cached_tokens == 16, (
         f"'second' arrives in the step where 'first' fills its fourth block, and must adopt all four: "
         f"{second.num_cached_tokens} cached tokens")
+
+
+def test_block_manager_edges(serve):
+    """Evictions are counted one by one; publishing for a request without blocks does nothing;
+    draft tokens (Chapter 37) past the known tokens are never published; a block released
+    more often than it was taken is an error naming it."""
+    bm = serve.blocks.BlockManager(4, 2)
+    stranger = serve.request.Request("stranger", [1, 2, 3, 4])
+    bm.cache_full_blocks(stranger, 4)
+    assert not bm.cached and "stranger" not in bm.num_registered
+    first = serve.request.Request("first", [1, 2, 3, 4, 5, 6, 7, 8])
+    assert bm.allocate_slots(first, 8)
+    bm.cache_full_blocks(first, 8)
+    bm.free(first)                                   # four cached-free blocks
+    other = serve.request.Request("other", [9, 9, 9, 9, 9])
+    assert bm.allocate_slots(other, 5) and bm.stats["evictions"] == 3, (
+        f"three cached-free blocks were handed out, three evictions: {bm.stats['evictions']}")
+    bm.free(other)
+    drafted = serve.request.Request("drafted", [5, 6, 7, 8])
+    drafted.spec_token_ids = [1, 2, 3, 4]
+    assert bm.allocate_slots(drafted, 8)
+    bm.cache_full_blocks(drafted, 8)
+    assert bm.num_registered["drafted"] == 2, "blocks of unverified draft tokens are not published"
+    bm.ref_count[bm.req_blocks["drafted"][0]] = 0
+    with pytest.raises(RuntimeError, match=f"block {bm.req_blocks['drafted'][0]} released more times"):
+        bm.free(drafted)
