@@ -221,3 +221,15 @@ def tiny_model(impl, device, model_path):
 def ref_model(device, model_path):
     """The reference Qwen3 with the same weights as `tiny_model`."""
     return build_model(impl_module.reference().package, device, model_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The verified SmolLM2-135M-Instruct GGUF file (course.smollm2), fetched on first use.
+    Without network and without a cached copy the test is skipped with the one line that
+    says how to provide the file, never silently."""
+    from . import smollm2
+    try:
+        return smollm2.smollm2_gguf_path(quiet=True)
+    except smollm2.SmolLM2Unavailable as missing:
+        pytest.skip(f"SmolLM2 unavailable: {missing}")
