@@ -137,6 +137,9 @@ class Job:
         self.closed = True
         if self.submitted and not all(self.finish):
             self.state.loop.abort(self.submission)
+            for i, reason in enumerate(self.finish):
+                if reason is None:
+                    self._finish(i, "abort")
         self.state.admission.release(self.parsed.params.n)
 
     async def pieces(self) -> AsyncIterator[tuple[int, str, list[int], str | None]]:
