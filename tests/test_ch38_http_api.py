@@ -565,3 +565,33 @@ def test_loadtest_command_reports_no_leaked_blocks(server):
     assert line["kv_blocks_in_use_after"] == 0, f"blocks leaked after the load test: {line}"
     for key in ("requests_per_s", "e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "tpot_p99_ms"):
         assert line[key] is not None and line[key] > 0, f"{key} missing from {line}"
+
+
+def test_the_official_openai_client(server, ref):
+    """The `openai` package, as any user would point it at the server."""
+    openai = pytest.importorskip("openai", reason="pip install -r requirements.txt brings the openai client")
+    api = openai.OpenAI(base_url=server[0] + "/v1", api_key="not-needed", max_retries=0)
+    assert [m.id for m in api.models.list()] == [MODEL]
+    prompt = prompts(1, seed=12)[0]
+    answer = api.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    assert answer.choices[0].model_extra["token_ids"] == solo(ref, prompt, 9)
+    assert answer.usage.prompt_tokens == len(prompt)
+    pieces = api.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in pieces if chunk.choices) == answer.choices[0].text
+    sampled = api.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0.9, n=2, seed=3,
+                                     extra_body={"return_token_ids": True, "top_k": 50})
+    for choice in sampled.choices:
+        assert choice.model_extra["token_ids"] == solo(ref, prompt, 6, seed=3 + choice.index, temperature=0.9,
+                                                       top_k=50)
+    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=7,
+                                       temperature=0)
+    streamed = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=7, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens", "the client reads our error object: it names the field"
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-4o", prompt="Hi")
