@@ -61,6 +61,7 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.stopping = False
         self.error: BaseException | None = None
+        self.failing = threading.Lock()     # orders "the loop died" against late submissions
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.snapshot: dict = {}
         self._publish()
@@ -78,7 +79,11 @@ class EngineLoop:
             self.thread.join(timeout)
 
     def submit(self, submission: Submission) -> None:
-        self.inbox.put(("add", submission, None))
+        with self.failing:
+            if self.error is not None:     # nobody would ever answer it
+                submission.deliver(RuntimeError(f"the engine loop stopped: {self.error!r}"))
+                return
+            self.inbox.put(("add", submission, None))
         self.wake.set()
 
     def abort(self, submission: Submission, engine_id: str | None = None) -> None:
@@ -150,12 +155,23 @@ class EngineLoop:
                 if not busy:
                     self.wake.wait(self.idle_wait_s)
         except BaseException as exc:       # a broken engine must fail its requests, not hang them
-            self.error = exc
             traceback.print_exc()
-            for submission in {id(s): s for s in self.routes.values()}.values():
-                submission.deliver(RuntimeError(f"the engine loop stopped: {exc!r}"))
+            with self.failing:
+                self.error = exc
+                waiting = [item[1] for item in self._drain() if item[0] == "add"]
+            failure = RuntimeError(f"the engine loop stopped: {exc!r}")
+            for submission in {id(s): s for s in [*self.routes.values(), *waiting]}.values():
+                submission.deliver(failure)
             self.routes.clear()
             self._publish()
+
+    def _drain(self) -> list:
+        items = []
+        while True:
+            try:
+                items.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return items
 
     def _publish(self) -> None:
         engine, blocks = self.engine, self.engine.blocks
