@@ -595,3 +595,46 @@ def test_the_official_openai_client(server, ref):
     assert refused.value.body["param"] == "max_tokens", "the client reads our error object: it names the field"
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="gpt-4o", prompt="Hi")
+
+
+def test_the_chat_page_is_served(client):
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    for needle in ("/v1/chat/completions", "/v1/models", "getReader", "stream: true"):
+        assert needle in r.text, f"the chat page must use {needle}"
+    assert "<script src=" not in r.text, "the page loads nothing from elsewhere (no CDN)"
+
+
+def test_the_chat_page_in_a_real_browser(server, client):
+    """Headless Chromium types a message into the page and reads the streamed reply."""
+    import shutil
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("no browser here: `apt-get install chromium chromium-driver` (Debian) runs this test")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
+    try:
+        browser.get(server[0] + "/")
+        wait = WebDriverWait(browser, 30)
+        wait.until(lambda b: b.find_element(By.ID, "model").text == MODEL)
+        for field, value in (("max_tokens", "8"), ("temperature", "0")):
+            box = browser.find_element(By.ID, field)
+            box.clear()
+            box.send_keys(value)
+        browser.find_element(By.ID, "prompt").send_keys("Hi", Keys.ENTER)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, ".assistant.done"))
+        shown = browser.execute_script("return document.querySelector('.assistant.done span').textContent")
+    finally:
+        browser.quit()
+    expected = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 8, "temperature": 0}).json()
+    assert shown == expected["choices"][0]["message"]["content"], \
+        "the page must show exactly the reply the API gives for the same conversation"

@@ -6,4 +6,5 @@
                  objects, response and chunk shapes
     loop.py      EngineLoop: the one thread that owns the EngineCore; AdmissionControl
     app.py       the FastAPI app (routes, server-sent events, metrics) and serve_in_thread
+    page.py      the chat page served at /
 """

@@ -4,6 +4,7 @@
     POST /v1/chat/completions  messages in, the tokenizer's chat template between
     GET  /v1/models            the one model this server serves
     GET  /health               200 while the engine loop runs, 503 once it has died
+    GET  /                     a chat page (page.py) that streams replies in the browser
     GET  /metrics              Prometheus text: queue, blocks, prefix hits, TTFT, TPOT
 
 A handler never touches the engine: it checks the body (protocol.py), asks
@@ -24,13 +25,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..serve.request import SamplingParams
 from .loop import ACCEPTED, AdmissionControl, EngineLoop, QueueFull, Submission
+from .page import CHAT_PAGE
 from .protocol import ApiError, ParsedRequest, choice_object, envelope, parse_json_body, parse_request, usage_object
 from .text import DetokenizerFactory, TextStream, TextTokenizer
 
@@ -337,6 +339,10 @@ def build_app(engine, served: ServedModel, *, max_waiting: int = 64, max_body_by
         if not loop.alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/")
+    async def chat_page():
+        return HTMLResponse(CHAT_PAGE)
 
     @app.get("/metrics")
     async def metrics():
