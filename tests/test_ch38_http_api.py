@@ -457,7 +457,7 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("name,route,body,status,param", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
 def test_bad_input_gets_an_openai_error_and_leaves_the_engine_alone(server, client, ref, name, route, body,
                                                                     status, param):
-    url, engine = server
+    engine = server[1]
     wait_idle(engine)
     steps = engine.steps
     r = client.post(route, content=body) if isinstance(body, bytes) else client.post(route, json=body)

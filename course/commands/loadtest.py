@@ -182,12 +182,11 @@ def run(args):
         line, failures = run_load(args.url.rstrip("/"), args)
     else:
         from course.commands import serve
-        from course.impl import load
         if args.model not in serve.MODELS:
             raise CommandError(f"without --url the model must be one of {sorted(serve.MODELS)}, got {args.model!r}")
         args.host, args.port = "127.0.0.1", 0
         app, impl = serve.build(args)
-        with load(args.impl).load("server.app").serve_in_thread(app) as url:
+        with impl.load("server.app").serve_in_thread(app) as url:
             line, failures = run_load(url, args)
     print(json.dumps(line), flush=True)
     if failures:

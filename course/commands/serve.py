@@ -45,9 +45,10 @@ def add_arguments(parser):
 
 
 def build(args):
-    """(app, model name): the FastAPI app around a fresh EngineCore, not yet serving."""
-    from course.commands._setup import set_threads
+    """(app, impl): the FastAPI app around a fresh EngineCore (not yet serving), and the
+    implementation it was built from."""
     from course.cli import resolve_device
+    from course.commands._setup import set_threads
     from course.impl import load
     impl = load(args.impl)
     device = resolve_device(args.device)
