@@ -152,6 +152,8 @@ def _import_package(name: str, directory: Path) -> ModuleType:
         return existing
     spec = importlib.util.spec_from_file_location(
         name, directory / "__init__.py", submodule_search_locations=[str(directory)])
+    if spec is None or spec.loader is None:
+        raise ImplError(f"{directory} cannot be imported as a package")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -162,7 +164,7 @@ def _import_package(name: str, directory: Path) -> ModuleType:
     if "__getattr__" not in vars(module):
         # `package.qwen3` works whether or not __init__ imported it, so code handed the bare
         # package (a model factory, a notebook) needs no import dance.
-        module.__getattr__ = lambda attr: _lazy_submodule(module, attr)
+        vars(module)["__getattr__"] = lambda attr: _lazy_submodule(module, attr)
     return module
 
 

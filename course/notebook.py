@@ -81,11 +81,8 @@ def differences(got, expected, atol: float = 1e-5, rtol: float = 1e-4, path: str
     Tensors and arrays compare with tolerances, containers element by element, anything
     else with ==."""
     where = f" at {path}" if path else ""
-    try:
-        import torch
-    except ImportError:                         # pragma: no cover - torch is a requirement
-        torch = None
-    if torch is not None and isinstance(expected, torch.Tensor):
+    import torch  # here, so importing course.notebook stays quick
+    if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             return f"expected a tensor{where}, got {type(got).__name__}"
         if tuple(got.shape) != tuple(expected.shape):
@@ -152,7 +149,7 @@ def check(target, *args, expected=None, impl=None, reference=None, name: str | N
         `differences` (None means equal).
     Arguments are passed as they are: a function that mutates its inputs should get copies.
     """
-    label = name or (target if isinstance(target, str) else getattr(target, "__name__", "check"))
+    label = name or (target if isinstance(target, str) else str(getattr(target, "__name__", "check")))
     if label == "<lambda>":
         label = "check"
     try:

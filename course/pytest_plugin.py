@@ -138,7 +138,8 @@ def pytest_collection_modifyitems(config, items):
     upto = config.getoption("upto")
     if not wanted and upto is None:
         return
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         number = chapter_of(item)
         selected = number is not None and (not wanted or number in wanted) and (upto is None or number <= upto)

@@ -96,7 +96,7 @@ class _StubFinder(ast.NodeVisitor):
         self.errors: list[str] = []
         self.inside_stub = 0
 
-    def _where(self, node: ast.AST) -> str:
+    def _where(self, node: ast.stmt) -> str:
         return f"{self.path}:{node.lineno}"
 
     def visit_Module(self, node: ast.Module) -> None:
@@ -142,7 +142,7 @@ class _StubFinder(ast.NodeVisitor):
     def _add_stub(self, node, qualname: str, chapter: int) -> None:
         doc_node, rest = node.body[0], node.body[1:]
         doc_line = self.lines[doc_node.lineno - 1]
-        indent = re.match(r"[ \t]*", doc_line).group()
+        indent = doc_line[:len(doc_line) - len(doc_line.lstrip(" \t"))]
         # col_offset counts UTF-8 bytes; the indentation is ASCII, so it compares directly.
         if len(indent) != doc_node.col_offset:
             self.errors.append(f"{self._where(node)}: {qualname}: the docstring must start its own line")
@@ -348,7 +348,7 @@ def _enclosing_definition(source: str, lineno: int) -> str | None:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = ".".join(scope + [child.name])
                 first = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                if first <= lineno <= child.end_lineno and (best is None or first >= best[0]):
+                if first <= lineno <= (child.end_lineno or first) and (best is None or first >= best[0]):
                     best = (first, name)
                 inner = scope + [child.name] + ([] if isinstance(child, ast.ClassDef) else ["<locals>"])
                 walk(child, inner)
@@ -396,7 +396,7 @@ def _describe_drift(label: str, want: str, have: str) -> list[str]:
     want_lines, have_lines = split_lines(want), split_lines(have)
     matcher = difflib.SequenceMatcher(a=want_lines, b=have_lines, autojunk=False)
     messages, seen = [], set()
-    for tag, w1, w2, h1, h2 in matcher.get_opcodes():
+    for tag, w1, w2, h1, _h2 in matcher.get_opcodes():
         if tag == "equal":
             continue
         # Name the definition around the first line involved: in the expected text when

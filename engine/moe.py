@@ -20,14 +20,13 @@ transformers 5 fuses the experts of a layer into two 3-D tensors:
 `fuse_experts` and `split_experts` convert between the two, and the block accepts the fused
 form in load_state_dict directly, so `ours.load_state_dict(hf.state_dict())` just works.
 """
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from .layers import RMSNorm
-from .qwen3 import (Qwen3Attention, Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP,
-                    Qwen3Model)
+from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 
 
 @dataclass

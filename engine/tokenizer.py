@@ -4,7 +4,6 @@ The byte tokenizer is the smallest tokenizer that can represent every string: a 
 one UTF-8 byte. It is what the tiny test model speaks (vocab_size 320 = 256 bytes + 64
 special ids). Real checkpoints ship a byte-level BPE tokenizer, which Chapter 36 builds.
 """
-import torch
 from torch.nn import functional as F
 
 NUM_BYTES = 256

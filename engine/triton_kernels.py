@@ -27,8 +27,8 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     _CHOSEN_TOO_LATE = "triton" in sys.modules
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton                      # noqa: E402  (after the interpreter choice, on purpose)
-import triton.language as tl       # noqa: E402
+import triton  # noqa: E402  (after the interpreter choice, on purpose)
+import triton.language as tl  # noqa: E402
 
 
 def interpreting():

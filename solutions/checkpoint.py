@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch import nn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM
 

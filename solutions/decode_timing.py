@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .cost import Hardware, step_cost
-from .kv_cache import KVCache
 from . import roofline
+from .cost import step_cost
+from .kv_cache import KVCache
 from .profiling import synchronizer, time_it
 
 

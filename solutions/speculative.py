@@ -163,7 +163,6 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, *, eos_
     Greedy output equals generate(target, ...) token for token.
     """
     stats = stats if stats is not None else SpecStats()
-    device = next(target.parameters()).device
     stop_token_ids = tuple(stop_token_ids)
     capacity = len(prompt_ids) + max_new_tokens + k + 1
     t_cache = KVCache.for_model(target, 1, capacity)

@@ -2,15 +2,17 @@
 import sys
 
 import pytest
+
 # Imported here, before any in-process pytester run: pytester restores sys.modules after
 # each run, and torch's C extension cannot be imported a second time in one process.
 import torch  # noqa: F401
 
-from conftest import write_tree
 from course import impl as impl_module
 from course.impl import ImplError
 from course.manifest import ROOT
 from course.pytest_plugin import chapter_of
+
+from conftest import write_tree
 
 
 def test_a_package_path_loads_under_a_unique_name(fake_package, isolated_cache):
@@ -21,7 +23,7 @@ def test_a_package_path_loads_under_a_unique_name(fake_package, isolated_cache):
     assert loaded.package.ops is loaded.ops                   # lazy submodules on the package too
     assert impl_module.load(str(fake_package)) is loaded       # one module per spec per process
     with pytest.raises(AttributeError, match="no module or attribute 'nothing'"):
-        loaded.nothing
+        _ = loaded.nothing
 
 
 def test_gated_copy_removes_only_later_chapters(fake_package, isolated_cache):

@@ -8,10 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import FAKE_CHAPTERS, write_tree
 from course import skeleton
 from course.manifest import ROOT
 from course.skeleton import SkeletonConflict, SkeletonError
+
+from conftest import FAKE_CHAPTERS, write_tree
 
 
 def generate(source_root, target_root, **kwargs):
