@@ -29,8 +29,26 @@ _STUB_MESSAGE = re.compile(r"Your engine: Chapter (\d+): (\S+)")
 
 def load_impl(name: str | None = None) -> impl_module.Impl:
     """An implementation by spec (see course.impl): by default the learner's `engine`,
-    or whatever $COURSE_IMPL names (so one notebook can be run against any checkout)."""
-    return impl_module.load(name or os.environ.get(DEFAULT_IMPL_VARIABLE) or "engine")
+    or whatever $COURSE_IMPL names (so one notebook can be run against any checkout).
+
+    A kernel imports each module once: after you edit a file of engine/, the running
+    kernel still has the old code. Restart the kernel (Kernel > Restart), or call
+    reload_impl(). load_impl prints a note when it finds files changed since the import.
+    """
+    loaded = impl_module.load(name or os.environ.get(DEFAULT_IMPL_VARIABLE) or "engine")
+    changed = impl_module.changed_since_loaded(loaded)
+    if changed:
+        print(f"note: {', '.join(changed)} changed after this kernel imported {loaded.source.name}/; "
+              f"restart the kernel (or call reload_impl()) to run your new code")
+    return loaded
+
+
+def reload_impl(name: str | None = None) -> impl_module.Impl:
+    """load_impl with a fresh import of every module of the implementation, so edits made
+    since the kernel started take effect. Objects built before (a model, an engine) keep
+    the old code: build them again, or restart the kernel to be sure."""
+    impl_module.forget(name or os.environ.get(DEFAULT_IMPL_VARIABLE) or "engine")
+    return load_impl(name)
 
 
 @dataclass

@@ -171,9 +171,14 @@ def find_stubs(source: str, path: str = "<source>") -> list[Stub]:
     return finder.stubs
 
 
-def blank_stubs(source: str, path: str = "<source>", after_chapter: int | None = None) -> str:
+def blank_stubs(source: str, path: str = "<source>", after_chapter: int | None = None,
+                keep_lines: bool = False) -> str:
     """The source with stub bodies replaced by the generated raise: every stub when
-    `after_chapter` is None, otherwise only the stubs of chapters > after_chapter."""
+    `after_chapter` is None, otherwise only the stubs of chapters > after_chapter.
+
+    keep_lines pads each replaced body with empty lines to its old height, so every line
+    outside the stubs keeps its number (gated copies: a traceback's line is the source's).
+    A stub whose body is only its docstring has no lines to fill; the raise adds one."""
     stubs = [s for s in find_stubs(source, path) if after_chapter is None or s.chapter > after_chapter]
     if not stubs:
         return source
@@ -182,7 +187,7 @@ def blank_stubs(source: str, path: str = "<source>", after_chapter: int | None =
     # Replace from the bottom up so earlier indices stay valid.
     for stub in reversed(stubs):
         replaced = lines[stub.body_start:stub.body_end]
-        text = stub.indent + stub.statement + newline
+        text = stub.indent + stub.statement + newline * (max(len(replaced), 1) if keep_lines else 1)
         if replaced and not replaced[-1].endswith(("\n", "\r")):
             text = text[: -len(newline)]           # the body ended the file without a newline
         if stub.body_start and not lines[stub.body_start - 1].endswith(("\n", "\r")):
@@ -230,9 +235,11 @@ def stubs_of_tree(root: Path) -> dict[str, list[Stub]]:
 
 
 def generate_tree(source_root: Path, after_chapter: int | None = None,
-                  known_chapters: set[int] | frozenset[int] | None = None) -> dict[str, bytes]:
+                  known_chapters: set[int] | frozenset[int] | None = None,
+                  keep_lines: bool = False) -> dict[str, bytes]:
     """The skeleton of a package tree as {relative path: content}. Stubs naming chapters
-    outside `known_chapters` (default: book.toml's) are an error, reported all at once."""
+    outside `known_chapters` (default: book.toml's) are an error, reported all at once.
+    keep_lines: see blank_stubs (gated copies keep the source's line numbers)."""
     if known_chapters is None:
         from . import manifest
         known_chapters = manifest.load().numbers
@@ -245,7 +252,7 @@ def generate_tree(source_root: Path, after_chapter: int | None = None,
             try:
                 text = data.decode("utf-8")
                 errors += check_chapters(find_stubs(text, label), known_chapters)
-                data = blank_stubs(text, label, after_chapter).encode("utf-8")
+                data = blank_stubs(text, label, after_chapter, keep_lines).encode("utf-8")
             except SkeletonError as exc:
                 errors.append(str(exc))
         generated[rel] = data
@@ -254,10 +261,11 @@ def generate_tree(source_root: Path, after_chapter: int | None = None,
     return generated
 
 
-def materialize(files: dict[str, bytes], target: Path) -> tuple[list[str], list[str]]:
+def materialize(files: dict[str, bytes], target: Path, read_only: bool = False) -> tuple[list[str], list[str]]:
     """Make `target` hold exactly `files` (caches aside). Unchanged files are not touched,
     so their timestamps and compiled caches stay valid; each write is atomic, so two
-    processes producing the same tree at once cannot leave a torn file. Returns
+    processes producing the same tree at once cannot leave a torn file. read_only writes
+    the files without write permission (generated copies nobody should edit). Returns
     (written, removed) relative paths."""
     target = Path(target)
     written, removed = [], []
@@ -265,6 +273,8 @@ def materialize(files: dict[str, bytes], target: Path) -> tuple[list[str], list[
         path = target / rel
         try:
             if path.read_bytes() == data:
+                if read_only and path.stat().st_mode & 0o222:
+                    os.chmod(path, 0o444)   # a copy written before copies were made read-only
                 continue
         except (FileNotFoundError, IsADirectoryError):
             pass
@@ -272,8 +282,12 @@ def materialize(files: dict[str, bytes], target: Path) -> tuple[list[str], list[
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.chmod(tmp, 0o644)                # mkstemp's 0600 would hide the file from others
-        os.replace(tmp, path)
+        os.chmod(tmp, 0o444 if read_only else 0o644)    # mkstemp's 0600 would hide it from others
+        try:
+            os.replace(tmp, path)
+        except PermissionError:             # Windows will not replace a read-only file
+            os.chmod(path, 0o644)
+            os.replace(tmp, path)
         written.append(rel)
     if target.is_dir():
         for rel in package_files(target):
