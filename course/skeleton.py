@@ -327,12 +327,50 @@ def filled_stubs(root: Path, rel: str) -> list[str]:
     return [s.qualname for s in stubs if s.is_filled(lines)]
 
 
+# The first paragraph of the learner's package docstring: the reference's own first
+# paragraph ("The reference engine: every chapter's code, complete ...") is not true of it.
+LEARNER_PACKAGE_DOC = '''Your engine, to build chapter by chapter: the course's code with the bodies of
+the stubs left for you to write. `python run.py skeleton` generated this package from the
+reference (solutions/), keeping everything but the stub bodies: a function whose
+docstring names its chapter as "(Your engine: Chapter N)" raises NotImplementedError until
+you write it, and everything else already works. Each chapter's notebook introduces its
+stubs; `pytest --impl engine tests/test_chNN_*.py` checks them and `python run.py progress`
+says where you are. Modules import each other relatively, so this package loads under any
+name.'''
+
+
+def learner_tree(source_root: Path, known_chapters=None) -> dict[str, bytes]:
+    """What engine/ must hold: the skeleton of `source_root` (every stub blanked) whose
+    package docstring speaks to the learner (LEARNER_PACKAGE_DOC replaces its first
+    paragraph; the rest, such as a map of the modules, stays)."""
+    files = generate_tree(source_root, known_chapters=known_chapters)
+    if "__init__.py" in files:
+        files["__init__.py"] = _with_learner_docstring(files["__init__.py"].decode("utf-8")).encode("utf-8")
+    return files
+
+
+def _with_learner_docstring(source: str) -> str:
+    tree = ast.parse(source)
+    if ast.get_docstring(tree, clean=False) is None:
+        return source
+    node = tree.body[0]
+    lines = split_lines(source)
+    newline = _newline_of(lines)
+    docstring = lines[node.lineno - 1:node.end_lineno]
+    # The first paragraph ends at the docstring's first blank line (or with the docstring).
+    blank = next((i for i, line in enumerate(docstring) if not line.strip()), None)
+    headline = '"""' + LEARNER_PACKAGE_DOC.replace("\n", newline) + newline
+    rest = docstring[blank:] if blank is not None else ['"""' + newline]
+    lines[node.lineno - 1:node.end_lineno] = [headline, *rest]
+    return "".join(lines)
+
+
 def write_skeleton(source_root: Path, target_root: Path, force: bool = False,
                    known_chapters=None) -> WriteReport:
     """Regenerate `target_root` from `source_root`. Without `force`, refuses (changing
     nothing) when a file to be rewritten or removed holds a filled stub."""
     source_root, target_root = Path(source_root), Path(target_root)
-    files = generate_tree(source_root, known_chapters=known_chapters)
+    files = learner_tree(source_root, known_chapters=known_chapters)
     if not force and target_root.is_dir():
         conflicts = []
         for rel in package_files(target_root):
@@ -378,7 +416,7 @@ def check_tree(source_root: Path, target_root: Path, known_chapters=None) -> lis
     one message per difference, naming file and function. Empty when they agree. Filled
     stub bodies never count: the target's own stubs are blanked before comparing."""
     source_root, target_root = Path(source_root), Path(target_root)
-    expected = generate_tree(source_root, known_chapters=known_chapters)
+    expected = learner_tree(source_root, known_chapters=known_chapters)
     label = _label(target_root)
     if not target_root.is_dir():
         return [f"{label}/ does not exist: run `python run.py skeleton`"]
