@@ -73,6 +73,7 @@ def config_yml(manifest: Manifest) -> str:
         "sphinx:",
         "  config:",
         "    html_show_copyright: false",
+        "    myst_heading_anchors: 2       # [term](#term) links to a heading, as on GitHub (the glossary)",
         "    suppress_warnings: [\"mystnb.unknown_mime_type\"]",
         "",
     ])
