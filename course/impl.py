@@ -235,7 +235,10 @@ def changed_since_loaded(impl: Impl) -> list[str]:
 def forget(spec: str | ImplSpec | Impl) -> None:
     """Drop a loaded implementation and its modules from this process, so the next load
     imports the files afresh. Objects made from the old modules keep the old code."""
-    name = spec.name if isinstance(spec, Impl) else (spec if isinstance(spec, ImplSpec) else parse(spec)).module_name
+    if isinstance(spec, Impl):
+        name = spec.name
+    else:
+        name = (spec if isinstance(spec, ImplSpec) else parse(spec)).module_name
     _loaded.pop(name, None)
     for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[module]

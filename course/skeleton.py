@@ -274,7 +274,10 @@ def materialize(files: dict[str, bytes], target: Path, read_only: bool = False) 
         try:
             if path.read_bytes() == data:
                 if read_only and path.stat().st_mode & 0o222:
-                    os.chmod(path, 0o444)   # a copy written before copies were made read-only
+                    try:
+                        os.chmod(path, 0o444)   # a copy written before copies were made read-only
+                    except PermissionError:     # someone else's file in a shared cache: leave it
+                        pass
                 continue
         except (FileNotFoundError, IsADirectoryError):
             pass
