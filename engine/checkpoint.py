@@ -7,14 +7,18 @@ is nearly the identity; what the loader really does is check: every parameter pr
 once, no stray tensors, every shape as the config promises, then cast and place each
 tensor as it is read, so a model never exists twice in memory.
 """
+from __future__ import annotations
+
 import json
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM
 
@@ -33,7 +37,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot become our model. The message names the file and tensor."""
 
 
-def read_config(path):
+def read_config(path: str | Path) -> tuple[Qwen3Config, dict[str, Any]]:
     """config.json of the directory `path` -> (Qwen3Config, the raw dict).
 
     Refuses a config that does not describe a Qwen3 (model_type / architectures), because
@@ -56,7 +60,7 @@ def read_config(path):
     return Qwen3Config.from_dict(raw), raw
 
 
-def tensor_locations(path):
+def tensor_locations(path: str | Path) -> dict[str, Path]:
     """Which safetensors file holds each tensor: {tensor name: Path}.  (Your engine: Chapter 11)
 
     A directory has either model.safetensors.index.json (sharded: its "weight_map" maps
@@ -69,7 +73,7 @@ def tensor_locations(path):
     raise NotImplementedError("Your engine: Chapter 11: tensor_locations")
 
 
-def match_names(locations, parameter_names, tied):
+def match_names(locations: dict[str, Path], parameter_names: Iterable[str], tied: bool) -> dict[str, str]:
     """Pair each checkpoint tensor with one of our parameters.  (Your engine: Chapter 11)
 
     locations: {checkpoint tensor name: file} from tensor_locations; parameter_names: our
@@ -87,7 +91,7 @@ def match_names(locations, parameter_names, tied):
     raise NotImplementedError("Your engine: Chapter 11: match_names")
 
 
-def _resolve_dtype(dtype, raw_config, locations):
+def _resolve_dtype(dtype: torch.dtype | None, raw_config: dict[str, Any], locations: dict[str, Path]) -> torch.dtype:
     if dtype is not None:
         return dtype
     named = raw_config.get("dtype") or raw_config.get("torch_dtype")
@@ -100,7 +104,7 @@ def _resolve_dtype(dtype, raw_config, locations):
 
 
 @contextmanager
-def skip_init():
+def skip_init() -> Iterator[None]:
     """Skip nn.Linear / nn.Embedding random initialisation while the model is built on
     "meta": the values would be thrown away, and drawing them on meta is slow."""
     names = ("normal_", "uniform_", "kaiming_uniform_")
@@ -114,12 +118,13 @@ def skip_init():
             setattr(nn.init, n, fn)
 
 
-def _set_parameter(model, name, tensor):
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
 
 
-def load_checkpoint(path, dtype=None, device=None):
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> Qwen3ForCausalLM:
     """A Hugging Face Qwen3 directory -> Qwen3ForCausalLM in eval mode.  (Your engine: Chapter 11)
 
     dtype: the parameter dtype (None: the config's "dtype"/"torch_dtype", else the file's);
@@ -135,7 +140,7 @@ def load_checkpoint(path, dtype=None, device=None):
     raise NotImplementedError("Your engine: Chapter 11: load_checkpoint")
 
 
-def save_checkpoint(model, path, max_shard_bytes=None):
+def save_checkpoint(model: Qwen3ForCausalLM, path: str | Path, max_shard_bytes: int | None = None) -> list[str]:
     """Write `model` as a Hugging Face-style directory that load_checkpoint (and
     transformers' from_pretrained) reads: config.json plus model.safetensors, or shards of
     at most max_shard_bytes each (a tensor larger than that gets a shard of its own) and
@@ -154,7 +159,8 @@ def save_checkpoint(model, path, max_shard_bytes=None):
     if max_shard_bytes is None:
         save_file(tensors, root / SINGLE_FILE, metadata={"format": "pt"})
         return [CONFIG_FILE, SINGLE_FILE]
-    shards, size = [[]], 0
+    shards: list[list[str]] = [[]]
+    size = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -174,7 +180,7 @@ def save_checkpoint(model, path, max_shard_bytes=None):
     return [CONFIG_FILE, INDEX_FILE, *files]
 
 
-def inventory(path):
+def inventory(path: str | Path) -> list[dict[str, Any]]:
     """Every tensor of a checkpoint directory without loading data: a list of dicts with
     name, file, shape, dtype (as safetensors spells it) and nbytes, in file order."""
     sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}

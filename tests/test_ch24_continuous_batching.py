@@ -61,7 +61,7 @@ def serve(engine, requests):
         assert guard > 0, "engine.has_unfinished never became False (10,000 steps)"
         events = engine.step()
         history.append(events)
-        for request_id, tokens, finished in events:
+        for request_id, tokens, _finished in events:
             assert request_id in outputs, f"step {len(history)}: unknown request id {request_id!r}"
             outputs[request_id].extend(tokens)
     return outputs, history
