@@ -2,10 +2,8 @@
 
 Oracles:
 - the `tokenizers` library (Rust), given the same vocabulary and merges (read from the GGUF
-  by transformers' GGUF reader) and SmolLM2's own pre-tokenizer (every digit alone, then
-  GPT-2's byte-level split: what tokenizer.ggml.pre = "smollm" means to llama.cpp and what
-  SmolLM2's tokenizer.json says). transformers' own GGUF loader ignores "smollm" and uses the
-  bare GPT-2 split, which differs on text such as "\\n\\n1." (the notebook shows it);
+  by transformers' GGUF reader) and SmolLM2's own pre-tokenizer (course.bpe_oracle: every
+  digit alone, then GPT-2's byte-level split, what tokenizer.ggml.pre = "smollm" means);
 - transformers' apply_chat_template for the chat template;
 - the byte-to-symbol map of transformers (convert_slow_tokenizer.bytes_to_unicode);
 - naive scans written out here for training's first merge and for stop strings.
@@ -16,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from course import bpe_oracle
 
 pytestmark = pytest.mark.chapter(36)
 
@@ -40,10 +40,7 @@ TORTURE = [
 @pytest.fixture(scope="module")
 def metadata(smollm2_path):
     """The GGUF's tokenizer metadata as plain Python values, read by transformers' reader."""
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-    wanted_arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
-    values, _ = read_gguf_metadata(str(smollm2_path), wanted_arrays)
-    return {key: value for key, value in values.items() if key.startswith(("tokenizer.", "general."))}
+    return bpe_oracle.smollm2_metadata(smollm2_path)
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +56,7 @@ def smol(bpe, metadata):
 @pytest.fixture(scope="module")
 def oracle(metadata):
     """SmolLM2's tokenizer in the tokenizers library, built from the same metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    tokens = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(line.split(" ")) for line in metadata["tokenizer.ggml.merges"]]
-    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tokenizer.decoder = decoders.ByteLevel()
-    control = [t for t, kind in zip(tokens, metadata["tokenizer.ggml.token_type"]) if kind == 3]
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-    return tokenizer
+    return bpe_oracle.library_tokenizer(metadata)
 
 
 def tokenizer_symbols(text):
@@ -106,11 +93,7 @@ def test_byte_alphabet_matches_gpt2(bpe):
 
 @pytest.mark.parametrize("pre", ["gpt2", "smollm"])
 def test_pretokenize_matches_tokenizers(bpe, pre):
-    from tokenizers import pre_tokenizers
-    splits = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if pre == "smollm":
-        splits.insert(0, pre_tokenizers.Digits(individual_digits=True))
-    oracle = pre_tokenizers.Sequence(splits)
+    oracle = bpe_oracle.smollm2_pre_tokenizer() if pre == "smollm" else bpe_oracle.transformers_gguf_pre_tokenizer()
     for text in TORTURE:
         got = [bpe.to_symbols(piece) for piece in bpe.pretokenize(text, pre)]
         expected = [piece for piece, _ in oracle.pre_tokenize_str(text)]
@@ -358,3 +341,18 @@ def test_stop_strings_reject_bad_input(bpe):
 def test_gguf_metadata_bad_model_is_rejected(bpe, metadata):
     with pytest.raises(ValueError, match="gpt2"):
         bpe.BPETokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "llama"})
+
+
+def test_transformers_gguf_tokenizer_agrees_away_from_digits(smol, smollm2_path, request):
+    """transformers' own GGUF tokenizer (GPT-2's split, no digit rule) gives the same ids on
+    every paragraph of the book that has no numeric character. Slow to build: --stress only."""
+    if not request.config.getoption("stress"):
+        pytest.skip("builds transformers' tokenizer from the GGUF (slow); runs under --stress")
+    import regex
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    numeric = regex.compile(r"\p{N}")
+    paragraphs = [p for path in BOOK for p in path.read_text().split("\n\n")] + TORTURE
+    for text in (p for p in paragraphs if not numeric.search(p)):
+        expected = hf.encode(text, add_special_tokens=False)
+        assert smol.encode(text, parse_special=True) == expected, f"transformers' GGUF tokenizer differs on {text[:60]!r}"
