@@ -228,13 +228,17 @@ class BPETokenizer:
             if key not in metadata:
                 raise ValueError(f"the GGUF metadata has no {key}")
         tokens = list(metadata["tokenizer.ggml.tokens"])
+        if not all(isinstance(token, str) for token in tokens):
+            raise ValueError("tokenizer.ggml.tokens must be a list of str (decode the GGUF strings first)")
         merges = []
         for rank, line in enumerate(metadata["tokenizer.ggml.merges"]):
             left, space, right = line.partition(" ")
             if not space or not left or not right:
                 raise ValueError(f"merge {rank} is {line!r}; a merge is two symbols separated by one space")
             merges.append((left, right))
-        types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        types = metadata.get("tokenizer.ggml.token_type")
+        if types is None:                                # no types: no special tokens
+            types = [1] * len(tokens)
         special = [t for t, kind in zip(tokens, types) if kind in (CONTROL_TOKEN, USER_DEFINED_TOKEN)]
         pre = metadata.get("tokenizer.ggml.pre", "gpt2")
         if pre == "default":
