@@ -12,16 +12,17 @@ neighbours into one token, so common words cost one id. This module holds:
 - `IncrementalDetokenizer`: token ids in, text out as soon as it is complete and stable,
 - `StopStringMatcher`: stop strings found across token boundaries in a stream.
 
-How a streaming engine uses the last two, per request:
+How a stream over Chapter 31's EngineCore uses the last two (the core itself only knows
+ids; one detokenizer and one matcher per request live in the layer that makes text):
 
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
     matcher = StopStringMatcher(["\\n\\nUser:"])
-    for token_id in new_tokens:
+    for token_id in output.new_token_ids:        # one request's tokens from engine.step()
         piece = matcher.push(detok.push(token_id))
         send(piece.text)
-        if piece.stopped:
-            finish(reason="stop"); break
-    else:                      # finished for another reason (EOS, length)
+        if piece.stopped:                        # the stop string is not sent
+            engine.abort_request(request_id); break
+    if output.finished and not matcher.stopped:  # EOS or length: release what is held
         send(matcher.push(detok.flush()).text + matcher.flush())
 """
 from __future__ import annotations
