@@ -356,3 +356,20 @@ def test_transformers_gguf_tokenizer_agrees_away_from_digits(smol, smollm2_path,
     for text in (p for p in paragraphs if not numeric.search(p)):
         expected = hf.encode(text, add_special_tokens=False)
         assert smol.encode(text, parse_special=True) == expected, f"transformers' GGUF tokenizer differs on {text[:60]!r}"
+
+
+# --- the chapter's command ---------------------------------------------------------------------
+
+def test_run_py_bpe_encodes_chats_and_streams(impl, smollm2_path, oracle, capsys):
+    """`python run.py bpe` on the implementation under test: --chat prints the chat prompt's
+    ids (the library's ids for the same text), --stream the pieces the detokenizer releases."""
+    import json
+
+    from course import cli
+    assert cli.main(["bpe", "--impl", impl.spec.text, "--chat", "What is the capital of France?"]) == 0
+    chat = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert chat["ids"] == oracle_ids(oracle, chat["text"], parse_special=True) and chat["round_trip"], chat
+    assert chat["ids"][0] == 1 and chat["text"].endswith("<|im_start|>assistant\n"), chat["text"]
+    assert cli.main(["bpe", "--impl", impl.spec.text, "--stream", "Go 🚀 go"]) == 0
+    stream = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert stream["released"] == ["Go", "", "", " 🚀", " go", ""], f"run.py bpe --stream released {stream['released']}"
