@@ -48,6 +48,9 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "starcoder": (DIGIT_SPLIT, GPT2_SPLIT),
 }
 
+# Pieces whose ids encode() remembers, per tokenizer.
+WORD_CACHE_SIZE = 1 << 17
+
 # GGUF token types (tokenizer.ggml.token_type) that are matched whole in text when asked.
 CONTROL_TOKEN = 3
 USER_DEFINED_TOKEN = 4
@@ -279,7 +282,11 @@ class BPETokenizer:
         for piece in pretokenize(text, self.pre):
             cached = self._word_cache.get(piece)
             if cached is None:
-                cached = self._word_cache[piece] = self.encode_word(to_symbols(piece))
+                cached = self.encode_word(to_symbols(piece))
+                # Bounded, so a long-running server fed endless new strings does not grow
+                # forever; the common words arrive early and stay.
+                if len(self._word_cache) < WORD_CACHE_SIZE:
+                    self._word_cache[piece] = cached
             ids.extend(cached)
         return ids
 
