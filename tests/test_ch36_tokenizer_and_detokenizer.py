@@ -264,6 +264,17 @@ def test_incremental_detokenizer_every_prefix(bpe, smol, oracle, skip_special_to
         assert sent == oracle.decode(ids, skip_special_tokens=skip_special_tokens), f"pushes + flush != decode for {text[:30]!r}"
 
 
+def test_a_stream_cut_anywhere_flushes_to_the_full_decode(bpe, smol, oracle):
+    """Stopped after any k tokens, pushes + flush give decode(ids[:k]) (short texts: k^2 pushes)."""
+    for text in (t for t in stream_texts() if len(smol.encode(t)) <= 40):
+        ids = smol.encode(text, parse_special=True)
+        for k in range(1, len(ids) + 1):
+            detok = bpe.IncrementalDetokenizer(smol)
+            sent = "".join(detok.push(i) for i in ids[:k]) + detok.flush()
+            assert sent == oracle.decode(ids[:k], skip_special_tokens=False), (
+                f"{text[:30]!r} cut after {k} tokens: the stream gave {sent!r}")
+
+
 def test_incremental_detokenizer_holds_half_characters(bpe, smol):
     ids = smol.encode("🚀")
     assert len(ids) >= 2, f"the rocket should take several tokens in SmolLM2; got {ids}"
