@@ -29,9 +29,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, NoReturn, Sequence
 
 import regex
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 # GPT-2's pre-tokenizer: English contractions, runs of letters or of digits (each with at
 # most one leading space), runs of other symbols, and whitespace. `\s+(?!\S)` leaves the last
@@ -387,17 +390,17 @@ class BPETokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), parse_special=True)
 
 
-_TEMPLATES: dict[str, Any] = {}
+_TEMPLATES: dict[str, Template] = {}
 
 
-def _compiled_template(source: str):
+def _compiled_template(source: str) -> Template:
     """A chat template compiled once, in an immutable sandbox: a template is data shipped with
     a checkpoint, so it may not touch Python objects beyond the values it is given."""
     if source not in _TEMPLATES:
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message: str):
+        def raise_exception(message: str) -> NoReturn:
             raise TemplateError(message)
 
         # trim_blocks/lstrip_blocks: the layout Hugging Face templates are written for.

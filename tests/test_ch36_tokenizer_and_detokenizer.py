@@ -97,7 +97,8 @@ def test_pretokenize_matches_tokenizers(bpe, pre):
     for text in TORTURE:
         got = [bpe.to_symbols(piece) for piece in bpe.pretokenize(text, pre)]
         expected = [piece for piece, _ in oracle.pre_tokenize_str(text)]
-        assert got == expected, f"pretokenize({text!r}, {pre!r}): pieces {got} but the tokenizers library cuts {expected}"
+        assert got == expected, (
+            f"pretokenize({text!r}, {pre!r}): pieces {got} but the tokenizers library cuts {expected}")
 
 
 # --- training --------------------------------------------------------------------------------
@@ -105,7 +106,8 @@ def test_pretokenize_matches_tokenizers(bpe, pre):
 def test_count_pairs_and_merge_word(bpe):
     counts = bpe.count_pairs({("a", "a", "a"): 2, ("a", "b"): 1})
     assert dict(counts) == {("a", "a"): 4, ("a", "b"): 1}, (
-        f"count_pairs: ('a','a','a') x2 holds the pair ('a','a') twice per word, so 4; ('a','b') once; got {dict(counts)}")
+        f"count_pairs: ('a','a','a') x2 holds the pair ('a','a') twice per word, so 4; ('a','b') once; "
+        f"got {dict(counts)}")
     assert bpe.merge_word(("a", "a", "a"), ("a", "a")) == ("aa", "a"), "merge_word merges left to right, no overlaps"
     assert bpe.merge_word(("x", "a", "b", "a", "b"), ("a", "b")) == ("x", "ab", "ab"), "every occurrence is merged"
     assert bpe.merge_word(("a", "b"), ("b", "c")) == ("a", "b"), "a word without the pair is unchanged"
@@ -144,9 +146,12 @@ def test_trained_tokenizer_encodes_like_tokenizers(bpe, trained):
     text = (ROOT / "chapters/06-rope/06-rope.md").read_text()[:6000]
     got, expected = ours.encode(text), oracle.encode(text).ids
     i = first_difference(got, expected)
-    assert got == expected, f"encode with your trained merges differs from the tokenizers library at token {i}: {got[i:i + 5]} vs {expected[i:i + 5]}"
+    assert got == expected, (f"encode with your trained merges differs from the tokenizers library at token {i}: "
+                             f"{got[i:i + 5]} vs {expected[i:i + 5]}")
     assert ours.decode(got) == text, "decode(encode(text)) == text with trained merges"
-    assert len(got) < 0.75 * len(text.encode()), f"120 merges should cut the byte count by more than a quarter: {len(got)} tokens for {len(text.encode())} bytes"
+    assert len(got) < 0.75 * len(text.encode()), (
+        f"120 merges should cut the byte count by more than a quarter: "
+        f"{len(got)} tokens for {len(text.encode())} bytes")
 
 
 def test_train_bpe_rejects_a_vocabulary_below_256(bpe):
@@ -244,7 +249,8 @@ def test_chat_template_rejects_malformed_messages(smol):
 # --- streams ---------------------------------------------------------------------------------
 
 def stream_texts():
-    return [t for t in TORTURE if t] + [(ROOT / "chapters/03-tokens-embeddings-logits/03-tokens-embeddings-logits.md").read_text()[:1500]]
+    chapter = ROOT / "chapters/03-tokens-embeddings-logits/03-tokens-embeddings-logits.md"
+    return [t for t in TORTURE if t] + [chapter.read_text()[:1500]]
 
 
 @pytest.mark.parametrize("skip_special_tokens", [False, True])
@@ -261,7 +267,8 @@ def test_incremental_detokenizer_every_prefix(bpe, smol, oracle, skip_special_to
             if "\ufffd" not in text:
                 assert "\ufffd" not in sent, f"the stream sent U+FFFD after {k} tokens: half a character went out"
         sent += detok.flush()
-        assert sent == oracle.decode(ids, skip_special_tokens=skip_special_tokens), f"pushes + flush != decode for {text[:30]!r}"
+        assert sent == oracle.decode(ids, skip_special_tokens=skip_special_tokens), (
+            f"pushes + flush != decode for {text[:30]!r}")
 
 
 def test_a_stream_cut_anywhere_flushes_to_the_full_decode(bpe, smol, oracle):
@@ -280,7 +287,8 @@ def test_incremental_detokenizer_holds_half_characters(bpe, smol):
     assert len(ids) >= 2, f"the rocket should take several tokens in SmolLM2; got {ids}"
     detok = bpe.IncrementalDetokenizer(smol)
     pieces = [detok.push(i) for i in ids]
-    assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🚀", f"pieces {pieces}: text leaves only when complete"
+    assert pieces[:-1] == [""] * (len(ids) - 1) and pieces[-1] == "🚀", (
+        f"pieces {pieces}: text leaves only when complete")
     detok = bpe.IncrementalDetokenizer(smol)
     detok.push(ids[0])
     assert detok.flush() == "\ufffd", "flush sends an unfinished character as U+FFFD"
@@ -366,7 +374,8 @@ def test_transformers_gguf_tokenizer_agrees_away_from_digits(smol, smollm2_path,
     paragraphs = [p for path in BOOK for p in path.read_text().split("\n\n")] + TORTURE
     for text in (p for p in paragraphs if not numeric.search(p)):
         expected = hf.encode(text, add_special_tokens=False)
-        assert smol.encode(text, parse_special=True) == expected, f"transformers' GGUF tokenizer differs on {text[:60]!r}"
+        assert smol.encode(text, parse_special=True) == expected, (
+            f"transformers' GGUF tokenizer differs on {text[:60]!r}")
 
 
 # --- the chapter's command ---------------------------------------------------------------------

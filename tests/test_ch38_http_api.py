@@ -411,7 +411,8 @@ def test_non_streaming_client_that_hangs_up_is_aborted_too(server):
     steps_before = engine.steps
     asyncio.run(leave_early())
     wait_idle(engine)
-    assert engine.steps - steps_before < 300, f"the request ran {engine.steps - steps_before} steps after its client left"
+    assert engine.steps - steps_before < 300, (
+        f"the request ran {engine.steps - steps_before} steps after its client left")
 
 
 BAD_REQUESTS = [
@@ -634,7 +635,8 @@ def test_the_chat_page_in_a_real_browser(server, client):
         shown = browser.execute_script("return document.querySelector('.assistant.done span').textContent")
     finally:
         browser.quit()
-    expected = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+    hello = [{"role": "user", "content": "Hi"}]
+    expected = client.post("/v1/chat/completions", json={"model": MODEL, "messages": hello,
                                                          "max_tokens": 8, "temperature": 0}).json()
     assert shown == expected["choices"][0]["message"]["content"], \
         "the page must show exactly the reply the API gives for the same conversation"

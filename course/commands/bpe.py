@@ -22,7 +22,8 @@ def add_arguments(parser):
     parser.add_argument("text", nargs="?", default="Hello, wörld! 👋 2024", help="the text to encode")
     parser.add_argument("--chat", action="store_true", help="render the text as a user turn of the chat template")
     parser.add_argument("--stream", action="store_true", help="show what the incremental detokenizer releases per id")
-    parser.add_argument("--bench", action="store_true", help="time encoding the whole book against the tokenizers library")
+    parser.add_argument("--bench", action="store_true",
+                        help="time encoding the whole book against the tokenizers library")
 
 
 def load_tokenizers(impl_spec):

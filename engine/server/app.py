@@ -22,19 +22,23 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from ..serve.request import SamplingParams
-from .loop import ACCEPTED, AdmissionControl, EngineLoop, QueueFull, Submission
+from .loop import ACCEPTED, AdmissionControl, Delivery, EngineLoop, QueueFull, Submission
 from .page import CHAT_PAGE
 from .protocol import ApiError, ParsedRequest, choice_object, envelope, parse_json_body, parse_request, usage_object
 from .text import DetokenizerFactory, TextStream, TextTokenizer
+
+if TYPE_CHECKING:
+    from ..serve.engine import EngineCore
 
 RETRY_AFTER_S = 1
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -49,7 +53,7 @@ class ServedModel:
     new_detokenizer: DetokenizerFactory
 
 
-def sse_event(data: dict | str) -> str:
+def sse_event(data: dict[str, Any] | str) -> str:
     """One server-sent event carrying `data`.  (Your engine: Chapter 38)
 
     data: a JSON-serializable dict (a chunk or an error object) or the literal string
@@ -66,7 +70,7 @@ class ServerMetrics:
     """Prometheus metrics in a registry of their own (two apps in one process never share
     or collide). Engine gauges come from the loop's snapshot at scrape time."""
 
-    def __init__(self, loop: EngineLoop, admission: AdmissionControl):
+    def __init__(self, loop: EngineLoop, admission: AdmissionControl) -> None:
         self.registry = CollectorRegistry()
         self.ttft = Histogram("time_to_first_token_seconds", "From the request's arrival to its first token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
@@ -79,10 +83,10 @@ class ServerMetrics:
         self.loop, self.admission = loop, admission
         self.registry.register(self)
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []                          # collected at scrape time only
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         snap = self.loop.snapshot
         for name, help_text, value in (
                 ("engine_requests_running", "Requests the engine is running", snap["running"]),
@@ -101,12 +105,12 @@ class ServerMetrics:
 class Job:
     """One admitted HTTP request from submission to its last byte."""
 
-    def __init__(self, state: "ServerState", parsed: ParsedRequest, request_id: str, arrival: float):
+    def __init__(self, state: ServerState, parsed: ParsedRequest, request_id: str, arrival: float) -> None:
         self.state, self.parsed, self.arrival = state, parsed, arrival
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
         event_loop = asyncio.get_running_loop()
 
-        def deliver(item):                 # runs on the engine thread
+        def deliver(item: Delivery) -> None:          # runs on the engine thread
             with contextlib.suppress(RuntimeError):          # the event loop already closed
                 event_loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -149,6 +153,7 @@ class Job:
             item = await self.queue.get()
             if isinstance(item, Exception):
                 raise ApiError(500, str(item), type="server_error")
+            assert not isinstance(item, str)           # ACCEPTED came once, before start() returned
             i = self.index[item.request_id]
             if self.finish[i] is not None:             # tokens that raced a stop-string abort
                 continue
@@ -175,10 +180,10 @@ class Job:
         if len(times) > 1:
             metrics.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
 
-    def usage(self) -> dict:
+    def usage(self) -> dict[str, int]:
         return usage_object(len(self.parsed.prompt_ids), sum(len(ids) for ids in self.token_ids))
 
-    async def collect(self) -> dict:
+    async def collect(self) -> dict[str, Any]:
         texts = [""] * len(self.finish)
         async for i, text, _, _ in self.pieces():
             texts[i] += text
@@ -190,7 +195,7 @@ class Job:
     async def sse(self) -> AsyncIterator[str]:
         parsed, rid, created = self.parsed, self.submission.request_id, int(time.time())
 
-        def chunk(choices, usage=None):
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
             return sse_event(envelope(parsed, rid, created, choices, chunk=True, usage=usage))
 
         try:
@@ -211,11 +216,12 @@ class EngineStream(StreamingResponse):
     because the client hung up, or failed. (A generator's own `finally` is not enough: a
     stream cancelled between two chunks leaves the generator suspended, unclosed.)"""
 
-    def __init__(self, content, on_close, **kwargs):
-        super().__init__(content, **kwargs)
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], *, media_type: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
         self.on_close = on_close
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
@@ -249,7 +255,8 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
-def build_app(engine, served: ServedModel, *, max_waiting: int = 64, max_body_bytes: int = 1 << 20) -> FastAPI:
+def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
+              max_body_bytes: int = 1 << 20) -> FastAPI:
     """The server for `engine` (an EngineCore the app will own: start no other thread on it).
 
     max_waiting: requests (samples) allowed to queue beyond the engine's max_num_seqs
@@ -260,7 +267,7 @@ def build_app(engine, served: ServedModel, *, max_waiting: int = 64, max_body_by
     state = ServerState(served, loop, admission, ServerMetrics(loop, admission), max_body_bytes)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop.start()
         try:
             yield
@@ -271,20 +278,20 @@ def build_app(engine, served: ServedModel, *, max_waiting: int = 64, max_body_by
     app.state.server = state
 
     @app.exception_handler(ApiError)
-    async def api_error(request, exc: ApiError):
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = ApiError(exc.status_code, str(exc.detail), type="invalid_request_error")
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def crash(request, exc: Exception):
+    async def crash(request: Request, exc: Exception) -> JSONResponse:
         error = ApiError(500, f"internal error: {exc!r}", type="server_error")
         return JSONResponse(error.body(), status_code=500)
 
-    async def generate(request: Request, chat: bool):
+    async def generate(request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
         body = parse_json_body(await _read_body(request, max_body_bytes), max_body_bytes)
         if not loop.alive:
@@ -321,37 +328,38 @@ def build_app(engine, served: ServedModel, *, max_waiting: int = 64, max_body_by
             job.close()
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def chat_completions(request: Request) -> Response:
         return await generate(request, chat=True)
 
-    @app.get("/v1/models")
-    async def models():
+    @app.get("/v1/models", response_model=None)    # send the dict as is: no pydantic model from the annotation
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
                                             "owned_by": "course", "max_model_len": loop.snapshot["max_model_len"]}]}
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse | dict[str, str]:
         if not loop.alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/")
-    async def chat_page():
+    async def chat_page() -> HTMLResponse:
         return HTMLResponse(CHAT_PAGE)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                    log_level: str = "warning") -> Iterator[str]:
     """Run `app` under uvicorn on a thread; yields its base URL ("http://127.0.0.1:PORT").
     port 0 takes a free port. The server stops (and the engine loop with it) on exit."""
     import uvicorn

@@ -23,9 +23,17 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, TypedDict
+
+from ..serve.request import RequestOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from ..serve.engine import EngineCore
 
 ACCEPTED = "accepted"          # delivered once add_request has taken a submission
+
+# What the engine thread hands a submission: ACCEPTED once, then outputs, or one Exception.
+Delivery = str | RequestOutput | Exception
 
 
 @dataclass
@@ -37,14 +45,27 @@ class Submission:
     engine thread: it receives ACCEPTED, then RequestOutputs, or one Exception."""
     request_id: str
     prompt_ids: list[int]
-    params: Any                    # serve.request.SamplingParams
-    deliver: Callable[[Any], None]
+    params: SamplingParams
+    deliver: Callable[[Delivery], None]
     engine_ids: list[str] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         n = self.params.n
         self.engine_ids = [self.request_id] if n == 1 else [f"{self.request_id}:{i}" for i in range(n)]
+
+
+class EngineSnapshot(TypedDict):
+    """The engine's counters after an iteration, for /metrics and /health."""
+    running: int
+    waiting: int
+    blocks_total: int
+    blocks_in_use: int
+    prefix_hit_rate: float
+    preemptions: int
+    steps: int
+    max_model_len: int
+    alive: bool
 
 
 class EngineLoop:
@@ -53,9 +74,10 @@ class EngineLoop:
     submit/abort may be called from any thread; they only write to the inbox. The engine's
     state is read elsewhere only through `snapshot` (a new dict after every iteration)."""
 
-    def __init__(self, engine, idle_wait_s: float = 0.5):
+    def __init__(self, engine: EngineCore, idle_wait_s: float = 0.5) -> None:
         self.engine = engine
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # ("add", submission, None) or ("abort", submission, engine id)
+        self.inbox: queue.SimpleQueue[tuple[str, Submission, str | None]] = queue.SimpleQueue()
         self.routes: dict[str, Submission] = {}      # engine request id -> its submission
         self.wake = threading.Event()
         self.idle_wait_s = idle_wait_s
@@ -63,7 +85,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.failing = threading.Lock()     # orders "the loop died" against late submissions
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.snapshot: dict = {}
+        self.snapshot: EngineSnapshot
         self._publish()
 
     # --- called from handlers ---------------------------------------------------------------
@@ -137,7 +159,7 @@ class EngineLoop:
             self.routes.clear()
             self._publish()
 
-    def _drain(self) -> list:
+    def _drain(self) -> list[tuple[str, Submission, str | None]]:
         items = []
         while True:
             try:
@@ -161,7 +183,7 @@ class AdmissionControl:
     """A bounded door: at most max_running + max_waiting requests (samples: n counts n)
     inside the server at once. Used from the event loop's thread only, so no lock."""
 
-    def __init__(self, max_running: int, max_waiting: int):
+    def __init__(self, max_running: int, max_waiting: int) -> None:
         if max_running < 1 or max_waiting < 0:
             raise ValueError(f"AdmissionControl needs max_running >= 1 and max_waiting >= 0, "
                              f"got {max_running} and {max_waiting}")
@@ -185,4 +207,4 @@ class AdmissionControl:
         self.inside -= count
 
 
-__all__ = ["ACCEPTED", "Submission", "EngineLoop", "QueueFull", "AdmissionControl"]
+__all__ = ["ACCEPTED", "Delivery", "Submission", "EngineSnapshot", "EngineLoop", "QueueFull", "AdmissionControl"]

@@ -19,7 +19,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from ..serve.request import SamplingParams
+    from .text import TextTokenizer
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4            # OpenAI's limit
@@ -61,12 +65,13 @@ class ApiError(Exception):
     """An answer in OpenAI's error format: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -74,7 +79,7 @@ def bad(param: str | None, message: str, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
-def parse_json_body(raw: bytes, max_bytes: int) -> dict:
+def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
     """Bytes of a request body -> a JSON object, or the ApiError a client can act on."""
     if len(raw) > max_bytes:
         raise ApiError(413, f"the request body has {len(raw)} bytes; this server takes at most {max_bytes}",
@@ -95,7 +100,10 @@ def parse_json_body(raw: bytes, max_bytes: int) -> dict:
 
 # --- typed fields --------------------------------------------------------------------------------
 
-def _integer(body: dict, name: str, default, low: int, high: int | None = None):
+Default = TypeVar("Default", int, None)
+
+
+def _integer(body: dict[str, Any], name: str, default: Default, low: int, high: int | None = None) -> int | Default:
     value = body.get(name, default)
     if value is None:
         return default
@@ -107,7 +115,7 @@ def _integer(body: dict, name: str, default, low: int, high: int | None = None):
     return value
 
 
-def _number(body: dict, name: str, default: float) -> float:
+def _number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name, default)
     if value is None:
         return default
@@ -116,7 +124,7 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
-def _flag(body: dict, name: str, default: bool = False) -> bool:
+def _flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
@@ -125,7 +133,7 @@ def _flag(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def _same(value, off) -> bool:
+def _same(value: object, off: object) -> bool:
     """JSON equality without Python's True == 1: false is not 0, 0.0 is 0."""
     if isinstance(value, bool) or isinstance(off, bool) or off is None:
         return value is off
@@ -134,7 +142,7 @@ def _same(value, off) -> bool:
     return value == off
 
 
-def _check_fields(body: dict, allowed: set) -> None:
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     for name, value in body.items():
         if name in allowed:
             continue
@@ -146,7 +154,7 @@ def _check_fields(body: dict, allowed: set) -> None:
         raise bad(name, f"unknown field {name!r}", code="unknown_field")
 
 
-def _stop_strings(body: dict) -> tuple[str, ...]:
+def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
@@ -161,7 +169,7 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _stop_token_ids(body: dict) -> tuple[int, ...]:
+def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return ()
@@ -173,7 +181,7 @@ def _stop_token_ids(body: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
@@ -200,7 +208,7 @@ def _messages(body: dict) -> list[dict]:
     return cleaned
 
 
-def _completion_prompt(body: dict, tokenizer) -> list[int]:
+def _completion_prompt(body: dict[str, Any], tokenizer: TextTokenizer) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if not prompt:
@@ -224,16 +232,16 @@ class ParsedRequest:
     chat: bool
     model: str
     prompt_ids: list[int]
-    params: Any                          # serve.request.SamplingParams
+    params: SamplingParams
     stops: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_request(body: dict, *, chat: bool, model_name: str, tokenizer, max_model_len: int,
-                  sampling_params_class) -> ParsedRequest:
+def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenizer: TextTokenizer,
+                  max_model_len: int, sampling_params_class: type[SamplingParams]) -> ParsedRequest:
     """A JSON object of /v1/completions (chat=False) or /v1/chat/completions (chat=True) ->
     a ParsedRequest, or ApiError naming the first field that breaks a rule."""
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
@@ -291,7 +299,7 @@ def parse_request(body: dict, *, chat: bool, model_name: str, tokenizer, max_mod
 # --- answers ---------------------------------------------------------------------------------------
 
 def choice_object(parsed: ParsedRequest, index: int, text: str | None, finish_reason: str | None,
-                  token_ids: list[int] | None, *, delta: bool, first: bool = False) -> dict:
+                  token_ids: list[int] | None, *, delta: bool, first: bool = False) -> dict[str, Any]:
     """One entry of "choices": a whole answer, or (delta=True) one streamed piece of it."""
     if parsed.chat:
         if delta:
@@ -308,8 +316,8 @@ def choice_object(parsed: ParsedRequest, index: int, text: str | None, finish_re
     return choice
 
 
-def envelope(parsed: ParsedRequest, response_id: str, created: int, choices: list[dict], *, chunk: bool,
-             usage: dict | None = None) -> dict:
+def envelope(parsed: ParsedRequest, response_id: str, created: int, choices: list[dict[str, Any]], *,
+             chunk: bool, usage: dict[str, int] | None = None) -> dict[str, Any]:
     if parsed.chat:
         kind = "chat.completion.chunk" if chunk else "chat.completion"
     else:
@@ -320,7 +328,7 @@ def envelope(parsed: ParsedRequest, response_id: str, created: int, choices: lis
     return body
 
 
-def usage_object(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_object(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 

@@ -12,7 +12,10 @@ the beginning of a stop string that later turns out to be one.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..tokenizer import ByteTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -26,7 +29,7 @@ class TextTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
 
 
 class Detokenizer(Protocol):
@@ -44,7 +47,7 @@ class DiffDetokenizer:
     every id costs O(n^2) characters over a request: fine for the tiny model's short replies;
     Chapter 36's detokenizer decodes only a window."""
 
-    def __init__(self, tokenizer: TextTokenizer):
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.sent = 0                       # characters of decode(ids) already handed out
@@ -67,7 +70,7 @@ class ByteChatTokenizer:
     the markers byte by byte, so a user can type them, and the tiny model's replies mean
     nothing anyway: the template exists so /v1/chat/completions runs end to end."""
 
-    def __init__(self, byte_tokenizer):
+    def __init__(self, byte_tokenizer: ByteTokenizer) -> None:
         self.bytes = byte_tokenizer
         self.eos_token_id = byte_tokenizer.eos_token_id
         self.vocab_size = byte_tokenizer.vocab_size
@@ -78,7 +81,7 @@ class ByteChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.bytes.decode(ids)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         turns = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
         return "".join(turns) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
@@ -101,7 +104,7 @@ class TextStream:
     detokenizer: a fresh Detokenizer for this choice; stops: the request's stop strings.
     After `push` returns, `stopped` says whether a stop string has ended the text."""
 
-    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str] = ()):
+    def __init__(self, detokenizer: Detokenizer, stops: Sequence[str] = ()) -> None:
         self.detokenizer = detokenizer
         self.stops = tuple(stops)
         self.pending = ""                  # decoded text not yet handed out
