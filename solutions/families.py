@@ -3,11 +3,11 @@
 Llama, Qwen2, Mistral and Qwen3 are one decoder with small differences, so each family
 here is Qwen3's classes with one or two changes, never a copy:
 
-    family    QK-norm   q/k/v bias   o bias   attention window
-    Qwen3     yes       no           no       full
-    Llama     no        no           no       full
-    Qwen2     no        yes          no       full
-    Mistral   no        no           no       sliding (the last `sliding_window` keys)
+    family    QK-norm   q/k/v bias   attention window                          RoPE
+    Qwen3     yes       no           full                                      plain
+    Llama     no        no           full                                      plain or Llama 3 scaled
+    Qwen2     no        yes          full                                      plain
+    Mistral   no        no           sliding (the last `sliding_window` keys)  plain
 
 Module and parameter names stay Hugging Face's, so a transformers state_dict of any family
 loads unchanged, and Chapter 31's FlatModel runs every family: it calls q_norm / k_norm
@@ -20,6 +20,7 @@ The registry is keyed by the Hugging Face class name in config.json's "architect
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,15 +29,57 @@ from torch import nn
 from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3ForCausalLM
 
 
+ROPE_TYPES = ("default", "llama3")
+
+
 @dataclass
 class LlamaConfig(Qwen3Config):
-    """Qwen3Config's fields plus the window of Mistral-style attention (0: none)."""
+    """Qwen3Config's fields plus the window of Mistral-style attention (0: none) and RoPE
+    scaling (None, or a dict with rope_type "llama3", factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings)."""
     sliding_window: int = 0
+    rope_scaling: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "LlamaConfig":
-        # HF writes None for "no window"
-        return super().from_dict({**values, "sliding_window": values.get("sliding_window") or 0})
+        """Newer config files put the scaling in rope_parameters, older ones in rope_scaling;
+        HF writes None for "no window". An unknown rope_type is refused, not ignored: the
+        model would run and quietly compute something else."""
+        scaling = values.get("rope_scaling") or values.get("rope_parameters") or None
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"rope_type {kind!r} is not supported; known: {', '.join(ROPE_TYPES)}")
+        scaling = None if kind == "default" else {k: v for k, v in scaling.items() if k != "rope_theta"}
+        return super().from_dict({**values, "sliding_window": values.get("sliding_window") or 0,
+                                  "rope_scaling": scaling})
+
+
+def llama3_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3's rescaled rotary frequencies.  (Your engine: Chapter 42)
+
+    Starts from Chapter 6's frequencies f_i = theta ** (-2i / head_dim), i < head_dim / 2,
+    and returns float32 [head_dim / 2]. With L = scaling["original_max_position_embeddings"],
+    factor, low = low_freq_factor, high = high_freq_factor, and wavelength w = 2 pi / f:
+    w < L / high (fast, local channels): f unchanged; w > L / low (slow, long-range
+    channels): f / factor; in between, blend f / factor and f with weight
+    s = (L / w - low) / (high - low) on f, i.e. (1 - s) * f / factor + s * f.
+    """
+    f = theta ** (-torch.arange(0, head_dim // 2, dtype=torch.float32) * 2 / head_dim)
+    wavelength = 2 * torch.pi / f
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    s = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - s) * f / factor + s * f
+
+
+def scaled_rope_tables(cfg: LlamaConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [B or 1, 1, T, head_dim] like rope_cos_sin, with Llama 3's frequencies
+    (recomputed per call: 64 numbers, and a model built on "meta" must not keep them)."""
+    inv_freq = llama3_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)
+    angles = torch.cat([angles, angles], dim=-1)
+    angles = (angles[None] if angles.dim() == 2 else angles)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 class LlamaAttention(Qwen3Attention):
@@ -94,6 +137,13 @@ class LlamaForCausalLM(Qwen3ForCausalLM):
         super().__init__(cfg)
         for index, layer in enumerate(self.model.layers):
             layer.self_attn = self.attention_class(cfg, index)
+        if cfg.rope_scaling:
+            self.model.rope_tables = partial(scaled_rope_tables, cfg)   # replaces Qwen3Model's
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [N, 1, head_dim] for Chapter 31's FlatModel (flat positions [N])."""
+        cos, sin = self.model.rope_tables(positions, dtype)
+        return cos[0, 0].unsqueeze(1), sin[0, 0].unsqueeze(1)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
