@@ -104,6 +104,13 @@ class GGUFFile:
         buffer = memoryview(self._map)
         if bytes(buffer[:4]) != MAGIC:
             raise GGUFError(f"{self.path}: starts with {bytes(buffer[:4])!r}, not the GGUF magic {MAGIC!r}")
+        try:
+            self._read_tables(buffer)
+        except (struct.error, UnicodeDecodeError) as exc:      # a length or count pointing past the end
+            raise GGUFError(f"{self.path}: truncated or corrupt header ({exc})") from None
+
+    def _read_tables(self, buffer: memoryview) -> None:
+        """Header, metadata and tensor table; sets version, metadata, alignment, data_start, tensors."""
         self.version, tensor_count, kv_count = struct.unpack_from("<IQQ", buffer, 4)
         if self.version not in (2, 3):
             raise GGUFError(f"{self.path}: GGUF version {self.version}; this reader knows versions 2 and 3")

@@ -113,6 +113,11 @@ def test_not_a_gguf_file(impl, tmp_path):
     bad.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="magic"):
         impl.gguf.GGUFFile(bad)
+    whole = write_gguf(tmp_path / "whole.gguf", {"w": (np.ones((2, 32)), "Q8_0")}, METADATA[:9]).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:120])                      # the header promises more than the file holds
+    with pytest.raises(ValueError, match="cut.gguf"):
+        impl.gguf.GGUFFile(cut)
 
 
 def test_smollm2_reader_matches_gguf_package(impl, smollm2_path):
