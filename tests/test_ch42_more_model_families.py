@@ -193,3 +193,14 @@ def test_smollm2_greedy_chat_matches_transformers(impl, serve, smollm2_pair):
                               [serve.request.SamplingParams(max_tokens=NEW_TOKENS) for _ in CHAT_PROMPTS])
     for (question, want), result in zip(wants.items(), results):
         assert result.output_token_ids == want, f"{question!r}: EngineCore gave {result.output_token_ids}, want {want}"
+
+
+def test_run_py_chat_answers(impl, smollm2_path, capsys):
+    """`python run.py chat --model smollm2 --prompt ...` on the implementation under test:
+    the reply streams through the EngineCore and names the capital."""
+    from course import cli
+    status = cli.main(["chat", "--impl", impl.spec.text, "--device", "cpu", "--prompt",
+                       "What is the capital of France?", "--max-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py chat failed:\n{out}{err}"
+    assert out.strip() == "The capital of France is Paris.", f"run.py chat printed {out!r}"
