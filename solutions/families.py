@@ -5,7 +5,7 @@ here is Qwen3's classes with one or two changes, never a copy:
 
     family    QK-norm   q/k/v bias   attention window                          RoPE
     Qwen3     yes       no           full                                      plain
-    Llama     no        no           full                                      plain or Llama 3 scaled
+    Llama     no        no           full                                      plain, Llama 3 or YaRN scaled
     Qwen2     no        yes          full                                      plain
     Mistral   no        no           sliding (the last `sliding_window` keys)  plain
 
@@ -19,6 +19,8 @@ The registry is keyed by the Hugging Face class name in config.json's "architect
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -29,14 +31,16 @@ from torch import nn
 from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3ForCausalLM
 
 
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 
 
 @dataclass
 class LlamaConfig(Qwen3Config):
     """Qwen3Config's fields plus the window of Mistral-style attention (0: none) and RoPE
-    scaling (None, or a dict with rope_type "llama3", factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings)."""
+    scaling: None, or a dict with rope_type "llama3" (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings) or "yarn" (factor,
+    original_max_position_embeddings, optionally beta_fast, beta_slow, attention_factor,
+    mscale, mscale_all_dim, truncate)."""
     sliding_window: int = 0
     rope_scaling: dict[str, Any] | None = None
 
@@ -49,7 +53,8 @@ class LlamaConfig(Qwen3Config):
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if kind not in ROPE_TYPES:
             raise ValueError(f"rope_type {kind!r} is not supported; known: {', '.join(ROPE_TYPES)}")
-        scaling = None if kind == "default" else {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling = None if kind == "default" else {**{k: v for k, v in scaling.items() if k != "rope_theta"},
+                                                  "rope_type": kind}
         return super().from_dict({**values, "sliding_window": values.get("sliding_window") or 0,
                                   "rope_scaling": scaling})
 
@@ -72,14 +77,50 @@ def llama3_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tor
     return (1 - s) * f / factor + s * f
 
 
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies (float32 [head_dim / 2]) and its attention factor.
+
+    Channel i turns L * f_i / (2 pi) times over the original context L. Channels that turn
+    more than beta_fast times keep f_i; those that turn fewer than beta_slow times are
+    divided by the factor; the channel indices in between blend the two linearly. The
+    factor also sharpens attention: cos and sin are multiplied by 0.1 ln(factor) + 1 (or
+    the config's attention_factor / mscale ratio), which scales every q.k score by its square."""
+    half = head_dim // 2
+    f = theta ** (-torch.arange(0, half, dtype=torch.float32) * 2 / head_dim)
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def channel_turning(times):             # the (fractional) channel index that turns `times` times
+        return head_dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = channel_turning(scaling.get("beta_fast") or 32), channel_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(half, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
+    inv_freq = f / factor * ramp + f * (1 - ramp)
+
+    def sharpening(m=1.0):
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = sharpening(mscale) / sharpening(mscale_all) if mscale and mscale_all else sharpening()
+    return inv_freq, float(attention)
+
+
 def scaled_rope_tables(cfg: LlamaConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [B or 1, 1, T, head_dim] like rope_cos_sin, with Llama 3's frequencies
-    (recomputed per call: 64 numbers, and a model built on "meta" must not keep them)."""
-    inv_freq = llama3_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    """cos, sin [B or 1, 1, T, head_dim] like rope_cos_sin, with Llama 3's or YaRN's
+    frequencies (recomputed per call: 64 numbers, and a model built on "meta" must not
+    keep them)."""
+    if cfg.rope_scaling["rope_type"] == "yarn":
+        inv_freq, attention = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    else:
+        inv_freq, attention = llama3_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), 1.0
     angles = positions.float()[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     angles = (angles[None] if angles.dim() == 2 else angles)[:, None]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * attention).to(dtype), (angles.sin() * attention).to(dtype)
 
 
 class LlamaAttention(Qwen3Attention):

@@ -30,15 +30,17 @@ REL_TOL = 1e-5
 EOS = 257
 SCALED = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 # family label -> (transformers config class, model class, extra config fields)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral (window 6)": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
     "llama 3 rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": SCALED}),
+    "yarn rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": YARN}),
 }
 OURS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral (window 6)": "MistralForCausalLM",
-        "llama 3 rope scaling": "LlamaForCausalLM"}
+        "llama 3 rope scaling": "LlamaForCausalLM", "yarn rope scaling": "LlamaForCausalLM"}
 
 
 def hf_family(impl, label, seed=0):
