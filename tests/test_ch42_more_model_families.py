@@ -10,6 +10,8 @@ model, fetched by course.smollm2): our GGUF loader's tensors equal those transfo
 dequantizes from the same file, and greedy answers to chat prompts equal transformers'
 generate token for token, through generate and through the EngineCore.
 
+transformers' GGUF loading takes tens of seconds, so what it produced (config and
+float32 weights) is kept beside the cached GGUF file, once per transformers version.
 The prompts of the real-model test are token ids, rendered once with transformers'
 tokenizer from the same GGUF and SmolLM2's chat template (building that tokenizer takes
 longer than the whole test).
@@ -160,12 +162,38 @@ SMOLLM2_EOS = 2
 NEW_TOKENS = 12
 
 
+def transformers_smollm2(gguf_path):
+    """transformers' own model from the GGUF file, float32. Its GGUF loader takes tens of
+    seconds (it parses all 98,000 tokenizer strings), so the config and weights it produced
+    are kept beside the file (one copy per transformers version, written with safetensors)
+    and later runs rebuild the same model from them in a second."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_model, save_model
+    saved = gguf_path.parent / f"smollm2-transformers-{transformers.__version__}"
+    if not (saved / "model.safetensors").is_file():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                               dtype=torch.float32)
+        scratch = tempfile.mkdtemp(dir=gguf_path.parent)
+        hf.config.to_json_file(os.path.join(scratch, "config.json"))
+        save_model(hf, os.path.join(scratch, "model.safetensors"))       # tied weights stored once
+        try:
+            os.replace(scratch, saved)                  # atomic: a parallel run never sees half of it
+        except OSError:                                 # another run got there first
+            shutil.rmtree(scratch, ignore_errors=True)
+    config = transformers.AutoConfig.from_pretrained(saved)
+    config.quantization_config = None
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    load_model(hf, saved / "model.safetensors")
+    return hf.eval()
+
+
 @pytest.fixture(scope="module")
 def smollm2_pair(impl, smollm2_path):
     """(transformers' model from the GGUF, ours from load_model), float32 on the CPU."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
-                                                           dtype=torch.float32).eval()
-    return hf, impl.checkpoint.load_model(smollm2_path)
+    return transformers_smollm2(smollm2_path), impl.checkpoint.load_model(smollm2_path)
 
 
 def test_smollm2_tensors_equal_transformers(smollm2_pair):
