@@ -1,4 +1,4 @@
-"""Chapter 42 milestone: Llama, Qwen2, Mistral and Llama 3 RoPE scaling beside Qwen3.
+"""Chapter 42 milestone: Llama, Qwen2, Mistral, Llama 3 and YaRN RoPE scaling beside Qwen3.
 
 Oracles: transformers' own LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM with
 the deterministic tiny weights, saved with save_pretrained and loaded back through our
