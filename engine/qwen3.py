@@ -136,6 +136,10 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B or 1, 1, T, head_dim] for `positions` (Chapter 6's rope_cos_sin)."""
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> final hidden states [B, T, hidden].  (Your engine: Chapter 10)
@@ -145,7 +149,8 @@ class Qwen3Model(nn.Module):
         [B, T]); positions for RoPE default to those slots (a padded batch, Chapter 21,
         passes its own [B, T] positions). Compute the rotary
         tables once and share them across layers; after the last layer, apply the final
-        norm and, with a cache, advance it by T with cache.advance(T).
+        norm and, with a cache, advance it by T with cache.advance(T). Get the tables from
+        self.rope_tables (families with scaled RoPE, Chapter 42, replace it).
         """
         raise NotImplementedError("Your engine: Chapter 10: Qwen3Model.forward")
 
