@@ -640,3 +640,4 @@ def test_the_chat_page_in_a_real_browser(server, client):
                                                          "max_tokens": 8, "temperature": 0}).json()
     assert shown == expected["choices"][0]["message"]["content"], \
         "the page must show exactly the reply the API gives for the same conversation"
+

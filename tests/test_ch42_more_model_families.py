@@ -18,6 +18,7 @@ longer than the whole test).
 """
 import dataclasses
 
+import httpx
 import pytest
 import torch
 
@@ -234,3 +235,33 @@ def test_run_py_chat_answers(impl, smollm2_path, capsys):
     out, err = capsys.readouterr()
     assert status == 0, f"run.py chat failed:\n{out}{err}"
     assert out.strip() == "The capital of France is Paris.", f"run.py chat printed {out!r}"
+
+
+def test_smollm2_answers_a_chat_over_http(impl, device, smollm2_path):
+    """SmolLM2 behind Chapter 38's server: the reply's ids are the reference's solo greedy
+    `generate` on the chat template's ids, and its text is those ids decoded. (Here, not in
+    Chapter 38's milestone, because it needs Chapters 39 and 42 to load the model.)"""
+    ref_package = reference()
+    ref_model = ref_package.checkpoint.load_model(smollm2_path, device=device).eval()
+    ref_tokenizer = ref_package.bpe.BPETokenizer.from_gguf_metadata(ref_package.gguf.GGUFFile(smollm2_path).metadata)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = ref_tokenizer.encode_chat(messages)
+    expected = ref_package.sampling.generate(ref_model, prompt, 12, eos_token_id=ref_tokenizer.eos_token_id)
+
+    model = impl.checkpoint.load_model(smollm2_path, device=device).eval()
+    tokenizer = impl.bpe.BPETokenizer.from_gguf_metadata(impl.gguf.GGUFFile(smollm2_path).metadata)
+    engine = impl.load("serve.engine").EngineCore(model, impl.load("serve.config").EngineConfig(num_blocks=64),
+                                                  eos_token_id=tokenizer.eos_token_id)
+    app_module = impl.load("server.app")
+    served = app_module.ServedModel(
+        "smollm2", tokenizer, lambda: impl.bpe.IncrementalDetokenizer(tokenizer, skip_special_tokens=True))
+    with app_module.serve_in_thread(app_module.build_app(engine, served)) as url, \
+            httpx.Client(base_url=url, timeout=120) as c:
+        body = {"model": "smollm2", "messages": messages, "max_tokens": 12, "temperature": 0,
+                "return_token_ids": True}
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == expected, "SmolLM2's greedy reply over HTTP must equal solo generate"
+    assert choice["message"]["content"] == ref_tokenizer.decode(expected, skip_special_tokens=True)
+    assert "Paris" in choice["message"]["content"]

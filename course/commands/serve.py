@@ -8,7 +8,8 @@ Routes: /v1/completions, /v1/chat/completions (stream: true gives server-sent ev
 /v1/models, /health, /metrics (Prometheus text). --model names an entry of MODELS; each
 entry builds (model, tokenizer, detokenizer factory). The tiny model speaks Chapter 3's
 byte tokenizer with the fallback chat template of solutions/server/text.py, so its
-replies are noise: it is there to exercise the server, not to talk. --port 0 picks a free
+replies are noise: it is there to exercise the server, not to talk. --model smollm2 serves
+SmolLM2-135M-Instruct (Chapters 36, 39, 42), which answers in real sentences. --port 0 picks a free
 port and prints it.
 """
 from course.cli import CommandError, add_device_argument, add_impl_argument
@@ -23,10 +24,18 @@ def load_tiny(impl, device):
     return model, tokenizer, lambda: text.DiffDetokenizer(tokenizer)
 
 
-# name -> loader(impl, device) -> (model, tokenizer, new_detokenizer). A real model is one
-# more entry whose loader returns its weights, Chapter 36's tokenizer and that tokenizer's
-# incremental detokenizer.
-MODELS = {"tiny": load_tiny}
+def load_smollm2(impl, device):
+    """SmolLM2-135M-Instruct (fetched on first use) with Chapter 36's BPE tokenizer read from
+    the same GGUF file, and that tokenizer's incremental detokenizer."""
+    from course.commands._setup import SMOLLM2, gguf_tokenizer, load_model, model_source
+    model = load_model(impl, device, SMOLLM2)
+    tokenizer = gguf_tokenizer(impl, model_source(SMOLLM2))
+    bpe = impl.load("bpe")
+    return model, tokenizer, lambda: bpe.IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+
+
+# name -> loader(impl, device) -> (model, tokenizer, new_detokenizer).
+MODELS = {"tiny": load_tiny, "smollm2": load_smollm2}
 
 
 def add_arguments(parser):

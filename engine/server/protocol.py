@@ -252,7 +252,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
         raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}", param="model",
                        code="model_not_found")
     if chat:
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(_messages(body), add_generation_prompt=True))
+        prompt_ids = tokenizer.encode_chat(_messages(body), add_generation_prompt=True)
     else:
         prompt_ids = _completion_prompt(body, tokenizer)
     where = "messages" if chat else "prompt"

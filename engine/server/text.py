@@ -31,6 +31,12 @@ class TextTokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str: ...
 
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt ids of a chat: the rendered template with its markers ("<|im_start|>")
+        as their special ids. `encode` alone would not do: it treats marker names as ordinary
+        text, which is right for a raw completion prompt and wrong for a chat template."""
+        ...
+
 
 class Detokenizer(Protocol):
     """Turns a request's output ids into text, one id at a time."""
@@ -84,6 +90,9 @@ class ByteChatTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         turns = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
         return "".join(turns) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
 
 def stop_prefix_overlap(text: str, stops: Sequence[str]) -> int:
