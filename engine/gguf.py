@@ -21,6 +21,7 @@ operating system pages weights in as they are touched.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,11 @@ MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 # Metadata value types: id -> (name, struct format for scalars; None for string / array).
-VALUE_TYPES = {0: ("uint8", "<B"), 1: ("int8", "<b"), 2: ("uint16", "<H"), 3: ("int16", "<h"),
-               4: ("uint32", "<I"), 5: ("int32", "<i"), 6: ("float32", "<f"), 7: ("bool", "<?"),
-               8: ("string", None), 9: ("array", None), 10: ("uint64", "<Q"), 11: ("int64", "<q"),
-               12: ("float64", "<d")}
+VALUE_TYPES: dict[int, tuple[str, str | None]] = {
+    0: ("uint8", "<B"), 1: ("int8", "<b"), 2: ("uint16", "<H"), 3: ("int16", "<h"),
+    4: ("uint32", "<I"), 5: ("int32", "<i"), 6: ("float32", "<f"), 7: ("bool", "<?"),
+    8: ("string", None), 9: ("array", None), 10: ("uint64", "<Q"), 11: ("int64", "<q"),
+    12: ("float64", "<d")}
 STRING, ARRAY = 8, 9
 
 
@@ -95,13 +97,13 @@ class GGUFFile:
     arrays as lists), `tensors` ({name: GGUFTensorInfo}, file order) and `data_start`.
     Tensor bytes stay in the memory map until `raw` or `tensor` asks for them."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such file")
         # Copy-on-write map: writable views for torch (no warning, no copy), the file untouched.
         self._map = np.memmap(self.path, dtype=np.uint8, mode="c")
-        buffer = memoryview(self._map)
+        buffer = self._map.data          # the map's bytes as a memoryview (no copy)
         if bytes(buffer[:4]) != MAGIC:
             raise GGUFError(f"{self.path}: starts with {bytes(buffer[:4])!r}, not the GGUF magic {MAGIC!r}")
         try:
@@ -235,7 +237,9 @@ class GGUFLinear(nn.Module):
     matmul. `blocks` is a buffer (uint8 [out_features, bytes per row]), so .to(device) moves
     it and state_dict() saves it."""
 
-    def __init__(self, blocks: torch.Tensor, type_id: int, in_features: int):
+    blocks: torch.Tensor                  # registered as a buffer in __init__
+
+    def __init__(self, blocks: torch.Tensor, type_id: int, in_features: int) -> None:
         super().__init__()
         self.register_buffer("blocks", blocks)
         self.type_id, self.in_features, self.out_features = type_id, in_features, blocks.shape[0]
@@ -300,7 +304,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     if not arch:
         raise GGUFError(f"{gguf.path}: no general.architecture in the metadata")
 
-    def field(key, default=None):
+    def field(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
             raise GGUFError(f"{gguf.path}: metadata {arch}.{key} missing")
@@ -335,7 +339,8 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalL
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-def hf_state(gguf: GGUFFile, config: dict[str, Any], keep_quantized: bool = False):
+def hf_state(gguf: GGUFFile, config: dict[str, Any],
+             keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (our parameter name, tensor) for every tensor of the file: float32 tensors in
     our layout, or, with keep_quantized, the raw blocks (uint8 [out, bytes]) of quantized
     2-D weights other than the embedding (rows reordered just the same)."""

@@ -87,8 +87,9 @@ class Qwen3Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # nn.Module, not RMSNorm: families without QK-norm (Chapter 42) put an identity here.
+        self.q_norm: nn.Module = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm: nn.Module = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:

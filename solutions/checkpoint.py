@@ -10,7 +10,7 @@ tensor as it is read, so a model never exists twice in memory.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -261,7 +261,9 @@ def inventory(path: str | Path) -> list[dict[str, Any]]:
 
 # --- Chapters 39 and 42: any family, from a directory or a GGUF file --------------------------
 
-def _install(model, tensors, source, dtype, device, tied, deferred=()):
+def _install(model: Qwen3ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: Path,
+             dtype: torch.dtype, device: torch.device, tied: bool,
+             deferred: Collection[str] = ()) -> Qwen3ForCausalLM:
     """Put (our name, tensor) pairs into a model built on "meta": each shape checked against
     the parameter's, cast and moved as it arrives; every parameter provided once, except
     the names in `deferred` (a collection read after the loop: weights that another step
@@ -269,7 +271,7 @@ def _install(model, tensors, source, dtype, device, tied, deferred=()):
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if tied:
         expected.pop("lm_head.weight", None)
-    seen = set()
+    seen: set[str] = set()
     for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
@@ -289,7 +291,8 @@ def _install(model, tensors, source, dtype, device, tied, deferred=()):
     return model.eval()
 
 
-def load_gguf(path, dtype=None, device=None, keep_quantized=False):
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+              keep_quantized: bool = False) -> Qwen3ForCausalLM:
     """A GGUF file -> the model of its family (general.architecture), in eval mode.
 
     Tensors are dequantized to `dtype` (default float32) and moved to `device` one at a
@@ -297,27 +300,27 @@ def load_gguf(path, dtype=None, device=None, keep_quantized=False):
     stay in their blocks as gguf.GGUFLinear modules (dequantized at each call); the
     embedding, norms and float tensors are dense."""
     from .families import build_model
-    from .gguf import GGUFLinear, GGUFFile, hf_config, hf_name, hf_state
+    from .gguf import GGUFFile, GGUFLinear, hf_config, hf_name, hf_state
     gguf = GGUFFile(path)
     config = hf_config(gguf)
     with torch.device("meta"), skip_init():
         model = build_model(config)
-    device = torch.device(device if device is not None else "cpu")
-    blocks = {}                                   # our weight name -> uint8 blocks kept quantized
+    target = torch.device(device if device is not None else "cpu")
+    blocks: dict[str, torch.Tensor] = {}          # our weight name -> uint8 blocks kept quantized
 
-    def dense():
+    def dense() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in hf_state(gguf, config, keep_quantized):
             if tensor.dtype == torch.uint8:
                 blocks[name] = tensor
             else:
                 yield name, tensor
 
-    _install(model, dense(), gguf.path, dtype or torch.float32, device, model.cfg.tie_word_embeddings, blocks)
+    _install(model, dense(), gguf.path, dtype or torch.float32, target, model.cfg.tie_word_embeddings, blocks)
     type_ids = {hf_name(name): info.type_id for name, info in gguf.tensors.items()}
     for name, data in blocks.items():
         owner, _, leaf = name.removesuffix(".weight").rpartition(".")
-        dense_shape = tuple(model.get_submodule(owner).get_submodule(leaf).weight.shape)
-        quantized = GGUFLinear(data.to(device), type_ids[name], dense_shape[1])
+        dense_shape = tuple(model.get_parameter(name).shape)
+        quantized = GGUFLinear(data.to(target), type_ids[name], dense_shape[1])
         if quantized.weight.shape != dense_shape:
             raise CheckpointError(f"tensor {name!r} in {gguf.path} holds {tuple(quantized.weight.shape)}, "
                                   f"the config gives {dense_shape}")
@@ -325,34 +328,35 @@ def load_gguf(path, dtype=None, device=None, keep_quantized=False):
     return model
 
 
-def load_model(path, dtype=None, device=None, keep_quantized=False):
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+               keep_quantized: bool = False) -> Qwen3ForCausalLM:
     """Any checkpoint -> its family's model: a GGUF file (load_gguf), or a Hugging Face
     directory whose config.json's "architectures" picks the family (Qwen3 through
     load_checkpoint; ValueError naming the known architectures for an unknown one)."""
-    path = Path(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype, device, keep_quantized)
+    source = Path(path)
+    if source.is_file() and source.suffix == ".gguf":
+        return load_gguf(source, dtype, device, keep_quantized)
     if keep_quantized:
-        raise CheckpointError(f"{path}: keep_quantized applies to GGUF files only")
+        raise CheckpointError(f"{source}: keep_quantized applies to GGUF files only")
     from .families import FAMILIES, family_for
-    file = path / CONFIG_FILE
+    file = source / CONFIG_FILE
     if not file.is_file():
-        raise CheckpointError(f"{path}: neither a .gguf file nor a directory with {CONFIG_FILE}")
+        raise CheckpointError(f"{source}: neither a .gguf file nor a directory with {CONFIG_FILE}")
     raw = json.loads(file.read_text(encoding="utf-8"))
     family = family_for(raw)
     if family is FAMILIES["qwen3"]:
-        return load_checkpoint(path, dtype, device)
+        return load_checkpoint(source, dtype, device)
     with torch.device("meta"), skip_init():
         model = family.model_class(family.config_class.from_dict(raw))
-    locations = tensor_locations(path)
-    dtype = _resolve_dtype(dtype, raw, locations)
-    device = torch.device(device if device is not None else "cpu")
+    locations = tensor_locations(source)
+    parameter_dtype = _resolve_dtype(dtype, raw, locations)
+    target = torch.device(device if device is not None else "cpu")
 
-    def tensors():
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in sorted(set(locations.values())):
             with safe_open(file, framework="pt") as handle:
                 for name in handle.keys():
                     yield (name if name.startswith(("model.", "lm_head.")) else f"model.{name}"), \
                         handle.get_tensor(name)
 
-    return _install(model, tensors(), path, dtype, device, model.cfg.tie_word_embeddings)
+    return _install(model, tensors(), source, parameter_dtype, target, model.cfg.tie_word_embeddings)

@@ -20,15 +20,17 @@ The registry is keyed by the Hugging Face class name in config.json's "architect
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3ForCausalLM
+
+if TYPE_CHECKING:
+    from .kv_cache import ModelCache
 
 
 ROPE_TYPES = ("default", "llama3", "yarn")
@@ -49,11 +51,11 @@ class LlamaConfig(Qwen3Config):
         """Newer config files put the scaling in rope_parameters, older ones in rope_scaling;
         HF writes None for "no window". An unknown rope_type is refused, not ignored: the
         model would run and quietly compute something else."""
-        scaling = values.get("rope_scaling") or values.get("rope_parameters") or None
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        stored = values.get("rope_scaling") or values.get("rope_parameters") or {}
+        kind = stored.get("rope_type", stored.get("type", "default"))
         if kind not in ROPE_TYPES:
             raise ValueError(f"rope_type {kind!r} is not supported; known: {', '.join(ROPE_TYPES)}")
-        scaling = None if kind == "default" else {**{k: v for k, v in scaling.items() if k != "rope_theta"},
+        scaling = None if kind == "default" else {**{k: v for k, v in stored.items() if k != "rope_theta"},
                                                   "rope_type": kind}
         return super().from_dict({**values, "sliding_window": values.get("sliding_window") or 0,
                                   "rope_scaling": scaling})
@@ -89,7 +91,7 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple
     f = theta ** (-torch.arange(0, half, dtype=torch.float32) * 2 / head_dim)
     factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
 
-    def channel_turning(times):             # the (fractional) channel index that turns `times` times
+    def channel_turning(times: float) -> float:             # the (fractional) channel index that turns `times` times
         return head_dim * math.log(original / (times * 2 * math.pi)) / (2 * math.log(theta))
 
     low, high = channel_turning(scaling.get("beta_fast") or 32), channel_turning(scaling.get("beta_slow") or 1)
@@ -99,7 +101,7 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple
     ramp = ((torch.arange(half, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
     inv_freq = f / factor * ramp + f * (1 - ramp)
 
-    def sharpening(m=1.0):
+    def sharpening(m: float = 1.0) -> float:
         return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
 
     attention = scaling.get("attention_factor")
@@ -109,14 +111,18 @@ def yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple
     return inv_freq, float(attention)
 
 
-def scaled_rope_tables(cfg: LlamaConfig, positions: torch.Tensor, dtype: torch.dtype):
+def scaled_rope_tables(cfg: LlamaConfig, positions: torch.Tensor,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B or 1, 1, T, head_dim] like rope_cos_sin, with Llama 3's or YaRN's
     frequencies (recomputed per call: 64 numbers, and a model built on "meta" must not
-    keep them)."""
-    if cfg.rope_scaling["rope_type"] == "yarn":
-        inv_freq, attention = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    keep them). ValueError for a config without rope_scaling (plain RoPE is rope_cos_sin's)."""
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        raise ValueError("scaled_rope_tables needs a config with rope_scaling (rope_type llama3 or yarn)")
+    if scaling["rope_type"] == "yarn":
+        inv_freq, attention = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, scaling)
     else:
-        inv_freq, attention = llama3_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), 1.0
+        inv_freq, attention = llama3_inv_freq(cfg.head_dim, cfg.rope_theta, scaling), 1.0
     angles = positions.float()[..., None] * inv_freq.to(positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     angles = (angles[None] if angles.dim() == 2 else angles)[:, None]
@@ -163,7 +169,8 @@ class MistralAttention(LlamaAttention):
         super().__init__(cfg, layer_idx)
         self.sliding_window = cfg.sliding_window      # FlatModel hands it to the attention backend
 
-    def forward(self, x, cos, sin, slots, cache=None, allowed=None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         if self.sliding_window:
             window = sliding_window_allowed(slots, self.sliding_window)
             allowed = window if allowed is None else allowed & window
@@ -172,16 +179,18 @@ class MistralAttention(LlamaAttention):
 
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Qwen3ForCausalLM whose layers use the family's attention module."""
-    attention_class = LlamaAttention
+    attention_class: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__(cfg)
         for index, layer in enumerate(self.model.layers):
             layer.self_attn = self.attention_class(cfg, index)
         if cfg.rope_scaling:
-            self.model.rope_tables = partial(scaled_rope_tables, cfg)   # replaces Qwen3Model's
+            # An instance attribute shadows Qwen3Model's method on purpose (its forward calls
+            # self.rope_tables); mypy refuses any assignment to a method, hence the ignore.
+            self.model.rope_tables = partial(scaled_rope_tables, cfg)  # type: ignore[method-assign]
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, head_dim] for Chapter 31's FlatModel (flat positions [N])."""
         cos, sin = self.model.rope_tables(positions, dtype)
         return cos[0, 0].unsqueeze(1), sin[0, 0].unsqueeze(1)
@@ -199,8 +208,8 @@ class MistralForCausalLM(LlamaForCausalLM):
 class Family:
     """One model family: its config class and model class, and the names that select it."""
     name: str
-    config_class: type
-    model_class: type
+    config_class: type[Qwen3Config]
+    model_class: type[Qwen3ForCausalLM]
     architectures: tuple[str, ...]
 
 
@@ -224,7 +233,7 @@ def family_for(config: dict[str, Any]) -> Family:
                      f"known architectures: {', '.join(known)}")
 
 
-def build_model(config: dict[str, Any]) -> nn.Module:
+def build_model(config: dict[str, Any]) -> Qwen3ForCausalLM:
     """The family's model for a config.json dict, with freshly initialised weights
     (build it under torch.device("meta") to get shapes only)."""
     family = family_for(config)
