@@ -58,7 +58,7 @@ def folder_problems(chapters_dir: Path | None = None, manifest=None) -> list[str
     chapters_dir = Path(chapters_dir or ROOT / "chapters")
     manifest = manifest or manifest_module.load()
     known = {c.dirname for c in manifest.chapters}
-    problems = []
+    problems: list[str] = []
     if not chapters_dir.is_dir():
         return problems
     for folder in sorted(p for p in chapters_dir.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):

@@ -88,7 +88,8 @@ def add_device_argument(parser) -> None:
 
 def add_model_argument(parser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="a Hugging Face Qwen3 checkpoint directory (default: the tiny test model)")
+                        help="a Hugging Face checkpoint directory, a .gguf file, or smollm2 (SmolLM2-135M-Instruct, "
+                             "fetched on first use; default: the tiny test model)")
 
 
 def resolve_device(choice: str | None):

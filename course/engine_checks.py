@@ -57,7 +57,7 @@ def block_manager_problems(bm: Any) -> list[str]:
     if outside:
         problems.append(f"the free queue holds ids outside the pool: {outside[:5]}")
     queued_set = set(queued)
-    holders = Counter()
+    holders: Counter[int] = Counter()
     for rid, table in bm.req_blocks.items():
         if len(set(table)) != len(table):
             problems.append(f"request {rid!r} holds a block twice: {table}")
@@ -189,7 +189,7 @@ def scheduler_problems(sched: Any) -> list[str]:
         if table and rid not in running_ids:
             problems.append(f"request {rid!r} holds blocks {table} but is not running")
     # A held, published block must be published under the holder's own key at that position.
-    owner_salt = {}
+    owner_salt: dict[int, tuple[tuple, str]] = {}
     for r in running:
         keys = r.block_hashes
         for i, b in enumerate(bm.req_blocks.get(r.request_id, [])):

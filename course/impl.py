@@ -14,6 +14,13 @@ A gated package (SPEC@N) is generated into the cache directory (.course_cache/, 
 $COURSE_CACHE_DIR) and imported under its own module name (solutions_at_8), so the full
 package and any number of gated copies live side by side in one process. This works because
 every package uses relative imports only: no copy ever reaches into another.
+
+Gated copies are generated code: their files are read-only, rewritten on every load, and
+keep the source's line numbers, so `source_of` maps a traceback's line in a copy back to the
+file a maintainer or learner should open (the pytest plugin does so in failure reports).
+
+Loading is cached per process: a module is imported once, so an edit to engine/ reaches a
+running notebook only after a kernel restart (or course.notebook.reload_impl()).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import importlib.util
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -105,6 +113,7 @@ class Impl:
         self.spec = spec
         self.package = package
         self.root = root            # where the code that runs lives (the cache for gated copies)
+        self.loaded_at = time.time()
 
     @property
     def name(self) -> str:
@@ -152,6 +161,8 @@ def _import_package(name: str, directory: Path) -> ModuleType:
         return existing
     spec = importlib.util.spec_from_file_location(
         name, directory / "__init__.py", submodule_search_locations=[str(directory)])
+    if spec is None or spec.loader is None:
+        raise ImplError(f"{directory} cannot be imported as a package")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -162,7 +173,7 @@ def _import_package(name: str, directory: Path) -> ModuleType:
     if "__getattr__" not in vars(module):
         # `package.qwen3` works whether or not __init__ imported it, so code handed the bare
         # package (a model factory, a notebook) needs no import dance.
-        module.__getattr__ = lambda attr: _lazy_submodule(module, attr)
+        vars(module)["__getattr__"] = lambda attr: _lazy_submodule(module, attr)
     return module
 
 
@@ -191,12 +202,62 @@ def load(spec: str | ImplSpec | Impl) -> Impl:
         root = cache_dir() / spec.module_name
         # Regenerated on every load so edits to the source show up; unchanged files are not
         # rewritten, so this costs a parse of the package and nothing more.
-        skeleton.materialize(skeleton.generate_tree(spec.source, after_chapter=spec.upto), root)
+        files = skeleton.generate_tree(spec.source, after_chapter=spec.upto, keep_lines=True)
+        skeleton.materialize(_with_provenance(files, spec), root, read_only=True)
     impl = _loaded[spec.module_name] = Impl(spec, _import_package(spec.module_name, root), root)
     return impl
 
 
 _loaded: dict[str, Impl] = {}
+
+
+def _with_provenance(files: dict[str, bytes], spec: ImplSpec) -> dict[str, bytes]:
+    """Each Python file of a gated copy ends with a comment naming the file to edit instead
+    (at the end, so that every line keeps its number)."""
+    marked = {}
+    for rel, data in files.items():
+        if rel.endswith(".py"):
+            ending = b"" if not data or data.endswith(b"\n") else b"\n"
+            note = (f"# Generated for {spec.text} from {spec.source / rel}; read-only and rewritten on "
+                    f"every load: edit that file instead.\n")
+            data = data + ending + note.encode("utf-8")
+        marked[rel] = data
+    return marked
+
+
+def changed_since_loaded(impl: Impl) -> list[str]:
+    """Source files of `impl` (relative paths) modified after this process loaded it: code
+    the running process does not see, since each module is imported once per process."""
+    return [rel for rel in skeleton.package_files(impl.source)
+            if rel.endswith(".py") and (impl.source / rel).stat().st_mtime > impl.loaded_at]
+
+
+def forget(spec: str | ImplSpec | Impl) -> None:
+    """Drop a loaded implementation and its modules from this process, so the next load
+    imports the files afresh. Objects made from the old modules keep the old code."""
+    if isinstance(spec, Impl):
+        name = spec.name
+    else:
+        name = (spec if isinstance(spec, ImplSpec) else parse(spec)).module_name
+    _loaded.pop(name, None)
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[module]
+
+
+def loaded_gated() -> list[Impl]:
+    """The gated copies this process has loaded."""
+    return [loaded for loaded in _loaded.values() if loaded.upto is not None]
+
+
+def source_of(path: str | Path) -> Path | None:
+    """The file a gated copy's file was generated from (same line numbers), or None when
+    `path` is not inside a gated copy loaded by this process."""
+    path = Path(path).resolve()
+    for loaded in loaded_gated():
+        root = loaded.root.resolve()
+        if root in path.parents:
+            return loaded.source / path.relative_to(root)
+    return None
 
 
 def reference() -> Impl:

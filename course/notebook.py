@@ -29,8 +29,26 @@ _STUB_MESSAGE = re.compile(r"Your engine: Chapter (\d+): (\S+)")
 
 def load_impl(name: str | None = None) -> impl_module.Impl:
     """An implementation by spec (see course.impl): by default the learner's `engine`,
-    or whatever $COURSE_IMPL names (so one notebook can be run against any checkout)."""
-    return impl_module.load(name or os.environ.get(DEFAULT_IMPL_VARIABLE) or "engine")
+    or whatever $COURSE_IMPL names (so one notebook can be run against any checkout).
+
+    A kernel imports each module once: after you edit a file of engine/, the running
+    kernel still has the old code. Restart the kernel (Kernel > Restart), or call
+    reload_impl(). load_impl prints a note when it finds files changed since the import.
+    """
+    loaded = impl_module.load(name or os.environ.get(DEFAULT_IMPL_VARIABLE) or "engine")
+    changed = impl_module.changed_since_loaded(loaded)
+    if changed:
+        print(f"note: {', '.join(changed)} changed after this kernel imported {loaded.source.name}/; "
+              f"restart the kernel (or call reload_impl()) to run your new code")
+    return loaded
+
+
+def reload_impl(name: str | None = None) -> impl_module.Impl:
+    """load_impl with a fresh import of every module of the implementation, so edits made
+    since the kernel started take effect. Objects built before (a model, an engine) keep
+    the old code: build them again, or restart the kernel to be sure."""
+    impl_module.forget(name or os.environ.get(DEFAULT_IMPL_VARIABLE) or "engine")
+    return load_impl(name)
 
 
 @dataclass
@@ -81,11 +99,8 @@ def differences(got, expected, atol: float = 1e-5, rtol: float = 1e-4, path: str
     Tensors and arrays compare with tolerances, containers element by element, anything
     else with ==."""
     where = f" at {path}" if path else ""
-    try:
-        import torch
-    except ImportError:                         # pragma: no cover - torch is a requirement
-        torch = None
-    if torch is not None and isinstance(expected, torch.Tensor):
+    import torch  # here, so importing course.notebook stays quick
+    if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             return f"expected a tensor{where}, got {type(got).__name__}"
         if tuple(got.shape) != tuple(expected.shape):
@@ -152,7 +167,7 @@ def check(target, *args, expected=None, impl=None, reference=None, name: str | N
         `differences` (None means equal).
     Arguments are passed as they are: a function that mutates its inputs should get copies.
     """
-    label = name or (target if isinstance(target, str) else getattr(target, "__name__", "check"))
+    label = name or (target if isinstance(target, str) else str(getattr(target, "__name__", "check")))
     if label == "<lambda>":
         label = "check"
     try:

@@ -138,7 +138,8 @@ def pytest_collection_modifyitems(config, items):
     upto = config.getoption("upto")
     if not wanted and upto is None:
         return
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         number = chapter_of(item)
         selected = number is not None and (not wanted or number in wanted) and (upto is None or number <= upto)
@@ -146,6 +147,42 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure inside a gated copy (.course_cache/solutions_at_8/...) is reported at the
+    file it was generated from (solutions/...), the one to open and edit: the copy is
+    read-only, regenerated on every load, and keeps the source's line numbers."""
+    report = yield
+    _point_at_sources(report.longrepr, item.config.invocation_params.dir)
+    return report
+
+
+def _point_at_sources(longrepr, invocation_dir: Path) -> None:
+    for reprtraceback, reprcrash, _ in getattr(longrepr, "chain", None) or []:
+        for entry in reprtraceback.reprentries:
+            location = getattr(entry, "reprfileloc", None)
+            if location is not None:
+                location.path = _source_path(location.path, invocation_dir)
+            elif hasattr(entry, "lines"):            # --tb=native: the traceback as text
+                entry.lines = [_sources_in_text(line) for line in entry.lines]
+        if reprcrash is not None:
+            reprcrash.path = _source_path(reprcrash.path, invocation_dir)
+
+
+def _source_path(shown: str, invocation_dir: Path) -> str:
+    path = Path(shown)
+    source = impl_module.source_of(path if path.is_absolute() else invocation_dir / path)
+    if source is None:
+        return shown
+    return str(source) if path.is_absolute() else os.path.relpath(source, invocation_dir)
+
+
+def _sources_in_text(text: str) -> str:
+    for loaded in impl_module.loaded_gated():
+        text = text.replace(str(loaded.root), str(loaded.source))
+    return text
 
 
 def pytest_report_header(config):
@@ -221,3 +258,15 @@ def tiny_model(impl, device, model_path):
 def ref_model(device, model_path):
     """The reference Qwen3 with the same weights as `tiny_model`."""
     return build_model(impl_module.reference().package, device, model_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The verified SmolLM2-135M-Instruct GGUF file (course.smollm2), fetched on first use.
+    Without network and without a cached copy the test is skipped with the one line that
+    says how to provide the file, never silently."""
+    from . import smollm2
+    try:
+        return smollm2.smollm2_gguf_path(quiet=True)
+    except smollm2.SmolLM2Unavailable as missing:
+        pytest.skip(f"SmolLM2 unavailable: {missing}")

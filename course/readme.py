@@ -2,9 +2,8 @@
 
 README.md holds the generated table between two marker comments; `python run.py readme`
 rewrites that region and nothing else, and a test fails when it is stale. The table lists
-parts, numbers and titles only: a chapter's status changes as it is written, and flipping
-it in book.toml should not make the README stale (`python run.py progress --all` and the
-book show statuses).
+parts, numbers, titles and each chapter's status (a written chapter's title links to its
+notebook), so whoever marks a chapter written in book.toml reruns `python run.py readme`.
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def render(text: str, manifest=None) -> str:
         raise ValueError(f"README.md lacks the markers {START!r} ... {END!r}")
     head, _, rest = text.partition(START)
     _, _, tail = rest.partition(END)
-    return f"{head}{START}\n{chapter_table(manifest, with_status=False)}\n{END}{tail}"
+    return f"{head}{START}\n{chapter_table(manifest)}\n{END}{tail}"
 
 
 def update(path: Path | None = None) -> bool:

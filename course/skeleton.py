@@ -96,7 +96,7 @@ class _StubFinder(ast.NodeVisitor):
         self.errors: list[str] = []
         self.inside_stub = 0
 
-    def _where(self, node: ast.AST) -> str:
+    def _where(self, node: ast.stmt) -> str:
         return f"{self.path}:{node.lineno}"
 
     def visit_Module(self, node: ast.Module) -> None:
@@ -142,7 +142,7 @@ class _StubFinder(ast.NodeVisitor):
     def _add_stub(self, node, qualname: str, chapter: int) -> None:
         doc_node, rest = node.body[0], node.body[1:]
         doc_line = self.lines[doc_node.lineno - 1]
-        indent = re.match(r"[ \t]*", doc_line).group()
+        indent = doc_line[:len(doc_line) - len(doc_line.lstrip(" \t"))]
         # col_offset counts UTF-8 bytes; the indentation is ASCII, so it compares directly.
         if len(indent) != doc_node.col_offset:
             self.errors.append(f"{self._where(node)}: {qualname}: the docstring must start its own line")
@@ -171,9 +171,14 @@ def find_stubs(source: str, path: str = "<source>") -> list[Stub]:
     return finder.stubs
 
 
-def blank_stubs(source: str, path: str = "<source>", after_chapter: int | None = None) -> str:
+def blank_stubs(source: str, path: str = "<source>", after_chapter: int | None = None,
+                keep_lines: bool = False) -> str:
     """The source with stub bodies replaced by the generated raise: every stub when
-    `after_chapter` is None, otherwise only the stubs of chapters > after_chapter."""
+    `after_chapter` is None, otherwise only the stubs of chapters > after_chapter.
+
+    keep_lines pads each replaced body with empty lines to its old height, so every line
+    outside the stubs keeps its number (gated copies: a traceback's line is the source's).
+    A stub whose body is only its docstring has no lines to fill; the raise adds one."""
     stubs = [s for s in find_stubs(source, path) if after_chapter is None or s.chapter > after_chapter]
     if not stubs:
         return source
@@ -182,7 +187,7 @@ def blank_stubs(source: str, path: str = "<source>", after_chapter: int | None =
     # Replace from the bottom up so earlier indices stay valid.
     for stub in reversed(stubs):
         replaced = lines[stub.body_start:stub.body_end]
-        text = stub.indent + stub.statement + newline
+        text = stub.indent + stub.statement + newline * (max(len(replaced), 1) if keep_lines else 1)
         if replaced and not replaced[-1].endswith(("\n", "\r")):
             text = text[: -len(newline)]           # the body ended the file without a newline
         if stub.body_start and not lines[stub.body_start - 1].endswith(("\n", "\r")):
@@ -230,9 +235,11 @@ def stubs_of_tree(root: Path) -> dict[str, list[Stub]]:
 
 
 def generate_tree(source_root: Path, after_chapter: int | None = None,
-                  known_chapters: set[int] | frozenset[int] | None = None) -> dict[str, bytes]:
+                  known_chapters: set[int] | frozenset[int] | None = None,
+                  keep_lines: bool = False) -> dict[str, bytes]:
     """The skeleton of a package tree as {relative path: content}. Stubs naming chapters
-    outside `known_chapters` (default: book.toml's) are an error, reported all at once."""
+    outside `known_chapters` (default: book.toml's) are an error, reported all at once.
+    keep_lines: see blank_stubs (gated copies keep the source's line numbers)."""
     if known_chapters is None:
         from . import manifest
         known_chapters = manifest.load().numbers
@@ -245,7 +252,7 @@ def generate_tree(source_root: Path, after_chapter: int | None = None,
             try:
                 text = data.decode("utf-8")
                 errors += check_chapters(find_stubs(text, label), known_chapters)
-                data = blank_stubs(text, label, after_chapter).encode("utf-8")
+                data = blank_stubs(text, label, after_chapter, keep_lines).encode("utf-8")
             except SkeletonError as exc:
                 errors.append(str(exc))
         generated[rel] = data
@@ -254,10 +261,11 @@ def generate_tree(source_root: Path, after_chapter: int | None = None,
     return generated
 
 
-def materialize(files: dict[str, bytes], target: Path) -> tuple[list[str], list[str]]:
+def materialize(files: dict[str, bytes], target: Path, read_only: bool = False) -> tuple[list[str], list[str]]:
     """Make `target` hold exactly `files` (caches aside). Unchanged files are not touched,
     so their timestamps and compiled caches stay valid; each write is atomic, so two
-    processes producing the same tree at once cannot leave a torn file. Returns
+    processes producing the same tree at once cannot leave a torn file. read_only writes
+    the files without write permission (generated copies nobody should edit). Returns
     (written, removed) relative paths."""
     target = Path(target)
     written, removed = [], []
@@ -265,6 +273,11 @@ def materialize(files: dict[str, bytes], target: Path) -> tuple[list[str], list[
         path = target / rel
         try:
             if path.read_bytes() == data:
+                if read_only and path.stat().st_mode & 0o222:
+                    try:
+                        os.chmod(path, 0o444)   # a copy written before copies were made read-only
+                    except PermissionError:     # someone else's file in a shared cache: leave it
+                        pass
                 continue
         except (FileNotFoundError, IsADirectoryError):
             pass
@@ -272,8 +285,12 @@ def materialize(files: dict[str, bytes], target: Path) -> tuple[list[str], list[
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.chmod(tmp, 0o644)                # mkstemp's 0600 would hide the file from others
-        os.replace(tmp, path)
+        os.chmod(tmp, 0o444 if read_only else 0o644)    # mkstemp's 0600 would hide it from others
+        try:
+            os.replace(tmp, path)
+        except PermissionError:             # Windows will not replace a read-only file
+            os.chmod(path, 0o644)
+            os.replace(tmp, path)
         written.append(rel)
     if target.is_dir():
         for rel in package_files(target):
@@ -313,12 +330,50 @@ def filled_stubs(root: Path, rel: str) -> list[str]:
     return [s.qualname for s in stubs if s.is_filled(lines)]
 
 
+# The first paragraph of the learner's package docstring: the reference's own first
+# paragraph ("The reference engine: every chapter's code, complete ...") is not true of it.
+LEARNER_PACKAGE_DOC = '''Your engine, to build chapter by chapter: the course's code with the bodies of
+the stubs left for you to write. `python run.py skeleton` generated this package from the
+reference (solutions/), keeping everything but the stub bodies: a function whose
+docstring names its chapter as "(Your engine: Chapter N)" raises NotImplementedError until
+you write it, and everything else already works. Each chapter's notebook introduces its
+stubs; `pytest --impl engine tests/test_chNN_*.py` checks them and `python run.py progress`
+says where you are. Modules import each other relatively, so this package loads under any
+name.'''
+
+
+def learner_tree(source_root: Path, known_chapters=None) -> dict[str, bytes]:
+    """What engine/ must hold: the skeleton of `source_root` (every stub blanked) whose
+    package docstring speaks to the learner (LEARNER_PACKAGE_DOC replaces its first
+    paragraph; the rest, such as a map of the modules, stays)."""
+    files = generate_tree(source_root, known_chapters=known_chapters)
+    if "__init__.py" in files:
+        files["__init__.py"] = _with_learner_docstring(files["__init__.py"].decode("utf-8")).encode("utf-8")
+    return files
+
+
+def _with_learner_docstring(source: str) -> str:
+    tree = ast.parse(source)
+    if ast.get_docstring(tree, clean=False) is None:
+        return source
+    node = tree.body[0]
+    lines = split_lines(source)
+    newline = _newline_of(lines)
+    docstring = lines[node.lineno - 1:node.end_lineno]
+    # The first paragraph ends at the docstring's first blank line (or with the docstring).
+    blank = next((i for i, line in enumerate(docstring) if not line.strip()), None)
+    headline = '"""' + LEARNER_PACKAGE_DOC.replace("\n", newline) + newline
+    rest = docstring[blank:] if blank is not None else ['"""' + newline]
+    lines[node.lineno - 1:node.end_lineno] = [headline, *rest]
+    return "".join(lines)
+
+
 def write_skeleton(source_root: Path, target_root: Path, force: bool = False,
                    known_chapters=None) -> WriteReport:
     """Regenerate `target_root` from `source_root`. Without `force`, refuses (changing
     nothing) when a file to be rewritten or removed holds a filled stub."""
     source_root, target_root = Path(source_root), Path(target_root)
-    files = generate_tree(source_root, known_chapters=known_chapters)
+    files = learner_tree(source_root, known_chapters=known_chapters)
     if not force and target_root.is_dir():
         conflicts = []
         for rel in package_files(target_root):
@@ -348,7 +403,7 @@ def _enclosing_definition(source: str, lineno: int) -> str | None:
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 name = ".".join(scope + [child.name])
                 first = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                if first <= lineno <= child.end_lineno and (best is None or first >= best[0]):
+                if first <= lineno <= (child.end_lineno or first) and (best is None or first >= best[0]):
                     best = (first, name)
                 inner = scope + [child.name] + ([] if isinstance(child, ast.ClassDef) else ["<locals>"])
                 walk(child, inner)
@@ -364,7 +419,7 @@ def check_tree(source_root: Path, target_root: Path, known_chapters=None) -> lis
     one message per difference, naming file and function. Empty when they agree. Filled
     stub bodies never count: the target's own stubs are blanked before comparing."""
     source_root, target_root = Path(source_root), Path(target_root)
-    expected = generate_tree(source_root, known_chapters=known_chapters)
+    expected = learner_tree(source_root, known_chapters=known_chapters)
     label = _label(target_root)
     if not target_root.is_dir():
         return [f"{label}/ does not exist: run `python run.py skeleton`"]
@@ -396,7 +451,7 @@ def _describe_drift(label: str, want: str, have: str) -> list[str]:
     want_lines, have_lines = split_lines(want), split_lines(have)
     matcher = difflib.SequenceMatcher(a=want_lines, b=have_lines, autojunk=False)
     messages, seen = [], set()
-    for tag, w1, w2, h1, h2 in matcher.get_opcodes():
+    for tag, w1, w2, h1, _h2 in matcher.get_opcodes():
         if tag == "equal":
             continue
         # Name the definition around the first line involved: in the expected text when

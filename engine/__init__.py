@@ -1,7 +1,40 @@
-"""The reference engine: every chapter's code, complete.
+"""Your engine, to build chapter by chapter: the course's code with the bodies of
+the stubs left for you to write. `python run.py skeleton` generated this package from the
+reference (solutions/), keeping everything but the stub bodies: a function whose
+docstring names its chapter as "(Your engine: Chapter N)" raises NotImplementedError until
+you write it, and everything else already works. Each chapter's notebook introduces its
+stubs; `pytest --impl engine tests/test_chNN_*.py` checks them and `python run.py progress`
+says where you are. Modules import each other relatively, so this package loads under any
+name.
 
-Learners work in `engine/`, which `python run.py skeleton` generates from this package by
-replacing the body of every stub (a function whose docstring says "(Your engine: Chapter N)")
-with a NotImplementedError. Modules import each other relatively, so any copy of this
-package loads under any name.
+The modules, in the order the book builds them (chapters in brackets):
+
+    cost.py            [1-2]      parameters, FLOPs and bytes from a config; step_cost, Hardware, GPUS
+    tokenizer.py       [3]        ByteTokenizer, embed, lm_logits
+    layers.py          [4, 6]     rms_norm, RMSNorm, rope_cos_sin, apply_rope
+    attention.py       [5]        causal_attention: the mask comes from positions
+    qwen3.py           [7, 9-10]  Qwen3Config, the MLP, attention, decoder layer, Qwen3ForCausalLM
+    sampling.py        [8, 16]    sample (greedy, temperature, top-k/p, min-p) and generate
+    checkpoint.py      [11]       load_checkpoint / save_checkpoint of Hugging Face directories
+    numerics.py        [12]       ulp, measure_error, tolerance_for, batch_drift
+    parity.py          [13]       compare_logits, greedy_parity: ours against another model
+    profiling.py       [14]       time_it, synchronizer, op_shares, profile_forward
+    roofline.py        [15]       matmul_flops, op_bytes, measure_hardware, measure_step
+    kv_cache.py        [16]       KVCache (one row per sequence) and ModelCache, the cache protocol
+    pipeline.py        [17]       Pipeline: checkpoint directory and text in, text out
+    decode_timing.py   [18]       decode_step_seconds, launch_overhead, decode_report
+    fast_decoder.py    [19]       StaticKVCache, FastDecoder (CUDA graphs on a GPU)
+    quant.py           [20]       int8 weight-only quantization: Int8Linear, quantize_model
+    static_batch.py    [21]       left_pad, padding_mask, generate_batch
+    workloads.py       [22]       WorkItem workloads, RequestRecord metrics, replay, StepEngine
+    chunked.py         [23]       prefill_chunked, generate_chunked
+    continuous.py      [24]       SlotKVCache, ContinuousBatchingEngine (a request per row)
+    paged.py           [25]       PagedKVCache, PrefixCache, PagedEngine (blocks shared by prefix)
+    speculative.py     [26]       propose, accept_greedy / accept_sampled, speculative_generate
+    moe.py             [27]       Qwen3MoeConfig, the sparse MoE block, Qwen3MoeForCausalLM
+    kv_quant.py        [28]       quantize_kv, QuantizedKVCache
+    flash.py           [29]       online_softmax_update, flash_attention (tiles in PyTorch)
+    triton_kernels.py  [30]       vector_add, softmax: first Triton kernels
+    serve/             [31]       the engine core: requests, scheduler, block manager, one
+                                  flat batch per step (its __init__ maps its modules)
 """

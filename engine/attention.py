@@ -4,7 +4,8 @@ import math
 import torch
 
 
-def causal_attention(q, k, v, q_pos, k_pos, allowed=None, scale=None):
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     allowed: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention with a mask built from positions.  (Your engine: Chapter 5)
 
     q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D] with H a multiple of Hkv (grouped-query

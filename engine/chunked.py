@@ -12,15 +12,22 @@ in the cache plus the earlier keys of their own chunk, and the causal rule does 
 A chunked prefill is therefore the one-shot prefill computed in pieces, and its logits
 agree with the one-shot ones up to float rounding.
 """
+from __future__ import annotations
+
 import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .kv_cache import KVCache
 from .sampling import sample
 
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
-def chunk_spans(num_tokens, chunk_size):
+
+def chunk_spans(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     """[(start, end), ...] covering 0 .. num_tokens in pieces of chunk_size (the last may be short)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
@@ -28,7 +35,8 @@ def chunk_spans(num_tokens, chunk_size):
 
 
 @torch.inference_mode()
-def prefill_chunked(model, cache, prompt_ids, chunk_size, keep_logits=False):
+def prefill_chunked(model: Qwen3ForCausalLM, cache: KVCache, prompt_ids: Sequence[int], chunk_size: int,
+                    keep_logits: bool = False) -> torch.Tensor:
     """Feed prompt_ids (list of ints) into `cache` with one model call per chunk.
     (Your engine: Chapter 23)
 
@@ -44,8 +52,10 @@ def prefill_chunked(model, cache, prompt_ids, chunk_size, keep_logits=False):
 
 
 @torch.inference_mode()
-def generate_chunked(model, prompt_ids, max_new_tokens, chunk_size, *, eos_token_id=None, stop_token_ids=(),
-                     temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, generator=None):
+def generate_chunked(model: Qwen3ForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int, chunk_size: int, *,
+                     eos_token_id: int | None = None, stop_token_ids: Iterable[int] = (), temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                     generator: torch.Generator | None = None) -> list[int]:
     """Chapter 17's generate with the prompt prefilled in chunks of chunk_size tokens.
     (Your engine: Chapter 23)
 
@@ -57,13 +67,14 @@ def generate_chunked(model, prompt_ids, max_new_tokens, chunk_size, *, eos_token
     raise NotImplementedError("Your engine: Chapter 23: generate_chunked")
 
 
-def _synchronize(device):
+def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 @torch.inference_mode()
-def serve_two(model, running_prompt, long_prompt, chunk_size=None, decode_steps=16):
+def serve_two(model: Qwen3ForCausalLM, running_prompt: Sequence[int], long_prompt: Sequence[int],
+              chunk_size: int | None = None, decode_steps: int = 16) -> dict[str, Any]:
     """A two-request picture of why servers chunk: request A is decoding when request B
     arrives with a long prompt. Each step gives A one decode token and B either its whole
     prompt (chunk_size=None: one-shot) or its next chunk, until B has its first token.

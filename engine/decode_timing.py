@@ -15,29 +15,39 @@ This module measures both:
                        explain, and what memory bandwidth it achieved.
 Timing uses Chapter 14's time_it (warm-up, device synchronisation, median).
 """
+from __future__ import annotations
+
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .cost import Hardware, step_cost
-from .kv_cache import KVCache
 from . import roofline
+from .cost import step_cost
+from .kv_cache import KVCache
 from .profiling import synchronizer, time_it
 
+if TYPE_CHECKING:
+    from .cost import Hardware
+    from .qwen3 import Qwen3ForCausalLM
 
-def _param_dtype(model):
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _device(model):
+def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
 @torch.inference_mode()
-def decode_step_seconds(model, batch, context, *, repeats=10, warmup=2):
+def decode_step_seconds(model: Qwen3ForCausalLM, batch: int, context: int, *, repeats: int = 10,
+                        warmup: int = 2) -> float:
     """Median seconds of ONE decode step: `batch` sequences, each with `context` tokens
     already in its cache, feed one new token each.  (Your engine: Chapter 18)
 
@@ -53,7 +63,8 @@ def decode_step_seconds(model, batch, context, *, repeats=10, warmup=2):
 
 
 @torch.inference_mode()
-def launch_overhead(device="cpu", *, num_ops=200, repeats=10, warmup=2):
+def launch_overhead(device: torch.device | str = "cpu", *, num_ops: int = 200, repeats: int = 10,
+                    warmup: int = 2) -> float:
     """Seconds of fixed cost per operation, measured on a chain of tiny operations.
     (Your engine: Chapter 18)
 
@@ -70,18 +81,19 @@ def launch_overhead(device="cpu", *, num_ops=200, repeats=10, warmup=2):
 class _OpCounter(TorchDispatchMode):
     """Counts the ATen operations that reach a kernel (views and metadata changes excluded)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
-        self.ops = Counter()
+        self.ops: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         if not func.is_view:
             self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
 @torch.inference_mode()
-def count_ops(model, batch=1, context=16):
+def count_ops(model: Qwen3ForCausalLM, batch: int = 1, context: int = 16) -> Counter[str]:
     """How many operations one decode step runs: a Counter {aten op name: count}.
 
     Operations that only create a view (reshape, transpose, slicing) are left out: they
@@ -98,7 +110,8 @@ def count_ops(model, batch=1, context=16):
     return counter.ops
 
 
-def measure_hardware(device="cpu", *, copy_mib=64, matmul_size=None):
+def measure_hardware(device: torch.device | str = "cpu", *, copy_mib: int = 64,
+                     matmul_size: int | None = None) -> Hardware:
     """This machine as a cost.Hardware: Chapter 15's measured roofline, sized for the device
     (a bfloat16 8192-square matmul on CUDA, where tensor cores set the peak that matters;
     float32 and 1024 on a CPU)."""
@@ -124,23 +137,25 @@ class DecodeReport:
     achieved_bandwidth: float  # bytes_moved / step_seconds
 
     @property
-    def launch_share(self):
+    def launch_share(self) -> float:
         """Part of the step the operation overhead alone accounts for (can exceed 1 when the
         chain's per-op cost overestimates a model's ops)."""
         return self.launch_seconds / self.step_seconds
 
     @property
-    def roofline_fraction(self):
+    def roofline_fraction(self) -> float:
         """How close the step came to the bound: 1.0 means as fast as the hardware allows."""
         return self.roofline_seconds / self.step_seconds
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
         out.update(launch_share=self.launch_share, roofline_fraction=self.roofline_fraction)
         return out
 
 
-def decode_report(model, batch, context, hardware, *, step_seconds=None, overhead_seconds=None, num_ops=None):
+def decode_report(model: Qwen3ForCausalLM, batch: int, context: int, hardware: Hardware, *,
+                  step_seconds: float | None = None, overhead_seconds: float | None = None,
+                  num_ops: int | None = None) -> DecodeReport:
     """Measure a decode step and explain it.  (Your engine: Chapter 18)
 
     step_seconds, overhead_seconds and num_ops are measured with decode_step_seconds,
@@ -157,7 +172,7 @@ def decode_report(model, batch, context, hardware, *, step_seconds=None, overhea
 
 
 @torch.inference_mode()
-def step_breakdown(model, batch, context, *, repeats=5):
+def step_breakdown(model: Qwen3ForCausalLM, batch: int, context: int, *, repeats: int = 5) -> dict[str, float]:
     """Where one decode step's time goes, part by part: {part: seconds}.
 
     Parts are the embedding, each decoder layer (layer.0, layer.1, ...), the final norm
@@ -170,19 +185,20 @@ def step_breakdown(model, batch, context, *, repeats=5):
     """
     device = _device(model)
     sync = synchronizer(device)
-    parts = {"embed": model.model.embed_tokens}
+    parts: dict[str, nn.Module] = {"embed": model.model.embed_tokens}
     parts.update({f"layer.{i}": layer for i, layer in enumerate(model.model.layers)})
     parts.update({"norm": model.model.norm, "lm_head": model.lm_head})
-    started, current = {}, {}
+    started: dict[str, float] = {}
+    current: dict[str, float] = {}
 
-    def enter(name):
-        def hook(module, args):
+    def enter(name: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
             sync()
             started[name] = time.perf_counter()
         return hook
 
-    def leave(name):
-        def hook(module, args, output):
+    def leave(name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
             sync()
             current[name] = time.perf_counter() - started[name]
         return hook

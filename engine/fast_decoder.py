@@ -16,12 +16,19 @@ FastDecoder makes the step static:
 On a GPU the decode step is then captured once as a torch.cuda.CUDAGraph and replayed:
 hundreds of kernel launches become one. On a CPU the same static step runs eagerly.
 """
+from __future__ import annotations
+
 import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .kv_cache import KVCache
 from .sampling import sample
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
 
 class StaticKVCache(KVCache):
@@ -32,13 +39,15 @@ class StaticKVCache(KVCache):
     length[b] .. length[b] + T - 1 and the RoPE positions to match, all computed on the
     device, so a recorded step stays correct as the sequence grows.
     """
+    length: torch.Tensor                    # type: ignore[assignment]  # KVCache keeps an int
 
-    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu"):
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         super().__init__(num_layers, batch, kv_heads, head_dim, max_len, dtype, device)
         self.length = torch.zeros(batch, dtype=torch.long, device=device)
         self.offsets = torch.arange(max_len, device=device)       # 0 .. max_len - 1, made once
 
-    def update(self, layer, k, v):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [batch, kv_heads, T, head_dim] at each row's slots length[b] .. length[b] + T - 1
         and return the WHOLE buffers k[layer], v[layer] ([batch, kv_heads, max_len, head_dim]).
         (Your engine: Chapter 19)
@@ -54,10 +63,10 @@ class StaticKVCache(KVCache):
         """
         raise NotImplementedError("Your engine: Chapter 19: StaticKVCache.update")
 
-    def advance(self, num_tokens):
+    def advance(self, num_tokens: int) -> None:
         self.length.add_(num_tokens)            # in place: a recorded graph keeps this tensor
 
-    def truncate(self, length):
+    def truncate(self, length: int) -> None:
         """Set every row's length (in place). No bounds check against the old length: that
         would read the device tensor; callers know how full they made the cache."""
         if not 0 <= length <= self.max_len:
@@ -75,7 +84,7 @@ class FastDecoder:
     use_cuda_graph: default True on CUDA, False elsewhere (a CPU has no graphs to replay).
     """
 
-    def __init__(self, model, max_len, use_cuda_graph=None):
+    def __init__(self, model: Qwen3ForCausalLM, max_len: int, use_cuda_graph: bool | None = None) -> None:
         weight = next(model.parameters())
         cfg = model.cfg
         self.model = model
@@ -91,17 +100,17 @@ class FastDecoder:
         self.filled = 0                         # host-side copy of cache.length (never read back)
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
         if use_cuda_graph:
             self.capture()
 
-    def _decode_forward(self):
+    def _decode_forward(self) -> None:
         """The step body: the only code a CUDA graph records. Reads input_ids and the cache,
         writes one K/V slot per layer, advances cache.length, fills self.logits."""
         self.logits.copy_(self.model(self.input_ids, cache=self.cache)[0, -1])
 
     @torch.inference_mode()
-    def capture(self):
+    def capture(self) -> None:
         """Record one decode step into self.graph (CUDA only).
 
         Warm-up runs go first, on a side stream as PyTorch requires: the first calls of a
@@ -126,7 +135,7 @@ class FastDecoder:
         self.filled = 0
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids):
+    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         """Start a request: empty the cache, run the whole prompt (list of ints) in one
         eager forward call, and return the logits of its last position (self.logits, [V]).
 
@@ -144,7 +153,7 @@ class FastDecoder:
         return self.logits
 
     @torch.inference_mode()
-    def step(self, token):
+    def step(self, token: int | torch.Tensor) -> torch.Tensor:
         """Feed one token at the next position; return the logits that follow it (self.logits, [V]).
         (Your engine: Chapter 19)
 
@@ -158,7 +167,8 @@ class FastDecoder:
         raise NotImplementedError("Your engine: Chapter 19: FastDecoder.step")
 
     @torch.inference_mode()
-    def generate(self, prompt_ids, max_new_tokens, eos_token_id=None, stop_token_ids=(), **sampling):
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: int | None = None,
+                 stop_token_ids: Iterable[int] = (), **sampling: Any) -> list[int]:
         """Continue prompt_ids by up to max_new_tokens; return the new tokens (list of ints).
         (Your engine: Chapter 19)
 
@@ -173,7 +183,8 @@ class FastDecoder:
 
 
 @torch.inference_mode()
-def step_latencies(model, prompt_ids, num_steps, decoder=None):
+def step_latencies(model: Qwen3ForCausalLM, prompt_ids: Sequence[int], num_steps: int,
+                   decoder: FastDecoder | None = None) -> list[float]:
     """Seconds taken by each of num_steps greedy decode steps after prefilling prompt_ids.
 
     decoder=None times Chapter 17's way of decoding: a fresh [1, 1] input tensor per step
@@ -187,11 +198,12 @@ def step_latencies(model, prompt_ids, num_steps, decoder=None):
         cache = KVCache.for_model(model, 1, len(prompt_ids) + num_steps)
         logits = model(torch.tensor([list(prompt_ids)], device=device), cache=cache)[0, -1]
 
-        def feed(token):
+        def feed_eager(token: int | torch.Tensor) -> torch.Tensor:
             return model(torch.tensor([[int(token)]], device=device), cache=cache)[0, -1]
+        feed = feed_eager
     else:
         logits, feed = decoder.prefill(prompt_ids), decoder.step
-    times = []
+    times: list[float] = []
     for _ in range(num_steps):
         token = sample(logits)
         sync()

@@ -1,5 +1,29 @@
 """Chapter 16: a contiguous KV cache, one preallocated row per sequence."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
 import torch
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
+
+
+class ModelCache(Protocol):
+    """What Qwen3Model asks of a cache: this KVCache, Chapter 24's rows of a slot cache and
+    Chapter 28's quantized cache all speak it.
+
+    length: the filled slots before this call (an int, or a long tensor [B] of per-row
+    lengths); update(layer, k, v) stores a layer's new keys and values and returns every key
+    and value so far; advance(T) moves `length` once every layer has written.
+    """
+
+    @property
+    def length(self) -> int | torch.Tensor: ...
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def advance(self, num_tokens: int) -> None: ...
 
 
 class KVCache:
@@ -11,7 +35,8 @@ class KVCache:
     calls `advance` once after the last layer, so every layer of a step sees the same start.
     """
 
-    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu"):
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (batch, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -19,13 +44,13 @@ class KVCache:
         self.length = 0
 
     @classmethod
-    def for_model(cls, model, batch, max_len):
+    def for_model(cls, model: Qwen3ForCausalLM, batch: int, max_len: int) -> KVCache:
         """A cache shaped for `model` (its config, dtype and device)."""
         cfg, weight = model.cfg, next(model.parameters())
         return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, max_len,
                    weight.dtype, weight.device)
 
-    def update(self, layer, k, v):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [batch, kv_heads, T, head_dim] at slots length .. length + T - 1 and
         return the keys and values of slots 0 .. length + T - 1.  (Your engine: Chapter 16)
 
@@ -34,15 +59,15 @@ class KVCache:
         """
         raise NotImplementedError("Your engine: Chapter 16: KVCache.update")
 
-    def advance(self, num_tokens):
+    def advance(self, num_tokens: int) -> None:
         self.length += num_tokens
 
-    def truncate(self, length):
+    def truncate(self, length: int) -> None:
         """Forget every slot from `length` on (speculative decoding rolls back this way)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a {self.length}-token cache to {length}")
         self.length = length
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -10,9 +10,17 @@ update / advance / truncate and gets float keys and values back, so Qwen3 runs u
 It dequantizes the whole prefix at every step, which is slow on purpose: the point here is
 the numbers. Chapter 32's kernels read the 8-bit pool directly and scale inside attention.
 """
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 FORMATS = {
     # name: (storage dtype, largest representable magnitude)
@@ -21,7 +29,7 @@ FORMATS = {
 }
 
 
-def quantize_kv(x, fmt="int8"):
+def quantize_kv(x: torch.Tensor, fmt: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the last axis of x with one scale per vector.  (Your engine: Chapter 28)
 
     x: [..., head_dim] float (one vector per token and head). scale = max|x| / qmax over
@@ -35,7 +43,7 @@ def quantize_kv(x, fmt="int8"):
     raise NotImplementedError("Your engine: Chapter 28: quantize_kv")
 
 
-def dequantize_kv(codes, scale, dtype=torch.float32):
+def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes [..., D] and scale [...] -> codes * scale in `dtype`."""
     return (codes.float() * scale[..., None]).to(dtype)
 
@@ -45,8 +53,8 @@ class QuantizedKVCache(KVCache):
     head_dim]; k_scale[layer], v_scale[layer] hold float32 scales [batch, kv_heads, max_len].
     `dtype` is what update returns (the model's dtype); `fmt` is "int8" or "fp8"."""
 
-    def __init__(self, num_layers, batch, kv_heads, head_dim, max_len, dtype=torch.float32, device="cpu",
-                 fmt="int8"):
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", fmt: str = "int8") -> None:
         qdtype = FORMATS[fmt][0]
         super().__init__(num_layers, batch, kv_heads, head_dim, max_len, qdtype, device)
         scale_shape = (batch, kv_heads, max_len)
@@ -55,12 +63,12 @@ class QuantizedKVCache(KVCache):
         self.fmt, self.dtype = fmt, dtype
 
     @classmethod
-    def for_model(cls, model, batch, max_len, fmt="int8"):
+    def for_model(cls, model: Qwen3ForCausalLM, batch: int, max_len: int, fmt: str = "int8") -> QuantizedKVCache:
         cfg, weight = model.cfg, next(model.parameters())
         return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, max_len,
                    weight.dtype, weight.device, fmt)
 
-    def update(self, layer, k, v):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize and store the new keys and values; return ALL keys and values so far,
         dequantized.  (Your engine: Chapter 28)
 
@@ -75,11 +83,11 @@ class QuantizedKVCache(KVCache):
         raise NotImplementedError("Your engine: Chapter 28: QuantizedKVCache.update")
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return super().nbytes + sum(t.numel() * t.element_size() for t in self.k_scale + self.v_scale)
 
 
-def kv_bytes_per_token(cfg, dtype=torch.bfloat16, fmt=None):
+def kv_bytes_per_token(cfg: Qwen3Config, dtype: torch.dtype = torch.bfloat16, fmt: str | None = None) -> int:
     """Bytes of K and V one token occupies across all layers: float storage in `dtype`, or
     8-bit codes plus one float32 scale per kv head when fmt is "int8"/"fp8"."""
     per_head = cfg.head_dim * torch.tensor([], dtype=dtype).element_size() if fmt is None else cfg.head_dim + 4
@@ -87,7 +95,8 @@ def kv_bytes_per_token(cfg, dtype=torch.bfloat16, fmt=None):
 
 
 @torch.inference_mode()
-def greedy_with_cache(model, prompt_ids, max_new_tokens, cache, forced=None):
+def greedy_with_cache(model: Qwen3ForCausalLM, prompt_ids: Sequence[int], max_new_tokens: int, cache: KVCache,
+                      forced: Sequence[int] | None = None) -> tuple[list[int], torch.Tensor]:
     """Greedy decoding through any cache with KVCache's protocol (float or quantized):
     prefill once, then one token per step. Returns (new tokens, logits [max_new_tokens, vocab]).
 

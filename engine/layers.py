@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 
-def rms_norm(x, weight, eps=1e-6):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Normalise the last axis to unit root-mean-square, then scale.  (Your engine: Chapter 4)
 
     y = x / sqrt(mean(x^2, last axis) + eps) * weight. The statistic is computed in float32
@@ -16,16 +16,17 @@ def rms_norm(x, weight, eps=1e-6):
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis with a learned per-channel scale (initialised to ones)."""
 
-    def __init__(self, dim, eps=1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(positions, head_dim, theta, dtype=torch.float32):
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables for rotary embeddings.  (Your engine: Chapter 6)
 
     positions: int tensor [T] or [B, T]. Returns cos, sin of shape [1, 1, T, head_dim]
@@ -38,13 +39,13 @@ def rope_cos_sin(positions, head_dim, theta, dtype=torch.float32):
     raise NotImplementedError("Your engine: Chapter 6: rope_cos_sin")
 
 
-def rotate_half(x):
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """(x1, x2) -> (-x2, x1) on the two halves of the last axis."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rope(x, cos, sin):
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each channel pair (c, c + D/2) of x by its position's angle.  (Your engine: Chapter 6)
 
     x: [..., D] with cos/sin broadcastable to it ([B, 1, T, D] for [B, H, T, D] inputs,

@@ -9,17 +9,25 @@ was sure of its choice is a bug.
 The models may be ours or transformers' (whose forward returns an object with .logits);
 `logits_of` hides the difference, so the harness needs nothing else from either.
 """
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
+
+# Greedy generation as the parity check calls it: (model, prompt_ids, max_new_tokens) -> new ids.
+GenerateFn = Callable[[nn.Module, Sequence[int], int], Sequence[int]]
 
 
-def _device_of(model):
+def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
 @torch.inference_mode()
-def logits_of(model, token_ids):
+def logits_of(model: nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits [T, vocab] (float64, on the CPU) of one sequence (a list of ints), for our
     model or a transformers model alike."""
     ids = torch.tensor([list(token_ids)], device=_device_of(model))
@@ -28,7 +36,7 @@ def logits_of(model, token_ids):
     return out[0].double().cpu()
 
 
-def greedy_tokens(model, prompt_ids, max_new_tokens):
+def greedy_tokens(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by full recompute (argmax, lowest id on ties), through
     logits_of, so it works for either kind of model."""
     tokens = list(prompt_ids)
@@ -43,19 +51,19 @@ class LogitParity:
     max_abs: float                  # largest |a - b| over every prompt, position and token
     mean_abs: float                 # mean |a - b| over the same
     argmax_agreement: float         # fraction of positions where both pick the same token
-    per_position: list = field(default_factory=list)   # per prompt: [max |a - b| at each position]
-    worst: tuple = (0, 0)           # (prompt index, position) of max_abs
+    per_position: list[list[float]] = field(default_factory=list)   # per prompt: [max |a - b| at each position]
+    worst: tuple[int, int] = (0, 0)  # (prompt index, position) of max_abs
 
-    def first_position_over(self, atol):
+    def first_position_over(self, atol: float) -> list[int | None]:
         """Per prompt, the first position whose logits differ by more than atol (or None)."""
         return [next((t for t, d in enumerate(row) if d > atol), None) for row in self.per_position]
 
-    def __str__(self):
+    def __str__(self) -> str:
         return (f"max |diff| {self.max_abs:.3g} (prompt {self.worst[0]}, position {self.worst[1]}), "
                 f"mean |diff| {self.mean_abs:.3g}, argmax agreement {self.argmax_agreement:.1%}")
 
 
-def compare_logits(model_a, model_b, prompts):
+def compare_logits(model_a: nn.Module, model_b: nn.Module, prompts: Sequence[Sequence[int]]) -> LogitParity:
     """Logit parity of two models on a list of prompts.  (Your engine: Chapter 13)
 
     prompts: list of lists of token ids (any lengths; each runs alone, so no padding).
@@ -75,17 +83,17 @@ class Divergence:
     step: int                       # index of the first differing generated token (0 = first new token)
     expected: int                   # model a's token there
     got: int                        # model b's token there
-    context: list                   # the tokens both models saw before choosing: prompt + agreed tokens
+    context: list[int]              # the tokens both models saw before choosing: prompt + agreed tokens
     margin_a: float                 # in model a: logit[expected] - logit[got] (how sure a was)
     margin_b: float                 # in model b: logit[got] - logit[expected] (how sure b was)
 
-    def __str__(self):
+    def __str__(self) -> str:
         tail = self.context[-8:]
         return (f"prompt {self.prompt_index}, step {self.step}: expected token {self.expected}, got {self.got} "
                 f"after ...{tail} (margins: a {self.margin_a:.3g}, b {self.margin_b:.3g})")
 
 
-def first_difference(a, b):
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first position where two token lists differ (a shorter list differs
     where it ends), or None when they are equal."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -94,7 +102,8 @@ def first_difference(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def greedy_parity(model_a, model_b, prompts, max_new_tokens, generate_a=None, generate_b=None):
+def greedy_parity(model_a: nn.Module, model_b: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  generate_a: GenerateFn | None = None, generate_b: GenerateFn | None = None) -> list[Divergence]:
     """Greedy-generate from both models and report every prompt where they part.  (Your engine: Chapter 13)
 
     generate_a / generate_b: functions (model, prompt_ids, max_new_tokens) -> new token ids;
@@ -108,7 +117,8 @@ def greedy_parity(model_a, model_b, prompts, max_new_tokens, generate_a=None, ge
     raise NotImplementedError("Your engine: Chapter 13: greedy_parity")
 
 
-def parity_report(model_a, model_b, prompts, max_new_tokens, atol):
+def parity_report(model_a: nn.Module, model_b: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  atol: float) -> dict[str, Any]:
     """Both checks in one dict (what `python run.py parity` prints): logit statistics, the
     first position over atol per prompt, and the greedy divergences as strings."""
     logits = compare_logits(model_a, model_b, prompts)

@@ -6,10 +6,14 @@ text into ids, Chapter 16's cached generate continues them, and the stop tokens 
 checkpoint declares end the answer. Glue is where end-to-end bugs live: the wrong stop
 token, a prompt decoded together with the answer, a BOS the model never saw in training.
 """
+from __future__ import annotations
+
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,15 +22,26 @@ from .profiling import synchronizer
 from .sampling import generate
 from .tokenizer import ByteTokenizer
 
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
+
 GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def _read_json(file):
+class TextTokenizer(Protocol):
+    """What the pipeline needs of a tokenizer: ByteTokenizer, HFTokenizer, Chapter 36's BPE."""
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str: ...
+
+
+def _read_json(file: Path) -> dict[str, Any]:
     return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
 
 
-def stop_token_ids(path):
+def stop_token_ids(path: str | Path) -> tuple[int, ...]:
     """Every token id that ends a generation for the checkpoint directory `path`.  (Your engine: Chapter 17)
 
     Two files may name end-of-sequence ids, each as an int, a list of ints, or not at all:
@@ -45,21 +60,21 @@ class HFTokenizer:
     """A checkpoint's own tokenizer (tokenizer.json, read by transformers), behind the same
     encode/decode interface as ByteTokenizer. Chapter 36 replaces it with our own BPE."""
 
-    def __init__(self, path):
+    def __init__(self, path: str | Path) -> None:
         from transformers import AutoTokenizer
         self.inner = AutoTokenizer.from_pretrained(str(path))
         self.bos_token_id = self.inner.bos_token_id
         self.eos_token_id = self.inner.eos_token_id
         self.vocab_size = len(self.inner)
 
-    def encode(self, text, add_bos=False):
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self.inner.encode(text, add_special_tokens=False)
         return [self.bos_token_id] + ids if add_bos and self.bos_token_id is not None else ids
 
-    def decode(self, ids, skip_special=True):
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.inner.decode([int(t) for t in ids], skip_special_tokens=skip_special)
 
-    def chat_prompt(self, user_text):
+    def chat_prompt(self, user_text: str) -> list[int]:
         """The ids of a one-turn chat in the checkpoint's own template (thinking off)."""
         messages = [{"role": "user", "content": user_text}]
         text = self.inner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -67,7 +82,7 @@ class HFTokenizer:
         return self.inner.encode(text, add_special_tokens=False)
 
 
-def load_tokenizer(path, vocab_size):
+def load_tokenizer(path: str | Path, vocab_size: int) -> TextTokenizer:
     """The tokenizer for a checkpoint: its tokenizer.json when it ships one, else the byte
     tokenizer (the tiny test checkpoints have none; their vocabulary is bytes + specials)."""
     if (Path(path) / TOKENIZER_FILE).is_file():
@@ -83,41 +98,43 @@ class Completion:
     "length" (max_new_tokens reached) or "context" (the model's context limit reached).
     """
     text: str
-    token_ids: list
-    prompt_ids: list
+    token_ids: list[int]
+    prompt_ids: list[int]
     finish_reason: str
     seconds: float
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def tokens_per_second(self):
+    def tokens_per_second(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else float("inf")
 
 
 class Pipeline:
     """A model, its tokenizer and its stop tokens: text in, text out."""
 
-    def __init__(self, model, tokenizer, stop_ids=(), add_bos=False):
+    def __init__(self, model: Qwen3ForCausalLM, tokenizer: TextTokenizer, stop_ids: Iterable[int] = (),
+                 add_bos: bool = False) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.stop_ids = tuple(stop_ids)
         self.add_bos = add_bos
         self.device = next(model.parameters()).device
 
     @classmethod
-    def from_pretrained(cls, path, dtype=None, device=None):
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> Pipeline:
         """Load the checkpoint directory `path` (Chapter 11), its tokenizer and stop ids."""
         model = load_checkpoint(path, dtype=dtype, device=device)
         tokenizer = load_tokenizer(path, model.cfg.vocab_size)
         return cls(model, tokenizer, stop_token_ids(path))
 
-    def encode(self, prompt):
+    def encode(self, prompt: str | Iterable[int]) -> list[int]:
         """A str through the tokenizer; a list of ints as it is."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_bos=self.add_bos)
         return [int(t) for t in prompt]
 
-    def complete(self, prompt, max_new_tokens=32, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                 seed=None):
+    def complete(self, prompt: str | Iterable[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None) -> Completion:
         """Continue `prompt` and return a Completion.  (Your engine: Chapter 17)
 
         prompt: a str (encoded with self.encode) or a list of ids. Generate with Chapter 16's

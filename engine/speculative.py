@@ -10,13 +10,20 @@ overwritten by the next step.
 Greedy speculative decoding emits exactly the target's own greedy tokens. With sampling,
 the accept/reject rule of `accept_sampled` keeps the target's distribution exactly.
 """
+from __future__ import annotations
+
 import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
 
 @dataclass
@@ -29,16 +36,16 @@ class SpecStats:
     draft_forwards: int = 0      # prefill + proposal calls of the draft
 
     @property
-    def acceptance_rate(self):
+    def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
-    def tokens_per_target_forward(self):
+    def tokens_per_target_forward(self) -> float:
         """Emitted tokens per target forward; plain decoding gets exactly 1."""
         return self.emitted / self.target_forwards if self.target_forwards else 0.0
 
 
-def truncated_draft(target, num_layers=1):
+def truncated_draft(target: Qwen3ForCausalLM, num_layers: int = 1) -> Qwen3ForCausalLM:
     """A draft model made of the target's first `num_layers` layers, its final norm and
     its LM head. The modules are shared, not copied: the draft costs no extra weight memory,
     and since it starts from the same embedding and ends with the same head, its guesses
@@ -55,13 +62,14 @@ def truncated_draft(target, num_layers=1):
     return draft
 
 
-def _last_logits(model, feed, cache):
+def _last_logits(model: Qwen3ForCausalLM, feed: Sequence[int], cache: KVCache) -> torch.Tensor:
     device = next(model.parameters()).device
     return model(torch.tensor([feed], device=device), cache=cache)[0]
 
 
 @torch.inference_mode()
-def propose(draft, cache, feed, k, temperature=0.0, generator=None):
+def propose(draft: Qwen3ForCausalLM, cache: KVCache, feed: Sequence[int], k: int, temperature: float = 0.0,
+            generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
     """Let the draft guess the next k tokens.  (Your engine: Chapter 26)
 
     feed: the committed tokens the draft's cache has not seen yet (at least one: the last
@@ -76,7 +84,7 @@ def propose(draft, cache, feed, k, temperature=0.0, generator=None):
     raise NotImplementedError("Your engine: Chapter 26: propose")
 
 
-def accept_greedy(target_logits, draft_tokens):
+def accept_greedy(target_logits: torch.Tensor, draft_tokens: Sequence[int]) -> list[int]:
     """Which guesses the target agrees with, and the token it adds.  (Your engine: Chapter 26)
 
     target_logits: [k + 1, vocab], the target's logits after feeding the last committed
@@ -90,7 +98,8 @@ def accept_greedy(target_logits, draft_tokens):
     raise NotImplementedError("Your engine: Chapter 26: accept_greedy")
 
 
-def accept_sampled(target_probs, draft_probs, draft_tokens, generator=None):
+def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: Sequence[int],
+                   generator: torch.Generator | None = None) -> list[int]:
     """Speculative sampling: accept or resample so the output follows the target.  (Your engine: Chapter 26)
 
     target_probs: [k + 1, vocab] (rows as in accept_greedy, after temperature);
@@ -106,7 +115,7 @@ def accept_sampled(target_probs, draft_probs, draft_tokens, generator=None):
     raise NotImplementedError("Your engine: Chapter 26: accept_sampled")
 
 
-def _stop_index(tokens, eos_token_id, stop_token_ids):
+def _stop_index(tokens: Sequence[int], eos_token_id: int | None, stop_token_ids: Iterable[int]) -> int | None:
     for i, token in enumerate(tokens):
         if token == eos_token_id or token in stop_token_ids:
             return i
@@ -114,8 +123,10 @@ def _stop_index(tokens, eos_token_id, stop_token_ids):
 
 
 @torch.inference_mode()
-def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, *, eos_token_id=None,
-                         stop_token_ids=(), temperature=0.0, generator=None, stats=None):
+def speculative_generate(target: Qwen3ForCausalLM, draft: Qwen3ForCausalLM, prompt_ids: Sequence[int],
+                         max_new_tokens: int, k: int = 4, *, eos_token_id: int | None = None,
+                         stop_token_ids: Iterable[int] = (), temperature: float = 0.0,
+                         generator: torch.Generator | None = None, stats: SpecStats | None = None) -> list[int]:
     """Generate with draft-and-verify; same contract as sampling.generate.  (Your engine: Chapter 26)
 
     Both models keep their own KVCache (size: prompt + max_new_tokens + k + 1). Prefill

@@ -13,13 +13,22 @@ Three things keep the padding invisible:
   * the cache: one KVCache row per prompt; the pad slots hold keys nobody reads.
 With those, each row's greedy output equals its solo `generate`, token for token.
 """
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
 import torch
 
 from .kv_cache import KVCache
 from .sampling import sample
 
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
-def left_pad(prompts, pad_id=0, device="cpu"):
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack prompts (lists of ints, lengths L_b) into a left-padded batch.  (Your engine: Chapter 21)
 
     Returns (input_ids, positions, pad_lens):
@@ -33,7 +42,7 @@ def left_pad(prompts, pad_id=0, device="cpu"):
     raise NotImplementedError("Your engine: Chapter 21: left_pad")
 
 
-def padding_mask(pad_lens, num_slots):
+def padding_mask(pad_lens: torch.Tensor, num_slots: int) -> torch.Tensor:
     """Which cache slots each row may attend to: bool [B, 1, 1, num_slots].  (Your engine: Chapter 21)
 
     Slot j of row b is a real token exactly when j >= pad_lens[b]. The result goes to the
@@ -46,7 +55,7 @@ def padding_mask(pad_lens, num_slots):
     raise NotImplementedError("Your engine: Chapter 21: padding_mask")
 
 
-def padding_waste(prompt_lens, output_lens=None):
+def padding_waste(prompt_lens: Iterable[int], output_lens: Sequence[int] | None = None) -> dict[str, float]:
     """Fractions of a static batch's token slots that hold no real token.
 
     prompt_lens: each row's prompt length; output_lens: how many tokens each row actually
@@ -70,8 +79,10 @@ def padding_waste(prompt_lens, output_lens=None):
 
 
 @torch.inference_mode()
-def generate_batch(model, prompts, max_new_tokens, *, eos_token_id=None, stop_token_ids=(), pad_id=0,
-                   temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, generator=None):
+def generate_batch(model: Qwen3ForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                   eos_token_id: int | None = None, stop_token_ids: Iterable[int] = (), pad_id: int = 0,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                   generator: torch.Generator | None = None) -> list[list[int]]:
     """Generate for every prompt at once; returns one list of new tokens per prompt.
     (Your engine: Chapter 21)
 

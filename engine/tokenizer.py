@@ -4,6 +4,8 @@ The byte tokenizer is the smallest tokenizer that can represent every string: a 
 one UTF-8 byte. It is what the tiny test model speaks (vocab_size 320 = 256 bytes + 64
 special ids). Real checkpoints ship a byte-level BPE tokenizer, which Chapter 36 builds.
 """
+from collections.abc import Iterable
+
 import torch
 from torch.nn import functional as F
 
@@ -21,7 +23,7 @@ class ByteTokenizer:
     that appends ids itself) puts a special id into a sequence.
     """
 
-    def __init__(self, vocab_size=320):
+    def __init__(self, vocab_size: int = 320) -> None:
         if vocab_size < NUM_BYTES + len(SPECIAL_TOKENS):
             raise ValueError(f"a byte tokenizer needs at least {NUM_BYTES + len(SPECIAL_TOKENS)} ids")
         self.vocab_size = vocab_size
@@ -32,10 +34,10 @@ class ByteTokenizer:
         self.eos_token_id = SPECIAL_TOKENS["<|eos|>"]
         self.pad_token_id = SPECIAL_TOKENS["<|pad|>"]
 
-    def is_special(self, token_id):
+    def is_special(self, token_id: int) -> bool:
         return NUM_BYTES <= token_id < self.vocab_size
 
-    def encode(self, text, add_bos=False):
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """A str -> a list of ints, one per UTF-8 byte.  (Your engine: Chapter 3)
 
         Characters outside ASCII take 2-4 bytes each ("é" is [195, 169]), so the list is
@@ -44,7 +46,7 @@ class ByteTokenizer:
         """
         raise NotImplementedError("Your engine: Chapter 3: ByteTokenizer.encode")
 
-    def decode(self, ids, skip_special=True):
+    def decode(self, ids: Iterable[int] | torch.Tensor, skip_special: bool = True) -> str:
         """A sequence of ints (or a 1-D tensor) -> str.  (Your engine: Chapter 3)
 
         Collect the bytes and decode them as UTF-8 in one go, not id by id: a character's
@@ -55,7 +57,7 @@ class ByteTokenizer:
         """
         raise NotImplementedError("Your engine: Chapter 3: ByteTokenizer.decode")
 
-    def token_to_str(self, token_id):
+    def token_to_str(self, token_id: int) -> str:
         """A readable label for one id: the character of a printable ASCII byte, '\\xNN' for
         other bytes, the name of a special id. For tables and plots."""
         if self.is_special(token_id):
@@ -65,7 +67,7 @@ class ByteTokenizer:
         return f"\\x{token_id:02x}"
 
 
-def embed(ids, table):
+def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Look up the embedding row of every token id.  (Your engine: Chapter 3)
 
     ids: int64 tensor of any shape [...]; table: [vocab, hidden]. Returns [..., hidden] in
@@ -76,7 +78,7 @@ def embed(ids, table):
     raise NotImplementedError("Your engine: Chapter 3: embed")
 
 
-def lm_logits(hidden, weight):
+def lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Score every vocabulary entry against the final hidden states.  (Your engine: Chapter 3)
 
     hidden: [..., hidden_size]; weight: [vocab, hidden_size] (the LM head; with tied
@@ -87,6 +89,6 @@ def lm_logits(hidden, weight):
     raise NotImplementedError("Your engine: Chapter 3: lm_logits")
 
 
-def one_hot_embed(ids, table):
+def one_hot_embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The same lookup as a matrix product, for comparison: one_hot(ids) @ table."""
     return F.one_hot(ids, table.shape[0]).to(table.dtype) @ table

@@ -7,14 +7,18 @@ is nearly the identity; what the loader really does is check: every parameter pr
 once, no stray tensors, every shape as the config promises, then cast and place each
 tensor as it is read, so a model never exists twice in memory.
 """
+from __future__ import annotations
+
 import json
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from .qwen3 import Qwen3Config, Qwen3ForCausalLM
 
@@ -33,7 +37,7 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot become our model. The message names the file and tensor."""
 
 
-def read_config(path):
+def read_config(path: str | Path) -> tuple[Qwen3Config, dict[str, Any]]:
     """config.json of the directory `path` -> (Qwen3Config, the raw dict).
 
     Refuses a config that does not describe a Qwen3 (model_type / architectures), because
@@ -56,7 +60,7 @@ def read_config(path):
     return Qwen3Config.from_dict(raw), raw
 
 
-def tensor_locations(path):
+def tensor_locations(path: str | Path) -> dict[str, Path]:
     """Which safetensors file holds each tensor: {tensor name: Path}.  (Your engine: Chapter 11)
 
     A directory has either model.safetensors.index.json (sharded: its "weight_map" maps
@@ -87,7 +91,7 @@ def tensor_locations(path):
     raise CheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} found (the directory holds {present})")
 
 
-def match_names(locations, parameter_names, tied):
+def match_names(locations: dict[str, Path], parameter_names: Iterable[str], tied: bool) -> dict[str, str]:
     """Pair each checkpoint tensor with one of our parameters.  (Your engine: Chapter 11)
 
     locations: {checkpoint tensor name: file} from tensor_locations; parameter_names: our
@@ -105,7 +109,7 @@ def match_names(locations, parameter_names, tied):
     wanted = set(parameter_names)
     if tied:
         wanted.discard("lm_head.weight")
-    pairs = {}
+    pairs: dict[str, str] = {}
     for name, file in locations.items():
         if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
@@ -123,7 +127,7 @@ def match_names(locations, parameter_names, tied):
     return pairs
 
 
-def _resolve_dtype(dtype, raw_config, locations):
+def _resolve_dtype(dtype: torch.dtype | None, raw_config: dict[str, Any], locations: dict[str, Path]) -> torch.dtype:
     if dtype is not None:
         return dtype
     named = raw_config.get("dtype") or raw_config.get("torch_dtype")
@@ -136,7 +140,7 @@ def _resolve_dtype(dtype, raw_config, locations):
 
 
 @contextmanager
-def skip_init():
+def skip_init() -> Iterator[None]:
     """Skip nn.Linear / nn.Embedding random initialisation while the model is built on
     "meta": the values would be thrown away, and drawing them on meta is slow."""
     names = ("normal_", "uniform_", "kaiming_uniform_")
@@ -150,12 +154,13 @@ def skip_init():
             setattr(nn.init, n, fn)
 
 
-def _set_parameter(model, name, tensor):
+def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
 
 
-def load_checkpoint(path, dtype=None, device=None):
+def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> Qwen3ForCausalLM:
     """A Hugging Face Qwen3 directory -> Qwen3ForCausalLM in eval mode.  (Your engine: Chapter 11)
 
     dtype: the parameter dtype (None: the config's "dtype"/"torch_dtype", else the file's);
@@ -176,7 +181,7 @@ def load_checkpoint(path, dtype=None, device=None):
     pairs = match_names(locations, expected, cfg.tie_word_embeddings)
     dtype = _resolve_dtype(dtype, raw, locations)
     device = torch.device(device if device is not None else "cpu")
-    by_file = {}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
     for name, ours in pairs.items():
         by_file.setdefault(locations[name], []).append((name, ours))
     for file, names in by_file.items():
@@ -195,7 +200,7 @@ def load_checkpoint(path, dtype=None, device=None):
     return model.eval()
 
 
-def save_checkpoint(model, path, max_shard_bytes=None):
+def save_checkpoint(model: Qwen3ForCausalLM, path: str | Path, max_shard_bytes: int | None = None) -> list[str]:
     """Write `model` as a Hugging Face-style directory that load_checkpoint (and
     transformers' from_pretrained) reads: config.json plus model.safetensors, or shards of
     at most max_shard_bytes each (a tensor larger than that gets a shard of its own) and
@@ -214,7 +219,8 @@ def save_checkpoint(model, path, max_shard_bytes=None):
     if max_shard_bytes is None:
         save_file(tensors, root / SINGLE_FILE, metadata={"format": "pt"})
         return [CONFIG_FILE, SINGLE_FILE]
-    shards, size = [[]], 0
+    shards: list[list[str]] = [[]]
+    size = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
@@ -234,7 +240,7 @@ def save_checkpoint(model, path, max_shard_bytes=None):
     return [CONFIG_FILE, INDEX_FILE, *files]
 
 
-def inventory(path):
+def inventory(path: str | Path) -> list[dict[str, Any]]:
     """Every tensor of a checkpoint directory without loading data: a list of dicts with
     name, file, shape, dtype (as safetensors spells it) and nbytes, in file order."""
     sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
@@ -251,3 +257,106 @@ def inventory(path):
                 rows.append(dict(name=name, file=file.name, shape=shape, dtype=kind,
                                  nbytes=count * sizes.get(kind, 0)))
     return rows
+
+
+# --- Chapters 39 and 42: any family, from a directory or a GGUF file --------------------------
+
+def _install(model: Qwen3ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: Path,
+             dtype: torch.dtype, device: torch.device, tied: bool,
+             deferred: Collection[str] = ()) -> Qwen3ForCausalLM:
+    """Put (our name, tensor) pairs into a model built on "meta": each shape checked against
+    the parameter's, cast and moved as it arrives; every parameter provided once, except
+    the names in `deferred` (a collection read after the loop: weights that another step
+    installs)."""
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if tied:
+        expected.pop("lm_head.weight", None)
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        if name not in expected:
+            raise CheckpointError(f"unexpected tensor {name!r} in {source}: it matches no parameter of "
+                                  f"{type(model).__name__}")
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(f"tensor {name!r} in {source} has shape {tuple(tensor.shape)}, but the config "
+                                  f"gives it the shape {expected[name]}")
+        _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+        seen.add(name)
+    missing = sorted(set(expected) - seen - set(deferred))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+              keep_quantized: bool = False) -> Qwen3ForCausalLM:
+    """A GGUF file -> the model of its family (general.architecture), in eval mode.
+
+    Tensors are dequantized to `dtype` (default float32) and moved to `device` one at a
+    time, straight from the memory map. With keep_quantized, quantized projection weights
+    stay in their blocks as gguf.GGUFLinear modules (dequantized at each call); the
+    embedding, norms and float tensors are dense."""
+    from .families import build_model
+    from .gguf import GGUFFile, GGUFLinear, hf_config, hf_name, hf_state
+    gguf = GGUFFile(path)
+    config = hf_config(gguf)
+    with torch.device("meta"), skip_init():
+        model = build_model(config)
+    target = torch.device(device if device is not None else "cpu")
+    blocks: dict[str, torch.Tensor] = {}          # our weight name -> uint8 blocks kept quantized
+
+    def dense() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in hf_state(gguf, config, keep_quantized):
+            if tensor.dtype == torch.uint8:
+                blocks[name] = tensor
+            else:
+                yield name, tensor
+
+    _install(model, dense(), gguf.path, dtype or torch.float32, target, model.cfg.tie_word_embeddings, blocks)
+    type_ids = {hf_name(name): info.type_id for name, info in gguf.tensors.items()}
+    for name, data in blocks.items():
+        owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+        dense_shape = tuple(model.get_parameter(name).shape)
+        quantized = GGUFLinear(data.to(target), type_ids[name], dense_shape[1])
+        if quantized.weight.shape != dense_shape:
+            raise CheckpointError(f"tensor {name!r} in {gguf.path} holds {tuple(quantized.weight.shape)}, "
+                                  f"the config gives {dense_shape}")
+        setattr(model.get_submodule(owner), leaf, quantized)
+    return model
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+               keep_quantized: bool = False) -> Qwen3ForCausalLM:
+    """Any checkpoint -> its family's model: a GGUF file (load_gguf), or a Hugging Face
+    directory whose config.json's "architectures" picks the family (Qwen3 through
+    load_checkpoint; ValueError naming the known architectures for an unknown one)."""
+    source = Path(path)
+    if source.is_file() and source.suffix == ".gguf":
+        return load_gguf(source, dtype, device, keep_quantized)
+    if keep_quantized:
+        raise CheckpointError(f"{source}: keep_quantized applies to GGUF files only")
+    from .families import FAMILIES, family_for
+    file = source / CONFIG_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{source}: neither a .gguf file nor a directory with {CONFIG_FILE}")
+    raw = json.loads(file.read_text(encoding="utf-8"))
+    family = family_for(raw)
+    if family is FAMILIES["qwen3"]:
+        return load_checkpoint(source, dtype, device)
+    with torch.device("meta"), skip_init():
+        model = family.model_class(family.config_class.from_dict(raw))
+    locations = tensor_locations(source)
+    parameter_dtype = _resolve_dtype(dtype, raw, locations)
+    target = torch.device(device if device is not None else "cpu")
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in sorted(set(locations.values())):
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    yield (name if name.startswith(("model.", "lm_head.")) else f"model.{name}"), \
+                        handle.get_tensor(name)
+
+    return _install(model, tensors(), source, parameter_dtype, target, model.cfg.tie_word_embeddings)

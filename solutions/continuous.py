@@ -20,12 +20,19 @@ of different lengths share one call without padding the queries.
 The price of this design is memory: every slot reserves slot_len tokens of K/V whether its
 request uses 20 of them or 300. Chapter 25 removes that waste with a paged cache.
 """
+from __future__ import annotations
+
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from .workloads import run_to_completion
+from .workloads import WorkItem, run_to_completion
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
 
 class SlotKVCache:
@@ -37,7 +44,8 @@ class SlotKVCache:
     protocol Qwen3Model expects (length, update, advance).
     """
 
-    def __init__(self, num_layers, num_slots, kv_heads, head_dim, slot_len, dtype=torch.float32, device="cpu"):
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, slot_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (num_slots, kv_heads, slot_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -46,20 +54,20 @@ class SlotKVCache:
         self.lengths = [0] * num_slots
 
     @classmethod
-    def for_model(cls, model, num_slots, slot_len):
+    def for_model(cls, model: Qwen3ForCausalLM, num_slots: int, slot_len: int) -> SlotKVCache:
         cfg, weight = model.cfg, next(model.parameters())
         return cls(cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, cfg.head_dim, slot_len,
                    weight.dtype, weight.device)
 
-    def rows(self, slot_ids):
+    def rows(self, slot_ids: Iterable[int]) -> SlotRows:
         return SlotRows(self, list(slot_ids))
 
-    def reset(self, slot):
+    def reset(self, slot: int) -> None:
         """Forget slot's contents (its stale keys stay in memory but lie beyond length 0)."""
         self.lengths[slot] = 0
 
     @property
-    def nbytes(self):
+    def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
@@ -71,18 +79,18 @@ class SlotRows:
     rows' own lengths, which makes the model place every row's tokens at that row's end.
     """
 
-    def __init__(self, cache, slot_ids):
+    def __init__(self, cache: SlotKVCache, slot_ids: list[int]) -> None:
         self.cache, self.slot_ids = cache, slot_ids
         self._index = torch.tensor(slot_ids, dtype=torch.long, device=cache.device)
         self._starts = [cache.lengths[s] for s in slot_ids]
 
     @property
-    def length(self):
+    def length(self) -> int | torch.Tensor:
         if len(self.slot_ids) == 1:
             return self._starts[0]
         return torch.tensor(self._starts, dtype=torch.long, device=self.cache.device)
 
-    def update(self, layer, k, v):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store each row's new keys/values at that row's own length and return every row's
         keys/values so far.  (Your engine: Chapter 24)
 
@@ -120,7 +128,7 @@ class SlotRows:
         values[slots, :, positions] = v.transpose(1, 2)
         return keys[:, :, :end].index_select(0, self._index), values[:, :, :end].index_select(0, self._index)
 
-    def advance(self, num_tokens):
+    def advance(self, num_tokens: int) -> None:
         for slot in self.slot_ids:
             self.cache.lengths[slot] += num_tokens
 
@@ -132,15 +140,15 @@ PREFILL, DECODE = "prefill", "decode"
 class SlotRequest:
     """A request's state inside the engine."""
     request_id: str
-    prompt_ids: list
+    prompt_ids: list[int]
     max_new_tokens: int
-    stop_token_ids: tuple = ()
-    slot: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    slot: int = -1                         # its row of the cache, from admission on
     num_prefilled: int = 0                 # prompt tokens whose K/V are in the slot
-    output_ids: list = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
 
     @property
-    def phase(self):
+    def phase(self) -> str:
         return PREFILL if self.num_prefilled < len(self.prompt_ids) else DECODE
 
 
@@ -154,7 +162,8 @@ class ContinuousBatchingEngine:
     Greedy decoding: every request's output equals solo `generate` on its prompt.
     """
 
-    def __init__(self, model, num_slots=8, slot_len=320, chunk_size=None, eos_token_id=None):
+    def __init__(self, model: Qwen3ForCausalLM, num_slots: int = 8, slot_len: int = 320,
+                 chunk_size: int | None = None, eos_token_id: int | None = None) -> None:
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.model = model
@@ -163,13 +172,14 @@ class ContinuousBatchingEngine:
         self.device = next(model.parameters()).device
         self.cache = SlotKVCache.for_model(model, num_slots, slot_len)
         self.limit = getattr(model, "context_limit", 1 << 30)
-        self.waiting = deque()
-        self.slots = [None] * num_slots          # slot -> SlotRequest running in it
+        self.waiting: deque[SlotRequest] = deque()
+        self.slots: list[SlotRequest | None] = [None] * num_slots   # slot -> SlotRequest running in it
         self.steps = 0
         self.forward_calls = 0
 
     # -- the public API -----------------------------------------------------------------
-    def add_request(self, request_id, prompt_ids, max_new_tokens, stop_token_ids=()):
+    def add_request(self, request_id: str, prompt_ids: Iterable[int], max_new_tokens: int,
+                    stop_token_ids: Iterable[int] = ()) -> None:
         """Queue a request. It is admitted at a step when a slot is free (first come, first served)."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
@@ -184,36 +194,36 @@ class ContinuousBatchingEngine:
         self.waiting.append(SlotRequest(request_id, prompt_ids, max_new_tokens, tuple(stop_token_ids)))
 
     @property
-    def has_unfinished(self):
+    def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
     @property
-    def running(self):
+    def running(self) -> list[SlotRequest]:
         return [r for r in self.slots if r is not None]
 
-    def step(self):
+    def step(self) -> list[tuple[str, list[int], bool]]:
         """One engine step: admit, decode every decoding request in one call, then run one
         prefill chunk for each prefilling request. Returns [(request_id, new_token_ids, finished)]."""
         self._admit()
         decoding = [r for r in self.running if r.phase == DECODE]
         prefilling = [r for r in self.running if r.phase == PREFILL]
-        events = []
+        events: list[tuple[str, list[int], bool]] = []
         if decoding:
             for request, token in zip(decoding, self._decode(decoding)):
                 events.append(self._emit(request, token))
         for request in prefilling:
-            token = self._prefill_chunk(request)
-            if token is not None:
-                events.append(self._emit(request, token))
+            first = self._prefill_chunk(request)
+            if first is not None:
+                events.append(self._emit(request, first))
         self.steps += 1
         return events
 
-    def run(self, items):
+    def run(self, items: Iterable[WorkItem]) -> dict[str, list[int]]:
         """Serve WorkItems (Chapter 22) to completion; returns {request_id: output token ids}."""
         return run_to_completion(self, items)
 
     # -- the parts of a step --------------------------------------------------------------
-    def _admit(self):
+    def _admit(self) -> None:
         """Give every free slot to the oldest waiting request."""
         for slot in range(self.num_slots):
             if self.slots[slot] is None and self.waiting:
@@ -222,7 +232,7 @@ class ContinuousBatchingEngine:
                 self.cache.reset(slot)
                 self.slots[slot] = request
 
-    def _forward(self, token_rows, slot_ids):
+    def _forward(self, token_rows: list[list[int]], slot_ids: list[int]) -> torch.Tensor:
         """One model call on token_rows [B, T] over the given slots; logits of the last position [B, V]."""
         self.forward_calls += 1
         ids = torch.tensor(token_rows, dtype=torch.long, device=self.device)
@@ -231,11 +241,11 @@ class ContinuousBatchingEngine:
         return logits[:, -1]
 
     @staticmethod
-    def _pick(logits):
+    def _pick(logits: torch.Tensor) -> list[int]:
         """Greedy choice per row: argmax, lowest id on ties (as sampling.sample does)."""
         return [int(t) for t in logits.argmax(dim=-1)]
 
-    def _prefill_chunk(self, request):
+    def _prefill_chunk(self, request: SlotRequest) -> int | None:
         """Run the next chunk of one request's prompt through the model on its own slot.
         (Your engine: Chapter 24)
 
@@ -257,7 +267,7 @@ class ContinuousBatchingEngine:
             return None
         return self._pick(logits)[0]
 
-    def _decode(self, requests):
+    def _decode(self, requests: list[SlotRequest]) -> list[int]:
         """One forward call for all decoding requests; returns one new token per request.
         (Your engine: Chapter 24)
 
@@ -271,7 +281,7 @@ class ContinuousBatchingEngine:
         logits = self._forward([[r.output_ids[-1]] for r in requests], [r.slot for r in requests])
         return self._pick(logits)
 
-    def _emit(self, request, token):
+    def _emit(self, request: SlotRequest, token: int) -> tuple[str, list[int], bool]:
         """Append a sampled token; free the slot if the request is done."""
         request.output_ids.append(token)
         finished = (len(request.output_ids) >= request.max_new_tokens or token == self.eos_token_id

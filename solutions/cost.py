@@ -5,14 +5,34 @@ num_hidden_layers, ...), so it accepts our Qwen3Config, a transformers Qwen3Conf
 object with those attributes. Nothing is allocated: the numbers for a 32B model come out
 as fast as those for the tiny test model.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3Config
+
+
+class ModelShape(Protocol):
+    """The config fields the cost model reads, with Hugging Face's names: our Qwen3Config,
+    transformers' Qwen3Config, or any object with these attributes (head_dim is optional:
+    hidden_size // num_attention_heads when a config leaves it out)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+    attention_bias: bool
 
 # Config values of the dense Qwen3 releases, copied from each checkpoint's config.json on the
 # Hugging Face hub (Qwen/Qwen3-0.6B ... Qwen/Qwen3-32B). All share vocab_size 151936 and
 # head_dim 128; the three smallest tie the LM head to the embedding.
-QWEN3_CONFIGS = {
+QWEN3_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen3-0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
     "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
@@ -28,7 +48,7 @@ QWEN3_CONFIGS = {
 }
 
 
-def qwen3_config(name):
+def qwen3_config(name: str) -> Qwen3Config:
     """Our Qwen3Config for one of the published sizes, e.g. qwen3_config("Qwen3-8B")."""
     from .qwen3 import Qwen3Config
     if name not in QWEN3_CONFIGS:
@@ -37,12 +57,12 @@ def qwen3_config(name):
                        max_position_embeddings=40960, **QWEN3_CONFIGS[name])
 
 
-def head_dim_of(cfg):
+def head_dim_of(cfg: ModelShape) -> int:
     """cfg.head_dim, or hidden_size / num_attention_heads for configs that leave it out."""
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def count_parameters(cfg, embeddings=True):
+def count_parameters(cfg: ModelShape, embeddings: bool = True) -> int:
     """The number of parameters of a Qwen3ForCausalLM with this config.  (Your engine: Chapter 1)
 
     Count by formula from the config; do not build the model. Per decoder layer: the q, k,
@@ -71,7 +91,7 @@ def count_parameters(cfg, embeddings=True):
     return total
 
 
-def matmul_parameters(cfg):
+def matmul_parameters(cfg: ModelShape) -> int:
     """Parameters that every token is multiplied by: all projection matrices of the layers
     plus the LM head (counted even when it is tied to the embedding, because the lookup of
     an embedding row is a copy, while the LM head is a real matrix product). Norm weights and
@@ -84,17 +104,17 @@ def matmul_parameters(cfg):
     return count_parameters(cfg, embeddings=False) - norms - biases + cfg.vocab_size * hidden
 
 
-def bytes_per_element(dtype):
+def bytes_per_element(dtype: torch.dtype) -> int:
     """2 for torch.bfloat16, 4 for torch.float32, 1 for torch.int8 or float8 types."""
     return torch.empty((), dtype=dtype).element_size()
 
 
-def weight_bytes(cfg, dtype=torch.bfloat16):
+def weight_bytes(cfg: ModelShape, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes the model's parameters occupy in `dtype` (a tied matrix stored once)."""
     return count_parameters(cfg) * bytes_per_element(dtype)
 
 
-def flops_per_token(cfg, context=0):
+def flops_per_token(cfg: ModelShape, context: int = 0) -> int:
     """Forward FLOPs for one token that attends to `context` keys.  (Your engine: Chapter 2)
 
     Two parts, counting a multiply-add as 2 FLOPs:
@@ -111,7 +131,7 @@ def flops_per_token(cfg, context=0):
     return 2 * matmul_parameters(cfg) + attention
 
 
-def kv_bytes_per_token(cfg, dtype=torch.bfloat16):
+def kv_bytes_per_token(cfg: ModelShape, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of KV cache one token occupies, over all layers.  (Your engine: Chapter 2)
 
     Each layer stores one key and one value vector per key/value head for every token:
@@ -130,20 +150,21 @@ class StepCost:
     bytes: int
 
     @property
-    def intensity(self):
+    def intensity(self) -> float:
         """Arithmetic intensity: FLOPs per byte moved."""
         return self.flops / self.bytes
 
-    def time(self, hardware):
+    def time(self, hardware: Hardware) -> float:
         """Roofline lower bound in seconds: the slower of computing and moving the bytes."""
         return max(self.flops / hardware.peak_flops, self.bytes / hardware.bandwidth)
 
-    def bound(self, hardware):
+    def bound(self, hardware: Hardware) -> str:
         """'compute' when the FLOPs take longer than the bytes on `hardware`, else 'memory'."""
         return "compute" if self.intensity >= hardware.ridge else "memory"
 
 
-def step_cost(cfg, new_tokens, past_tokens=0, batch=1, dtype=torch.bfloat16):
+def step_cost(cfg: ModelShape, new_tokens: int, past_tokens: int = 0, batch: int = 1,
+              dtype: torch.dtype = torch.bfloat16) -> StepCost:
     """FLOPs and bytes of one forward step of a batch of sequences.  (Your engine: Chapter 2)
 
     Each of `batch` sequences already has `past_tokens` in its KV cache and feeds
@@ -177,11 +198,11 @@ class Hardware:
     bandwidth: float
 
     @property
-    def ridge(self):
+    def ridge(self) -> float:
         """The intensity (FLOPs/byte) where the roofline bends: below it a step is memory bound."""
         return self.peak_flops / self.bandwidth
 
-    def attainable(self, intensity):
+    def attainable(self, intensity: float) -> float:
         """FLOP/s reachable at a given intensity: min(peak, intensity * bandwidth)."""
         return min(self.peak_flops, intensity * self.bandwidth)
 

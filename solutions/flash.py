@@ -12,11 +12,13 @@ This file is about the algorithm, not speed: PyTorch runs every tile as separate
 operations. Chapter 32's Triton kernel does the same walk with each tile in on-chip memory.
 """
 import math
+from typing import Any
 
 import torch
 
 
-def online_softmax_update(m, l, acc, scores, v):
+def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
+                          v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold one tile of scores into the running softmax state.  (Your engine: Chapter 29)
 
     m, l: [..., Tq] running max and running sum of exp(score - m) (start: -inf and 0);
@@ -37,14 +39,16 @@ def online_softmax_update(m, l, acc, scores, v):
     return m_new, l, acc
 
 
-def tile_is_visible(q_pos, k_pos):
+def tile_is_visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     """Whether any query of a tile may see any key of it under the causal rule
     k_pos <= q_pos: false exactly when the tile's earliest key comes after its latest query.
     q_pos, k_pos: the positions of the tile's queries and keys ([..., n] of any batch shape)."""
     return bool(k_pos.min() <= q_pos.max())
 
 
-def flash_attention(q, k, v, q_pos, k_pos, allowed=None, scale=None, block_q=64, block_k=64, stats=None):
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                    allowed: torch.Tensor | None = None, scale: float | None = None, block_q: int = 64,
+                    block_k: int = 64, stats: dict[str, int] | None = None) -> torch.Tensor:
     """causal_attention computed tile by tile with an online softmax.  (Your engine: Chapter 29)
 
     Same arguments and result as Chapter 5's causal_attention: q [B, H, Tq, D], k and v
@@ -91,7 +95,7 @@ def flash_attention(q, k, v, q_pos, k_pos, allowed=None, scale=None, block_q=64,
     return out.reshape(batch, heads, tq, dim).to(q.dtype)
 
 
-def online_softmax_trace(scores, block):
+def online_softmax_trace(scores: torch.Tensor, block: int) -> list[dict[str, Any]]:
     """Walk one row of scores [T] block by block; returns one dict per block with the running
     max, running sum and the softmax the state implies so far (for the chapter's table)."""
     m, l, rows = torch.tensor(float("-inf")), torch.tensor(0.0), []
@@ -105,7 +109,7 @@ def online_softmax_trace(scores, block):
     return rows
 
 
-def tile_map(q_pos, k_pos, block_q, block_k):
+def tile_map(q_pos: torch.Tensor, k_pos: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
     """[n_q_blocks, n_k_blocks] ints for a picture: 0 skipped, 1 computed and fully visible,
     2 computed and partly masked (the diagonal tiles that need the mask)."""
     nq, nk = -(-q_pos.shape[-1] // block_q), -(-k_pos.shape[-1] // block_k)

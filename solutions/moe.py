@@ -20,14 +20,16 @@ transformers 5 fuses the experts of a layer into two 3-D tensors:
 `fuse_experts` and `split_experts` convert between the two, and the block accepts the fused
 form in load_state_dict directly, so `ours.load_state_dict(hf.state_dict())` just works.
 """
-from dataclasses import dataclass, field, fields, replace
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Self
 
 import torch
 from torch import nn
 
 from .layers import RMSNorm
-from .qwen3 import (Qwen3Attention, Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP,
-                    Qwen3Model)
+from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 
 
 @dataclass
@@ -38,16 +40,16 @@ class Qwen3MoeConfig(Qwen3Config):
     num_experts_per_tok: int = 8
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
-    mlp_only_layers: list = field(default_factory=list)
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, values):
+    def from_dict(cls, values: dict[str, Any]) -> Self:
         values = dict(values)
         if "num_experts" not in values and "num_local_experts" in values:
             values["num_experts"] = values["num_local_experts"]
         return super().from_dict(values)
 
-    def is_sparse(self, layer_idx):
+    def is_sparse(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` gets the MoE block (else a dense MLP of intermediate_size)."""
         return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
@@ -56,7 +58,7 @@ class Qwen3MoeConfig(Qwen3Config):
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """Router `gate` ([hidden] -> E logits) and E experts, each a SwiGLU of moe_intermediate_size."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -65,7 +67,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(Qwen3MLP(expert_cfg) for _ in range(cfg.num_experts))
         self.register_load_state_dict_pre_hook(_split_fused_on_load)
 
-    def route(self, x):
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Choose top_k experts per row and their mixing weights.  (Your engine: Chapter 27)
 
         x: [N, hidden] rows. Router logits = self.gate(x): [N, E]. Softmax over the E
@@ -82,7 +84,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Sparse MoE on x [..., hidden] -> same shape.  (Your engine: Chapter 27)
 
         Flatten to rows [N, hidden]; route them; then for each expert that at least one row
@@ -103,7 +105,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return out.reshape(shape)
 
 
-def _split_fused_on_load(module, state_dict, prefix, *_):
+def _split_fused_on_load(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
     """load_state_dict hook: accept transformers 5's fused expert tensors for this block."""
     fused = prefix + "experts.gate_up_proj"
     if fused in state_dict:
@@ -111,10 +113,10 @@ def _split_fused_on_load(module, state_dict, prefix, *_):
                                          (fused, prefix + "experts.down_proj")}))
 
 
-def split_experts(state_dict):
+def split_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fused expert tensors (transformers 5) -> one gate/up/down weight per expert. Other
     entries pass through unchanged. Returns a new dict."""
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         if name.endswith("experts.gate_up_proj"):
             base = name[: -len("gate_up_proj")]
@@ -131,10 +133,11 @@ def split_experts(state_dict):
     return out
 
 
-def fuse_experts(state_dict):
+def fuse_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One weight per expert -> transformers 5's fused [E, 2I, D] and [E, D, I] tensors.
     The inverse of split_experts. Returns a new dict."""
-    out, groups = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for name, tensor in state_dict.items():
         head, sep, tail = name.rpartition("experts.")
         parts = tail.split(".")
@@ -153,7 +156,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     """Qwen3's decoder layer with the MLP replaced by the sparse block where the config says.
     The forward pass is Qwen3DecoderLayer's, unchanged."""
 
-    def __init__(self, cfg, layer_idx):
+    def __init__(self, cfg: Qwen3MoeConfig, layer_idx: int) -> None:
         nn.Module.__init__(self)                  # build our own parts: no dense MLP to throw away
         self.self_attn = Qwen3Attention(cfg, layer_idx)
         self.mlp = Qwen3MoeSparseMoeBlock(cfg) if cfg.is_sparse(layer_idx) else Qwen3MLP(cfg)
@@ -162,7 +165,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
 
 class Qwen3MoeModel(Qwen3Model):
-    def __init__(self, cfg):
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
         nn.Module.__init__(self)
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -173,7 +176,7 @@ class Qwen3MoeModel(Qwen3Model):
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE: same interface as Qwen3ForCausalLM (forward, cache, context_limit)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Qwen3MoeConfig) -> None:
         nn.Module.__init__(self)
         self.cfg = cfg
         self.model = Qwen3MoeModel(cfg)
@@ -185,28 +188,30 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 Qwen3Moe = Qwen3MoeForCausalLM
 
 
-def sparse_blocks(model):
+def sparse_blocks(model: Qwen3ForCausalLM) -> list[tuple[int, Qwen3MoeSparseMoeBlock]]:
     """(layer index, block) for every MoE block of a model."""
     return [(i, layer.mlp) for i, layer in enumerate(model.model.layers)
             if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)]
 
 
 @torch.inference_mode()
-def expert_load(model, input_ids):
+def expert_load(model: Qwen3ForCausalLM, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
     """How many rows each expert received in one forward pass over input_ids [B, T].
 
     Returns {layer index: int64 tensor [E]}; each layer's counts sum to B * T * top_k.
     Measured by watching each block's `route` (a temporary wrapper), so the model itself
     keeps no statistics and pays nothing when nobody asks.
     """
-    counts, originals = {}, []
+    counts: dict[int, torch.Tensor] = {}
+    originals = []
     for i, block in sparse_blocks(model):
-        def watched(x, block=block, i=i, route=block.route):
+        def watched(x: torch.Tensor, block: Qwen3MoeSparseMoeBlock = block, i: int = i,
+                    route: Any = block.route) -> tuple[torch.Tensor, torch.Tensor]:
             weights, experts = route(x)
             counts[i] = counts.get(i, 0) + torch.bincount(experts.flatten().cpu(), minlength=block.num_experts)
             return weights, experts
         originals.append(block)
-        block.route = watched
+        block.route = watched                        # type: ignore[method-assign]
     try:
         model(input_ids)
     finally:
@@ -215,7 +220,7 @@ def expert_load(model, input_ids):
     return counts
 
 
-def active_parameters(cfg):
+def active_parameters(cfg: Qwen3MoeConfig) -> tuple[int, int]:
     """(total, active per token) parameter counts of the MoE layers' feed-forward parts: what
     a token actually multiplies against is top_k experts plus the router, not all E."""
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size

@@ -5,10 +5,17 @@ Every measurement here compares a low-precision result with a float64 reference 
 same computation: float64 carries 53 significant bits, so its own error is far below
 anything float32, bfloat16 or float16 can show.
 """
+from __future__ import annotations
+
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
 # Significant bits (including the implicit leading 1) and exponent bits of each format.
 FORMATS = {
@@ -19,12 +26,12 @@ FORMATS = {
 }
 
 
-def unit_roundoff(dtype):
+def unit_roundoff(dtype: torch.dtype) -> float:
     """The largest relative error of one rounding to nearest in `dtype`: eps / 2."""
     return torch.finfo(dtype).eps / 2
 
 
-def ulp(x, dtype=None):
+def ulp(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The spacing of `dtype`'s number grid at each element of x.  (Your engine: Chapter 12)
 
     Returns a float64 tensor shaped like x: the distance from |x| to the next larger
@@ -52,12 +59,12 @@ class ErrorStats:
     max_rel: float          # largest |approx - reference| / |reference| over nonzero references
     max_ulp: float          # largest error counted in ulps of the approximation's dtype
 
-    def __str__(self):
+    def __str__(self) -> str:
         return (f"max abs {self.max_abs:.3g}, mean abs {self.mean_abs:.3g}, "
                 f"max rel {self.max_rel:.3g}, max {self.max_ulp:.3g} ulp")
 
 
-def measure_error(approx, reference):
+def measure_error(approx: torch.Tensor, reference: torch.Tensor) -> ErrorStats:
     """Error statistics of `approx` against `reference` (same shape).  (Your engine: Chapter 12)
 
     Convert both to float64 first: subtracting in a 16-bit format would round the error
@@ -81,13 +88,13 @@ class Tolerance:
     rtol: float
     atol: float
 
-    def allows(self, approx, reference):
+    def allows(self, approx: torch.Tensor, reference: torch.Tensor) -> bool:
         """True when every |approx - reference| <= atol + rtol * |reference| (in float64)."""
         a, r = approx.double(), reference.double()
         return bool(((a - r).abs() <= self.atol + self.rtol * r.abs()).all())
 
 
-def tolerance_for(dtype, roundings=8, scale=1.0):
+def tolerance_for(dtype: torch.dtype, roundings: float = 8, scale: float = 1.0) -> Tolerance:
     """The tolerance for comparing two computations of the same quantity in `dtype`
     against each other (or one against float64), for values of size ~`scale`.
 
@@ -102,7 +109,7 @@ def tolerance_for(dtype, roundings=8, scale=1.0):
     return Tolerance(rtol=roundings * u, atol=roundings * u * scale)
 
 
-def bits_differ(a, b):
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many elements of two same-dtype tensors differ in their bit patterns."""
     if a.dtype != b.dtype or a.shape != b.shape:
         raise ValueError(f"compare like with like: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
@@ -110,7 +117,7 @@ def bits_differ(a, b):
     return int((a.contiguous().view(ints) != b.contiguous().view(ints)).sum())
 
 
-def matmul_alone_vs_batched(x, weight):
+def matmul_alone_vs_batched(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, K] @ weight.T, once as one [N, K] batch and once row by row ([1, K] each).
     Returns (batched, alone): the same numbers in exact arithmetic; the kernels that a
     library picks for N rows and for 1 row may add the K products in different orders."""
@@ -128,7 +135,7 @@ class BatchDrift:
 
 
 @torch.inference_mode()
-def batch_drift(model, prompts):
+def batch_drift(model: Qwen3ForCausalLM, prompts: Sequence[Sequence[int]]) -> list[BatchDrift]:
     """Run each prompt alone and all prompts as one batch; compare.  (Your engine: Chapter 12)
 
     prompts: a list of equal-length lists of token ids (no padding needed). For prompt i,
@@ -151,7 +158,7 @@ def batch_drift(model, prompts):
     return report
 
 
-def sum_in_order(values, block=None):
+def sum_in_order(values: torch.Tensor, block: int | None = None) -> float:
     """Add float values in float32 left to right, or in blocks of `block` whose partial
     sums are then added: two orders a kernel might choose. Returns a Python float."""
     values = values.float()
@@ -164,7 +171,7 @@ def sum_in_order(values, block=None):
     return sum_in_order(torch.tensor(partial, dtype=torch.float32))
 
 
-def format_table():
+def format_table() -> list[dict[str, Any]]:
     """Rows describing each format: bits, eps, unit roundoff, smallest normal, largest."""
     rows = []
     for dtype, (digits, exp_bits) in FORMATS.items():

@@ -21,12 +21,19 @@ memory does:
 forward call per prefill chunk, one for all decodes) plus prefix sharing, and preemption
 by recompute when the pool runs dry.
 """
+from __future__ import annotations
+
 from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from .workloads import run_to_completion
+from .workloads import WorkItem, run_to_completion
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
 
 class OutOfBlocks(RuntimeError):
@@ -42,7 +49,8 @@ class PagedKVCache:
     cache) point at block b; a block is on the free list exactly when its count is 0.
     """
 
-    def __init__(self, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a paged cache needs at least one block of at least one position")
         shape = (num_blocks, kv_heads, block_size, head_dim)
@@ -52,37 +60,37 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.free_blocks = deque(range(num_blocks))
         self.ref_count = [0] * num_blocks
-        self.block_tables = {}
-        self.seq_lens = {}
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self.seq_lens: dict[Hashable, int] = {}
 
     @classmethod
-    def for_model(cls, model, num_blocks, block_size):
+    def for_model(cls, model: Qwen3ForCausalLM, num_blocks: int, block_size: int) -> PagedKVCache:
         cfg, weight = model.cfg, next(model.parameters())
         return cls(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
                    weight.dtype, weight.device)
 
     # -- accounting ---------------------------------------------------------------------
     @property
-    def num_free(self):
+    def num_free(self) -> int:
         return len(self.free_blocks)
 
-    def blocks_for(self, num_tokens):
+    def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold num_tokens positions."""
         return -(-num_tokens // self.block_size)
 
-    def incref(self, block):
+    def incref(self, block: int) -> None:
         if self.ref_count[block] == 0:
             raise ValueError(f"block {block} is free; only a block in use can gain a reference")
         self.ref_count[block] += 1
 
-    def decref(self, block):
+    def decref(self, block: int) -> None:
         if self.ref_count[block] <= 0:
             raise ValueError(f"block {block} has no reference to drop (double free?)")
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
             self.free_blocks.append(block)
 
-    def add_sequence(self, seq_id, shared_blocks=()):
+    def add_sequence(self, seq_id: Hashable, shared_blocks: Sequence[int] = ()) -> None:
         """Start a sequence, optionally on top of full blocks another sequence computed (a
         prefix-cache hit): the table starts with them, each gains a reference, and the
         sequence's length starts at len(shared_blocks) * block_size."""
@@ -93,7 +101,7 @@ class PagedKVCache:
         self.block_tables[seq_id] = list(shared_blocks)
         self.seq_lens[seq_id] = len(shared_blocks) * self.block_size
 
-    def reserve(self, seq_id, num_tokens):
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> None:
         """Make room for num_tokens more positions of seq_id.  (Your engine: Chapter 25)
 
         After the call the sequence's table has exactly blocks_for(seq_lens[seq_id] +
@@ -112,17 +120,17 @@ class PagedKVCache:
             self.ref_count[block] = 1
             table.append(block)
 
-    def free(self, seq_id):
+    def free(self, seq_id: Hashable) -> None:
         """Drop the sequence: each of its blocks loses one reference (shared ones survive)."""
         for block in self.block_tables.pop(seq_id):
             self.decref(block)
         del self.seq_lens[seq_id]
 
-    def advance(self, seq_id, num_tokens):
+    def advance(self, seq_id: Hashable, num_tokens: int) -> None:
         self.seq_lens[seq_id] += num_tokens
 
     # -- data ---------------------------------------------------------------------------
-    def write(self, layer, seq_id, start, k, v):
+    def write(self, layer: int, seq_id: Hashable, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [kv_heads, T, head_dim] at positions start .. start + T - 1 of seq_id
         (its blocks must be reserved): one scatter over (block, offset) pairs."""
         positions = torch.arange(start, start + k.shape[1], device=self.device)
@@ -132,7 +140,7 @@ class PagedKVCache:
         self.k[layer][blocks, :, offsets] = k.transpose(0, 1)
         self.v[layer][blocks, :, offsets] = v.transpose(0, 1)
 
-    def gather(self, layer, seq_id, length=None):
+    def gather(self, layer: int, seq_id: Hashable, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values of positions 0 .. length - 1 of seq_id, contiguous.
         (Your engine: Chapter 25)
 
@@ -146,23 +154,23 @@ class PagedKVCache:
         table = self.block_tables[seq_id][:self.blocks_for(length)]
         index = torch.tensor(table, dtype=torch.long, device=self.device)
 
-        def read(pool):
+        def read(pool: torch.Tensor) -> torch.Tensor:
             blocks = pool.index_select(0, index)                      # [n, Hkv, bs, D]
             heads, dim = blocks.shape[1], blocks.shape[3]
             return blocks.transpose(0, 1).reshape(heads, -1, dim)[:, :length]
 
         return read(self.k[layer]), read(self.v[layer])
 
-    def view(self, seq_ids):
+    def view(self, seq_ids: Iterable[Hashable]) -> PagedView:
         """A cache object for one model call over these sequences (see PagedView)."""
         return PagedView(self, list(seq_ids))
 
     # -- measurements -------------------------------------------------------------------
     @property
-    def num_used_blocks(self):
+    def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free
 
-    def stored_tokens(self):
+    def stored_tokens(self) -> int:
         return sum(self.seq_lens.values())
 
 
@@ -175,17 +183,17 @@ class PagedView:
     slots <= s, and a row's padding lies beyond its own last slot.
     """
 
-    def __init__(self, kv, seq_ids):
+    def __init__(self, kv: PagedKVCache, seq_ids: list[Hashable]) -> None:
         self.kv, self.seq_ids = kv, seq_ids
         self._starts = [kv.seq_lens[s] for s in seq_ids]
 
     @property
-    def length(self):
+    def length(self) -> int | torch.Tensor:
         if len(self.seq_ids) == 1:
             return self._starts[0]
         return torch.tensor(self._starts, dtype=torch.long, device=self.kv.device)
 
-    def update(self, layer, k, v):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         new = k.shape[2]
         rows_k, rows_v = [], []
         for b, (seq_id, start) in enumerate(zip(self.seq_ids, self._starts)):
@@ -203,7 +211,7 @@ class PagedView:
             out_v[b, :, :values.shape[1]] = values
         return out_k, out_v
 
-    def advance(self, num_tokens):
+    def advance(self, num_tokens: int) -> None:
         for seq_id in self.seq_ids:
             self.kv.advance(seq_id, num_tokens)
 
@@ -218,18 +226,18 @@ class PrefixCache:
     at least as recent as its extensions, so eviction removes leaves before their parents.
     """
 
-    def __init__(self, kv):
+    def __init__(self, kv: PagedKVCache) -> None:
         self.kv = kv
-        self.entries = OrderedDict()
+        self.entries: OrderedDict[tuple[int, ...], int] = OrderedDict()   # token prefix -> block id
         self.queries = self.hits = 0            # blocks looked up / found, by match()
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.entries)
 
-    def _key(self, tokens, i):
+    def _key(self, tokens: Sequence[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[:(i + 1) * self.kv.block_size])
 
-    def match(self, tokens, max_tokens=None):
+    def match(self, tokens: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """The cached blocks that hold the longest cached prefix of tokens.
         (Your engine: Chapter 25)
 
@@ -255,7 +263,7 @@ class PrefixCache:
             self.entries.move_to_end(self._key(tokens, i))
         return found
 
-    def publish(self, tokens, blocks):
+    def publish(self, tokens: Sequence[int], blocks: Sequence[int]) -> int:
         """Publish the full blocks of a sequence: blocks[i] holds tokens[i*bs:(i+1)*bs].
 
         Each newly published block gains the cache's reference. A key already present keeps
@@ -273,11 +281,11 @@ class PrefixCache:
             self.entries.move_to_end(self._key(tokens, i))
         return added
 
-    def num_evictable(self):
+    def num_evictable(self) -> int:
         """Blocks only the cache still references: evicting them frees them."""
         return sum(1 for block in self.entries.values() if self.kv.ref_count[block] == 1)
 
-    def evict(self, num_blocks=None):
+    def evict(self, num_blocks: int | None = None) -> int:
         """Free up to num_blocks cached blocks (all that can be freed when None); returns how
         many were freed.  (Your engine: Chapter 25)
 
@@ -301,16 +309,16 @@ class PrefixCache:
 @dataclass(eq=False)
 class PagedRequest:
     request_id: str
-    prompt_ids: list
+    prompt_ids: list[int]
     max_new_tokens: int
-    stop_token_ids: tuple = ()
-    output_ids: list = field(default_factory=list)
+    stop_token_ids: tuple[int, ...] = ()
+    output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0          # tokens of prompt + output whose K/V are in the cache
     num_published: int = 0         # full blocks already given to the prefix cache
     counted: bool = False          # prompt counted in the hit-rate statistics
 
     @property
-    def tokens(self):
+    def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
 
@@ -326,8 +334,9 @@ class PagedEngine:
     running request (frees its blocks; it waits at the head of the queue to recompute).
     """
 
-    def __init__(self, model, num_blocks=64, block_size=16, max_num_seqs=8, chunk_size=None,
-                 enable_prefix_caching=True, eos_token_id=None):
+    def __init__(self, model: Qwen3ForCausalLM, num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8,
+                 chunk_size: int | None = None, enable_prefix_caching: bool = True,
+                 eos_token_id: int | None = None) -> None:
         self.model = model
         self.kv = PagedKVCache.for_model(model, num_blocks, block_size)
         self.prefix_cache = PrefixCache(self.kv) if enable_prefix_caching else None
@@ -335,17 +344,18 @@ class PagedEngine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(model.cfg, "eos_token_id", None)
         self.device = next(model.parameters()).device
         self.limit = getattr(model, "context_limit", 1 << 30)
-        self.waiting = deque()
-        self.running = []                       # admission order: the last is preempted first
+        self.waiting: deque[PagedRequest] = deque()
+        self.running: list[PagedRequest] = []   # admission order: the last is preempted first
         self.steps = self.forward_calls = 0
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "computed_tokens": 0, "preemptions": 0}
 
     @property
-    def prefix_hit_rate(self):
+    def prefix_hit_rate(self) -> float:
         """Fraction of admitted prompt tokens whose K/V came from the prefix cache."""
         return self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"])
 
-    def add_request(self, request_id, prompt_ids, max_new_tokens, stop_token_ids=()):
+    def add_request(self, request_id: str, prompt_ids: Iterable[int], max_new_tokens: int,
+                    stop_token_ids: Iterable[int] = ()) -> None:
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError(f"{request_id}: empty prompt")
@@ -357,15 +367,15 @@ class PagedEngine:
         self.waiting.append(PagedRequest(request_id, prompt_ids, max_new_tokens, tuple(stop_token_ids)))
 
     @property
-    def has_unfinished(self):
+    def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def run(self, items):
+    def run(self, items: Iterable[WorkItem]) -> dict[str, list[int]]:
         """Serve WorkItems (Chapter 22) to completion; returns {request_id: output token ids}."""
         return run_to_completion(self, items)
 
     # -- a step -------------------------------------------------------------------------
-    def step(self):
+    def step(self) -> list[tuple[str, list[int], bool]]:
         """Decode every decoding request in one call, then run one prefill chunk per
         prefilling request, admitting waiting requests just before their first chunk (so a
         request sees the blocks the previous prefill call of this very step published).
@@ -404,11 +414,11 @@ class PagedEngine:
         return events
 
     @staticmethod
-    def _todo(request):
+    def _todo(request: PagedRequest) -> int:
         """Tokens of the request whose K/V are not in the cache yet (its newest is always one)."""
         return len(request.tokens) - request.num_computed
 
-    def _admit(self):
+    def _admit(self) -> bool:
         """Admit the oldest waiting request if the blocks of its first chunk can be had
         (evicting prefix-cache entries if need be); a prefix-cache hit starts it past its
         cached blocks. Returns whether it was admitted."""
@@ -432,13 +442,13 @@ class PagedEngine:
             self.stats["cached_tokens"] += request.num_computed
         return True
 
-    def _make_room(self, blocks):
+    def _make_room(self, blocks: int) -> bool:
         """Evict prefix-cache entries until `blocks` blocks are free; False if impossible."""
         if blocks > self.kv.num_free and self.prefix_cache is not None:
             self.prefix_cache.evict(blocks - self.kv.num_free)
         return blocks <= self.kv.num_free
 
-    def _reserve(self, request, n):
+    def _reserve(self, request: PagedRequest, n: int) -> bool:
         """Blocks for n more tokens of request, evicting and then preempting younger requests."""
         while True:
             table = self.kv.block_tables[request.request_id]
@@ -451,14 +461,14 @@ class PagedEngine:
             if victim is request:
                 return False
 
-    def _preempt(self, request):
+    def _preempt(self, request: PagedRequest) -> None:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed = request.num_published = 0
         self.waiting.appendleft(request)
         self.stats["preemptions"] += 1
 
-    def _forward(self, token_rows, requests):
+    def _forward(self, token_rows: list[list[int]], requests: list[PagedRequest]) -> torch.Tensor:
         self.forward_calls += 1
         self.stats["computed_tokens"] += sum(len(row) for row in token_rows)
         ids = torch.tensor(token_rows, dtype=torch.long, device=self.device)
@@ -466,7 +476,7 @@ class PagedEngine:
             logits = self.model(ids, cache=self.kv.view([r.request_id for r in requests]))
         return logits[:, -1]
 
-    def _publish(self, request):
+    def _publish(self, request: PagedRequest) -> None:
         """Give the request's newly completed full blocks to the prefix cache."""
         if self.prefix_cache is None:
             return
@@ -476,7 +486,7 @@ class PagedEngine:
             self.prefix_cache.publish(request.tokens[:full * self.kv.block_size], table[:full])
             request.num_published = full
 
-    def _emit(self, request, token):
+    def _emit(self, request: PagedRequest, token: int) -> tuple[str, list[int], bool]:
         request.output_ids.append(int(token))
         self._publish(request)
         finished = (len(request.output_ids) >= request.max_new_tokens or token == self.eos_token_id

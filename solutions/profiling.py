@@ -5,22 +5,27 @@ for the device before starting and before stopping the clock, repeat, report the
 `profile_forward` runs one forward pass under torch.profiler and splits its time into
 shares per kind of work (matmul, attention, norm, other) that add up to the whole.
 """
+from __future__ import annotations
+
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
 KINDS = ("matmul", "attention", "norm", "other")
 LABEL_PREFIX = "kind:"          # profiler ranges opened around labelled modules are named kind:<kind>
 
 
-def synchronizer(device):
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
     """A function that blocks until all work queued on `device` has finished.
 
     CUDA kernels run asynchronously: a Python call returns as soon as the kernel is queued.
@@ -37,23 +42,24 @@ def synchronizer(device):
 @dataclass
 class Timing:
     """Seconds taken by each timed repeat (warm-up calls are not in `samples`)."""
-    samples: list = field(default_factory=list)
+    samples: list[float] = field(default_factory=list)
 
     @property
-    def median(self):
+    def median(self) -> float:
         return statistics.median(self.samples)
 
     @property
-    def best(self):
+    def best(self) -> float:
         return min(self.samples)
 
     @property
-    def spread(self):
+    def spread(self) -> float:
         """(max - min) / median: how much the repeats disagree."""
         return (max(self.samples) - min(self.samples)) / self.median if self.median else 0.0
 
 
-def time_it(fn, *, warmup=3, repeats=10, device="cpu", sync=None):
+def time_it(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10, device: torch.device | str = "cpu",
+            sync: Callable[[], Any] | None = None) -> Timing:
     """Time fn() like a benchmark should; returns a Timing.  (Your engine: Chapter 14)
 
     Call fn `warmup` times untimed (first calls pay for allocation, caching, compilation),
@@ -78,7 +84,7 @@ def time_it(fn, *, warmup=3, repeats=10, device="cpu", sync=None):
     return Timing(samples)
 
 
-def module_kind(module):
+def module_kind(module: nn.Module) -> str | None:
     """The kind of work a module does, or None when its children should decide.
 
     Linear layers are matmuls; anything whose class name ends in RMSNorm is a norm; an
@@ -97,7 +103,8 @@ def module_kind(module):
 
 
 @contextmanager
-def label_modules(model, kind_of=module_kind):
+def label_modules(model: nn.Module,
+                  kind_of: Callable[[nn.Module], str | None] = module_kind) -> Iterator[nn.Module]:
     """Open a profiler range named kind:<kind> around every labelled module's forward.
 
     Ranges nest like the modules do, so an op inside q_proj sits in kind:matmul inside
@@ -105,14 +112,14 @@ def label_modules(model, kind_of=module_kind):
     """
     open_ranges, handles = [], []
 
-    def enter(label):
-        def hook(module, args):
+    def enter(label: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
             scope = record_function(label)
             scope.__enter__()
             open_ranges.append(scope)
         return hook
 
-    def leave(module, args, output):
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
         open_ranges.pop().__exit__(None, None, None)
 
     for module in model.modules():
@@ -129,7 +136,7 @@ def label_modules(model, kind_of=module_kind):
             open_ranges.pop().__exit__(None, None, None)
 
 
-def op_shares(events, device_time=False):
+def op_shares(events: Iterable[FunctionEvent], device_time: bool = False) -> dict[str, float]:
     """Seconds of a profile per kind of work; the values add up to the profiled total.  (Your engine: Chapter 14)
 
     events: the profiler's events (prof.events()): each has .name, .cpu_parent (the event
@@ -146,7 +153,8 @@ def op_shares(events, device_time=False):
     shares = dict.fromkeys(KINDS, 0.0)
     for event in events:
         us = event.self_device_time_total if device_time else event.self_cpu_time_total
-        kind, node = "other", event
+        kind = "other"
+        node: FunctionEvent | None = event
         while node is not None:
             if node.name.startswith(LABEL_PREFIX):
                 kind = node.name[len(LABEL_PREFIX):]
@@ -164,13 +172,13 @@ class ForwardProfile:
     or the GPU time of all kernels with device_time); wall: perf_counter time around the
     profiled call (device synchronized), which also includes profiler bookkeeping.
     """
-    shares: dict
+    shares: dict[str, float]
     total: float
     wall: float
     device_time: bool
     table: str = ""
 
-    def fractions(self):
+    def fractions(self) -> dict[str, float]:
         return {kind: (s / self.total if self.total else 0.0) for kind, s in self.shares.items()}
 
 
@@ -178,7 +186,7 @@ ROOT_RANGE = "forward"
 
 
 @contextmanager
-def quiet_native_stderr():
+def quiet_native_stderr() -> Iterator[None]:
     """Silence the C++ side's stderr (file descriptor 2) inside the block: the profiler's
     native library prints a line each time it starts and stops. Python exceptions still
     propagate; only what native code writes to the descriptor is dropped."""
@@ -196,7 +204,8 @@ def quiet_native_stderr():
 
 
 @torch.inference_mode()
-def record_forward(model, input_ids, *, warmup=1, passes=5, labels=True, **forward_kwargs):
+def record_forward(model: nn.Module, input_ids: torch.Tensor, *, warmup: int = 1, passes: int = 5,
+                   labels: bool = True, **forward_kwargs: Any) -> tuple[list[FunctionEvent], FunctionEvent, float]:
     """Record model(input_ids, **forward_kwargs) with torch.profiler; returns
     (events, root, wall): the CPU-side events of one pass (its root range named "forward"
     and everything under it), the root event, and the pass's wall time in seconds.
@@ -231,7 +240,8 @@ def record_forward(model, input_ids, *, warmup=1, passes=5, labels=True, **forwa
     return [e for e in cpu_events if _inside(e, root)], root, walls[best]
 
 
-def profile_forward(model, input_ids, *, warmup=1, passes=5, device_time=None, **forward_kwargs):
+def profile_forward(model: nn.Module, input_ids: torch.Tensor, *, warmup: int = 1, passes: int = 5,
+                    device_time: bool | None = None, **forward_kwargs: Any) -> ForwardProfile:
     """Shares of one forward pass per kind of work: record_forward, then op_shares.
 
     device_time defaults to True on CUDA (the GPU's time is what matters there) and False on
@@ -249,10 +259,10 @@ def profile_forward(model, input_ids, *, warmup=1, passes=5, device_time=None, *
     return ForwardProfile(shares, total, wall, device_time, self_time_table(events, device_time))
 
 
-def self_time_table(events, device_time=False, rows=10):
+def self_time_table(events: Sequence[FunctionEvent], device_time: bool = False, rows: int = 10) -> str:
     """Events grouped by name, largest self time first: a text table of name, calls, self
     ms and inclusive ms (the latter double counts nested names: shown for contrast)."""
-    groups = {}
+    groups: dict[str, tuple[int, float, float]] = {}
     for e in events:
         self_us = e.self_device_time_total if device_time else e.self_cpu_time_total
         total_us = e.device_time_total if device_time else e.cpu_time_total
@@ -264,7 +274,7 @@ def self_time_table(events, device_time=False, rows=10):
     return "\n".join(lines)
 
 
-def _inside(event, root):
+def _inside(event: FunctionEvent | None, root: FunctionEvent) -> bool:
     while event is not None:
         if event is root:
             return True
@@ -272,7 +282,7 @@ def _inside(event, root):
     return False
 
 
-def format_shares(prof):
+def format_shares(prof: ForwardProfile) -> str:
     """A small text table: kind, milliseconds, percent of the total."""
     lines = [f"{'kind':<10} {'ms':>9} {'share':>7}"]
     for kind in KINDS:

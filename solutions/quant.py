@@ -12,6 +12,10 @@ Symmetric (no zero point) because trained weights are centred on zero; per outpu
 because rows differ in magnitude by orders of magnitude and one scale for the whole matrix
 would waste most of the 255 levels on the rows with small weights.
 """
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -19,7 +23,7 @@ from torch.nn import functional as F
 QMAX = 127
 
 
-def quantize_per_channel(weight):
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantization of weight [out, in], one scale per output row.
     (Your engine: Chapter 20)
 
@@ -36,7 +40,7 @@ def quantize_per_channel(weight):
     return q, scale
 
 
-def dequantize(q, scale, dtype=torch.float32):
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q int8 [out, in] and scale [out] -> the float weight they stand for, in dtype."""
     return (q.float() * scale[:, None].float()).to(dtype)
 
@@ -49,7 +53,12 @@ class Int8Linear(nn.Module):
     was) when the original layer had one.
     """
 
-    def __init__(self, in_features, out_features, bias=False, device=None, dtype=torch.float32):
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
@@ -57,18 +66,18 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear):
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         """Quantize an nn.Linear's weight; its bias is copied unchanged."""
         weight = linear.weight
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, weight.device, weight.dtype)
         q, scale = quantize_per_channel(weight)
         layer.qweight.copy_(q)
         layer.scale.copy_(scale)
-        if linear.bias is not None:
+        if linear.bias is not None and layer.bias is not None:
             layer.bias.copy_(linear.bias.detach())
         return layer
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """y = x W^T + b for x [..., in] in x's own dtype, W the dequantized weight.
         (Your engine: Chapter 20)
 
@@ -82,11 +91,11 @@ class Int8Linear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, dequantize(self.qweight, self.scale, x.dtype), bias)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_model(model, skip=()):
+def quantize_model(model: nn.Module, skip: Iterable[str] = ()) -> nn.Module:
     """Swap every nn.Linear inside `model` for Int8Linear.from_linear(it), in place; returns model.
     (Your engine: Chapter 20)
 
@@ -108,7 +117,7 @@ def quantize_model(model, skip=()):
     return model
 
 
-def linear_weight_bytes(model):
+def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes held by the weights of the linear layers (float nn.Linear and Int8Linear alike,
     scales and biases included): what a decode step must read for its matmuls."""
     total = 0
@@ -120,7 +129,7 @@ def linear_weight_bytes(model):
     return total
 
 
-def weight_error_bound(x, scale):
+def weight_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The worst-case error of y = x W^T that int8 rounding can cause, per output channel.
 
     Each weight is off by at most scale[o] / 2, so |y_q[..., o] - y[..., o]| is at most

@@ -3,7 +3,10 @@
 Module and parameter names follow Hugging Face's Qwen3 exactly, so a transformers
 state_dict loads into this model unchanged and the other way round.
 """
+from __future__ import annotations
+
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
@@ -11,6 +14,9 @@ from torch.nn import functional as F
 
 from .attention import causal_attention
 from .layers import RMSNorm, apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from .kv_cache import ModelCache
 
 
 @dataclass
@@ -32,7 +38,7 @@ class Qwen3Config:
     eos_token_id: int | None = None
 
     @classmethod
-    def from_dict(cls, values):
+    def from_dict(cls, values: dict[str, Any]) -> Self:
         """Keep the fields this class knows; config.json carries many more.
 
         Newer config files may nest rope_theta inside rope_parameters/rope_scaling."""
@@ -52,13 +58,13 @@ class Qwen3Config:
 class Qwen3MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU feed-forward on [..., hidden].  (Your engine: Chapter 7)
 
         The gate path goes through SiLU and multiplies the up path elementwise; the product
@@ -71,19 +77,22 @@ class Qwen3MLP(nn.Module):
 class Qwen3Attention(nn.Module):
     """Grouped-query attention with RMSNorm on each query and key head (QK-norm)."""
 
-    def __init__(self, cfg, layer_idx):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        # nn.Module, not RMSNorm: families without QK-norm (Chapter 42) put an identity here.
+        self.q_norm: nn.Module = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm: nn.Module = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, slots, cache=None, allowed=None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Attention sublayer on x [B, T, hidden] -> [B, T, hidden].  (Your engine: Chapter 9)
 
         Project to q [B, H, T, D], k and v [B, Hkv, T, D]; apply q_norm / k_norm to every
@@ -112,14 +121,15 @@ class Qwen3Attention(nn.Module):
 class Qwen3DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg, layer_idx):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(cfg, layer_idx)
-        self.mlp = Qwen3MLP(cfg)
+        self.mlp: nn.Module = Qwen3MLP(cfg)         # Chapter 27 puts a sparse MoE block here
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, slots, cache=None, allowed=None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """One decoder layer on the residual stream x [B, T, hidden].  (Your engine: Chapter 7)
 
         Two residual branches, each reading a normalised copy of the stream: attention
@@ -133,14 +143,19 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     """Embedding, the decoder layers and the final norm: token ids -> hidden states."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions=None, cache=None, allowed=None):
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B or 1, 1, T, head_dim] for `positions` (Chapter 6's rope_cos_sin)."""
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> final hidden states [B, T, hidden].  (Your engine: Chapter 10)
 
         The T tokens occupy cache slots start .. start + T - 1, where start is
@@ -148,7 +163,8 @@ class Qwen3Model(nn.Module):
         [B, T]); positions for RoPE default to those slots (a padded batch, Chapter 21,
         passes its own [B, T] positions). Compute the rotary
         tables once and share them across layers; after the last layer, apply the final
-        norm and, with a cache, advance it by T with cache.advance(T).
+        norm and, with a cache, advance it by T with cache.advance(T). Get the tables from
+        self.rope_tables (families with scaled RoPE, Chapter 42, replace it).
         """
         start = cache.length if cache is not None else 0
         slots = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -158,7 +174,7 @@ class Qwen3Model(nn.Module):
             slots = start.to(input_ids.device)[:, None] + slots
         positions = slots if positions is None else positions
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = self.rope_tables(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, slots, cache, allowed)
         if cache is not None:
@@ -169,7 +185,7 @@ class Qwen3Model(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3Model plus the LM head (tied to the embedding when the config says so)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = Qwen3Model(cfg)
@@ -178,11 +194,12 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def context_limit(self):
+    def context_limit(self) -> int:
         """The most positions this model was trained for; engines stop requests there."""
         return self.cfg.max_position_embeddings
 
-    def forward(self, input_ids, positions=None, cache=None, allowed=None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> logits [B, T, vocab] in float32.  (Your engine: Chapter 10)"""
         hidden = self.model(input_ids, positions, cache, allowed)
         return self.lm_head(hidden).float()

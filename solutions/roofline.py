@@ -7,13 +7,21 @@ adds up the FLOPs of the matrix products and the bytes every op reads and writes
 ratio, FLOPs per byte, is the step's arithmetic intensity; the roofline (cost.Hardware)
 turns it into a bound on speed, and timing the same step shows where it really lands.
 """
+from __future__ import annotations
+
 import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cost import Hardware, StepCost
 from .profiling import time_it
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3Config
 
 aten = torch.ops.aten
 
@@ -24,7 +32,7 @@ FREE_OPS = {aten._unsafe_view.default, aten.lift_fresh.default, aten.detach.defa
 GATHER_OPS = {aten.embedding.default, aten.index_select.default, aten.index.Tensor}
 
 
-def matmul_flops(func, args):
+def matmul_flops(func: torch._ops.OpOverload, args: Sequence[Any]) -> int:
     """FLOPs of one aten operation: 2 per multiply-add of a matrix product.  (Your engine: Chapter 15)
 
     func: an aten OpOverload such as torch.ops.aten.mm.default; args: its positional
@@ -45,14 +53,14 @@ def matmul_flops(func, args):
     return 0
 
 
-def tensor_bytes(t):
+def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of memory a tensor's elements occupy: a broadcast axis (stride 0) holds one
     element however long it looks, so it does not multiply the count."""
     elements = math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0)
     return elements * t.element_size()
 
 
-def _tensors(values):
+def _tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
     for value in values:
         if isinstance(value, torch.Tensor):
             yield value
@@ -60,7 +68,7 @@ def _tensors(values):
             yield from _tensors(value)
 
 
-def op_bytes(func, inputs, outputs):
+def op_bytes(func: torch._ops.OpOverload, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> int:
     """Bytes one aten operation moves to and from memory.  (Your engine: Chapter 15)
 
     inputs: the tensors among its arguments; outputs: the tensors it returned. The model
@@ -93,11 +101,13 @@ class TrafficCounter(TorchDispatchMode):
     `ops` keeps one (name, flops, bytes) row per operation, in order, for tables and plots.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
-        self.flops, self.bytes, self.ops = 0, 0, []
+        self.flops, self.bytes = 0, 0
+        self.ops: list[tuple[str, int, int]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: Any, args: Sequence[Any] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         flops = matmul_flops(func, args)
@@ -108,11 +118,11 @@ class TrafficCounter(TorchDispatchMode):
         return out
 
     @property
-    def cost(self):
+    def cost(self) -> StepCost:
         return StepCost(flops=self.flops, bytes=self.bytes)
 
 
-def count_step(model, input_ids, **forward_kwargs):
+def count_step(model: nn.Module, input_ids: torch.Tensor, **forward_kwargs: Any) -> tuple[StepCost, TrafficCounter]:
     """FLOPs and bytes of model(input_ids, **forward_kwargs), counted op by op.
 
     Runs under torch.no_grad (not inference mode, under which nn.Linear and einsum reach the
@@ -122,7 +132,8 @@ def count_step(model, input_ids, **forward_kwargs):
     return counter.cost, counter
 
 
-def measure_hardware(device="cpu", matmul_size=1024, copy_mib=64, dtype=torch.float32, repeats=5):
+def measure_hardware(device: torch.device | str = "cpu", matmul_size: int = 1024, copy_mib: int = 64,
+                     dtype: torch.dtype = torch.float32, repeats: int = 5) -> tuple[Hardware, dict[str, float]]:
     """This machine's roofline, measured: (Hardware, details).
 
     Peak: the FLOP rate of one square matmul of matmul_size (2 n^3 FLOPs). Bandwidth: a copy
@@ -144,15 +155,16 @@ def measure_hardware(device="cpu", matmul_size=1024, copy_mib=64, dtype=torch.fl
     return Hardware(f"{name} (measured)", peak, bandwidth), dict(matmul_s=matmul.median, copy_s=copy.median)
 
 
-def measure_step(model, input_ids, *, warmup=2, repeats=5, **forward_kwargs):
+def measure_step(model: nn.Module, input_ids: torch.Tensor, *, warmup: int = 2, repeats: int = 5,
+                 **forward_kwargs: Any) -> float:
     """Median seconds of model(input_ids), synchronized (profiling.time_it)."""
-    def step():
+    def step() -> None:
         with torch.inference_mode():
             model(input_ids, **forward_kwargs)
     return time_it(step, warmup=warmup, repeats=repeats, device=input_ids.device).median
 
 
-def causal_overcount(cfg, new_tokens, past_tokens=0, batch=1):
+def causal_overcount(cfg: Qwen3Config, new_tokens: int, past_tokens: int = 0, batch: int = 1) -> int:
     """FLOPs a step spends on masked-out scores when attention computes every query x key
     product and masks afterwards (as causal_attention does): the upper triangle of the
     new tokens' block. cost.step_cost counts only the keys each query sees."""

@@ -1,11 +1,14 @@
 """Chapters 8, 16 and 17: choosing the next token, and generating a sequence."""
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from .kv_cache import KVCache
 
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
 # Below this temperature a request is sampled greedily, as vLLM does (its _SAMPLING_EPS):
 # dividing logits by 1e-39 overflows every one of them to +-inf, and the softmax of that is
@@ -65,7 +68,7 @@ def _next_token(logits: torch.Tensor, options: dict) -> int:
 
 @torch.inference_mode()
 def generate_recompute(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
-                       stop_token_ids: Sequence[int] = (), **options) -> list[int]:
+                       stop_token_ids: Sequence[int] = (), **options: Any) -> list[int]:
     """Generate by running the whole sequence through the model at every step.  (Your engine: Chapter 8)
 
     prompt_ids: a list of ints. Each step feeds all tokens so far as one [1, T] batch, takes
@@ -75,7 +78,7 @@ def generate_recompute(model: nn.Module, prompt_ids: list[int], max_new_tokens: 
     new tokens only. Quadratic work, but obviously correct: Chapter 16's cache must match it.
     """
     device = next(model.parameters()).device
-    tokens, out = list(prompt_ids), []
+    tokens, out = list(prompt_ids), list[int]()
     limit = getattr(model, "context_limit", 1 << 30)
     while len(out) < max_new_tokens and len(tokens) < limit:
         logits = model(torch.tensor([tokens], device=device))
@@ -89,7 +92,7 @@ def generate_recompute(model: nn.Module, prompt_ids: list[int], max_new_tokens: 
 
 @torch.inference_mode()
 def generate_cached(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = None,
-                    stop_token_ids: Sequence[int] = (), **options) -> list[int]:
+                    stop_token_ids: Sequence[int] = (), **options: Any) -> list[int]:
     """Generate with a KV cache: one prefill, then one token per step.  (Your engine: Chapter 16)
 
     Same contract and same stopping rules as generate_recompute. Size a KVCache for the
@@ -99,8 +102,8 @@ def generate_cached(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
     """
     device = next(model.parameters()).device
     limit = getattr(model, "context_limit", 1 << 30)
-    cache = KVCache.for_model(model, 1, min(len(prompt_ids) + max_new_tokens, limit))
-    feed, out = list(prompt_ids), []
+    cache = KVCache.for_model(cast("Qwen3ForCausalLM", model), 1, min(len(prompt_ids) + max_new_tokens, limit))
+    feed, out = list(prompt_ids), list[int]()
     while len(out) < max_new_tokens and cache.length + len(feed) < limit:
         logits = model(torch.tensor([feed], device=device), cache=cache)
         token = _next_token(logits, options)

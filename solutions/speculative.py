@@ -10,13 +10,20 @@ overwritten by the next step.
 Greedy speculative decoding emits exactly the target's own greedy tokens. With sampling,
 the accept/reject rule of `accept_sampled` keeps the target's distribution exactly.
 """
+from __future__ import annotations
+
 import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3ForCausalLM
 
 
 @dataclass
@@ -29,16 +36,16 @@ class SpecStats:
     draft_forwards: int = 0      # prefill + proposal calls of the draft
 
     @property
-    def acceptance_rate(self):
+    def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     @property
-    def tokens_per_target_forward(self):
+    def tokens_per_target_forward(self) -> float:
         """Emitted tokens per target forward; plain decoding gets exactly 1."""
         return self.emitted / self.target_forwards if self.target_forwards else 0.0
 
 
-def truncated_draft(target, num_layers=1):
+def truncated_draft(target: Qwen3ForCausalLM, num_layers: int = 1) -> Qwen3ForCausalLM:
     """A draft model made of the target's first `num_layers` layers, its final norm and
     its LM head. The modules are shared, not copied: the draft costs no extra weight memory,
     and since it starts from the same embedding and ends with the same head, its guesses
@@ -55,13 +62,14 @@ def truncated_draft(target, num_layers=1):
     return draft
 
 
-def _last_logits(model, feed, cache):
+def _last_logits(model: Qwen3ForCausalLM, feed: Sequence[int], cache: KVCache) -> torch.Tensor:
     device = next(model.parameters()).device
     return model(torch.tensor([feed], device=device), cache=cache)[0]
 
 
 @torch.inference_mode()
-def propose(draft, cache, feed, k, temperature=0.0, generator=None):
+def propose(draft: Qwen3ForCausalLM, cache: KVCache, feed: Sequence[int], k: int, temperature: float = 0.0,
+            generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
     """Let the draft guess the next k tokens.  (Your engine: Chapter 26)
 
     feed: the committed tokens the draft's cache has not seen yet (at least one: the last
@@ -88,7 +96,7 @@ def propose(draft, cache, feed, k, temperature=0.0, generator=None):
     return tokens, (torch.stack(rows) if rows else None)
 
 
-def accept_greedy(target_logits, draft_tokens):
+def accept_greedy(target_logits: torch.Tensor, draft_tokens: Sequence[int]) -> list[int]:
     """Which guesses the target agrees with, and the token it adds.  (Your engine: Chapter 26)
 
     target_logits: [k + 1, vocab], the target's logits after feeding the last committed
@@ -109,7 +117,8 @@ def accept_greedy(target_logits, draft_tokens):
     return emitted
 
 
-def accept_sampled(target_probs, draft_probs, draft_tokens, generator=None):
+def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: Sequence[int],
+                   generator: torch.Generator | None = None) -> list[int]:
     """Speculative sampling: accept or resample so the output follows the target.  (Your engine: Chapter 26)
 
     target_probs: [k + 1, vocab] (rows as in accept_greedy, after temperature);
@@ -139,7 +148,7 @@ def accept_sampled(target_probs, draft_probs, draft_tokens, generator=None):
     return emitted
 
 
-def _stop_index(tokens, eos_token_id, stop_token_ids):
+def _stop_index(tokens: Sequence[int], eos_token_id: int | None, stop_token_ids: Iterable[int]) -> int | None:
     for i, token in enumerate(tokens):
         if token == eos_token_id or token in stop_token_ids:
             return i
@@ -147,8 +156,10 @@ def _stop_index(tokens, eos_token_id, stop_token_ids):
 
 
 @torch.inference_mode()
-def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, *, eos_token_id=None,
-                         stop_token_ids=(), temperature=0.0, generator=None, stats=None):
+def speculative_generate(target: Qwen3ForCausalLM, draft: Qwen3ForCausalLM, prompt_ids: Sequence[int],
+                         max_new_tokens: int, k: int = 4, *, eos_token_id: int | None = None,
+                         stop_token_ids: Iterable[int] = (), temperature: float = 0.0,
+                         generator: torch.Generator | None = None, stats: SpecStats | None = None) -> list[int]:
     """Generate with draft-and-verify; same contract as sampling.generate.  (Your engine: Chapter 26)
 
     Both models keep their own KVCache (size: prompt + max_new_tokens + k + 1). Prefill
@@ -163,13 +174,12 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, *, eos_
     Greedy output equals generate(target, ...) token for token.
     """
     stats = stats if stats is not None else SpecStats()
-    device = next(target.parameters()).device
     stop_token_ids = tuple(stop_token_ids)
     capacity = len(prompt_ids) + max_new_tokens + k + 1
     t_cache = KVCache.for_model(target, 1, capacity)
     d_cache = KVCache.for_model(draft, 1, capacity)
 
-    def pick(logits_rows):
+    def pick(logits_rows: torch.Tensor) -> torch.Tensor:
         if temperature == 0:
             return logits_rows.argmax(dim=-1)
         return torch.softmax(logits_rows.float() / temperature, dim=-1)
@@ -186,7 +196,8 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, *, eos_
     while len(out) < max_new_tokens and _stop_index(out, eos_token_id, stop_token_ids) is None:
         # t_cache holds committed[:-1]: the newest token is fed with the guesses.
         guesses_wanted = min(k, max_new_tokens - len(out) - 1)
-        guesses, draft_probs = [], None
+        guesses: list[int] = []
+        draft_probs: torch.Tensor | None = None
         if guesses_wanted > 0:
             guesses, draft_probs = propose(draft, d_cache, committed[d_cache.length:], guesses_wanted,
                                            temperature, generator)
@@ -197,6 +208,8 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, *, eos_
         if temperature == 0:
             emitted = accept_greedy(verify, guesses)
         else:
+            if draft_probs is None:             # no guesses this round: an empty [0, vocab]
+                draft_probs = verify.new_empty((0, verify.shape[-1]))
             emitted = accept_sampled(pick(verify), draft_probs, guesses, generator)
         stats.proposed += len(guesses)
         stats.accepted += len(emitted) - 1

@@ -17,6 +17,7 @@ bfloat16 arithmetic, so the wrappers compute in float32 there and cast the resul
 import inspect
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -27,17 +28,18 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     _CHOSEN_TOO_LATE = "triton" in sys.modules
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton                      # noqa: E402  (after the interpreter choice, on purpose)
-import triton.language as tl       # noqa: E402
+import triton  # noqa: E402  (after the interpreter choice, on purpose)
+import triton.language as tl  # noqa: E402
 
 
-def interpreting():
+def interpreting() -> bool:
     """True when kernels run in Triton's CPU interpreter rather than compiled for a GPU."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Kernel parameters carry no Python annotations: Triton reads them to decide how to compile.
 @triton.jit
-def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     """out[i] = x[i] + y[i] for the BLOCK elements of this program.  (Your engine: Chapter 30)
 
     Program p (tl.program_id(0)) owns elements p * BLOCK .. p * BLOCK + BLOCK - 1. Build
@@ -54,7 +56,8 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def softmax_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: tl.constexpr):
+def softmax_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride,  # type: ignore[no-untyped-def]
+                   BLOCK: tl.constexpr):
     """Softmax of one row per program.  (Your engine: Chapter 30)
 
     Program r reads row r: it starts at x_ptr + r * x_row_stride and has n_cols elements;
@@ -73,14 +76,14 @@ def softmax_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride, BLOCK: 
     tl.store(out_ptr + row * out_row_stride + cols, e / tl.sum(e, axis=0), mask=mask)
 
 
-def _require_written(kernel):
+def _require_written(kernel: Any) -> None:
     """An unwritten stub kernel cannot compile on a GPU (Triton has no `raise`), and the
     interpreter wraps its exception in its own error type: say so in the course's words."""
     if 'raise NotImplementedError("Your engine: Chapter' in inspect.getsource(kernel.fn):
         raise NotImplementedError(f"Your engine: Chapter 30: {kernel.fn.__name__}")
 
 
-def _check_device(*tensors):
+def _check_device(*tensors: torch.Tensor) -> None:
     if _CHOSEN_TOO_LATE:
         raise RuntimeError("triton was imported (by transformers, say) before TRITON_INTERPRET=1 was set, so "
                            "its library functions were built for a GPU: set TRITON_INTERPRET=1 before anything "
@@ -90,12 +93,12 @@ def _check_device(*tensors):
             raise ValueError("compiled Triton kernels need CUDA tensors (set TRITON_INTERPRET=1 for the CPU)")
 
 
-def _compute_dtype(t):
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The interpreter has no 16-bit float arithmetic: compute in float32 there."""
     return torch.float32 if interpreting() and t.dtype in (torch.bfloat16, torch.float16) else t.dtype
 
 
-def vector_add(x, y, block_size=1024):
+def vector_add(x: torch.Tensor, y: torch.Tensor, block_size: int = 1024) -> torch.Tensor:
     """x + y for two tensors of the same shape, through add_kernel.
 
     One program per block_size elements: grid = (ceil(n / block_size),). Inputs are made
@@ -113,7 +116,7 @@ def vector_add(x, y, block_size=1024):
     return out.to(x.dtype)
 
 
-def softmax(x):
+def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last axis of a 2-D tensor [rows, cols], through softmax_kernel:
     one program per row, BLOCK the next power of two of cols."""
     if x.dim() != 2:
@@ -131,7 +134,7 @@ def softmax(x):
     return out.to(x.dtype)
 
 
-def program_ranges(n_elements, block_size):
+def program_ranges(n_elements: int, block_size: int) -> list[tuple[int, int, int]]:
     """(program id, first element, last element + 1) for each program of vector_add's grid."""
     return [(p, p * block_size, min((p + 1) * block_size, n_elements))
             for p in range(triton.cdiv(n_elements, block_size))]

@@ -13,26 +13,47 @@ end-to-end latency, throughput, and their percentiles (`summarize`). `replay` dr
 engine with the step API of Chapters 24, 25 and 31-lite (`add_request`, `step`,
 `has_unfinished`) through a timed workload and records those observations.
 """
+from __future__ import annotations
+
 import math
 import random
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
+    from .qwen3 import Qwen3ForCausalLM
 
 
 @dataclass
 class WorkItem:
     """One request of a workload. arrival_time is in seconds from the start of the run."""
     request_id: str
-    prompt_ids: list
+    prompt_ids: list[int]
     max_tokens: int
     arrival_time: float = 0.0
 
 
-def _tokens(rng, n, vocab_size):
+class StepEngine(Protocol):
+    """The step API every engine of Part V speaks (Chapters 22, 24, 25, 31), which `replay`
+    and `run_to_completion` drive: queue a request, run one step, ask whether work is left.
+    A step returns one (request_id, new_token_ids, finished) triple per request it advanced."""
+
+    def add_request(self, request_id: str, prompt_ids: list[int], max_new_tokens: int, /) -> None: ...
+
+    def step(self) -> list[tuple[str, list[int], bool]]: ...
+
+    @property
+    def has_unfinished(self) -> bool: ...
+
+
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(n)]
 
 
-def _between(rng, bounds):
+def _between(rng: random.Random, bounds: int | tuple[int, int]) -> int:
     """An int drawn uniformly from an inclusive (low, high) pair, or the int itself."""
     if isinstance(bounds, int):
         return bounds
@@ -40,8 +61,10 @@ def _between(rng, bounds):
     return rng.randint(low, high)
 
 
-def shared_prefix_workload(num_requests=16, prefix_len=192, question_len=(8, 48), output_len=(8, 40),
-                           vocab_size=256, seed=0):
+def shared_prefix_workload(num_requests: int = 16, prefix_len: int = 192,
+                           question_len: int | tuple[int, int] = (8, 48),
+                           output_len: int | tuple[int, int] = (8, 40), vocab_size: int = 256,
+                           seed: int = 0) -> list[WorkItem]:
     """Requests that all start with the same system prompt, then ask their own question.
 
     The prefix (prefix_len tokens) is drawn once; each request appends a question of a length
@@ -59,7 +82,7 @@ def shared_prefix_workload(num_requests=16, prefix_len=192, question_len=(8, 48)
     return items
 
 
-def poisson_arrivals(rate, n, seed=0):
+def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
     """Arrival times of n requests from a Poisson process of `rate` requests per second.
     (Your engine: Chapter 22)
 
@@ -80,7 +103,7 @@ def poisson_arrivals(rate, n, seed=0):
     return times
 
 
-def with_arrivals(items, arrival_times):
+def with_arrivals(items: Sequence[WorkItem], arrival_times: Sequence[float]) -> list[WorkItem]:
     """A copy of items with the given arrival times (one per item, in order)."""
     if len(arrival_times) != len(items):
         raise ValueError(f"{len(items)} items but {len(arrival_times)} arrival times")
@@ -93,8 +116,8 @@ class LengthClass:
     """One kind of request in a length mix: its share of requests and its length ranges."""
     name: str
     weight: float
-    prompt_len: tuple
-    output_len: tuple
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
 
 
 CHAT_MIX = (LengthClass("chat", 0.7, (16, 64), (16, 64)),
@@ -102,7 +125,8 @@ CHAT_MIX = (LengthClass("chat", 0.7, (16, 64), (16, 64)),
             LengthClass("write", 0.1, (8, 24), (96, 160)))
 
 
-def length_mix_workload(num_requests=32, mix=CHAT_MIX, rate=None, vocab_size=256, seed=0):
+def length_mix_workload(num_requests: int = 32, mix: Sequence[LengthClass] = CHAT_MIX, rate: float | None = None,
+                        vocab_size: int = 256, seed: int = 0) -> list[WorkItem]:
     """Independent prompts whose lengths come from a mix of request kinds.
 
     Each request picks a LengthClass with probability proportional to its weight, then a
@@ -123,8 +147,10 @@ def length_mix_workload(num_requests=32, mix=CHAT_MIX, rate=None, vocab_size=256
     return items
 
 
-def multi_turn_workload(num_conversations=4, num_turns=4, system_len=64, message_len=(8, 32),
-                        answer_len=(8, 32), shared_system=True, turn_gap=1.0, vocab_size=256, seed=0):
+def multi_turn_workload(num_conversations: int = 4, num_turns: int = 4, system_len: int = 64,
+                        message_len: int | tuple[int, int] = (8, 32), answer_len: int | tuple[int, int] = (8, 32),
+                        shared_system: bool = True, turn_gap: float = 1.0, vocab_size: int = 256,
+                        seed: int = 0) -> list[WorkItem]:
     """Chat sessions: each turn's prompt is the previous turn's prompt, the answer to it and a
     new user message.
 
@@ -162,31 +188,37 @@ class RequestRecord:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_output_tokens: int = 0
-    token_times: list = field(default_factory=list)   # when each output token came out
+    token_times: list[float] = field(default_factory=list)   # when each output token came out
+
+    def _stamp(self, stamp: float | None, event: str) -> float:
+        if stamp is None:
+            raise ValueError(f"request {self.request_id!r} has no {event} yet")
+        return stamp
 
     @property
-    def ttft(self):
+    def ttft(self) -> float:
         """Time to first token: waiting in the queue plus prefill."""
-        return self.first_token_time - self.arrival_time
+        return self._stamp(self.first_token_time, "first token") - self.arrival_time
 
     @property
-    def e2e(self):
+    def e2e(self) -> float:
         """End-to-end latency: arrival to last token."""
-        return self.finish_time - self.arrival_time
+        return self._stamp(self.finish_time, "finish time") - self.arrival_time
 
     @property
-    def tpot(self):
+    def tpot(self) -> float | None:
         """Time per output token after the first; None with fewer than two tokens."""
         if self.num_output_tokens < 2:
             return None
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+        first, last = self._stamp(self.first_token_time, "first token"), self._stamp(self.finish_time, "finish time")
+        return (last - first) / (self.num_output_tokens - 1)
 
     @property
-    def inter_token_gaps(self):
+    def inter_token_gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
-def percentile(values, q):
+def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0 <= q <= 100) of a non-empty list of numbers, interpolating
     linearly between the two nearest order statistics.  (Your engine: Chapter 22)
 
@@ -211,7 +243,7 @@ def percentile(values, q):
 PERCENTILES = (50, 90, 99)
 
 
-def summarize(records):
+def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """Aggregate figures of a served workload.  (Your engine: Chapter 22)
 
     records: RequestRecords of finished requests (each with first_token_time, finish_time
@@ -228,10 +260,14 @@ def summarize(records):
     if not records:
         raise ValueError("summarize needs at least one finished request")
     start = min(r.arrival_time for r in records)
-    end = max(r.finish_time for r in records)
+    finish_times = [r.finish_time for r in records if r.finish_time is not None]
+    if len(finish_times) < len(records):
+        unfinished = [r.request_id for r in records if r.finish_time is None]
+        raise ValueError(f"summarize needs finished requests; {unfinished} have no finish_time")
+    end = max(finish_times)
     duration = end - start
     tokens = sum(r.num_output_tokens for r in records)
-    out = {"num_requests": len(records), "output_tokens": tokens, "duration_s": duration,
+    out: dict[str, Any] = {"num_requests": len(records), "output_tokens": tokens, "duration_s": duration,
            "throughput_tok_s": tokens / duration if duration > 0 else float("inf"),
            "requests_per_s": len(records) / duration if duration > 0 else float("inf")}
     samples = {"ttft": [r.ttft for r in records], "tpot": [r.tpot for r in records if r.tpot is not None],
@@ -255,20 +291,21 @@ class SkipIdleClock:
     with the same queueing behaviour as if we had waited.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._start = time.perf_counter()
         self._skipped = 0.0
 
-    def __call__(self):
+    def __call__(self) -> float:
         return time.perf_counter() - self._start + self._skipped
 
-    def skip_to(self, t):
+    def skip_to(self, t: float) -> None:
         now = self()
         if t > now:
             self._skipped += t - now
 
 
-def replay(engine, items, clock=None):
+def replay(engine: StepEngine, items: Iterable[WorkItem],
+           clock: SkipIdleClock | None = None) -> dict[str, RequestRecord]:
     """Serve a timed workload on an engine with the step API; returns {request_id: RequestRecord}.
 
     A request is handed to the engine (engine.add_request(request_id, prompt_ids,
@@ -310,33 +347,35 @@ class OneAtATimeEngine:
     or one decode token of the request being served. Greedy only.
     """
 
-    def __init__(self, model, eos_token_id=None):
+    def __init__(self, model: Qwen3ForCausalLM, eos_token_id: int | None = None) -> None:
         from .kv_cache import KVCache
         self._kv_cache = KVCache
         self.model = model
         self.eos_token_id = eos_token_id
         self.device = next(model.parameters()).device
-        self.queue = []                 # [request_id, prompt, max_new, stop_ids]
-        self.current = None             # (request_id, cache, outputs, max_new, stop_ids)
+        self.queue: list[tuple[str, list[int], int, tuple[int, ...]]] = []   # request_id, prompt, max_new, stops
+        self.current: tuple[str, KVCache, list[int], int, tuple[int, ...]] | None = None  # ... its cache, outputs
         self.steps = self.forward_calls = 0
 
-    def add_request(self, request_id, prompt_ids, max_new_tokens, stop_token_ids=()):
-        if not prompt_ids:
+    def add_request(self, request_id: str, prompt_ids: Iterable[int], max_new_tokens: int,
+                    stop_token_ids: Iterable[int] = ()) -> None:
+        prompt = list(prompt_ids)
+        if not prompt:
             raise ValueError(f"{request_id}: empty prompt")
-        self.queue.append((request_id, list(prompt_ids), max_new_tokens, tuple(stop_token_ids)))
+        self.queue.append((request_id, prompt, max_new_tokens, tuple(stop_token_ids)))
 
     @property
-    def has_unfinished(self):
+    def has_unfinished(self) -> bool:
         return bool(self.queue) or self.current is not None
 
-    def step(self):
+    def step(self) -> list[tuple[str, list[int], bool]]:
         import torch
         if self.current is None:
             if not self.queue:
                 return []
             request_id, prompt, max_new, stops = self.queue.pop(0)
             cache = self._kv_cache.for_model(self.model, 1, len(prompt) + max_new)
-            self.current = [request_id, cache, [], max_new, stops]
+            self.current = (request_id, cache, [], max_new, stops)
             feed = prompt
         else:
             feed = self.current[2][-1:]
@@ -352,14 +391,14 @@ class OneAtATimeEngine:
             self.current = None
         return [(request_id, [token], finished)]
 
-    def run(self, items):
+    def run(self, items: Iterable[WorkItem]) -> dict[str, list[int]]:
         return run_to_completion(self, items)
 
 
-def run_to_completion(engine, items):
+def run_to_completion(engine: StepEngine, items: Iterable[WorkItem]) -> dict[str, list[int]]:
     """Serve WorkItems on any engine with the Part V step API (add_request, step, has_unfinished)
     until none is left; returns {request_id: output token ids}."""
-    outputs = {}
+    outputs: dict[str, list[int]] = {}
     for item in items:
         engine.add_request(item.request_id, item.prompt_ids, item.max_tokens)
         outputs[item.request_id] = []

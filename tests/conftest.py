@@ -8,8 +8,8 @@ instructor's own, the grading tests' fakes). What is here serves the machinery's
 tests (tests/test_course_*.py).
 """
 import textwrap
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 

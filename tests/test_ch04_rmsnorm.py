@@ -45,7 +45,8 @@ def test_matches_the_float64_formula(impl, device, dtype):
     # One rounding to dtype for the normalised value, one for the product with the weight.
     rel = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
     err = ((got.double() - expected).abs() / expected.abs().clamp_min(1e-3)).max().item()
-    assert err <= 2 * rel, f"{dtype}: largest relative error against the float64 formula is {err:.3g} (allowed {2 * rel:.3g})"
+    assert err <= 2 * rel, (
+        f"{dtype}: largest relative error against the float64 formula is {err:.3g} (allowed {2 * rel:.3g})")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -43,7 +43,8 @@ def oracle(q, k, v, mask, scale=None):
 
 
 def check(got, expected, what, atol=1e-5):
-    assert got.shape == expected.shape, f"{what}: output shape should be {tuple(expected.shape)}, got {tuple(got.shape)}"
+    assert got.shape == expected.shape, (
+        f"{what}: output shape should be {tuple(expected.shape)}, got {tuple(got.shape)}")
     err = (got.double() - expected).abs()
     if err.max() > atol or not torch.isfinite(got).all():
         b, h, i, _ = [int(x) for x in torch.nonzero(~(err <= atol))[0]]
@@ -56,7 +57,8 @@ def test_whole_prompt(impl, device, heads, kv_heads):
     q, k, v = rand_qkv(device, heads=heads, kv_heads=kv_heads, tq=7, tk=7)
     pos = torch.arange(7, device=device)
     got = impl.attention.causal_attention(q, k, v, pos, pos)
-    check(got, oracle(q, k, v, visible(pos, pos, 2)), f"a 7-token prompt, {heads} query heads sharing {kv_heads} K/V heads")
+    check(got, oracle(q, k, v, visible(pos, pos, 2)),
+          f"a 7-token prompt, {heads} query heads sharing {kv_heads} K/V heads")
 
 
 def test_matches_is_causal(impl, device):

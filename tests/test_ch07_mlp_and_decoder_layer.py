@@ -42,7 +42,8 @@ def test_mlp_matches_swiglu_formula(impl, cfg, mlp, device, shape):
     with torch.no_grad():
         got = mlp(x)
     expected = float64_mlp(x, mlp)
-    assert got.shape == x.shape, f"the MLP maps [..., hidden] to the same shape; got {tuple(got.shape)} for {tuple(x.shape)}"
+    assert got.shape == x.shape, (
+        f"the MLP maps [..., hidden] to the same shape; got {tuple(got.shape)} for {tuple(x.shape)}")
     err = (got.double() - expected).abs().max().item()
     assert err < 1e-4, (f"MLP on input {tuple(x.shape)} differs from down(silu(gate(x)) * up(x)) by {err:.3g}; "
                         f"SiLU goes on the gate path only")
@@ -98,9 +99,10 @@ def test_decoder_layer_matches_hand_composition(impl, cfg, layer, device):
     assert got.shape == x.shape, f"a decoder layer keeps the shape [B, T, hidden]; got {tuple(got.shape)}"
     expected = hand_composed(layer, x, cfg.rms_norm_eps)
     err = (got.double() - expected).abs().max().item()
-    assert err < 1e-4, (f"decoder layer differs from x + attn(input_layernorm(x)), then h + mlp(post_attention_layernorm(h)) "
-                        f"by {err:.3g}")
-    assert len(layer.self_attn.calls) == 1, f"attention should run once per layer call, ran {len(layer.self_attn.calls)} times"
+    assert err < 1e-4, (f"decoder layer differs from x + attn(input_layernorm(x)), "
+                        f"then h + mlp(post_attention_layernorm(h)) by {err:.3g}")
+    assert len(layer.self_attn.calls) == 1, (
+        f"attention should run once per layer call, ran {len(layer.self_attn.calls)} times")
     seen = layer.self_attn.calls[0][0].double()
     assert (seen - float64_rms(x, layer.input_layernorm.weight, cfg.rms_norm_eps)).abs().max() < 1e-4, (
         "attention must read input_layernorm(x), not the raw stream")

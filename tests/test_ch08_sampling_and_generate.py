@@ -74,7 +74,8 @@ def test_frequencies_match_the_filtered_softmax(impl, device, case):
     worst = int(((got - expected).abs() - bound).argmax())
     assert ((got - expected).abs() <= bound).all(), (
         f"{case}: token {worst} was drawn with frequency {got[worst]:.4f}, expected {expected[worst]:.4f} "
-        f"(expected distribution {[round(float(p), 3) for p in expected]}, measured {[round(float(p), 3) for p in got]})")
+        f"(expected distribution {[round(float(p), 3) for p in expected]}, "
+        f"measured {[round(float(p), 3) for p in got]})")
 
 
 def test_rows_are_independent(impl, device):
@@ -89,10 +90,13 @@ def test_rows_are_independent(impl, device):
 def test_greedy(impl, device):
     logits = torch.tensor([[0.1, 3.0, -1.0, 3.0], [5.0, 5.0, 5.0, 5.0], [-2.0, -1.0, -3.0, -1.5]], device=device)
     got = impl.sampling.sample(logits)
-    assert got.dtype == torch.int64 and got.shape == (3,), f"sample([3, V]) returns int64 [3]; got {got.dtype} {tuple(got.shape)}"
-    assert got.tolist() == [1, 0, 1], f"greedy picks the argmax, the lowest id among ties: expected [1, 0, 1], got {got.tolist()}"
+    assert got.dtype == torch.int64 and got.shape == (3,), (
+        f"sample([3, V]) returns int64 [3]; got {got.dtype} {tuple(got.shape)}")
+    assert got.tolist() == [1, 0, 1], (
+        f"greedy picks the argmax, the lowest id among ties: expected [1, 0, 1], got {got.tolist()}")
     single = impl.sampling.sample(logits[0], temperature=0.0)
-    assert single.dim() == 0 and int(single) == 1, f"sample on a [V] vector returns one id as a 0-d tensor; got {single!r}"
+    assert single.dim() == 0 and int(single) == 1, (
+        f"sample on a [V] vector returns one id as a 0-d tensor; got {single!r}")
     # Filters never change a greedy choice, and greedy ignores the generator.
     assert impl.sampling.sample(logits, temperature=0.0, top_k=1, top_p=0.1, min_p=0.9).tolist() == [1, 0, 1]
 
@@ -203,7 +207,8 @@ def test_greedy_on_the_tiny_model_with_a_context_limit(impl, device, generate):
     # The reference model: Chapter 10 builds the learner's own forward pass.
     model = tiny_qwen3(course.reference().package, device=device, max_position_embeddings=10)
     out = generate(model, [256, 1, 2, 3, 4, 5], 20)
-    assert len(out) == 4, f"the tiny model with max_position_embeddings=10 stops a 6-token prompt after 4 tokens; got {len(out)}"
+    assert len(out) == 4, (
+        f"the tiny model with max_position_embeddings=10 stops a 6-token prompt after 4 tokens; got {len(out)}")
 
 
 @pytest.mark.parametrize("options", [dict(temperature=1e-39), dict(temperature=1e-30, top_k=3, top_p=0.5),

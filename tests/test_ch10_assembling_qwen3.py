@@ -74,7 +74,8 @@ def test_state_dict_names_are_huggingface_names(impl, name, overrides):
     fresh.load_state_dict(theirs.state_dict(), strict=True)
     ids = prompts(cfg, 1, 6, seed=14, device="cpu")
     with torch.no_grad():
-        assert_logits_close(fresh.eval()(ids), theirs(ids).logits, f"[{name}] our class loaded from transformers' state_dict")
+        assert_logits_close(fresh.eval()(ids), theirs(ids).logits,
+                            f"[{name}] our class loaded from transformers' state_dict")
     ours_count = sum(p.numel() for p in ours.parameters())
     hf_count = sum(p.numel() for p in theirs.parameters())
     assert ours_count == hf_count, f"[{name}] ours has {ours_count} parameters, transformers {hf_count}"

@@ -74,7 +74,8 @@ def test_sharded_checkpoint(impl, tmp_path, tied):
             truth.update({name: shard for name in handle.keys()})
     locations = impl.checkpoint.tensor_locations(path)
     got = {name: getattr(file, "name", str(file)) for name, file in locations.items()}
-    assert got == truth, f"tensor_locations disagrees with the shards' contents: {set(got.items()) ^ set(truth.items())}"
+    assert got == truth, (
+        f"tensor_locations disagrees with the shards' contents: {set(got.items()) ^ set(truth.items())}")
     model = impl.checkpoint.load_checkpoint(path)
     check_logits(model, hf, f"sharded checkpoint, {len(shards)} shards")
 
@@ -87,7 +88,8 @@ def test_dtype_cast(impl, tmp_path):
     assert dtypes == {torch.bfloat16}, f"dtype=bfloat16 gave parameters of {dtypes}"
     theirs = hf.state_dict()
     for name, param in model.state_dict().items():
-        assert torch.equal(param, theirs[name].to(torch.bfloat16)), f"{name} is not the bfloat16 cast of the file's tensor"
+        assert torch.equal(param, theirs[name].to(torch.bfloat16)), (
+            f"{name} is not the bfloat16 cast of the file's tensor")
     ids = torch.arange(10)[None]
     with torch.no_grad():
         logits = model(ids)

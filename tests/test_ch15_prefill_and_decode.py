@@ -48,7 +48,8 @@ def test_matmul_flops_per_op(impl):
             func(*args)
         expected = counter.get_total_flops()
         got = impl.roofline.matmul_flops(func, args)
-        assert got == expected, f"{name} on shapes {[tuple(t.shape) for t in args]}: expected {expected} FLOPs, got {got}"
+        assert got == expected, (
+            f"{name} on shapes {[tuple(t.shape) for t in args]}: expected {expected} FLOPs, got {got}")
     for name, func, args in [("add", aten.add.Tensor, (a, a)), ("softmax", aten._softmax.default, (a, -1, False))]:
         got = impl.roofline.matmul_flops(func, args)
         assert got == 0, f"{name} is not a matrix product; matmul_flops gave {got}"
@@ -122,7 +123,7 @@ def test_prefill_intensity_grows_with_length(wide_counts, dtype):
     shown = ", ".join(f"T={n}: {m:.2f} (model {p:.2f})" for n, m, p in zip(lengths, measured, predicted))
     assert all(x < y for x, y in zip(measured, measured[1:])), f"intensity must grow with T: {shown}"
     assert measured[-1] > 4 * measured[0], f"16 tokens share one read of the weights: {shown}"
-    for n, m, p in zip(lengths, measured, predicted):
+    for m, p in zip(measured, predicted):
         assert m <= p * 1.01, f"activations only add bytes, so measured <= Chapter 2's model: {shown}"
     cfg = tiny_config(course.reference().package, **WIDE)
     for n in lengths[1:]:

@@ -81,7 +81,8 @@ def test_cache_memory_is_the_formula(impl, reference, dtype):
     cache = impl.kv_cache.KVCache.for_model(model, batch, slots)
     element = torch.empty((), dtype=dtype).element_size()
     expected = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * slots * cfg.head_dim * element
-    assert cache.nbytes == expected, f"{dtype}: expected {expected:,} bytes for {batch} x {slots} slots, got {cache.nbytes:,}"
+    assert cache.nbytes == expected, (
+        f"{dtype}: expected {expected:,} bytes for {batch} x {slots} slots, got {cache.nbytes:,}")
     per_token = reference.cost.kv_bytes_per_token(cfg, dtype)
     assert cache.nbytes == per_token * batch * slots, "the cache is Chapter 2's bytes per token times its slots"
     storage = [t.data_ptr() for t in cache.k + cache.v]
@@ -110,7 +111,8 @@ def test_cached_logits_equal_full_recompute(impl, tiny_model, ref_model, device)
         step_logits.append(tiny_model(torch.tensor([[token]], device=device), cache=cache)[0])
         full = ref_model(torch.tensor([tokens], device=device))[0, -1]
         torch.testing.assert_close(step_logits[-1][-1], full, atol=1e-4, rtol=1e-4,
-                                   msg=f"decode step {step}: cached logits differ from recomputing all {len(tokens)} tokens")
+                                   msg=f"decode step {step}: cached logits differ from recomputing "
+                                       f"all {len(tokens)} tokens")
 
 
 def test_greedy_cached_equals_recompute(impl, tiny_model, ref_model, reference):

@@ -120,7 +120,8 @@ def test_pipeline_stops_where_transformers_stops(impl, tmp_path, reference, devi
                                         f"{first_difference(expected, done.token_ids)}")
     assert done.finish_reason == "stop", f"the answer ended with a stop token; finish_reason is {done.finish_reason!r}"
     text = reference.tokenizer.ByteTokenizer(320).decode(expected[:-1])
-    assert done.text == text, f"text must be the new tokens without the stop token: expected {text!r}, got {done.text!r}"
+    assert done.text == text, (
+        f"text must be the new tokens without the stop token: expected {text!r}, got {done.text!r}")
 
 
 def test_pipeline_text_in_text_out(impl, checkpoint, reference, device):

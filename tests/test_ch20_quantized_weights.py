@@ -120,5 +120,6 @@ def test_model_within_measured_bound(impl, tiny_model, ref_model, device):
     assert not violations, "; ".join(violations[:3])
     err = torch.cat(errors)
     assert err.max() < 1.2, f"max |logit error| {err.max():.3f} exceeds the measured bound (~0.57, asserted < 1.2)"
-    assert err.mean() < 0.15, f"mean |logit error| {err.mean():.4f} exceeds the measured bound (~0.075, asserted < 0.15)"
+    assert err.mean() < 0.15, (
+        f"mean |logit error| {err.mean():.4f} exceeds the measured bound (~0.075, asserted < 0.15)")
     assert agree / total >= 0.93, f"argmax agrees with the float model at only {agree}/{total} positions (measured 98%)"

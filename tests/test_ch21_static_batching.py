@@ -48,7 +48,7 @@ def test_left_pad(impl, device):
     assert pad_lens.tolist() == [0, 2, 1]
     real = ids != 0
     assert positions[real].tolist() == [0, 1, 2, 0, 0, 1], "each row's real tokens must get positions 0, 1, 2, ..."
-    assert ids.device.type == device.type and positions.device.type == device.type and pad_lens.device.type == device.type
+    assert {ids.device.type, positions.device.type, pad_lens.device.type} == {device.type}
     with pytest.raises(ValueError):
         impl.static_batch.left_pad([[1], []])
 

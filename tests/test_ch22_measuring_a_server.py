@@ -29,7 +29,8 @@ def test_poisson_gaps_are_exponential(impl, rate):
     # Exponential(rate): mean 1/rate (standard error 1/(rate sqrt n)), variance 1/rate^2
     # (standard error sqrt(8/n)/rate^2). Allow 6 standard errors.
     assert abs(mean - 1 / rate) < 6 / (rate * math.sqrt(n)), f"mean gap {mean:.5f}, expected {1 / rate:.5f}"
-    assert abs(var - 1 / rate**2) < 6 * math.sqrt(8 / n) / rate**2, f"gap variance {var:.5g}, expected {1 / rate**2:.5g}"
+    assert abs(var - 1 / rate**2) < 6 * math.sqrt(8 / n) / rate**2, (
+        f"gap variance {var:.5g}, expected {1 / rate**2:.5g}")
     # Kolmogorov-Smirnov distance to the exponential CDF; 2.63/sqrt(n) is the 1e-6 critical value.
     ordered = np.sort(gaps)
     cdf = 1 - np.exp(-rate * ordered)
@@ -43,7 +44,8 @@ def test_poisson_counts_have_variance_equal_to_mean(impl):
     counts = np.bincount(times[times < horizon].astype(int), minlength=horizon)
     assert abs(counts.mean() - rate) < 6 * math.sqrt(rate / horizon), f"mean arrivals per second {counts.mean():.3f}"
     dispersion = counts.var() / counts.mean()
-    assert 0.85 < dispersion < 1.15, f"variance/mean of counts per second is {dispersion:.3f}; a Poisson process gives 1"
+    assert 0.85 < dispersion < 1.15, (
+        f"variance/mean of counts per second is {dispersion:.3f}; a Poisson process gives 1")
 
 
 def test_poisson_arrivals_are_seeded(impl):
@@ -195,5 +197,6 @@ def test_replay_records_queueing(impl):
     expected = {"a": (1.0, 3.0), "b": (4.0, 5.0), "c": (1.0, 1.0)}     # (ttft, e2e)
     for request_id, (ttft, e2e) in expected.items():
         r = records[request_id]
-        assert (r.ttft, r.e2e) == (ttft, e2e), f"request {request_id}: ttft/e2e {(r.ttft, r.e2e)}, expected {(ttft, e2e)}"
+        assert (r.ttft, r.e2e) == (ttft, e2e), (
+            f"request {request_id}: ttft/e2e {(r.ttft, r.e2e)}, expected {(ttft, e2e)}")
     assert records["a"].tpot == 1.0 and records["c"].tpot is None

@@ -16,7 +16,8 @@ import random
 import pytest
 import torch
 
-from course.oracles import TINY_EOS as EOS, solo
+from course.oracles import TINY_EOS as EOS
+from course.oracles import solo
 
 pytestmark = pytest.mark.chapter(24)
 
@@ -56,7 +57,7 @@ def serve(engine, requests):
         assert guard > 0, "engine.has_unfinished never became False (10,000 steps)"
         events = engine.step()
         history.append(events)
-        for request_id, tokens, finished in events:
+        for request_id, tokens, _finished in events:
             assert request_id in outputs, f"step {len(history)}: unknown request id {request_id!r}"
             outputs[request_id].extend(tokens)
     return outputs, history

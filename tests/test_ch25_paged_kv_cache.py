@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from course.oracles import TINY_EOS as EOS, solo
+from course.oracles import TINY_EOS as EOS
+from course.oracles import solo
 
 pytestmark = pytest.mark.chapter(25)
 
@@ -72,11 +73,13 @@ def test_gather_returns_what_was_written_across_blocks(impl):
         for layer in range(2):
             got_k, got_v = kv.gather(layer, seq_id)
             want_k, want_v = expected(store, seq_id, layer)
-            assert got_k.shape == want_k.shape, f"gather({layer}, {seq_id!r}): shape {tuple(got_k.shape)}, expected {tuple(want_k.shape)}"
+            assert got_k.shape == want_k.shape, (
+                f"gather({layer}, {seq_id!r}): shape {tuple(got_k.shape)}, expected {tuple(want_k.shape)}")
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (
                 f"gather({layer}, {seq_id!r}) differs from the K/V written (table {table})")
             part_k, _ = kv.gather(layer, seq_id, 5)
-            assert torch.equal(part_k, want_k[:, :5]), f"gather({layer}, {seq_id!r}, length=5) is not the first 5 positions"
+            assert torch.equal(part_k, want_k[:, :5]), (
+                f"gather({layer}, {seq_id!r}, length=5) is not the first 5 positions")
     used = {b for t in kv.block_tables.values() for b in t}
     assert len(used) == 3 + 2 + 2 and kv.num_free == 12 - 7
 
@@ -185,7 +188,8 @@ def kv_blocks_prefix(cache, tokens, n):
 
 def assert_same_tokens(request_id, expected_tokens, got, config):
     if expected_tokens != got:
-        i = next((j for j, (a, b) in enumerate(zip(expected_tokens, got)) if a != b), min(len(expected_tokens), len(got)))
+        i = next((j for j, (a, b) in enumerate(zip(expected_tokens, got)) if a != b),
+                 min(len(expected_tokens), len(got)))
         pytest.fail(f"[{config}] request {request_id}: output differs from solo generate at output token {i}: "
                     f"expected {expected_tokens[i] if i < len(expected_tokens) else '(end)'}, "
                     f"got {got[i] if i < len(got) else '(end)'}\n  expected {expected_tokens}\n  got      {got}")
@@ -277,7 +281,8 @@ def test_shared_prefix_is_not_recomputed(impl, tiny_model, ref_model):
     shared = engine.kv.block_tables["a"][:5]
     assert engine.kv.block_tables["b"][:5] == shared, "b must point at a's prefix blocks, not copies"
     assert all(engine.kv.ref_count[blk] == 3 for blk in shared), (
-        f"each shared block is referenced by a, b and the prefix cache: counts {[engine.kv.ref_count[x] for x in shared]}")
+        "each shared block is referenced by a, b and the prefix cache: "
+        f"counts {[engine.kv.ref_count[x] for x in shared]}")
     outputs = {"a": list(first[0][1]), "b": []}
     for request_id, tokens, _ in second:
         outputs[request_id].extend(tokens)

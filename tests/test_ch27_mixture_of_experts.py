@@ -173,7 +173,8 @@ def test_expert_load_counts_every_choice(impl, device):
     for i, logits in enumerate(router_logits):
         chosen = logits.float().softmax(-1).topk(2, dim=-1).indices
         expected = torch.bincount(chosen.flatten().cpu(), minlength=8)
-        assert torch.equal(load[i].cpu(), expected), f"layer {i}: expert load {load[i].tolist()}, expected {expected.tolist()}"
+        assert torch.equal(load[i].cpu(), expected), (
+            f"layer {i}: expert load {load[i].tolist()}, expected {expected.tolist()}")
         assert int(load[i].sum()) == 60 * 2
     again = impl.moe.expert_load(model, ids)
     assert all(torch.equal(again[i], load[i]) for i in load), "measuring must not change the model"

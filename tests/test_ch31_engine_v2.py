@@ -18,10 +18,10 @@ import random
 import pytest
 import torch
 
-from course import reference
-from course import oracles
+from course import oracles, reference
 from course.engine_checks import engine_state
-from course.oracles import TINY_EOS as EOS, ScriptedRunner, solo
+from course.oracles import TINY_EOS as EOS
+from course.oracles import ScriptedRunner, solo
 from course.oracles import assert_engine_idle as assert_idle
 
 pytestmark = pytest.mark.chapter(31)
@@ -392,7 +392,7 @@ def test_reference_backend_matches_sdpa(serve):
             want = torch.nn.functional.scaled_dot_product_attention(
                 q[s:s + t].transpose(0, 1), keys, values, attn_mask=mask).transpose(0, 1)
             torch.testing.assert_close(out[s:s + t], want, atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"request {rid} (window {window}): {m}")
+                                       msg=lambda m, rid=rid, window=window: f"request {rid} (window {window}): {m}")
 
 
 def test_flat_model_matches_dense_forward(serve, tiny_model, ref_model, device):
@@ -469,12 +469,13 @@ def test_scheduler_preempt_states(serve, tiny_model):
 @pytest.mark.parametrize("where", ["waiting", "running", "preempted", "swapped"])
 def test_abort_gives_everything_back(serve, tiny_model, ref_model, where):
     mode = "swap" if where == "swapped" else "recompute"
-    engine = make_engine(serve, tiny_model, num_blocks=6, preemption_mode=mode, max_num_seqs=2 if where == "waiting" else 8)
+    engine = make_engine(serve, tiny_model, num_blocks=6, preemption_mode=mode,
+                         max_num_seqs=2 if where == "waiting" else 8)
     rng = random.Random(11)
     prompts = {rid: [rng.randrange(256) for _ in range(20)] for rid in ("a", "b", "c")}
     requests = {rid: engine.add_request(rid, p, params(serve, 40)) for rid, p in prompts.items()}
     victim = None
-    for step in range(200):
+    for _ in range(200):
         engine.step()
         states = {rid: r.status.name for rid, r in requests.items()}
         if where == "waiting" and states["c"] == "WAITING":

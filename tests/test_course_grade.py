@@ -9,8 +9,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import write_tree
 from course import grade, manifest
+
+from conftest import write_tree
 
 # The reference the stub counts compare against, and an engine that fills every stub in
 # the worst ways an engine can.
@@ -248,6 +249,7 @@ def _running(pid):
 def test_grade_command_writes_json_and_junit(setup, tmp_path):
     import subprocess
     import sys
+
     from course.manifest import ROOT
     reference, engine, tests_dir = setup
     # Only Chapter 1's file is used here; the fake reference is irrelevant to the exit code.

@@ -1,16 +1,21 @@
 """Implementation specs, gated copies, and the pytest plugin's options and gating."""
+import os
+import re
 import sys
 
 import pytest
+
 # Imported here, before any in-process pytester run: pytester restores sys.modules after
 # each run, and torch's C extension cannot be imported a second time in one process.
 import torch  # noqa: F401
 
-from conftest import write_tree
 from course import impl as impl_module
+from course import skeleton
 from course.impl import ImplError
 from course.manifest import ROOT
 from course.pytest_plugin import chapter_of
+
+from conftest import write_tree
 
 
 def test_a_package_path_loads_under_a_unique_name(fake_package, isolated_cache):
@@ -21,7 +26,7 @@ def test_a_package_path_loads_under_a_unique_name(fake_package, isolated_cache):
     assert loaded.package.ops is loaded.ops                   # lazy submodules on the package too
     assert impl_module.load(str(fake_package)) is loaded       # one module per spec per process
     with pytest.raises(AttributeError, match="no module or attribute 'nothing'"):
-        loaded.nothing
+        _ = loaded.nothing
 
 
 def test_gated_copy_removes_only_later_chapters(fake_package, isolated_cache):
@@ -183,3 +188,45 @@ def test_a_whole_suite_run_spreads_over_the_cores(pytester, monkeypatch):
     parallel.stdout.fnmatch_lines(["*created: * workers*"])
     serial = pytester.runpytest_subprocess(*plugins, "test_a.py")
     assert "workers" not in serial.stdout.str()
+
+
+def test_gated_copies_are_read_only_keep_line_numbers_and_name_their_source(fake_package, isolated_cache):
+    gated = impl_module.load(f"{fake_package}@1")
+    copies = [p for p in gated.root.rglob("*.py") if "__pycache__" not in p.parts]
+    assert copies and all(p.stat().st_mode & 0o222 == 0 for p in copies), "gated copies must be read-only"
+    source_lines = (fake_package / "ops.py").read_text().splitlines()
+    copy_lines = (gated.root / "ops.py").read_text().splitlines()
+    for text in ("    def name(self):", "def outer():", "def only_doc():"):   # (a docstring-only stub adds a line)
+        assert copy_lines.index(text) == source_lines.index(text), f"{text!r} moved in the gated copy"
+    assert copy_lines[source_lines.index("        return w * h")].strip().startswith("raise NotImplementedError")
+    assert str(fake_package.resolve() / "ops.py") in copy_lines[-1] and "edit that file" in copy_lines[-1]
+    assert impl_module.source_of(gated.root / "sub" / "deep.py") == fake_package.resolve() / "sub" / "deep.py"
+    assert impl_module.source_of(fake_package / "ops.py") is None
+
+
+def test_a_read_only_copy_is_still_rewritten_when_its_source_changes(tmp_path):
+    target = tmp_path / "copy"
+    skeleton.materialize({"m.py": b"X = 1\n"}, target, read_only=True)
+    skeleton.materialize({"m.py": b"X = 2\n"}, target, read_only=True)
+    assert (target / "m.py").read_bytes() == b"X = 2\n" and not (target / "m.py").stat().st_mode & 0o222
+
+
+def test_a_failure_in_a_gated_copy_is_reported_at_its_source(milestone_run, fake_package):
+    result = milestone_run("--impl", f"{fake_package}@1", "--chapter", "2")
+    result.assert_outcomes(failed=1, deselected=4)
+    line = (fake_package / "ops.py").read_text().splitlines().index("        return w * h") + 1
+    output = result.stdout.str()
+    assert re.search(rf"fakepkg[/\\]ops\.py:{line}: NotImplementedError", output), output
+    assert "_at_1" + os.sep + "ops.py" not in output
+
+
+def test_a_notebook_hears_of_edits_its_kernel_has_not_imported(fake_package, isolated_cache, monkeypatch, capsys):
+    from course import notebook
+    loaded = notebook.load_impl(str(fake_package))
+    assert loaded.ops.add(1, 2) == 3 and capsys.readouterr().out == ""
+    ops = fake_package / "ops.py"
+    ops.write_text(ops.read_text().replace("total = a + b", "total = a + b + 100"))
+    os.utime(ops, (loaded.loaded_at + 5, loaded.loaded_at + 5))
+    assert notebook.load_impl(str(fake_package)).ops.add(1, 2) == 3        # the old code still runs
+    assert "ops.py changed after this kernel imported fakepkg/" in capsys.readouterr().out
+    assert notebook.reload_impl(str(fake_package)).ops.add(1, 2) == 103

@@ -6,9 +6,11 @@ import nbformat
 import pytest
 import torch
 
-from conftest import write_tree
-from course import chapters, impl as impl_module, manifest
+from course import chapters, manifest
+from course import impl as impl_module
 from course.notebook import CheckResult, check, differences, table
+
+from conftest import write_tree
 
 # --- the real repository ---------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """The README's chapter list and the book's configuration both come from book.toml."""
 import dataclasses
+import re
 
 import yaml
 
@@ -51,3 +52,41 @@ def test_book_source_lists_every_chapter_and_marks_planned_ones(tmp_path):
     assert sorted(p.name for p in (source / "chapters/05-attention").iterdir()) == ["05-attention.ipynb", "mask.png"]
     assert "*Planned.*" in (source / "planned/06-rope.md").read_text()
     assert "[Attention](chapters/05-attention/05-attention.ipynb)" in (source / "intro.md").read_text()
+
+
+def test_reference_pages_close_the_book_where_chapters_link_to_them(tmp_path):
+    (tmp_path / "chapters").mkdir()
+    (tmp_path / "chapters" / "glossary.md").write_text("# Glossary\n")
+    source = book.build_source(tmp_path / "out" / "src", written_at(set()), root=tmp_path)
+    toc = yaml.safe_load((source / "_toc.yml").read_text())
+    assert toc["parts"][-1] == {"caption": "Reference",
+                                "chapters": [{"file": "chapters/glossary", "title": "Glossary"}]}
+    assert (source / "chapters" / "glossary.md").read_text() == "# Glossary\n"
+    assert "[Glossary](chapters/glossary.md)" in (source / "intro.md").read_text()
+
+
+GLOSSARY = ROOT / "chapters" / "glossary.md"
+
+
+def test_the_glossary_names_what_the_code_defines():
+    """Every Chapter 25 and Chapter 31 name in the glossary's table exists in that chapter's
+    code, so a rename cannot leave the glossary behind."""
+    code = {25: (ROOT / "solutions" / "paged.py").read_text(),
+            31: "".join(p.read_text() for p in sorted((ROOT / "solutions" / "serve").glob("*.py")))}
+    rows = [line.split("|")[2:5] for line in GLOSSARY.read_text().splitlines()
+            if line.startswith("| [")]
+    assert len(rows) >= 15
+    missing = []
+    for chapter, column in ((25, 0), (31, 1)):
+        for row in rows:
+            for name in re.findall(r"`([^`]+)`", row[column]):
+                for part in name.split("."):
+                    if not re.search(rf"\b{re.escape(part)}\b", code[chapter]):
+                        missing.append(f"Chapter {chapter}: {name}")
+    assert not missing, f"the glossary names what the code does not define: {missing}"
+
+
+def test_the_serving_chapters_link_to_the_glossary():
+    for dirname in ("24-continuous-batching", "25-paged-kv-cache", "31-engine-v2"):
+        text = (ROOT / "chapters" / dirname / f"{dirname}.md").read_text()
+        assert "](../glossary.md)" in text, f"{dirname} does not link to the glossary"

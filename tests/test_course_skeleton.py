@@ -1,5 +1,6 @@
 """The skeleton: stubs found by the AST, bodies replaced, every other byte kept; drift
 detection that ignores filled stubs; refusal to overwrite a learner's work."""
+import ast
 import shutil
 import subprocess
 import sys
@@ -8,10 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import FAKE_CHAPTERS, write_tree
 from course import skeleton
 from course.manifest import ROOT
 from course.skeleton import SkeletonConflict, SkeletonError
+
+from conftest import FAKE_CHAPTERS, write_tree
 
 
 def generate(source_root, target_root, **kwargs):
@@ -275,3 +277,39 @@ def test_engine_is_the_skeleton_of_solutions():
     """The maintainer's guard: engine/ was regenerated after the last change to solutions/."""
     problems = skeleton.check_tree(ROOT / "solutions", ROOT / "engine")
     assert not problems, "engine/ is stale; run `python run.py skeleton`:\n" + "\n".join(problems)
+
+
+def test_the_learners_package_docstring_is_its_own(fake_package, tmp_path):
+    generate(fake_package, tmp_path / "engine")
+    text = (tmp_path / "engine" / "__init__.py").read_text()
+    assert text.startswith('"""' + skeleton.LEARNER_PACKAGE_DOC) and "A fake engine" not in text
+    # A longer docstring keeps everything after its first paragraph (a map of the modules).
+    (fake_package / "__init__.py").write_text('"""For maintainers.\n\nModules:\n    ops.py  the ops\n"""\nX = 1\n')
+    generate(fake_package, tmp_path / "engine")
+    text = (tmp_path / "engine" / "__init__.py").read_text()
+    assert "For maintainers" not in text and text.endswith('\n\nModules:\n    ops.py  the ops\n"""\nX = 1\n')
+    assert check(fake_package, tmp_path / "engine") == []
+    engine_doc = (ROOT / "engine" / "__init__.py").read_text()
+    assert "complete" not in engine_doc.split("\n\n")[0] and skeleton.LEARNER_PACKAGE_DOC in engine_doc
+
+
+def _signatures(root):
+    """{(file, qualified name): (arguments, return annotation) as AST dumps} of every stub."""
+    found = {}
+    for rel, stubs in skeleton.stubs_of_tree(root).items():
+        by_line = {node.lineno: node for node in ast.walk(ast.parse((root / rel).read_text()))
+                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        for stub in stubs:
+            node = by_line[stub.lineno]
+            found[rel, stub.qualname] = (ast.dump(node.args), ast.dump(node.returns) if node.returns else None)
+    return found
+
+
+def test_stubs_keep_their_annotations_in_the_skeleton():
+    source = ("def f(x: 'torch.Tensor', n: int = 2) -> list[int]:\n"
+              "    \"\"\"F.  (Your engine: Chapter 1)\"\"\"\n    return []\n")
+    assert skeleton.blank_stubs(source).startswith("def f(x: 'torch.Tensor', n: int = 2) -> list[int]:\n")
+    reference, learners = _signatures(ROOT / "solutions"), _signatures(ROOT / "engine")
+    assert reference == learners, "engine/'s stubs must keep solutions/' signatures, annotations included"
+    annotated = [name for name, (_, returns) in reference.items() if returns is not None]
+    assert len(annotated) >= 50, f"only {len(annotated)} annotated stubs: the check would prove little"

@@ -113,7 +113,8 @@ CONFIG_CASES = {
     "unknown attention backend": (dict(attention_backend="warp-speed"), r"unknown attention backend"),
     "unknown policy": (dict(policy="lifo"), r"EngineConfig.policy must be one of"),
     "unknown preemption mode": (dict(preemption_mode="drop"), r"EngineConfig.preemption_mode must be one of"),
-    "negative chunk cap": (dict(long_prefill_token_threshold=-1), r"long_prefill_token_threshold must be an integer >= 0"),
+    "negative chunk cap": (dict(long_prefill_token_threshold=-1),
+                           r"long_prefill_token_threshold must be an integer >= 0"),
     "max_model_len 0": (dict(max_model_len=0), r"EngineConfig.max_model_len must be an integer >= 1"),
     "GPU share above 1": (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
     "GPU share not a number": (dict(gpu_memory_utilization="most"), r"gpu_memory_utilization must be in \(0, 1\]"),
@@ -179,7 +180,7 @@ def test_a_finished_group_frees_its_id(serve, tiny_model):
 
 
 def test_the_engine_finishes_its_work_after_every_refusal(serve, busy, tiny_model, ref_model):
-    for name, (call, words) in REQUEST_CASES.items():
+    for call, words in REQUEST_CASES.values():
         with pytest.raises(ValueError, match=words):
             call(busy, serve)
     requests = {r.request_id: r for r in list(busy.scheduler.waiting) + list(busy.scheduler.running)}

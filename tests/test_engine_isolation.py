@@ -10,8 +10,8 @@ never changes what the model computes).
 """
 import pytest
 
-from course.engine_checks import check_scheduler
 from course import oracles
+from course.engine_checks import check_scheduler
 from course.oracles import assert_engine_idle, solo
 
 pytestmark = pytest.mark.chapter(31)

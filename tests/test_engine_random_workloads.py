@@ -33,7 +33,8 @@ STRESS_SEEDS = 1000
 # blocks), abort, stop on stop tokens, run n > 1 and late arrivals, the priority policy,
 # chunked prefill off, prefix caching off and a chunk cap; about a second of CPU.
 FAST_SEEDS = [46, 84, 150, 275, 333, 402, 406, 542, 592, 670, 706, 717, 744, 753, 759]
-FEATURES = ("whole_block_prompt_hit", "preempt_recompute", "preempt_swap", "prefix_hits", "aborted", "stopped_by_stop_token",
+FEATURES = ("whole_block_prompt_hit", "preempt_recompute", "preempt_swap", "prefix_hits", "aborted",
+            "stopped_by_stop_token",
             "n_samples", "priority", "chunked_off", "caching_off", "chunk_cap", "late_arrival")
 
 
@@ -111,7 +112,8 @@ def run_workload(serve, model, ref_model, seed):
             outputs = engine.step()
             plan = engine.last_plan
             where = f"{label} step {step}"
-            assert plan.num_tokens <= config["max_num_batched_tokens"], f"{where}: {plan.num_tokens} tokens over the budget"
+            assert plan.num_tokens <= config["max_num_batched_tokens"], (
+                f"{where}: {plan.num_tokens} tokens over the budget")
             assert len(plan.scheduled) <= config["max_num_seqs"], f"{where}: {len(plan.scheduled)} requests ran"
             cap = config["long_prefill_token_threshold"]
             assert not cap or all(n <= cap for _, n in plan.scheduled), f"{where}: a chunk over the cap {cap}"
@@ -142,7 +144,8 @@ def run_workload(serve, model, ref_model, seed):
             seen["stopped_by_stop_token"] += finished[rid].finish_reason == "stop" and want[-1] in spec["stops"]
     seen["prefix_hits"] += engine.blocks.stats["hits"] > 0
     seen["whole_block_prompt_hit"] += any(
-        len(r.prompt_token_ids) % config["block_size"] == 0 and r.num_cached_tokens == len(r.prompt_token_ids) - config["block_size"]
+        len(r.prompt_token_ids) % config["block_size"] == 0
+        and r.num_cached_tokens == len(r.prompt_token_ids) - config["block_size"]
         for r in admitted)
     seen["aborted"] += len(aborted)
     seen["n_samples"] += any(spec["n"] > 1 for spec in requests)

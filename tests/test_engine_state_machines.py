@@ -21,8 +21,14 @@ import random
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from course.engine_checks import block_manager_state, check_block_manager, check_scheduler, engine_state
 from course.oracles import ScriptedRunner, assert_engine_idle, make_engine

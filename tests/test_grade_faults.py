@@ -17,9 +17,10 @@ import sys
 
 import pytest
 
-from conftest import write_tree
 from course import faults, manifest
 from course.manifest import ROOT
+
+from conftest import write_tree
 
 CH31 = manifest.load().chapter(31)
 MILESTONE_NAME = CH31.milestone.split("/")[-1]

@@ -34,4 +34,31 @@ def load_model(impl, device, model_path=None, vocab_size=None):
     except ModuleNotFoundError as exc:
         raise CommandError(f"--model needs {impl.name}.checkpoint (Chapter 11): {exc}") from exc
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return checkpoint.load_checkpoint(model_path, dtype=dtype, device=device).eval()
+    model_path = model_source(model_path)
+    # load_model (Chapters 39, 42) reads GGUF files and every family; older checkouts have Qwen3 only.
+    loader = getattr(checkpoint, "load_model", checkpoint.load_checkpoint)
+    try:
+        return loader(model_path, dtype=dtype, device=device).eval()
+    except (OSError, ValueError) as exc:          # CheckpointError and GGUFError are ValueErrors
+        raise CommandError(f"--model {model_path}: {exc}") from None
+
+
+SMOLLM2 = "smollm2"
+
+
+def model_source(model):
+    """What --model names: None (the tiny model), a path, or "smollm2", which becomes the
+    cached SmolLM2-135M-Instruct GGUF file, fetched on first use (course.smollm2)."""
+    if model != SMOLLM2:
+        return model
+    from course import smollm2
+    try:
+        return smollm2.smollm2_gguf_path(quiet=False)
+    except smollm2.SmolLM2Unavailable as missing:
+        raise CommandError(str(missing)) from None
+
+
+def gguf_tokenizer(impl, path):
+    """Chapter 36's BPE tokenizer of a GGUF file, from its metadata (Chapter 39's reader)."""
+    metadata = impl.load("gguf").GGUFFile(path).metadata
+    return impl.load("bpe").BPETokenizer.from_gguf_metadata(metadata)

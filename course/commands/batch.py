@@ -78,6 +78,7 @@ def run(args):
         elapsed = time.perf_counter() - start
         if best is None or elapsed < best[0]:
             best = (elapsed, engine, outputs)
+    assert best is not None, "--repeat >= 1 was checked above"
     elapsed, engine, outputs = best
     tokens = sum(len(v) for v in outputs.values())
     line = {"engine": label, "kv_slots": kv_slots, "output_tokens": tokens, "tok_s": round(tokens / elapsed, 1),

@@ -37,7 +37,7 @@ def run(args):
         print(json.dumps({"wrote": args.path, "files": files}))
     try:
         rows = reference().checkpoint.inventory(args.path)
-        shards = {}
+        shards: dict[str, dict[str, int]] = {}
         for row in rows:
             entry = shards.setdefault(row["file"], {"tensors": 0, "bytes": 0})
             entry["tensors"] += 1

@@ -22,9 +22,11 @@ def add_arguments(parser):
                         help="a published size (Qwen3-0.6B, -1.7B, -4B, -8B, -14B, -32B) or 'tiny' (default Qwen3-8B)")
     parser.add_argument("--model", default=None, metavar="PATH", help="read config.json from this checkpoint directory")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="weight and KV dtype (default bf16)")
-    parser.add_argument("--gpu", default="H100-SXM", help="roofline hardware: A100-80GB, H100-SXM or H200 (default H100-SXM)")
+    parser.add_argument("--gpu", default="H100-SXM",
+                        help="roofline hardware: A100-80GB, H100-SXM or H200 (default H100-SXM)")
     parser.add_argument("--prompt", type=int, default=2048, help="prefill length in tokens (default 2048)")
-    parser.add_argument("--context", type=int, default=2048, help="tokens already cached at a decode step (default 2048)")
+    parser.add_argument("--context", type=int, default=2048,
+                        help="tokens already cached at a decode step (default 2048)")
     parser.add_argument("--batch", type=int, default=64, help="sequences decoding together (default 64)")
 
 

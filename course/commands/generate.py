@@ -1,7 +1,8 @@
-"""Chapters 14-17: generate text with the tiny model or a real Qwen3 checkpoint.
+"""Chapters 14-17: generate text with the tiny model or a real checkpoint.
 
 The prompt is --prompt TEXT (through the byte tokenizer of the tiny model, or the
-checkpoint's own tokenizer with --model) or --ids 1,2,3. Prints the new token ids, their
+checkpoint's own tokenizer with --model; `--model smollm2` fetches SmolLM2-135M-Instruct
+on first use and reads its tokenizer from the GGUF file) or --ids 1,2,3. Prints the new token ids, their
 text, and one JSON line: prompt_tokens, new_tokens, finish_reason, seconds, tok_s (new
 tokens per second of the whole generate call), and prefill_ms / prefill_tok_s (one forward
 over the prompt, timed on its own: Chapter 15's contrast between the two regimes).
@@ -54,9 +55,18 @@ def _load(impl, args, device, dtype):
         model = tiny_qwen3(impl.package, device=device, dtype=dtype or torch.float32)
         tokenizer = impl.load("tokenizer").ByteTokenizer(model.cfg.vocab_size)
         return model, tokenizer, (tokenizer.eos_token_id,), "tiny"
-    pipeline = impl.load("pipeline")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    from course.commands._setup import gguf_tokenizer, model_source
+    path = model_source(args.model)
+    if str(path).endswith(".gguf"):              # Chapters 36, 39, 42: the file brings weights and tokenizer
+        try:
+            model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
+            tokenizer = gguf_tokenizer(impl, path)
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"--model {args.model}: {exc}") from None
+        return model, tokenizer, (tokenizer.eos_token_id,), str(args.model)
+    pipeline = impl.load("pipeline")
     try:
         model = impl.load("checkpoint").load_checkpoint(args.model, dtype=dtype, device=device)
     except (OSError, ValueError) as exc:          # CheckpointError is a ValueError
@@ -77,6 +87,8 @@ def _prompt_ids(args, tokenizer, vocab_size):
         return ids
     text = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.chat:
+        if hasattr(tokenizer, "encode_chat"):          # Chapter 36's tokenizer renders the file's own template
+            return tokenizer.encode_chat([{"role": "user", "content": text}])
         if not hasattr(tokenizer, "chat_prompt"):
             raise CommandError("--chat needs a checkpoint whose directory ships a tokenizer (--model PATH)")
         return tokenizer.chat_prompt(text)

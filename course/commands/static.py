@@ -73,7 +73,7 @@ def run(args):
                       "tok_s": round(tokens / elapsed, 1), "forward_calls": counter.calls, "padding_waste": 0.0}))
     for batch in args.batch:
         counter.calls = 0
-        outputs, prompt_lens, output_lens = [], [], []
+        outputs = []
         sync()
         start = time.perf_counter()
         for first in range(0, len(prompts), batch):

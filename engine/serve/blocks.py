@@ -46,12 +46,12 @@ class BlockManager:
             raise ValueError(f"a pool needs >= 1 block of >= 1 slot, got {num_blocks} x {block_size}")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.block_hash = [None] * num_blocks          # key while published (in use or cached-free)
+        self.block_hash: list[bytes | None] = [None] * num_blocks   # key while published (in use or cached-free)
         self.ref_count = [0] * num_blocks
-        self.free_queue = OrderedDict.fromkeys(range(num_blocks))   # LRU order, front first out
-        self.cached = {}                               # key -> block id
-        self.req_blocks = {}                           # request id -> its blocks, logical order
-        self.num_registered = {}                       # request id -> how many leading blocks are published
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))   # LRU, front first out
+        self.cached: dict[bytes, int] = {}             # key -> block id
+        self.req_blocks: dict[str, list[int]] = {}     # request id -> its blocks, logical order
+        self.num_registered: dict[str, int] = {}       # request id -> how many leading blocks are published
         self.stats = {"queries": 0, "hits": 0, "evictions": 0}
 
     # --- bookkeeping ----------------------------------------------------------------------

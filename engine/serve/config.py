@@ -113,7 +113,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.attention_backend must be a backend name, got {self.attention_backend!r}")
         if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
                 or not 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "debug_checks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")

@@ -111,8 +111,16 @@ def build_batch(scheduled: Sequence[tuple[Request, int]], block_tables: Mapping[
     input_ids, positions and logits_indices are int64. Build Python lists first and make
     each tensor once: this runs every step.
     """
-    ids, positions, slots, row_sampled, prompt_rows, spans = [], [], [], [], [], []
-    starts, lengths, tables, counts = [0], [], [], []
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    row_sampled: list[int] = []
+    prompt_rows: list[int] = []
+    spans: list[tuple[Request, int, list[int]]] = []
+    starts: list[int] = [0]
+    lengths: list[int] = []
+    tables: list[Sequence[int]] = []
+    counts: list[int] = []
     for request, n in scheduled:
         done = request.num_computed_tokens
         known = request.token_ids + request.spec_token_ids if request.spec_token_ids else request.token_ids

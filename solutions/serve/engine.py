@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,8 +30,7 @@ from .interfaces import AttentionBackend, Sampler
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
 from .sampler import SimpleSampler
-from .scheduler import Scheduler
-
+from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +84,11 @@ class EngineCore:
         self.vocab_bytes = vocab_bytes
         self.vocab_size = flat.cfg.vocab_size
         self.max_model_len = config.max_model_len or getattr(flat.model, "context_limit", None) or (1 << 30)
-        self.generators = {}            # request id -> its own seeded generator
-        self.groups = {}                # id given to add_request with n > 1 -> its samples' ids
+        self.generators: dict[str, torch.Generator] = {}   # request id -> its own seeded generator
+        self.groups: dict[str, list[Request]] = {}       # id given to add_request with n > 1 -> its samples
         self.steps = 0
         self.preemptions = 0
-        self.last_plan = None           # the SchedulerOutput of the latest step (for tools and widgets)
+        self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
         self.drafter = None             # Chapter 37
         self.inflight = None            # Chapter 33
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
@@ -184,11 +184,11 @@ class EngineCore:
         """The samples of group `group_id` that are still in the engine: the very Request
         objects it queued, so a later request that reuses a finished sample's id is not one."""
         live = self.scheduler.requests
-        return [r for r in self.groups.get(group_id, ()) if live.get(r.request_id) is r]
+        return [r for r in self.groups.get(group_id, []) if live.get(r.request_id) is r]
 
     def _make_generator(self, request: Request) -> torch.Generator:
         try:
-            return torch.Generator(device=self.device).manual_seed(request.params.seed)
+            return torch.Generator(device=self.device).manual_seed(int(request.params.seed or 0))
         except (RuntimeError, ValueError, OverflowError) as exc:
             raise ValueError(f"request {request.request_id!r}: seed {request.params.seed} is refused by torch: "
                              f"{exc}") from None
@@ -242,7 +242,7 @@ class EngineCore:
             raise ValueError(f"request ids are non-empty strings, got {request_id!r}")
         if request_id in self.groups:
             live = self._live_samples(request_id)
-            return [self.abort_request(r.request_id) if r in live else None for r in self.groups.pop(request_id)]
+            return [self._release(r.request_id) if r in live else None for r in self.groups.pop(request_id)]
         return self._release(request_id)
 
     def _release(self, request_id: str) -> Request | None:
@@ -378,18 +378,21 @@ class EngineCore:
         except Exception:
             for generator, state in zip(generators, states):
                 generator.set_state(state)
-        tokens, logprobs, failed, start = {}, {}, {}, 0
+        alone: dict[str, list[int]] = {}
+        alone_logprobs: dict[str, object] = {}
+        failed: dict[str, Exception] = {}
+        start = 0
         for request in requests:
             count = rows[request.request_id]
             try:
                 got, lp = self.sampler(logits[start:start + count], [request], self.generators)
-                tokens[request.request_id] = got[0]
+                alone[request.request_id] = got[0]
                 if lp:
-                    logprobs[request.request_id] = lp[0]
+                    alone_logprobs[request.request_id] = lp[0]
             except Exception as exc:
                 failed[request.request_id] = exc
             start += count
-        return tokens, logprobs, failed
+        return alone, alone_logprobs, failed
 
     def _abort_with_error(self, request: Request, exc: Exception, doing: str) -> RequestOutput:
         """Finish one request whose own processing failed inside a step, as aborted, with the
@@ -401,7 +404,7 @@ class EngineCore:
 
     # --- helpers ----------------------------------------------------------------------------------
 
-    def make_output(self, request: Request, new_tokens: list[int], logprobs: object = None) -> RequestOutput:
+    def make_output(self, request: Request, new_tokens: list[int], logprobs: Any = None) -> RequestOutput:
         return RequestOutput(request.request_id, new_tokens, request.output_token_ids, request.status.finished,
                              request.status, request.stop_reason, request.num_cached_tokens, logprobs,
                              error=request.error)
@@ -413,7 +416,8 @@ class EngineCore:
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 **{f"prefix_{k}": v for k, v in self.blocks.stats.items()}}
 
-    def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Iterable[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priorities: Sequence[int] | None = None) -> list[RequestOutput | list[RequestOutput]]:
         """Run prompts (lists of token ids) to completion; returns one final RequestOutput per
         prompt, in order (a list of n of them when that prompt's params.n > 1).
@@ -422,7 +426,7 @@ class EngineCore:
         validated before any is queued. Other requests already in the engine advance too,
         but only these prompts' outputs are returned."""
         prompts = list(prompts)
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        per_prompt: list[Any] = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"generate: {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
@@ -450,7 +454,7 @@ class EngineCore:
                 return ids
 
     def _run_to_completion(self, added: list[Request | list[Request]]) -> list[RequestOutput | list[RequestOutput]]:
-        final = {}
+        final: dict[str, RequestOutput] = {}
         wanted = {r.request_id for x in added for r in (x if isinstance(x, list) else [x])}
         while wanted - final.keys():
             outputs = self.step()

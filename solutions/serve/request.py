@@ -179,7 +179,7 @@ class Request:
             raise ValueError(f"request {self.request_id!r}: the prompt is empty")
         self.token_ids = [int(t) for t in self.prompt_token_ids]
         self.num_prompt_tokens = len(self.token_ids)
-        self.block_hashes = []         # one per full block, appended by the block manager
+        self.block_hashes: list[bytes] = []   # one per full block, appended by the block manager
         self.num_placeholders = 0      # trailing PLACEHOLDER tokens (Chapter 33)
 
     @property

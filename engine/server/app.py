@@ -1,0 +1,385 @@
+"""Chapter 38: the FastAPI application around one EngineLoop.
+
+    POST /v1/completions       text (or token ids) in, text out; stream: true for SSE
+    POST /v1/chat/completions  messages in, the tokenizer's chat template between
+    GET  /v1/models            the one model this server serves
+    GET  /health               200 while the engine loop runs, 503 once it has died
+    GET  /                     a chat page (page.py) that streams replies in the browser
+    GET  /metrics              Prometheus text: queue, blocks, prefix hits, TTFT, TPOT
+
+A handler never touches the engine: it checks the body (protocol.py), asks
+AdmissionControl for room (429 with Retry-After when there is none), submits to the
+EngineLoop and reads its own asyncio.Queue. Whatever way the request ends (done, stop
+string, client gone, error), `Job.close` aborts what still runs and gives the room back.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from ..serve.request import SamplingParams
+from .loop import ACCEPTED, AdmissionControl, Delivery, EngineLoop, QueueFull, Submission
+from .page import CHAT_PAGE
+from .protocol import ApiError, ParsedRequest, choice_object, envelope, parse_json_body, parse_request, usage_object
+from .text import DetokenizerFactory, TextStream, TextTokenizer
+
+if TYPE_CHECKING:
+    from ..serve.engine import EngineCore
+
+RETRY_AFTER_S = 1
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass
+class ServedModel:
+    """What the server needs besides the engine: the name clients ask for, the tokenizer and
+    a way to make a fresh incremental detokenizer per choice."""
+    name: str
+    tokenizer: TextTokenizer
+    new_detokenizer: DetokenizerFactory
+
+
+def sse_event(data: dict[str, Any] | str) -> str:
+    """One server-sent event carrying `data`.  (Your engine: Chapter 38)
+
+    data: a JSON-serializable dict (a chunk or an error object) or the literal string
+    "[DONE]". Returns the exact text to write to the response: the field name "data: ",
+    the payload on ONE line (a dict as compact JSON; "[DONE]" as is), then a blank line,
+    which is what ends an event for the client's parser. Non-ASCII text may stay as is
+    (the stream is UTF-8); a newline inside the payload would split the event, and JSON
+    escapes every newline inside strings, so the payload never contains one.
+    """
+    raise NotImplementedError("Your engine: Chapter 38: sse_event")
+
+
+class ServerMetrics:
+    """Prometheus metrics in a registry of their own (two apps in one process never share
+    or collide). Engine gauges come from the loop's snapshot at scrape time."""
+
+    def __init__(self, loop: EngineLoop, admission: AdmissionControl) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("time_to_first_token_seconds", "From the request's arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("time_per_output_token_seconds", "Mean gap between a choice's later tokens",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("requests_finished", "Choices finished, by finish reason", ["finish_reason"],
+                                registry=self.registry)
+        self.rejected = Counter("requests_rejected", "Requests refused by admission control (429)",
+                                registry=self.registry)
+        self.loop, self.admission = loop, admission
+        self.registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []                          # collected at scrape time only
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.loop.snapshot
+        for name, help_text, value in (
+                ("engine_requests_running", "Requests the engine is running", snap["running"]),
+                ("engine_requests_waiting", "Requests queued in the engine's scheduler", snap["waiting"]),
+                ("server_requests_admitted", "Samples inside the server (running, waiting, in transit)",
+                 self.admission.inside),
+                ("kv_blocks_in_use", "KV-cache blocks held by requests", snap["blocks_in_use"]),
+                ("kv_blocks_total", "KV-cache blocks in the pool", snap["blocks_total"]),
+                ("prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache",
+                 snap["prefix_hit_rate"])):
+            yield GaugeMetricFamily(name, help_text, value=value)
+        yield CounterMetricFamily("engine_preemptions", "Requests preempted so far", value=snap["preemptions"])
+        yield CounterMetricFamily("engine_steps", "Engine steps so far", value=snap["steps"])
+
+
+class Job:
+    """One admitted HTTP request from submission to its last byte."""
+
+    def __init__(self, state: ServerState, parsed: ParsedRequest, request_id: str, arrival: float) -> None:
+        self.state, self.parsed, self.arrival = state, parsed, arrival
+        self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        event_loop = asyncio.get_running_loop()
+
+        def deliver(item: Delivery) -> None:          # runs on the engine thread
+            with contextlib.suppress(RuntimeError):          # the event loop already closed
+                event_loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+        self.submission = Submission(request_id, parsed.prompt_ids, parsed.params, deliver)
+        n = parsed.params.n
+        self.index = {engine_id: i for i, engine_id in enumerate(self.submission.engine_ids)}
+        self.streams = [TextStream(state.served.new_detokenizer(), parsed.stops) for _ in range(n)]
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.token_times: list[list[float]] = [[] for _ in range(n)]
+        self.submitted = self.closed = False
+
+    async def start(self) -> None:
+        """Submit, and wait until the engine has taken the request (or refused it: 400)."""
+        self.state.loop.submit(self.submission)
+        self.submitted = True
+        first = await self.queue.get()
+        if isinstance(first, ValueError):
+            self.submitted = False         # the engine holds nothing of it
+            raise ApiError(400, str(first), param="prompt")
+        if isinstance(first, Exception):
+            raise ApiError(500, str(first), type="server_error")
+        assert first == ACCEPTED, first
+
+    def close(self) -> None:
+        """Idempotent: abort whatever still runs, give the admitted room back."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.submitted and not all(self.finish):
+            self.state.loop.abort(self.submission)
+            for i, reason in enumerate(self.finish):
+                if reason is None:
+                    self._finish(i, "abort")
+        self.state.admission.release(self.parsed.params.n)
+
+    async def pieces(self) -> AsyncIterator[tuple[int, str, list[int], str | None]]:
+        """(choice index, new text, new token ids, finish reason or None), step by step."""
+        while not all(self.finish):
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                raise ApiError(500, str(item), type="server_error")
+            assert not isinstance(item, str)           # ACCEPTED came once, before start() returned
+            i = self.index[item.request_id]
+            if self.finish[i] is not None:             # tokens that raced a stop-string abort
+                continue
+            now = time.monotonic()
+            self.token_times[i] += [now] * len(item.new_token_ids)
+            self.token_ids[i] += item.new_token_ids
+            stream = self.streams[i]
+            text = stream.push(item.new_token_ids)
+            if stream.stopped:
+                self._finish(i, "stop")
+                if not item.finished:
+                    self.state.loop.abort(self.submission, item.request_id)
+            elif item.finished:
+                text += stream.flush()
+                self._finish(i, item.finish_reason)
+            yield i, text, list(item.new_token_ids), self.finish[i]
+
+    def _finish(self, i: int, reason: str) -> None:
+        self.finish[i] = reason
+        metrics, times = self.state.metrics, self.token_times[i]
+        metrics.finished.labels(reason).inc()
+        if times:
+            metrics.ttft.observe(times[0] - self.arrival)
+        if len(times) > 1:
+            metrics.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+
+    def usage(self) -> dict[str, int]:
+        return usage_object(len(self.parsed.prompt_ids), sum(len(ids) for ids in self.token_ids))
+
+    async def collect(self) -> dict[str, Any]:
+        texts = [""] * len(self.finish)
+        async for i, text, _, _ in self.pieces():
+            texts[i] += text
+        choices = [choice_object(self.parsed, i, texts[i], self.finish[i], self.token_ids[i], delta=False)
+                   for i in range(len(texts))]
+        return envelope(self.parsed, self.submission.request_id, int(time.time()), choices, chunk=False,
+                        usage=self.usage())
+
+    async def sse(self) -> AsyncIterator[str]:
+        parsed, rid, created = self.parsed, self.submission.request_id, int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+            return sse_event(envelope(parsed, rid, created, choices, chunk=True, usage=usage))
+
+        try:
+            if parsed.chat:                # OpenAI opens each chat choice with its role
+                yield chunk([choice_object(parsed, i, "", None, [], delta=True, first=True)
+                             for i in range(len(self.finish))])
+            async for i, text, ids, finish in self.pieces():
+                yield chunk([choice_object(parsed, i, text, finish, ids, delta=True)])
+            if parsed.include_usage:
+                yield chunk([], usage=self.usage())
+        except ApiError as exc:            # headers are gone: the error travels as an event
+            yield sse_event(exc.body())
+        yield sse_event("[DONE]")
+
+
+class EngineStream(StreamingResponse):
+    """A streaming response that runs `on_close` however it ends: finished, cancelled
+    because the client hung up, or failed. (A generator's own `finally` is not enough: a
+    stream cancelled between two chunks leaves the generator suspended, unclosed.)"""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], *, media_type: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(content, media_type=media_type, headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+@dataclass
+class ServerState:
+    served: ServedModel
+    loop: EngineLoop
+    admission: AdmissionControl
+    metrics: ServerMetrics
+    max_body_bytes: int
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"the request body has {declared} bytes; this server takes at most {max_bytes}",
+                       code="body_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            break                          # parse_json_body reports it; stop reading more
+    return bytes(body)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
+              max_body_bytes: int = 1 << 20) -> FastAPI:
+    """The server for `engine` (an EngineCore the app will own: start no other thread on it).
+
+    max_waiting: requests (samples) allowed to queue beyond the engine's max_num_seqs
+    running slots before new ones get 429. The engine loop starts and stops with the app
+    (its lifespan), so run it under an ASGI server that runs lifespans (uvicorn does)."""
+    loop = EngineLoop(engine)
+    admission = AdmissionControl(engine.config.max_num_seqs, max_waiting)
+    state = ServerState(served, loop, admission, ServerMetrics(loop, admission), max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="course engine", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = ApiError(exc.status_code, str(exc.detail), type="invalid_request_error")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception) -> JSONResponse:
+        error = ApiError(500, f"internal error: {exc!r}", type="server_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        arrival = time.monotonic()
+        body = parse_json_body(await _read_body(request, max_body_bytes), max_body_bytes)
+        if not loop.alive:
+            raise ApiError(503, "the engine loop is not running", type="server_error")
+        parsed = parse_request(body, chat=chat, model_name=served.name, tokenizer=served.tokenizer,
+                               max_model_len=loop.snapshot["max_model_len"], sampling_params_class=SamplingParams)
+        try:
+            admission.try_admit(parsed.params.n)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="n") from None
+        except QueueFull as exc:
+            state.metrics.rejected.inc()
+            raise ApiError(429, f"{exc}; retry in {RETRY_AFTER_S} s", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        job = Job(state, parsed, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", arrival)
+        try:
+            await job.start()
+        except BaseException:
+            job.close()
+            raise
+        if parsed.stream:
+            return EngineStream(job.sse(), job.close, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+        collecting = asyncio.ensure_future(job.collect())
+        gone = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collecting.done():      # the client left: nobody reads an answer
+                return Response(status_code=499)
+            return JSONResponse(collecting.result())
+        finally:
+            for task in (collecting, gone):
+                task.cancel()
+            job.close()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models", response_model=None)    # send the dict as is: no pydantic model from the annotation
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
+                                            "owned_by": "course", "max_model_len": loop.snapshot["max_model_len"]}]}
+
+    @app.get("/health", response_model=None)
+    async def health() -> JSONResponse | dict[str, str]:
+        if not loop.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/")
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(CHAT_PAGE)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                    log_level: str = "warning") -> Iterator[str]:
+    """Run `app` under uvicorn on a thread; yields its base URL ("http://127.0.0.1:PORT").
+    port 0 takes a free port. The server stops (and the engine loop with it) on exit."""
+    import uvicorn
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the HTTP server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+__all__ = ["ServedModel", "build_app", "serve_in_thread", "sse_event", "EngineStream", "ServerMetrics", "Job"]

@@ -1,0 +1,643 @@
+"""Chapter 38 milestone: the engine core behind an OpenAI-compatible HTTP API.
+
+The server runs under uvicorn on a real socket (127.0.0.1, a free port) on a thread of
+this process, and the tests talk to it with httpx, as any client would. Oracle for every
+generated token: the REFERENCE package's solo `generate` on the reference tiny model
+(`course.reference()`), same weights, same prompt ids; for seeded sampling, solo
+`generate` with a generator seeded like the request (sample i of n uses seed + i). The
+chat template's oracle is the template written out by hand as bytes.
+
+The unit tests pin the three stubs the chapter asks for (the engine loop's turn, the SSE
+framing, admission control) and the TextStream's stop strings without any network.
+"""
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+import torch
+
+from course import reference
+from course.models import tiny_qwen3
+
+pytestmark = pytest.mark.chapter(38)
+
+EOS = 257                   # the tiny model's eos_token_id (Chapter 3's byte tokenizer)
+MODEL = "tiny"
+MAX_BODY = 64 << 10
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+def _served(impl, device, **config):
+    """(app, engine) for the tiny model with the implementation's server."""
+    text = impl.load("server.text")
+    app_module = impl.load("server.app")
+    model = tiny_qwen3(impl.package, device=device)
+    tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer(model.cfg.vocab_size))
+    max_waiting = config.pop("max_waiting", 64)
+    config = {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8, **config}
+    engine = impl.load("serve.engine").EngineCore(model, impl.load("serve.config").EngineConfig(**config),
+                                                  eos_token_id=EOS)
+    served = app_module.ServedModel(MODEL, tokenizer, lambda: text.DiffDetokenizer(tokenizer))
+    return app_module.build_app(engine, served, max_waiting=max_waiting, max_body_bytes=MAX_BODY), engine
+
+
+@pytest.fixture(scope="module")
+def server(impl, device):
+    """(base URL, engine) of a running server: 8 running slots, 64 waiting."""
+    app, engine = _served(impl, device)
+    with impl.load("server.app").serve_in_thread(app) as url:
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server[0], timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ref(device):
+    return tiny_qwen3(reference().package, device=device)
+
+
+_SOLO = {}
+
+
+def solo(ref_model, prompt, max_tokens, seed=None, **kwargs):
+    key = (tuple(prompt), max_tokens, seed, tuple(sorted(kwargs.items())))
+    if key not in _SOLO:
+        if seed is not None:
+            device = next(ref_model.parameters()).device
+            kwargs["generator"] = torch.Generator(device=device).manual_seed(seed)
+        _SOLO[key] = reference().sampling.generate(ref_model, list(prompt), max_tokens, eos_token_id=EOS, **kwargs)
+    return _SOLO[key]
+
+
+def prompts(count, seed=0, low=3, high=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def completion(prompt, max_tokens, **extra):
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **extra}
+
+
+def read_sse(lines):
+    """The JSON payloads of an SSE stream, checking the framing; the last event must be [DONE]."""
+    events, saw_done = [], False
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), f"every SSE line must be a 'data: ' field, got {line!r}"
+        assert not saw_done, "nothing may follow data: [DONE]"
+        payload = line[len("data: "):]
+        if payload == "[DONE]":
+            saw_done = True
+            continue
+        events.append(json.loads(payload))
+    assert saw_done, "the stream must end with data: [DONE]"
+    return events
+
+
+def stream_choices(events, n=1):
+    """Concatenated text, token ids and finish reason of each choice of a streamed answer."""
+    text, ids, finish = [""] * n, [[] for _ in range(n)], [None] * n
+    for event in events:
+        for choice in event["choices"]:
+            i = choice["index"]
+            text[i] += choice.get("text") or choice.get("delta", {}).get("content") or ""
+            ids[i] += choice.get("token_ids", [])
+            if choice["finish_reason"] is not None:
+                assert finish[i] is None, f"choice {i} finished twice"
+                finish[i] = choice["finish_reason"]
+    return text, ids, finish
+
+
+def metrics(client):
+    """{name: value} of the unlabelled samples of /metrics."""
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def wait_idle(engine, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished or engine.blocks.num_free != engine.blocks.num_blocks:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the engine is not idle {timeout} s later: {len(engine.scheduler.running)} running, "
+                        f"{len(engine.scheduler.waiting)} waiting, {engine.blocks.num_free}/"
+                        f"{engine.blocks.num_blocks} blocks free (an aborted request kept its blocks?)")
+        time.sleep(0.01)
+
+
+# --- the stubs, without a network --------------------------------------------------------------------
+
+def test_sse_event_frames_one_json_line_then_a_blank_line(impl):
+    sse_event = impl.load("server.app").sse_event
+    data = {"choices": [{"text": "line one\nline two é"}], "n": 1}
+    frame = sse_event(data)
+    assert frame.startswith("data: ") and frame.endswith("\n\n"), \
+        f"an event is 'data: <payload>' and a blank line, got {frame!r}"
+    assert frame.count("\n") == 2, f"the payload must stay on one line (a newline splits the event): {frame!r}"
+    assert json.loads(frame[len("data: "):]) == data
+    assert sse_event("[DONE]") == "data: [DONE]\n\n"
+
+
+def test_admission_control_bounds_the_server(impl):
+    loop = impl.load("server.loop")
+    door = loop.AdmissionControl(max_running=2, max_waiting=3)
+    door.try_admit(4)
+    door.try_admit(1)
+    with pytest.raises(loop.QueueFull):
+        door.try_admit(1)
+    assert door.inside == 5, f"a refused request must not count: inside {door.inside}, expected 5"
+    door.release(2)
+    door.try_admit(2)
+    with pytest.raises(ValueError):
+        door.try_admit(6)                  # more than the server can ever hold: the client must change it
+    assert door.inside == 5
+
+
+def test_text_stream_cuts_at_stop_strings_and_holds_back_prefixes(impl):
+    text = impl.load("server.text")
+    tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer())
+    stream = text.TextStream(text.DiffDetokenizer(tokenizer), stops=("Hello", "XY"))
+    sent = [stream.push(tokenizer.encode(piece)) for piece in ("ab", "He", "l", "p", " Hel", "lo world")]
+    assert sent[:3] == ["ab", "", ""], f"'He' and 'Hel' could begin 'Hello' and must wait, got {sent[:3]}"
+    assert sent[3] == "Help", f"'Help' is no stop string: release it, got {sent[3]!r}"
+    assert "".join(sent) == "abHelp ", f"text must end just before the stop string, got {''.join(sent)!r}"
+    assert stream.stopped and stream.push([65]) == "" and stream.flush() == ""
+
+
+def test_text_stream_equals_decode_then_cut(impl):
+    """Random byte ids (split UTF-8 characters included), random stops: what the stream sends
+    equals the whole output decoded at once and cut before the first stop string."""
+    text = impl.load("server.text")
+    tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer())
+    rng = random.Random(3)
+    alphabet = "abcé€ \n"
+    for trial in range(200):
+        words = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        ids = list(words.encode())
+        stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3)))
+                       for _ in range(rng.randint(0, 2))})
+        stream = text.TextStream(text.DiffDetokenizer(tokenizer), stops)
+        sent, i = "", 0
+        while i < len(ids):
+            k = rng.randint(1, 3)
+            sent += stream.push(ids[i:i + k])
+            i += k
+        sent += stream.flush()
+        whole = bytes(ids).decode("utf-8", errors="replace")
+        hits = [whole.find(s) for s in stops if s in whole]
+        expected = whole[:min(hits)] if hits else whole
+        assert sent == expected, f"trial {trial}: stops {stops}, ids {ids}: sent {sent!r}, expected {expected!r}"
+
+
+def test_engine_loop_applies_aborts_before_the_next_step(impl, device):
+    """run_once on this thread: adds and aborts in the inbox take effect before the step."""
+    serve_loop = impl.load("server.loop")
+    request = impl.load("serve.request")
+    _, engine = _served(impl, device)
+    loop = serve_loop.EngineLoop(engine)           # not started: the test turns the crank
+    got = {}
+
+    def deliverer(name):
+        return lambda item: got.setdefault(name, []).append(item)
+
+    a = serve_loop.Submission("a", [1, 2, 3, 4, 5], request.SamplingParams(max_tokens=50), deliverer("a"))
+    b = serve_loop.Submission("b", [9, 8, 7], request.SamplingParams(max_tokens=50, n=2), deliverer("b"))
+    bad = serve_loop.Submission("bad", [999], request.SamplingParams(max_tokens=5), deliverer("bad"))
+    for s in (a, b, bad):
+        loop.submit(s)
+    assert loop.run_once() is True
+    assert isinstance(got["bad"][0], ValueError) and len(got["bad"]) == 1, \
+        f"a request the engine refuses gets its ValueError and nothing else, got {got['bad']}"
+    assert got["a"][0] == serve_loop.ACCEPTED and got["b"][0] == serve_loop.ACCEPTED, \
+        "each accepted submission hears ACCEPTED before any output"
+    assert {o.request_id for o in got["b"][1:]} == {"b:0", "b:1"}, "both samples of n=2 report to their submission"
+    assert [o.new_token_ids for o in got["a"][1:]] == [solo(tiny_qwen3(reference().package, device=device),
+                                                            [1, 2, 3, 4, 5], 1)]
+    loop.abort(a)
+    loop.abort(b, "b:1")                            # one sample of the group
+    before = len(got["a"])
+    assert loop.run_once() is True
+    scheduled = {r.request_id for r, _ in engine.last_plan.scheduled}
+    assert scheduled == {"b:0"}, f"aborted requests must not run in the next step; it scheduled {sorted(scheduled)}"
+    assert len(got["a"]) == before, "nothing is delivered for an aborted submission"
+    loop.abort(b)
+    assert loop.run_once() is False, "with nothing left the turn reports no step"
+    assert engine.blocks.num_free == engine.blocks.num_blocks, "aborted requests must give every block back"
+    assert loop.routes == {}, f"finished and aborted requests leave the routing table, left {loop.routes}"
+
+
+# --- over HTTP -----------------------------------------------------------------------------------------
+
+def test_models_health_and_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    found = metrics(client)
+    for name in ("engine_requests_running", "engine_requests_waiting", "kv_blocks_in_use", "prefix_cache_hit_rate",
+                 "engine_preemptions_total", "time_to_first_token_seconds_count",
+                 "time_per_output_token_seconds_count"):
+        assert name in found, f"/metrics must export {name}; it has {sorted(found)}"
+
+
+def test_greedy_completions_equal_solo_generate(client, ref):
+    for prompt in prompts(4, seed=1):
+        r = client.post("/v1/completions", json=completion(prompt, 12))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        choice = body["choices"][0]
+        want = solo(ref, prompt, 12)
+        assert choice["token_ids"] == want, f"prompt {prompt[:6]}...: got {choice['token_ids']}, solo {want}"
+        assert choice["finish_reason"] == ("stop" if want[-1] == EOS else "length")
+        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want),
+                                 "total_tokens": len(prompt) + len(want)}
+
+
+def test_text_prompt_is_the_byte_tokenizers_ids(client, ref):
+    r = client.post("/v1/completions", json=completion("Hello, server", 10))
+    assert r.json()["choices"][0]["token_ids"] == solo(ref, list(b"Hello, server"), 10)
+
+
+def test_streaming_equals_non_streaming(client):
+    for prompt in prompts(3, seed=2):
+        whole = client.post("/v1/completions", json=completion(prompt, 20)).json()
+        with client.stream("POST", "/v1/completions",
+                           json=completion(prompt, 20, stream=True, stream_options={"include_usage": True})) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            events = read_sse(r.iter_lines())
+        text, ids, finish = stream_choices(events)
+        choice = whole["choices"][0]
+        assert ids[0] == choice["token_ids"] and text[0] == choice["text"] and finish[0] == choice["finish_reason"], \
+            f"the stream's pieces must add up to the non-streamed answer: {text[0]!r} vs {choice['text']!r}"
+        assert events[-1]["usage"] == whole["usage"], "include_usage sends the usage as the last chunk"
+
+
+def test_chat_uses_the_template_and_streams(client, ref):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi é"}]
+    prompt = list("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi é<|im_end|>\n"
+                  "<|im_start|>assistant\n".encode())
+    body = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["role"] == "assistant"
+    assert answer["choices"][0]["token_ids"] == solo(ref, prompt, 10), "chat must run the template's ids"
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        events = read_sse(s.iter_lines())
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant", "a chat stream opens with the role"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    text, ids, _ = stream_choices(events)
+    assert text[0] == answer["choices"][0]["message"]["content"] and ids[0] == answer["choices"][0]["token_ids"]
+
+
+def test_n_samples_and_seeds(client, ref):
+    prompt = prompts(1, seed=4)[0]
+    body = completion(prompt, 10, n=3, temperature=0.9, top_k=50, seed=11)
+    first, again = (client.post("/v1/completions", json=body).json() for _ in range(2))
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2]
+    for c in first["choices"]:
+        want = solo(ref, prompt, 10, seed=11 + c["index"], temperature=0.9, top_k=50)
+        assert c["token_ids"] == want, f"sample {c['index']} must draw like solo generate with seed 11+{c['index']}"
+    assert first["choices"] == again["choices"], "the same seed must give the same samples"
+    assert first["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in first["choices"])
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        _, ids, _ = stream_choices(read_sse(s.iter_lines()), n=3)
+    assert ids == [c["token_ids"] for c in first["choices"]], "streamed samples must equal the non-streamed ones"
+
+
+def test_stop_strings_and_stop_token_ids(client, ref):
+    prompt = list(b"The quick brown fox")
+    full = solo(ref, prompt, 40)
+    printable = [i for i in range(3, len(full) - 2) if 32 <= full[i] < 127 and 32 <= full[i + 1] < 127]
+    assert printable, f"the test needs two printable output bytes in a row: {full}"
+    cut = printable[0]
+    stop = bytes(full[cut:cut + 2]).decode()
+    whole = client.post("/v1/completions", json=completion(prompt, 40)).json()["choices"][0]["text"]
+    expected = whole[:whole.find(stop)]
+    answer = client.post("/v1/completions", json=completion(prompt, 40, stop=[stop])).json()["choices"][0]
+    assert answer["text"] == expected and answer["finish_reason"] == "stop", \
+        f"stop {stop!r}: got {answer['text']!r}, expected {expected!r} (text before the stop string)"
+    with client.stream("POST", "/v1/completions", json=completion(prompt, 40, stop=stop, stream=True)) as s:
+        text, _, finish = stream_choices(read_sse(s.iter_lines()))
+    assert text[0] == expected and finish[0] == "stop", f"streamed stop string: got {text[0]!r}"
+    token = full[5]
+    answer = client.post("/v1/completions", json=completion(prompt, 40, stop_token_ids=[token])).json()["choices"][0]
+    assert answer["token_ids"] == solo(ref, prompt, 40, stop_token_ids=(token,))
+    assert answer["finish_reason"] == "stop"
+
+
+def test_concurrent_clients_each_get_their_own_answer_while_others_hang_up(server, ref):
+    """64 clients at once (streaming and not); 16 streaming ones hang up after a few tokens.
+    Every other client gets exactly its solo answer; afterwards the engine is idle with
+    every block free."""
+    url, engine = server
+    work = prompts(64, seed=5)
+
+    async def one(http, i, prompt):
+        body = completion(prompt, 4 + i % 5)
+        if i % 4 == 3:                     # hangs up after 1-3 tokens
+            async with http.stream("POST", "/v1/completions", json={**body, "max_tokens": 200, "stream": True}) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: {")
+                    if seen == 1 + i % 3:
+                        return None
+        if i % 2:
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                _, ids, _ = stream_choices(read_sse([line async for line in r.aiter_lines()]))
+                return ids[0]
+        r = await http.post("/v1/completions", json=body)
+        return r.json()["choices"][0]["token_ids"]
+
+    async def everyone():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            return await asyncio.gather(*(one(http, i, p) for i, p in enumerate(work)))
+
+    results = asyncio.run(everyone())
+    for i, (prompt, got) in enumerate(zip(work, results)):
+        if i % 4 != 3:
+            want = solo(ref, prompt, 4 + i % 5)
+            assert got == want, f"client {i} got {got}, solo generate {want}"
+    wait_idle(engine)
+
+
+def test_a_client_that_hangs_up_has_its_request_aborted(server, client):
+    url, engine = server
+    wait_idle(engine)
+    steps_before = engine.steps
+    with httpx.Client(base_url=url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=completion(prompts(1, 6)[0], 900, stream=True)) as r:
+            lines = r.iter_lines()
+            for _ in range(3):
+                next(line for line in lines if line)
+            assert engine.has_unfinished
+    # Leaving both blocks closed the connection mid-stream.
+    wait_idle(engine)
+    assert engine.steps - steps_before < 300, \
+        f"the request ran {engine.steps - steps_before} steps for a client that left after 3 tokens"
+    found = metrics(client)
+    assert found["kv_blocks_in_use"] == 0 and found["engine_requests_running"] == 0, \
+        f"/metrics must show the blocks back: {found}"
+    assert client.get("/health").status_code == 200
+
+
+def test_non_streaming_client_that_hangs_up_is_aborted_too(server):
+    url, engine = server
+    wait_idle(engine)
+
+    async def leave_early():
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            task = asyncio.ensure_future(http.post("/v1/completions", json=completion(prompts(1, 7)[0], 900)))
+            deadline = time.monotonic() + 10
+            while not engine.has_unfinished and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    steps_before = engine.steps
+    asyncio.run(leave_early())
+    wait_idle(engine)
+    assert engine.steps - steps_before < 300, (
+        f"the request ran {engine.steps - steps_before} steps after its client left")
+
+
+BAD_REQUESTS = [
+    # (name, route, body, status, param)
+    ("malformed JSON", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("not UTF-8", "/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None),
+    ("not an object", "/v1/completions", [1, 2, 3], 400, None),
+    ("huge body", "/v1/completions", {"model": MODEL, "prompt": "a" * (MAX_BODY + 10)}, 413, None),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "a"}, 404, "model"),
+    ("no model", "/v1/completions", {"prompt": "a"}, 400, "model"),
+    ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("empty token list", "/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("prompt of the wrong type", "/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("token outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 999]}, 400, "prompt"),
+    ("prompt beyond the context", "/v1/completions", {"model": MODEL, "prompt": [1] * 1100}, 400, "prompt"),
+    ("prompt + max_tokens beyond the context", "/v1/completions",
+     {"model": MODEL, "prompt": [1] * 1000, "max_tokens": 100}, 400, "max_tokens"),
+    ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens as a string", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": "8"}, 400,
+     "max_tokens"),
+    ("n 0", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
+    ("n too large", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 1000}, 400, "n"),
+    ("negative temperature", "/v1/completions", {"model": MODEL, "prompt": "a", "temperature": -0.5}, 400,
+     "temperature"),
+    ("top_p 0", "/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("top_p above 1", "/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
+    ("too many stop strings", "/v1/completions", {"model": MODEL, "prompt": "a", "stop": list("abcde")}, 400,
+     "stop"),
+    ("negative seed", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": -1}, 400, "seed"),
+    ("stream not a boolean", "/v1/completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("logprobs unsupported", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("penalty unsupported", "/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, 400,
+     "presence_penalty"),
+    ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "a", "max_token": 4}, 400, "max_token"),
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("unknown role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+     400, "messages[0].role"),
+    ("content of the wrong type", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize("name,route,body,status,param", BAD_REQUESTS, ids=[case[0] for case in BAD_REQUESTS])
+def test_bad_input_gets_an_openai_error_and_leaves_the_engine_alone(server, client, ref, name, route, body,
+                                                                    status, param):
+    engine = server[1]
+    wait_idle(engine)
+    steps = engine.steps
+    r = client.post(route, content=body) if isinstance(body, bytes) else client.post(route, json=body)
+    assert r.status_code == status, f"{name}: expected HTTP {status}, got {r.status_code}: {r.text[:300]}"
+    error = r.json().get("error")
+    assert isinstance(error, dict) and isinstance(error.get("message"), str) and error.get("type"), \
+        f"{name}: the body must be OpenAI's {{'error': {{message, type, param, code}}}}, got {r.text[:300]}"
+    assert error["param"] == param, f"{name}: the error must name {param!r}, it names {error['param']!r}"
+    assert engine.steps == steps and not engine.has_unfinished, f"{name}: a refused request must not reach a step"
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    after = client.post("/v1/completions", json=completion([5, 6, 7], 3))
+    assert after.status_code == 200 and after.json()["choices"][0]["token_ids"] == solo(ref, [5, 6, 7], 3), \
+        f"after {name}, a normal request must be served"
+
+
+def test_unknown_route_is_an_openai_error(client):
+    r = client.get("/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_back_pressure_429_with_retry_after_and_running_requests_unaffected(impl, device, ref):
+    """2 running slots + 4 waiting: six long streams fill the server; 26 more arrive at once and
+    each gets 429 with Retry-After; the running streams go on exactly as if alone; once the
+    six are gone (their clients hang up), requests are served again."""
+    app, engine = _served(impl, device, max_num_seqs=2, max_waiting=4)
+    long_prompts = prompts(6, seed=8)
+    watched = 20                           # tokens read from each running stream
+
+    async def first_tokens(response):
+        ids = []
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[len("data: "):])["choices"]:
+                    ids += choice["token_ids"]
+                    if choice["finish_reason"] is not None:
+                        return ids
+            if len(ids) >= watched:
+                return ids[:watched]
+        return ids
+
+    with impl.load("server.app").serve_in_thread(app) as url:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                holders, streams = [], []
+                for p in long_prompts:     # long enough to outlast the burst by far
+                    cm = http.stream("POST", "/v1/completions", json=completion(p, 900, stream=True))
+                    response = await cm.__aenter__()
+                    assert response.status_code == 200, await response.aread()
+                    holders.append(cm)
+                    streams.append(response)
+                burst = await asyncio.gather(*(http.post("/v1/completions", json=completion(p, 4))
+                                               for p in prompts(26, seed=9)))
+                running = [await first_tokens(response) for response in streams[:2]]
+                for cm in holders:         # hang up: the six are aborted, waiting or running
+                    await cm.__aexit__(None, None, None)
+                await asyncio.to_thread(wait_idle, engine)
+                after = await asyncio.gather(*(http.post("/v1/completions", json=completion(p, 4))
+                                               for p in prompts(6, seed=10)))
+                return burst, running, after
+
+        burst, running, after = asyncio.run(scenario())
+    refused = [r for r in burst if r.status_code == 429]
+    assert len(refused) == len(burst), \
+        f"with 6 of 6 places taken, every new request must get 429: statuses {[r.status_code for r in burst]}"
+    for r in refused:
+        assert r.headers.get("retry-after", "").isdigit(), "a 429 must say when to come back (Retry-After)"
+        assert r.json()["error"]["type"], "a 429 carries an OpenAI error object"
+    for p, ids in zip(long_prompts, running):
+        assert ids == solo(ref, p, watched), "requests running during the burst must go on exactly as if alone"
+    assert [r.status_code for r in after] == [200] * 6, "once the server has room, requests are served again"
+
+
+def test_a_simultaneous_burst_never_hangs(impl, device, ref):
+    """32 requests at once against 2 running + 4 waiting: every answer is 200 (and correct)
+    or 429, and the engine ends idle."""
+    app, engine = _served(impl, device, max_num_seqs=2, max_waiting=4)
+    work = prompts(32, seed=11)
+    with impl.load("server.app").serve_in_thread(app) as url:
+        async def burst():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                return await asyncio.gather(*(http.post("/v1/completions", json=completion(p, 24)) for p in work))
+
+        results = asyncio.run(burst())
+        wait_idle(engine)
+    statuses = [r.status_code for r in results]
+    assert set(statuses) <= {200, 429}, f"only answers or 429s: {statuses}"
+    assert statuses.count(200) >= 6, f"at least the 6 places must be used: {statuses}"
+    for p, r in zip(work, results):
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["token_ids"] == solo(ref, p, 24)
+
+
+def test_loadtest_command_reports_no_leaked_blocks(server):
+    """`run.py loadtest` against the running server: a short Poisson run with hang-ups."""
+    import argparse
+
+    from course.commands import loadtest
+    parser = argparse.ArgumentParser()
+    loadtest.add_arguments(parser)
+    args = parser.parse_args(["--requests", "12", "--rate", "200", "--max-tokens", "6", "--cancel", "0.3",
+                              "--seed", "1"])
+    line, failures = loadtest.run_load(server[0], args)
+    assert not failures, failures
+    assert line["completed"] + line["cancelled"] == 12 and line["cancelled"] > 0, line
+    assert line["kv_blocks_in_use_after"] == 0, f"blocks leaked after the load test: {line}"
+    for key in ("requests_per_s", "e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "tpot_p99_ms"):
+        assert line[key] is not None and line[key] > 0, f"{key} missing from {line}"
+
+
+def test_the_official_openai_client(server, ref):
+    """The `openai` package, as any user would point it at the server."""
+    openai = pytest.importorskip("openai", reason="pip install -r requirements.txt brings the openai client")
+    api = openai.OpenAI(base_url=server[0] + "/v1", api_key="not-needed", max_retries=0)
+    assert [m.id for m in api.models.list()] == [MODEL]
+    prompt = prompts(1, seed=12)[0]
+    answer = api.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    assert answer.choices[0].model_extra["token_ids"] == solo(ref, prompt, 9)
+    assert answer.usage.prompt_tokens == len(prompt)
+    pieces = api.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in pieces if chunk.choices) == answer.choices[0].text
+    sampled = api.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0.9, n=2, seed=3,
+                                     extra_body={"return_token_ids": True, "top_k": 50})
+    for choice in sampled.choices:
+        assert choice.model_extra["token_ids"] == solo(ref, prompt, 6, seed=3 + choice.index, temperature=0.9,
+                                                       top_k=50)
+    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=7,
+                                       temperature=0)
+    streamed = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=7, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens", "the client reads our error object: it names the field"
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-4o", prompt="Hi")
+
+
+def test_the_chat_page_is_served(client):
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    for needle in ("/v1/chat/completions", "/v1/models", "getReader", "stream: true"):
+        assert needle in r.text, f"the chat page must use {needle}"
+    assert "<script src=" not in r.text, "the page loads nothing from elsewhere (no CDN)"
+
+
+def test_the_chat_page_in_a_real_browser(server, client):
+    """Headless Chromium types a message into the page and reads the streamed reply."""
+    import shutil
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("no browser here: `apt-get install chromium chromium-driver` (Debian) runs this test")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
+    try:
+        browser.get(server[0] + "/")
+        wait = WebDriverWait(browser, 30)
+        wait.until(lambda b: b.find_element(By.ID, "model").text == MODEL)
+        for field, value in (("max_tokens", "8"), ("temperature", "0")):
+            box = browser.find_element(By.ID, field)
+            box.clear()
+            box.send_keys(value)
+        browser.find_element(By.ID, "prompt").send_keys("Hi", Keys.ENTER)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, ".assistant.done"))
+        shown = browser.execute_script("return document.querySelector('.assistant.done span').textContent")
+    finally:
+        browser.quit()
+    hello = [{"role": "user", "content": "Hi"}]
+    expected = client.post("/v1/chat/completions", json={"model": MODEL, "messages": hello,
+                                                         "max_tokens": 8, "temperature": 0}).json()
+    assert shown == expected["choices"][0]["message"]["content"], \
+        "the page must show exactly the reply the API gives for the same conversation"
+

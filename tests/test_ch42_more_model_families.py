@@ -1,0 +1,267 @@
+"""Chapter 42 milestone: Llama, Qwen2, Mistral, Llama 3 and YaRN RoPE scaling beside Qwen3.
+
+Oracles: transformers' own LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM with
+the deterministic tiny weights, saved with save_pretrained and loaded back through our
+checkpoint.load_model (the family comes from config.json): logits within 1e-5 of
+transformers' (relative to the largest logit), greedy tokens equal to a full-recompute
+argmax loop over transformers' forward, and the Chapter 31 EngineCore (recompute and swap
+preemption) equal to solo generate on the same model. SmolLM2-135M-Instruct (the real
+model, fetched by course.smollm2): our GGUF loader's tensors equal those transformers
+dequantizes from the same file, and greedy answers to chat prompts equal transformers'
+generate token for token, through generate and through the EngineCore.
+
+transformers' GGUF loading takes tens of seconds, so what it produced (config and
+float32 weights) is kept beside the cached GGUF file, once per transformers version.
+The prompts of the real-model test are token ids, rendered once with transformers'
+tokenizer from the same GGUF and SmolLM2's chat template (building that tokenizer takes
+longer than the whole test).
+"""
+import dataclasses
+
+import httpx
+import pytest
+import torch
+
+from course import reference
+from course.models import fill_deterministic, tiny_config
+
+pytestmark = pytest.mark.chapter(42)
+
+transformers = pytest.importorskip("transformers")
+
+REL_TOL = 1e-5
+EOS = 257
+SCALED = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# family label -> (transformers config class, model class, extra config fields)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral (window 6)": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
+    "llama 3 rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": SCALED}),
+    "yarn rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": YARN}),
+}
+OURS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral (window 6)": "MistralForCausalLM",
+        "llama 3 rope scaling": "LlamaForCausalLM", "yarn rope scaling": "LlamaForCausalLM"}
+
+
+def hf_family(impl, label, seed=0):
+    config_class, model_class, extra = FAMILIES[label]
+    values = dataclasses.asdict(tiny_config(impl.package))
+    values.pop("attention_bias")
+    hcfg = getattr(transformers, config_class)(**values, **extra, attn_implementation="eager")
+    return fill_deterministic(getattr(transformers, model_class)(hcfg), seed).eval()
+
+
+_LOADED = {}
+
+
+def loaded(impl, label, tmp_path_factory):
+    """(transformers' model, ours loaded from its save_pretrained directory), once per family."""
+    key = (impl.name, label)
+    if key not in _LOADED:
+        hf = hf_family(impl, label)
+        path = tmp_path_factory.mktemp(label.split()[0])
+        hf.save_pretrained(path)
+        _LOADED[key] = hf, impl.checkpoint.load_model(path)
+    return _LOADED[key]
+
+
+@pytest.mark.parametrize("label", list(FAMILIES))
+def test_family_logits_match_transformers(impl, label, tmp_path_factory):
+    hf, ours = loaded(impl, label, tmp_path_factory)
+    assert type(ours).__name__ == OURS[label], f"{label}: load_model built {type(ours).__name__}"
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours(ids).float()
+    err = float((got - want).abs().max())
+    bound = REL_TOL * max(1.0, float(want.abs().max()))
+    worst = int((got - want).abs().amax(dim=(0, 2)).argmax())
+    assert err <= bound, (f"{label}: logits {err:.3g} from transformers' (bound {bound:.3g}); worst at position "
+                          f"{worst} of 40" + (" (past the window: is the sliding window applied?)"
+                                              if "mistral" in label and worst >= 6 else "")
+                          + (" (does Qwen3Model.forward take its rotary tables from self.rope_tables?)"
+                             if "scaling" in label else ""))
+
+
+@pytest.mark.parametrize("label", list(FAMILIES))
+def test_family_greedy_generate_matches_transformers(impl, label, tmp_path_factory):
+    hf, ours = loaded(impl, label, tmp_path_factory)
+    prompt = [5, 77, 190, 3, 42, 250, 18, 9]
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(20):                          # transformers' forward, full recompute, argmax
+            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    want = tokens[len(prompt):]
+    got = impl.sampling.generate(ours, prompt, 20)
+    assert got == want, f"{label}: generate gave {got}, transformers' greedy loop {want}"
+
+
+@pytest.mark.parametrize("label", list(FAMILIES))
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_family_engine_core_matches_solo_generate(impl, serve, label, mode, tmp_path_factory):
+    hf, ours = loaded(impl, label, tmp_path_factory)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 19, 33, 12)]
+    max_tokens = [24, 30, 20, 28]
+    engine = serve.engine.EngineCore(
+        ours, serve.config.EngineConfig(num_blocks=7, block_size=8, preemption_mode=mode), eos_token_id=EOS)
+    results = engine.generate(prompts, [serve.request.SamplingParams(max_tokens=n) for n in max_tokens])
+    assert engine.preemptions > 0, f"{label}, {mode}: no request was preempted; the test lost its point"
+    generate = reference().sampling.generate
+    for i, (prompt, n, result) in enumerate(zip(prompts, max_tokens, results)):
+        want = generate(ours, prompt, n, eos_token_id=EOS)
+        assert result.output_token_ids == want, (
+            f"{label}, {mode} preemption: request {i} ({len(prompt)}-token prompt) gave "
+            f"{result.output_token_ids}, solo generate {want}")
+
+
+def test_unknown_architecture_names_the_known_ones(impl, tmp_path):
+    hf = hf_family(impl, "llama")
+    hf.save_pretrained(tmp_path)
+    config = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(config.replace("LlamaForCausalLM", "GPTNeoXForCausalLM"))
+    with pytest.raises(ValueError) as error:
+        impl.checkpoint.load_model(tmp_path)
+    message = str(error.value)
+    assert "GPTNeoXForCausalLM" in message and "LlamaForCausalLM" in message and "Qwen3ForCausalLM" in message, (
+        f"an unknown architecture must be named along with the known ones: {message}")
+
+
+def test_sliding_window_mask_rule(impl):
+    slots = torch.tensor([3, 4, 5])
+    allowed = impl.families.sliding_window_allowed(slots, 3)
+    assert allowed.shape == (1, 1, 3, 6), f"shape {tuple(allowed.shape)}, expected (1, 1, 3, 6)"
+    want = torch.tensor([[k > q - 3 for k in range(6)] for q in (3, 4, 5)])
+    assert torch.equal(allowed[0, 0], want), f"window 3: got\n{allowed[0, 0].int()}\nexpected\n{want.int()}"
+
+
+def test_llama3_frequencies_match_transformers(impl):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hcfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                    rope_scaling={**SCALED, "rope_theta": 10000.0})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hcfg, "cpu")
+    got = impl.families.llama3_inv_freq(16, 10000.0, SCALED)
+    assert torch.allclose(got, want.float(), rtol=1e-6, atol=0), f"Llama 3 frequencies {got} != transformers' {want}"
+
+
+# --- the real model ---------------------------------------------------------------------------
+
+# SmolLM2's chat template around three questions (rendered with transformers' tokenizer).
+SYSTEM = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+          19712, 8182, 2, 198]
+CHAT_PROMPTS = {
+    "What is the capital of France?": SYSTEM + [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198,
+                                                 1, 520, 9531, 198],
+    "Name three colors of the rainbow.": SYSTEM + [1, 4093, 198, 5820, 1296, 4683, 282, 260, 24594, 30, 2, 198,
+                                                    1, 520, 9531, 198],
+    "What is 2 + 2?": SYSTEM + [1, 4093, 198, 1780, 314, 216, 34, 1232, 216, 34, 47, 2, 198, 1, 520, 9531, 198],
+}
+SMOLLM2_EOS = 2
+NEW_TOKENS = 12
+
+
+def transformers_smollm2(gguf_path):
+    """transformers' own model from the GGUF file, float32. Its GGUF loader takes tens of
+    seconds (it parses all 98,000 tokenizer strings), so the config and weights it produced
+    are kept beside the file (one copy per transformers version, written with safetensors)
+    and later runs rebuild the same model from them in a second."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_model, save_model
+    saved = gguf_path.parent / f"smollm2-transformers-{transformers.__version__}"
+    if not (saved / "model.safetensors").is_file():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                               dtype=torch.float32)
+        scratch = tempfile.mkdtemp(dir=gguf_path.parent)
+        hf.config.to_json_file(os.path.join(scratch, "config.json"))
+        save_model(hf, os.path.join(scratch, "model.safetensors"))       # tied weights stored once
+        try:
+            os.replace(scratch, saved)                  # atomic: a parallel run never sees half of it
+        except OSError:                                 # another run got there first
+            shutil.rmtree(scratch, ignore_errors=True)
+    config = transformers.AutoConfig.from_pretrained(saved)
+    config.quantization_config = None
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    load_model(hf, saved / "model.safetensors")
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(impl, smollm2_path):
+    """(transformers' model from the GGUF, ours from load_model), float32 on the CPU."""
+    return transformers_smollm2(smollm2_path), impl.checkpoint.load_model(smollm2_path)
+
+
+def test_smollm2_tensors_equal_transformers(smollm2_pair):
+    hf, ours = smollm2_pair
+    theirs, mine = hf.state_dict(), ours.state_dict()
+    assert set(mine) == set(theirs), f"parameter names differ: {sorted(set(mine) ^ set(theirs))[:6]}"
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), (
+            f"{name}: max |diff| {float((mine[name] - tensor).abs().max()):.3g} from transformers' dequantized "
+            f"tensor" + (" (q/k rows: is the rotary permutation undone?)" if "q_proj" in name or "k_proj" in name
+                         else ""))
+
+
+def test_smollm2_greedy_chat_matches_transformers(impl, serve, smollm2_pair):
+    hf, ours = smollm2_pair
+    wants = {}
+    for question, ids in CHAT_PROMPTS.items():
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=SMOLLM2_EOS, pad_token_id=SMOLLM2_EOS)
+        wants[question] = out[0, len(ids):].tolist()
+        got = impl.sampling.generate(ours, ids, NEW_TOKENS, eos_token_id=SMOLLM2_EOS)
+        assert got == wants[question], f"{question!r}: generate gave {got}, transformers {wants[question]}"
+    engine = serve.engine.EngineCore(ours, serve.config.EngineConfig(num_blocks=64, block_size=16),
+                                     eos_token_id=SMOLLM2_EOS)
+    results = engine.generate(list(CHAT_PROMPTS.values()),
+                              [serve.request.SamplingParams(max_tokens=NEW_TOKENS) for _ in CHAT_PROMPTS])
+    for (question, want), result in zip(wants.items(), results):
+        assert result.output_token_ids == want, f"{question!r}: EngineCore gave {result.output_token_ids}, want {want}"
+
+
+def test_run_py_chat_answers(impl, smollm2_path, capsys):
+    """`python run.py chat --model smollm2 --prompt ...` on the implementation under test:
+    the reply streams through the EngineCore and names the capital."""
+    from course import cli
+    status = cli.main(["chat", "--impl", impl.spec.text, "--device", "cpu", "--prompt",
+                       "What is the capital of France?", "--max-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py chat failed:\n{out}{err}"
+    assert out.strip() == "The capital of France is Paris.", f"run.py chat printed {out!r}"
+
+
+def test_smollm2_answers_a_chat_over_http(impl, device, smollm2_path):
+    """SmolLM2 behind Chapter 38's server: the reply's ids are the reference's solo greedy
+    `generate` on the chat template's ids, and its text is those ids decoded. (Here, not in
+    Chapter 38's milestone, because it needs Chapters 39 and 42 to load the model.)"""
+    ref_package = reference()
+    ref_model = ref_package.checkpoint.load_model(smollm2_path, device=device).eval()
+    ref_tokenizer = ref_package.bpe.BPETokenizer.from_gguf_metadata(ref_package.gguf.GGUFFile(smollm2_path).metadata)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = ref_tokenizer.encode_chat(messages)
+    expected = ref_package.sampling.generate(ref_model, prompt, 12, eos_token_id=ref_tokenizer.eos_token_id)
+
+    model = impl.checkpoint.load_model(smollm2_path, device=device).eval()
+    tokenizer = impl.bpe.BPETokenizer.from_gguf_metadata(impl.gguf.GGUFFile(smollm2_path).metadata)
+    engine = impl.load("serve.engine").EngineCore(model, impl.load("serve.config").EngineConfig(num_blocks=64),
+                                                  eos_token_id=tokenizer.eos_token_id)
+    app_module = impl.load("server.app")
+    served = app_module.ServedModel(
+        "smollm2", tokenizer, lambda: impl.bpe.IncrementalDetokenizer(tokenizer, skip_special_tokens=True))
+    with app_module.serve_in_thread(app_module.build_app(engine, served)) as url, \
+            httpx.Client(base_url=url, timeout=120) as c:
+        body = {"model": "smollm2", "messages": messages, "max_tokens": 12, "temperature": 0,
+                "return_token_ids": True}
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == expected, "SmolLM2's greedy reply over HTTP must equal solo generate"
+    assert choice["message"]["content"] == ref_tokenizer.decode(expected, skip_special_tokens=True)
+    assert "Paris" in choice["message"]["content"]
