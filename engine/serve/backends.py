@@ -12,11 +12,15 @@ A backend is any object with
     write(cache, k, v, meta)                   store this step's k, v [N, Hkv, D]
     forward(q, cache, meta, scale=None, window=0) -> [N, H, D]
 Chapter 32 registers faster ones with `register_backend`; they are tested against
-ReferenceBackend, which stays slow on purpose.
+ReferenceBackend, which stays slow on purpose: VectorisedBackend below (every request in
+one attention call per layer), and the Triton kernels of serve/triton_backend.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 
 from ..attention import causal_attention
 
@@ -91,6 +95,125 @@ class ReferenceBackend:
         return values.transpose(0, 1).unsqueeze(0)
 
 
+# --- Chapter 32: the whole batch at once ---------------------------------------------------------
+
+@dataclass
+class StepPlan:
+    """Index tensors that say where each query row and each key sits, built once per step
+    and shared by every layer (the batch's layout is the same in all of them).
+
+    num_blocks          blocks gathered per request: ceil(max_seq_len / block_size)
+    block_table [R, num_blocks]  the block table cut to those columns (int64)
+    decode_only         every request has exactly one row, so row r IS request r
+    row_request [N]     request index of each query row (int64); None when decode_only
+    row_offset [N]      the row's index among its request's rows (int64); None when decode_only
+    visible [R, 1, Tq, K]  key j of request r's context may be read by its query i:
+                        j <= that query's position (Tq = max_query_len, K = num_blocks *
+                        block_size); padded query slots i >= t_r see key 0 only
+    empty_rows [N, 1, 1] rows of padding requests (seq_len 0), whose output must be zero;
+                        None when the step has none
+    masks               visible intersected with a sliding window, by window size
+    """
+    num_blocks: int
+    block_table: torch.Tensor
+    decode_only: bool
+    row_request: torch.Tensor | None
+    row_offset: torch.Tensor | None
+    visible: torch.Tensor
+    empty_rows: torch.Tensor | None
+    query_positions: torch.Tensor
+    masks: dict = field(default_factory=dict)
+
+
+class VectorisedBackend(ReferenceBackend):
+    """Every request of the step in one gather and one attention call per layer.
+
+    The Python loop of ReferenceBackend becomes three tensor steps: gather every request's
+    blocks at once through the block table ([R, num_blocks] indices -> [R, K, Hkv, D]),
+    lay the N query rows out as [R, max_query_len] (a decode-only step needs no re-layout:
+    row r is request r), and call scaled_dot_product_attention once with a boolean mask
+    built from positions. The plan (indices and mask) depends only on the batch, so it is
+    made on the first layer and reused by the others.
+    Pools, writes and quantized scales are ReferenceBackend's."""
+    name = "vectorised"
+
+    def __init__(self):
+        self._plan_key = None
+        self._plan = None
+
+    def plan_for(self, meta, device):
+        """The StepPlan of this batch: built on the first layer's call, reused after."""
+        if self._plan_key is not meta:
+            self._plan = plan_step(meta, device)
+            self._plan_key = meta
+        return self._plan
+
+    def forward(self, q, cache, meta, scale=None, window=0):
+        """Attention of this step's queries against the pool, one call for all requests.
+        q [N, H, D] -> [N, H, D] in q's dtype; matches ReferenceBackend.forward."""
+        plan = self.plan_for(meta, q.device)
+        keys, values = (self.gather_all(pool, cache, which, plan, q.dtype) for which, pool in enumerate(cache[:2]))
+        return attend_all(q, keys, values, plan, scale, window)
+
+    def gather_all(self, pool, cache, which, plan, dtype):
+        """Every request's context from one pool, dequantized when the pool carries scales:
+        [R, Hkv, K, D] in `dtype`."""
+        rows = gather_blocks(pool, plan.block_table)
+        if len(cache) > 2:                       # quantized: per-token scales follow K and V
+            scales = gather_blocks(cache[2 + which], plan.block_table)
+            rows = rows.to(dtype) * scales.to(dtype).unsqueeze(-1)
+        return rows.to(dtype).transpose(1, 2)
+
+
+def plan_step(meta, device):
+    """The StepPlan of one batch: where every query row and every key sits.  (Your engine: Chapter 32)
+
+    meta: the step's BatchMeta (R requests, N rows); read sizes from the HOST lists
+    meta.query_start_loc_cpu and meta.seq_lens_cpu, and build each index tensor with ONE
+    torch call (no loop over requests that makes a tensor per request).
+    Returns a StepPlan whose fields hold these invariants (K = num_blocks * block_size):
+      - num_blocks = ceil(max_seq_len / block_size), at least 1; block_table =
+        meta.block_table[:, :num_blocks] as int64;
+      - decode_only = meta.decode_only; then row_request and row_offset are None;
+      - otherwise row_request[i] = r and row_offset[i] = i - query_start_loc[r] for every
+        row i of request r (int64 [N]);
+      - query_positions [R, Tq] int64: request r's query slot i sits at position
+        seq_len_r - t_r + i, clamped to at least 0 (padding requests have seq_len 0);
+      - visible [R, 1, Tq, K] bool: key j <= query_positions[r, i];
+      - empty_rows: a bool [N, 1, 1] marking the rows of requests with seq_len 0, or None
+        when there are none (most steps: then no extra work is spent on them).
+    Trap: a decode-only step with padding requests (Chapter 33's pad_to) still has one row
+    per request, so its rows need no re-layout either.
+    """
+    raise NotImplementedError("Your engine: Chapter 32: plan_step")
+
+
+def gather_blocks(pool, block_table):
+    """Every request's blocks from one pool in a single indexing call.  (Your engine: Chapter 32)
+
+    pool: [num_blocks + 1, block_size, ...] (K or V rows, or their scales [.., Hkv]);
+    block_table: int64 [R, W]. Returns [R, W * block_size, ...]: request r's first
+    W * block_size context rows in logical order (rows past its seq_len are whatever the
+    blocks hold: the mask hides them). A copy, made by one advanced-indexing read.
+    """
+    raise NotImplementedError("Your engine: Chapter 32: gather_blocks")
+
+
+def attend_all(q, keys, values, plan, scale=None, window=0):
+    """One attention call for every request of the step.  (Your engine: Chapter 32)
+
+    q [N, H, D] (this step's rows); keys, values [R, Hkv, K, D] from gather_all; plan: the
+    step's StepPlan. Returns [N, H, D] in q's dtype, equal (to float rounding) to
+    ReferenceBackend.forward. Lay the rows out as [R, H, Tq, D] (decode-only: a view, one
+    row per request; otherwise scatter row i to (row_request[i], row_offset[i])), call
+    torch's scaled_dot_product_attention ONCE with attn_mask = plan.visible (intersected,
+    when window > 0, with key > query position - window; cache that mask in plan.masks so
+    the other layers reuse it) and enable_gqa=True, then read row i back from the same
+    place. Rows of padding requests (plan.empty_rows) come back as zeros.
+    """
+    raise NotImplementedError("Your engine: Chapter 32: attend_all")
+
+
 # --- the registry ----------------------------------------------------------------------------
 
 _BACKENDS = {}
@@ -124,3 +247,4 @@ def get_backend(name, **options):
 
 
 register_backend("reference", ReferenceBackend)
+register_backend("vectorised", VectorisedBackend)

@@ -1,0 +1,198 @@
+"""Chapter 32 milestone: fast attention backends over the block pool, and `run.py bench`.
+
+Oracles: Chapter 31's ReferenceBackend of the REFERENCE package (`course.reference()`),
+which loops over requests and calls Chapter 5's attention, for every backend-level test;
+the reference package's solo greedy `generate` for the engine tests (whatever backend the
+core uses, its greedy tokens must be solo generate's). Tolerances: the vectorised backend
+and the Triton kernels add the same products in another order, so they agree with the
+reference to float32 rounding (atol 1e-5 on O(1) values); int8 pools are compared with the
+bound that Chapter 28's per-token scales give.
+
+The Triton tests run the kernels in Triton's interpreter on a CPU (TRITON_INTERPRET=1, set
+before triton is imported) and compiled on a GPU; their sizes stay tiny because the
+interpreter runs every program one after another in NumPy.
+"""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from course import reference
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytestmark = pytest.mark.chapter(32)
+
+EOS = 257
+BLOCK = 16
+
+
+# --- a hand-made batch over a random pool ------------------------------------------------------
+
+def make_meta(serve, requests, block_size, device="cpu"):
+    """requests: [(seq_len, new_rows, block_table)]. A BatchMeta laid out as build_batch would."""
+    starts = [0]
+    for _, rows, _ in requests:
+        starts.append(starts[-1] + rows)
+    width = max(1, max(len(t) for *_, t in requests))
+    slots = []
+    for length, rows, table in requests:
+        for p in range(length - rows, length):
+            slots.append(table[p // block_size] * block_size + p % block_size if length else -1)
+    lengths = [r[0] for r in requests]
+    return serve.batch.BatchMeta(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_table=torch.tensor([list(t) + [0] * (width - len(t)) for *_, t in requests], dtype=torch.int32,
+                                 device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
+        query_start_loc_cpu=starts, seq_lens_cpu=lengths,
+        max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(lengths))
+
+
+def random_requests(rng, shapes, block_size, num_blocks):
+    """shapes: [(seq_len, new_rows)]; each request gets distinct random blocks of the pool."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    out = []
+    for length, rows in shapes:
+        need = -(-length // block_size)
+        out.append((length, rows, [free.pop() for _ in range(need)]))
+    return out
+
+
+SCENARIOS = {
+    # (seq_len, new rows) per request
+    "mixed prefill chunks and decodes": [(9, 3), (5, 1), (4, 4), (17, 1), (12, 5)],
+    "decode only": [(7, 1), (16, 1), (33, 1), (1, 1)],
+    "block boundaries": [(8, 8), (9, 1), (16, 8), (17, 2), (24, 1)],
+    "one long prompt": [(40, 40)],
+    "padding requests": [(6, 2), (0, 1), (11, 1), (0, 1)],
+    "decode with padding": [(6, 1), (0, 1), (11, 1)],
+}
+
+
+def pools_and_queries(heads, kv_heads, dim, block_size, num_blocks, rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks + 1, block_size, kv_heads, dim)
+    return (torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
+            torch.randn(rows, heads, dim, generator=gen))
+
+
+def reference_forward(q, pools, shapes_meta, window=0):
+    return reference().load("serve.backends").ReferenceBackend().forward(q, pools, shapes_meta, window=window)
+
+
+def describe_mismatch(name, got, want, meta):
+    bad = (got - want).abs().amax(dim=(1, 2))
+    row = int(bad.argmax())
+    request = next(r for r in range(len(meta.seq_lens_cpu)) if meta.query_start_loc_cpu[r + 1] > row)
+    return (f"[{name}] row {row} (request {request}: seq_len {meta.seq_lens_cpu[request]}, rows "
+            f"{meta.query_start_loc_cpu[request]}..{meta.query_start_loc_cpu[request + 1] - 1}) differs from "
+            f"ReferenceBackend by {float(bad[row]):.2e}")
+
+
+# --- the vectorised backend ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 1), (2, 2)])
+def test_vectorised_backend_matches_reference(serve, name, heads, kv_heads):
+    block_size, num_blocks, dim = 8, 24, 16
+    rng = random.Random(f"{name}{heads}{kv_heads}")
+    requests = random_requests(rng, SCENARIOS[name], block_size, num_blocks)
+    meta = make_meta(serve, requests, block_size)
+    k_pool, v_pool, q = pools_and_queries(heads, kv_heads, dim, block_size, num_blocks,
+                                          meta.query_start_loc_cpu[-1], seed=len(name))
+    backend = serve.backends.get_backend("vectorised")
+    for window in (0, 5):
+        got = backend.forward(q, (k_pool, v_pool), meta, window=window)
+        want = reference_forward(q, (k_pool, v_pool), meta, window=window)
+        assert got.shape == q.shape and got.dtype == q.dtype, f"[{name}] output {tuple(got.shape)} {got.dtype}"
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch(f"{name}, window {window}",
+                                                                                  got, want, meta)
+
+
+def test_plan_is_built_once_per_step(serve, monkeypatch):
+    """The layout of query rows and the mask depend on the batch, not on the layer: all
+    layers of one step share one plan, and a new step gets a new one."""
+    backends = serve.backends
+    calls = []
+    real = backends.plan_step
+    monkeypatch.setattr(backends, "plan_step", lambda meta, device: calls.append(meta) or real(meta, device))
+    rng = random.Random(1)
+    backend = backends.get_backend("vectorised")
+    for step in range(2):
+        meta = make_meta(serve, random_requests(rng, SCENARIOS["mixed prefill chunks and decodes"], 8, 24), 8)
+        k_pool, v_pool, q = pools_and_queries(4, 2, 16, 8, 24, meta.query_start_loc_cpu[-1], seed=step)
+        for _layer in range(3):
+            backend.forward(q, (k_pool, v_pool), meta)
+    assert len(calls) == 2, f"3 layers x 2 steps built {len(calls)} plans; expected one per step"
+
+
+def test_gather_blocks_reads_every_table_at_once(serve):
+    pool = torch.arange(5 * 4 * 2, dtype=torch.float32).reshape(5, 4, 2)
+    table = torch.tensor([[3, 0], [1, 2]])
+    got = serve.backends.gather_blocks(pool, table)
+    want = torch.stack([torch.cat([pool[3], pool[0]]), torch.cat([pool[1], pool[2]])])
+    assert got.shape == (2, 8, 2) and torch.equal(got, want), "request r's rows are its blocks in table order"
+
+
+# --- the engine with each backend ------------------------------------------------------------------
+
+def five_requests(seed=0):
+    rng = random.Random(seed)
+    tokens = lambda n: [rng.randrange(256) for _ in range(n)]   # noqa: E731
+    r1 = tokens(37)
+    prompts = {"r0": tokens(5), "r1": r1, "r3": tokens(21), "r4": tokens(70)}
+    prompts["r2"] = r1[:2 * BLOCK] + tokens(14)
+    max_tokens = {"r0": 30, "r1": 40, "r2": 28, "r3": 36, "r4": 44}
+    return prompts, max_tokens
+
+
+CONFIGS = {
+    "small chunks, tight budget": dict(max_num_batched_tokens=24, long_prefill_token_threshold=8),
+    "12 blocks, recompute": dict(num_blocks=12, preemption_mode="recompute"),
+    "12 blocks, swap": dict(num_blocks=12, preemption_mode="swap"),
+    "no prefix cache, 2 at a time": dict(enable_prefix_caching=False, max_num_seqs=2),
+}
+
+_SOLO = {}
+
+
+def solo(ref_model, prompt, max_tokens):
+    key = (tuple(prompt), max_tokens)
+    if key not in _SOLO:
+        _SOLO[key] = reference().sampling.generate(ref_model, list(prompt), max_tokens, eos_token_id=EOS)
+    return _SOLO[key]
+
+
+def serve_all(serve, model, prompts, max_tokens, **config):
+    config = {"block_size": BLOCK, "num_blocks": 64, **config}
+    engine = serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=EOS)
+    rids = list(prompts)
+    results = engine.generate([prompts[r] for r in rids],
+                              [serve.request.SamplingParams(max_tokens=max_tokens[r]) for r in rids])
+    return engine, {rid: out.output_token_ids for rid, out in zip(rids, results)}
+
+
+def expect_solo(label, outputs, prompts, max_tokens, ref_model):
+    for rid, prompt in prompts.items():
+        want, got = solo(ref_model, prompt, max_tokens[rid]), outputs[rid]
+        if got != want:
+            i = next((k for k, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            pytest.fail(f"[{label}] request {rid}: output token {i} differs from solo generate\n"
+                        f"  expected {want}\n  got      {got}")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_engine_with_vectorised_backend_matches_solo_generate(serve, tiny_model, ref_model, name):
+    prompts, max_tokens = five_requests()
+    engine, outputs = serve_all(serve, tiny_model, prompts, max_tokens, attention_backend="vectorised",
+                                **CONFIGS[name])
+    expect_solo(f"vectorised, {name}", outputs, prompts, max_tokens, ref_model)
+    assert engine.runner.backend.name == "vectorised"
+    if "12 blocks" in name:
+        assert engine.preemptions > 0, f"[{name}] no request was preempted: the configuration lost its point"
