@@ -196,3 +196,72 @@ def test_engine_with_vectorised_backend_matches_solo_generate(serve, tiny_model,
     assert engine.runner.backend.name == "vectorised"
     if "12 blocks" in name:
         assert engine.preemptions > 0, f"[{name}] no request was preempted: the configuration lost its point"
+
+
+# --- the Triton kernels ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernels(impl):
+    pytest.importorskip("triton")
+    return impl.load("paged_kernels")
+
+
+@pytest.fixture(scope="module")
+def where(device, kernels):
+    """The kernels' device: the GPU when compiled, the CPU when interpreted."""
+    return torch.device("cpu") if kernels.interpreting() else device
+
+
+TRITON_SCENARIOS = {
+    "prefill chunks and decodes in one launch": [(20, 3), (5, 1), (18, 18), (33, 1)],
+    "padding requests": [(6, 2), (0, 1), (17, 1)],
+}
+
+
+@pytest.mark.parametrize("name", list(TRITON_SCENARIOS))
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (2, 2)])
+def test_triton_paged_attention_matches_reference(serve, kernels, where, name, heads, kv_heads):
+    """Tolerance: float32 throughout; the kernel sums a row's weights block by block with
+    rescaling (online softmax), so it agrees with one softmax to rounding: atol 1e-5."""
+    block_size, num_blocks, dim = 16, 10, 16
+    rng = random.Random(name)
+    requests = random_requests(rng, TRITON_SCENARIOS[name], block_size, num_blocks)
+    meta = make_meta(serve, requests, block_size, device=where)
+    k_pool, v_pool, q = pools_and_queries(heads, kv_heads, dim, block_size, num_blocks,
+                                          meta.query_start_loc_cpu[-1], seed=3)
+    cpu_meta = make_meta(serve, requests, block_size)
+    for window in (0, 7):
+        got = kernels.paged_attention(q.to(where), k_pool.to(where), v_pool.to(where), meta, window=window)
+        want = reference_forward(q, (k_pool, v_pool), cpu_meta, window=window)
+        assert torch.allclose(got.cpu(), want, atol=1e-5, rtol=1e-5), describe_mismatch(
+            f"triton, {name}, window {window}", got.cpu(), want, cpu_meta)
+
+
+def test_query_tiles_split_each_request(serve, kernels):
+    meta = make_meta(serve, [(40, 40, [0, 1, 2]), (0, 1, []), (9, 1, [3]), (5, 5, [4])], BLOCK)
+    requests, rows = kernels.query_tiles(meta, 16)
+    assert list(zip(requests, rows)) == [(0, 0), (0, 16), (0, 32), (2, 41), (3, 42)], (
+        "a 40-row chunk makes 3 tiles of 16, a padding request none, a decode one")
+
+
+def test_triton_store_writes_through_the_slot_mapping(kernels, where):
+    pool_k = torch.zeros(4, 2, 2, 3, device=where)          # 3 blocks + scratch, block_size 2, Hkv 2
+    pool_v = torch.zeros_like(pool_k)
+    k = torch.arange(18, dtype=torch.float32, device=where).reshape(3, 2, 3) + 1
+    kernels.store_kv(pool_k, pool_v, k, -k, torch.tensor([5, -1, 0], device=where))
+    flat_k, flat_v = pool_k.view(-1, 2, 3), pool_v.view(-1, 2, 3)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2]) and torch.equal(flat_v[5], -k[0])
+    untouched = [i for i in range(8) if i not in (0, 5)]
+    assert torch.count_nonzero(flat_k[untouched]) == 0, "a slot -1 row must not be stored anywhere"
+
+
+def test_engine_with_triton_backend_matches_solo_generate(serve, tiny_model, ref_model, kernels):
+    """Two short requests, one sharing the other's first block, through EngineCore with the
+    Triton backend (prefill chunks, decodes and a prefix hit; kept small for the interpreter)."""
+    rng = random.Random(5)
+    first = [rng.randrange(256) for _ in range(20)]
+    prompts = {"a": first, "b": first[:BLOCK] + [rng.randrange(256) for _ in range(3)]}
+    max_tokens = {"a": 4, "b": 3}
+    engine, outputs = serve_all(serve, tiny_model, prompts, max_tokens, attention_backend="triton",
+                                max_num_batched_tokens=16)
+    expect_solo("triton", outputs, prompts, max_tokens, ref_model)

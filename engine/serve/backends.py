@@ -13,7 +13,8 @@ A backend is any object with
     forward(q, cache, meta, scale=None, window=0) -> [N, H, D]
 Chapter 32 registers faster ones with `register_backend`; they are tested against
 ReferenceBackend, which stays slow on purpose: VectorisedBackend below (every request in
-one attention call per layer), and the Triton kernels of serve/triton_backend.py.
+one attention call per layer), and TritonBackend (paged_kernels.py: Triton kernels that
+read the blocks in place).
 """
 from __future__ import annotations
 
@@ -248,3 +249,13 @@ def get_backend(name, **options):
 
 register_backend("reference", ReferenceBackend)
 register_backend("vectorised", VectorisedBackend)
+
+
+def _triton_backend(**options):
+    """Imported on first use: importing triton decides, once, whether kernels are compiled or
+    interpreted, and a process that never asks for this backend should not make that choice."""
+    from ..paged_kernels import TritonBackend
+    return TritonBackend(**options)
+
+
+register_backend("triton", _triton_backend)
