@@ -33,32 +33,30 @@ import triton.language as tl       # noqa: E402
 
 @triton.jit
 def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size, BLOCK: tl.constexpr):
-    """Copy row i of k and v ([N, Hkv * D], contiguous) into the pools at flat slot slot[i].
+    """Program i stores row i of k and v in the pools.  (Your engine: Chapter 32)
 
-    One program per row; the row's Hkv * D numbers are one contiguous run both in k and in
-    the pool (the pool is slot-major), so a single masked load and store moves them.
-    A negative slot is a padding row: the program stores nothing."""
-    row = tl.program_id(0)
-    slot = tl.load(slot_ptr + row)
-    if slot >= 0:
-        offsets = tl.arange(0, BLOCK)
-        inside = offsets < row_size
-        k = tl.load(k_ptr + row * row_size + offsets, mask=inside)
-        v = tl.load(v_ptr + row * row_size + offsets, mask=inside)
-        tl.store(k_cache_ptr + slot * row_size + offsets, k.to(k_cache_ptr.dtype.element_ty), mask=inside)
-        tl.store(v_cache_ptr + slot * row_size + offsets, v.to(v_cache_ptr.dtype.element_ty), mask=inside)
+    k_ptr, v_ptr: [N, Hkv * D] rows, contiguous; k_cache_ptr, v_cache_ptr: pools whose flat
+    slot s starts at element s * row_size (the pool is slot-major, so a row's Hkv * D
+    numbers are one contiguous run in both places); slot_ptr: int64 [N]; BLOCK: a power of
+    two >= row_size. Afterwards the pool's slot slot[i] holds row i cast to the pool's
+    element type (pointer.dtype.element_ty). A negative slot is a padding row: store
+    nothing at all (the device decides; the host never counts real rows).
+    """
+    raise NotImplementedError("Your engine: Chapter 32: store_kv_kernel")
 
 
 def store_kv(k_cache, v_cache, k, v, slot_mapping):
-    """Write this step's keys and values through the slot mapping with one launch.  (Your engine: Chapter 32)
+    """Write this step's keys and values through the slot mapping with one launch.
 
     k_cache, v_cache: [num_blocks + 1, block_size, Hkv, D] (contiguous); k, v: [N, Hkv, D];
-    slot_mapping: int64 [N]. Afterwards row i of k and v sits at flat slot slot_mapping[i]
-    of k_cache.view(-1, Hkv, D) (cast to the pool's dtype); rows with slot -1 change
-    nothing anywhere. Launch store_kv_kernel over N programs with BLOCK the next power of
-    two >= Hkv * D; the kernel reads k and v as flat contiguous rows.
-    """
-    raise NotImplementedError("Your engine: Chapter 32: store_kv")
+    slot_mapping: int64 [N]. Row i goes to flat slot slot_mapping[i] of
+    k_cache.view(-1, Hkv, D); rows with slot -1 change nothing."""
+    rows = k.shape[0]
+    if rows == 0:
+        return
+    row_size = k.shape[1] * k.shape[2]
+    store_kv_kernel[(rows,)](k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping, row_size,
+                             BLOCK=triton.next_power_of_2(row_size))
 
 
 # --- attention over the pool ---------------------------------------------------------------------
@@ -68,66 +66,26 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table
                            seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_row_ptr,
                            scale, num_heads, num_kv_heads, head_dim, window,
                            BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (tile, head): attention of up to BLOCK_M query rows of one request, one head.
+    """Program (tile, head): attention of one tile of query rows for one query head.  (Your engine: Chapter 32)
 
-    q, out: [N, H, D]; k_cache, v_cache: [num_blocks + 1, BLOCK_SIZE, Hkv, D]; the tile
-    list (tile_request, tile_row) says which request and which first row each tile has.
-    A request with t new rows and seq_len tokens of context: its row i (0-based among its
-    rows) sits at position seq_len - t + i and sees keys 0 .. that position (and with a
-    window w > 0 only the last w of them)."""
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // (num_heads // num_kv_heads)
-    request = tl.load(tile_request_ptr + tile)
-    first_row = tl.load(tile_row_ptr + tile)
-    query_start = tl.load(query_start_ptr + request)
-    query_end = tl.load(query_start_ptr + request + 1)
-    seq_len = tl.load(seq_lens_ptr + request)
-
-    rows = first_row + tl.arange(0, BLOCK_M)
-    row_ok = rows < query_end
-    positions = seq_len - (query_end - query_start) + (rows - query_start)
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    row_stride = num_heads * head_dim
-    q = tl.load(q_ptr + rows[:, None] * row_stride + head * head_dim + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-
-    # The keys this tile needs: up to its last row's position; with a window, from the
-    # first row's oldest visible key on. Whole pool blocks, one per iteration.
-    last_position = seq_len - (query_end - query_start) + (tl.minimum(first_row + BLOCK_M, query_end) - 1
-                                                           - query_start)
-    first_key = 0
-    if window > 0:
-        first_key = tl.maximum(0, seq_len - (query_end - query_start) + (first_row - query_start) - window + 1)
-    offsets = tl.arange(0, BLOCK_SIZE)
-    slot_stride = num_kv_heads * head_dim
-    best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for logical in range(first_key // BLOCK_SIZE, last_position // BLOCK_SIZE + 1):
-        block = tl.load(block_table_ptr + request * table_width + logical).to(tl.int64)
-        where = (block * BLOCK_SIZE + offsets[:, None]) * slot_stride + kv_head * head_dim + dims[None, :]
-        k = tl.load(k_cache_ptr + where, mask=dim_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + where, mask=dim_ok[None, :], other=0.0)
-        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale       # [BLOCK_M, BLOCK_SIZE]
-        key_positions = logical * BLOCK_SIZE + offsets
-        visible = key_positions[None, :] <= positions[:, None]
-        if window > 0:
-            visible = visible & (key_positions[None, :] > positions[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, axis=1))
-        # A row that has seen no visible key yet keeps best = -inf; shift by 0 instead of
-        # -inf so exp() gives 0, not NaN.
-        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
-        weights = tl.exp(scores - shift[:, None])
-        rescale = tl.exp(best - shift)
-        total = total * rescale + tl.sum(weights, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(weights, v.to(tl.float32))
-        best = new_best
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * row_stride + head * head_dim + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    q_ptr, out_ptr: [N, H, D] contiguous (out zero-filled); k_cache_ptr, v_cache_ptr:
+    [num_blocks + 1, BLOCK_SIZE, Hkv, D] contiguous; block_table_ptr: int32 [R, table_width];
+    seq_lens_ptr: int32 [R]; query_start_ptr: int32 [R + 1]; tile_request_ptr,
+    tile_row_ptr: int32 [num_tiles] (query_tiles: the tile's request and first row).
+    BLOCK_M rows per tile, BLOCK_SIZE = the pool's block size, BLOCK_D = next power of two
+    >= head_dim (mask the extra lanes). Computes, for each row i of the tile that belongs
+    to its request (rows past the request's last row are masked: they belong to the next
+    request), out[i, head] = softmax(scale * q[i, head] . K^T) V over the request's keys at
+    positions 0 .. pos_i, where pos_i = seq_len - t + (i - first row of the request)
+    (t = its number of rows this step), and with window > 0 only keys > pos_i - window.
+    K and V come from KV head head // (num_heads // num_kv_heads); the key at position p
+    sits in pool block block_table[request, p // BLOCK_SIZE], row p % BLOCK_SIZE.
+    Contract details: read the pool in place, one block per loop iteration, with Chapter 29's
+    online softmax (running max, running sum, rescaled accumulator, in float32); visit only
+    the blocks the tile can see; a row that has seen no visible key yet must not produce NaN;
+    store in out's element type.
+    """
+    raise NotImplementedError("Your engine: Chapter 32: paged_attention_kernel")
 
 
 def query_tiles(meta, block_m):

@@ -33,11 +33,15 @@ import triton.language as tl       # noqa: E402
 
 @triton.jit
 def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size, BLOCK: tl.constexpr):
-    """Copy row i of k and v ([N, Hkv * D], contiguous) into the pools at flat slot slot[i].
+    """Program i stores row i of k and v in the pools.  (Your engine: Chapter 32)
 
-    One program per row; the row's Hkv * D numbers are one contiguous run both in k and in
-    the pool (the pool is slot-major), so a single masked load and store moves them.
-    A negative slot is a padding row: the program stores nothing."""
+    k_ptr, v_ptr: [N, Hkv * D] rows, contiguous; k_cache_ptr, v_cache_ptr: pools whose flat
+    slot s starts at element s * row_size (the pool is slot-major, so a row's Hkv * D
+    numbers are one contiguous run in both places); slot_ptr: int64 [N]; BLOCK: a power of
+    two >= row_size. Afterwards the pool's slot slot[i] holds row i cast to the pool's
+    element type (pointer.dtype.element_ty). A negative slot is a padding row: store
+    nothing at all (the device decides; the host never counts real rows).
+    """
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
     if slot >= 0:
@@ -50,14 +54,11 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size, 
 
 
 def store_kv(k_cache, v_cache, k, v, slot_mapping):
-    """Write this step's keys and values through the slot mapping with one launch.  (Your engine: Chapter 32)
+    """Write this step's keys and values through the slot mapping with one launch.
 
     k_cache, v_cache: [num_blocks + 1, block_size, Hkv, D] (contiguous); k, v: [N, Hkv, D];
-    slot_mapping: int64 [N]. Afterwards row i of k and v sits at flat slot slot_mapping[i]
-    of k_cache.view(-1, Hkv, D) (cast to the pool's dtype); rows with slot -1 change
-    nothing anywhere. Launch store_kv_kernel over N programs with BLOCK the next power of
-    two >= Hkv * D; the kernel reads k and v as flat contiguous rows.
-    """
+    slot_mapping: int64 [N]. Row i goes to flat slot slot_mapping[i] of
+    k_cache.view(-1, Hkv, D); rows with slot -1 change nothing."""
     rows = k.shape[0]
     if rows == 0:
         return
@@ -73,13 +74,25 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table
                            seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_row_ptr,
                            scale, num_heads, num_kv_heads, head_dim, window,
                            BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (tile, head): attention of up to BLOCK_M query rows of one request, one head.
+    """Program (tile, head): attention of one tile of query rows for one query head.  (Your engine: Chapter 32)
 
-    q, out: [N, H, D]; k_cache, v_cache: [num_blocks + 1, BLOCK_SIZE, Hkv, D]; the tile
-    list (tile_request, tile_row) says which request and which first row each tile has.
-    A request with t new rows and seq_len tokens of context: its row i (0-based among its
-    rows) sits at position seq_len - t + i and sees keys 0 .. that position (and with a
-    window w > 0 only the last w of them)."""
+    q_ptr, out_ptr: [N, H, D] contiguous (out zero-filled); k_cache_ptr, v_cache_ptr:
+    [num_blocks + 1, BLOCK_SIZE, Hkv, D] contiguous; block_table_ptr: int32 [R, table_width];
+    seq_lens_ptr: int32 [R]; query_start_ptr: int32 [R + 1]; tile_request_ptr,
+    tile_row_ptr: int32 [num_tiles] (query_tiles: the tile's request and first row).
+    BLOCK_M rows per tile, BLOCK_SIZE = the pool's block size, BLOCK_D = next power of two
+    >= head_dim (mask the extra lanes). Computes, for each row i of the tile that belongs
+    to its request (rows past the request's last row are masked: they belong to the next
+    request), out[i, head] = softmax(scale * q[i, head] . K^T) V over the request's keys at
+    positions 0 .. pos_i, where pos_i = seq_len - t + (i - first row of the request)
+    (t = its number of rows this step), and with window > 0 only keys > pos_i - window.
+    K and V come from KV head head // (num_heads // num_kv_heads); the key at position p
+    sits in pool block block_table[request, p // BLOCK_SIZE], row p % BLOCK_SIZE.
+    Contract details: read the pool in place, one block per loop iteration, with Chapter 29's
+    online softmax (running max, running sum, rescaled accumulator, in float32); visit only
+    the blocks the tile can see; a row that has seen no visible key yet must not produce NaN;
+    store in out's element type.
+    """
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (num_heads // num_kv_heads)
