@@ -265,3 +265,33 @@ def test_engine_with_triton_backend_matches_solo_generate(serve, tiny_model, ref
     engine, outputs = serve_all(serve, tiny_model, prompts, max_tokens, attention_backend="triton",
                                 max_num_batched_tokens=16)
     expect_solo("triton", outputs, prompts, max_tokens, ref_model)
+
+
+# --- the chapter's command -----------------------------------------------------------------------------
+
+def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
+    """`python run.py bench` shrunk to a few seconds: every contender serves the seed
+    workload (2 requests, 320-token vocabulary) with identical outputs (the command exits 2
+    otherwise), prints its JSON line, the summary has the ratios, the profile's shares add
+    up to the whole step, and --plot writes a picture."""
+    from course import cli
+    picture = tmp_path / "bench.png"
+    status = cli.main(["bench", "--impl", impl.spec.text, "--device", str(device), "--workloads", "seed",
+                       "--scale", "0.15", "--vocab-size", "320", "--repeat", "1", "--profile", "--quiet",
+                       "--plot", str(picture)])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py bench failed:\n{out}{err}"
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    runs = {line["contender"]: line for line in lines if "contender" in line}
+    assert {"core/reference", "core/vectorised", "ch24 slots", "hf default", "hf static"} <= set(runs), out
+    assert all(line["tok_s"] > 0 and line["requests"] == 2 for line in runs.values()), out
+    assert len({line["output_tokens"] for line in runs.values()}) == 1, "contenders counted different tokens"
+    assert all(line.get("identical", True) for line in runs.values()), out
+    assert runs["core/vectorised"]["tpot_p99_ms"] > 0, "streaming contenders report latency percentiles"
+    summary = next(line for line in lines if "outputs_identical" in line)
+    assert summary["outputs_identical"] and summary["vectorised_vs_ch24"] > 0, summary
+    profiles = [line for line in lines if "profile" in line]
+    assert [p["profile"] for p in profiles] == ["core/reference", "core/vectorised"], out
+    for p in profiles:
+        assert abs(sum(p["percent_of_step_time"].values()) - 100) < 1.0, p
+    assert picture.stat().st_size > 1000, "--plot wrote no picture"
