@@ -132,6 +132,7 @@ class TritonBackend(ReferenceBackend):
     def __init__(self, block_m=16):
         if block_m < 1 or block_m & (block_m - 1):
             raise ValueError(f"TritonBackend block_m must be a power of two, got {block_m}")
+        super().__init__()                     # plain pools: the kernels read float K/V
         self.block_m = block_m
         self._tiles_for, self._tiles = None, None
 

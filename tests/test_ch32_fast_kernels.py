@@ -295,3 +295,82 @@ def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
     for p in profiles:
         assert abs(sum(p["percent_of_step_time"].values()) - 100) < 1.0, p
     assert picture.stat().st_size > 1000, "--plot wrote no picture"
+
+
+# --- quantized pools ---------------------------------------------------------------------------------
+
+def test_quantized_write_keeps_codes_and_scales_per_token_and_head(serve):
+    """int8 codes plus one float32 scale per (token, head) at the row's slot; reading back
+    codes * scale gives the row to within scale / 2 per element (Chapter 28's bound)."""
+    backend = serve.backends.get_backend("vectorised", kv_cache_dtype="int8")
+    cache = backend.allocate((4, 2, 2, 8), torch.float32, "cpu")     # 3 blocks + scratch, block_size 2
+    assert [t.dtype for t in cache] == [torch.int8, torch.int8, torch.float32, torch.float32]
+    assert cache[2].shape == (4, 2, 2), "scales: [num_blocks + 1, block_size, kv_heads]"
+    k = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
+    meta = make_meta(serve, [(3, 3, [1, 2])], 2)                    # slots 2, 3, 4
+    backend.write(cache, k, -k, meta)
+    codes, scales = cache[0].view(-1, 2, 8), cache[2].view(-1, 2)
+    back = codes[2:5].float() * scales[2:5, :, None]
+    assert torch.all((back - k).abs() <= scales[2:5, :, None] / 2 + 1e-6), "int8 rows exceed the scale/2 bound"
+    assert torch.equal(scales[2:5], k.abs().amax(-1) / 127), "scale = max|x| / 127 per token and head"
+    assert torch.count_nonzero(codes[:2]) == 0 and torch.count_nonzero(codes[5:]) == 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_pools_read_alike_in_both_backends(serve, fmt):
+    """The same writes, read by ReferenceBackend (its dequantize) and by the vectorised
+    backend: the same dequantized keys, so the same attention to float rounding."""
+    block_size, num_blocks, heads, kv_heads, dim = 8, 12, 4, 2, 16
+    requests = random_requests(random.Random(fmt), [(9, 9), (14, 1), (20, 4)], block_size, num_blocks)
+    meta = make_meta(serve, requests, block_size)
+    gen = torch.Generator().manual_seed(7)
+    rows = meta.query_start_loc_cpu[-1]
+    q, k, v = (torch.randn(rows, n, dim, generator=gen) for n in (heads, kv_heads, kv_heads))
+    full = make_meta(serve, [(n, n, t) for n, _, t in requests], block_size)     # every position written once
+    k_all, v_all = (torch.randn(full.query_start_loc_cpu[-1], kv_heads, dim, generator=gen) for _ in "kv")
+    outputs = {}
+    for name in ("reference", "vectorised"):
+        backend = serve.backends.get_backend(name, kv_cache_dtype=fmt)
+        cache = backend.allocate((num_blocks + 1, block_size, kv_heads, dim), torch.float32, "cpu")
+        backend.write(cache, k_all, v_all, full)
+        backend.write(cache, k, v, meta)
+        outputs[name] = backend.forward(q, cache, meta)
+    assert torch.allclose(outputs["vectorised"], outputs["reference"], atol=1e-5, rtol=1e-5), describe_mismatch(
+        f"{fmt} pool", outputs["vectorised"], outputs["reference"], meta)
+
+
+@pytest.mark.parametrize("fmt, bound", [("int8", 0.02), ("fp8", 0.08)])
+def test_quantized_pool_logit_error_is_bounded(serve, tiny_model, fmt, bound):
+    """Four prompts prefilled through ModelRunner with a float pool and with a quantized
+    one: the largest logit difference, relative to the largest logit. Measured over 20
+    prompt sets: at most 0.0076 (int8) and 0.033 (fp8); the bounds leave a factor 2.5."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(5, 60))] for _ in range(4)]
+    logits, sizes = {}, {}
+    for dtype in ("auto", fmt):
+        runner = serve.runner.ModelRunner(tiny_model, 32, BLOCK,
+                                          backend=serve.backends.get_backend("vectorised", kv_cache_dtype=dtype))
+        requests = [serve.request.Request(f"r{i}", p) for i, p in enumerate(prompts)]
+        tables, used = {}, 0
+        for r in requests:
+            need = -(-len(r.token_ids) // BLOCK)
+            tables[r.request_id], used = list(range(used, used + need)), used + need
+        batch = runner.prepare([(r, len(r.token_ids)) for r in requests], tables)
+        logits[dtype], sizes[dtype] = runner.execute(batch), runner.pool_bytes
+    error = float((logits[fmt] - logits["auto"]).abs().max() / logits["auto"].abs().max())
+    assert error <= bound, f"{fmt} pool: relative logit error {error:.4f} exceeds {bound}"
+    # 1-byte codes plus a 4-byte scale per head_dim (16) numbers, against 4-byte floats.
+    assert sizes[fmt] / sizes["auto"] == pytest.approx((16 + 4) / (16 * 4)), sizes
+
+
+def test_quantized_pool_survives_swapping(serve, tiny_model):
+    """Scales travel with their codes: an int8 engine that preempts and swaps gives the same
+    tokens as the same engine with room for everyone."""
+    prompts, max_tokens = five_requests(seed=2)
+    _, roomy = serve_all(serve, tiny_model, prompts, max_tokens, attention_backend="vectorised",
+                         kv_cache_dtype="int8")
+    engine, tight = serve_all(serve, tiny_model, prompts, max_tokens, attention_backend="vectorised",
+                              kv_cache_dtype="int8", num_blocks=12, preemption_mode="swap")
+    assert engine.preemptions > 0, "the 12-block pool should preempt"
+    for rid in prompts:
+        assert tight[rid] == roomy[rid], f"request {rid}: swapped int8 K/V gave different tokens"

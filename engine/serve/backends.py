@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import causal_attention
+from ..kv_quant import FORMATS, quantize_kv
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -37,6 +38,27 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     pool's very last slot instead, inside the scratch block no request owns.
     """
     raise NotImplementedError("Your engine: Chapter 31: write_kv")
+
+
+def raw_bytes(tensor):
+    """A view that index_copy_ accepts for any element type: one-byte floats (fp8) as uint8."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
+def write_quantized_kv(cache, k, v, slot_mapping, fmt):
+    """Store this step's keys and values in a quantized pool.  (Your engine: Chapter 32)
+
+    cache: (k_codes, v_codes, k_scale, v_scale): codes [num_blocks + 1, block_size, Hkv, D]
+    in FORMATS[fmt]'s storage dtype, scales [num_blocks + 1, block_size, Hkv] float32;
+    k, v: [N, Hkv, D] float. Afterwards each row's codes and its per-head scales (Chapter
+    28's quantize_kv: one scale per token and head) sit at the row's flat slot, so
+    codes * scale[..., None] gives back the row to within scale / 2 per element (int8).
+    Same slot rule as write_kv (slot -1 goes to the scratch slot), and index_copy_ has no
+    fp8 kernel on every device: copy one-byte floats through a uint8 view (raw_bytes).
+    """
+    raise NotImplementedError("Your engine: Chapter 32: write_quantized_kv")
 
 
 def gather_context(cache, table_row, length):
@@ -57,13 +79,29 @@ class ReferenceBackend:
     one request at a time. Slow and plainly right: every faster backend is compared to it."""
     name = "reference"
 
+    def __init__(self, kv_cache_dtype="auto"):
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in FORMATS:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(FORMATS)}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+
+    @property
+    def quantized(self):
+        return self.kv_cache_dtype != "auto"
+
     def allocate(self, shape, dtype, device):
-        """One layer's pool: (k_cache, v_cache), zero-filled."""
-        return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        """One layer's pool: (k_cache, v_cache), zero-filled; a quantized pool (Chapter 32)
+        stores 8-bit codes and adds (k_scale, v_scale) of shape [num_blocks + 1, block_size, Hkv]."""
+        if not self.quantized:
+            return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        codes = FORMATS[self.kv_cache_dtype][0]
+        return (torch.zeros(shape, dtype=codes, device=device), torch.zeros(shape, dtype=codes, device=device),
+                torch.zeros(shape[:-1], device=device), torch.zeros(shape[:-1], device=device))
 
     def write(self, cache, k, v, meta):
-        k_pool, v_pool = cache[:2]
-        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+        if len(cache) == 2:
+            write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+        else:
+            write_quantized_kv(cache, k, v, meta.slot_mapping, self.kv_cache_dtype)
 
     def forward(self, q, cache, meta, scale=None, window=0):
         """Attention of this step's queries against the pool.  (Your engine: Chapter 31)
@@ -135,10 +173,11 @@ class VectorisedBackend(ReferenceBackend):
     row r is request r), and call scaled_dot_product_attention once with a boolean mask
     built from positions. The plan (indices and mask) depends only on the batch, so it is
     made on the first layer and reused by the others.
-    Pools, writes and quantized scales are ReferenceBackend's."""
+    Pools, writes and quantized pools (kv_cache_dtype) are ReferenceBackend's."""
     name = "vectorised"
 
-    def __init__(self):
+    def __init__(self, kv_cache_dtype="auto"):
+        super().__init__(kv_cache_dtype)
         self._plan_key = None
         self._plan = None
 
@@ -159,11 +198,10 @@ class VectorisedBackend(ReferenceBackend):
     def gather_all(self, pool, cache, which, plan, dtype):
         """Every request's context from one pool, dequantized when the pool carries scales:
         [R, Hkv, K, D] in `dtype`."""
-        rows = gather_blocks(pool, plan.block_table)
+        rows = gather_blocks(pool, plan.block_table).to(dtype)
         if len(cache) > 2:                       # quantized: per-token scales follow K and V
-            scales = gather_blocks(cache[2 + which], plan.block_table)
-            rows = rows.to(dtype) * scales.to(dtype).unsqueeze(-1)
-        return rows.to(dtype).transpose(1, 2)
+            rows = rows * gather_blocks(cache[2 + which], plan.block_table).to(dtype).unsqueeze(-1)
+        return rows.transpose(1, 2)
 
 
 def plan_step(meta, device):
