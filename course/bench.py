@@ -352,14 +352,15 @@ def profile_shares(spent):
 def plot(lines, path):
     """Throughput bars per workload (relative to Chapter 24's engine where it ran) and p99
     TPOT bars of the streaming contenders."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure               # not pyplot: leave a notebook's backend alone
+    from matplotlib.patches import Rectangle
     runs = [line for line in lines if "contender" in line]
     names = list(dict.fromkeys(line["workload"] for line in runs))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig = Figure(figsize=(12, 4.2))
+    axes = fig.subplots(1, 2)
     labels = list(dict.fromkeys(line["contender"] for line in runs))
-    colours = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
+    colours = {label: colormaps["tab10"](i % 10) for i, label in enumerate(labels)}
     width = 0.8 / max(1, len(labels))
     for w, name in enumerate(names):
         mine = {line["contender"]: line for line in runs if line["workload"] == name}
@@ -376,11 +377,10 @@ def plot(lines, path):
         ax.set_xticks([w + 0.4 - width / 2 for w in range(len(names))], names)
         ax.set_title(title)
     axes[0].axhline(1.0, color="grey", lw=0.8)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[label]) for label in labels]
+    handles = [Rectangle((0, 0), 1, 1, color=colours[label]) for label in labels]
     fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
