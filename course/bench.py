@@ -12,6 +12,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -29,7 +30,7 @@ QWEN3_0_6B_SHAPE = dict(num_hidden_layers=28, hidden_size=1024, intermediate_siz
                         max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True)
 
 
-def build_model(impl, device, shape, dtype=None):
+def build_model(impl, device: torch.device, shape: dict, dtype: torch.dtype | None = None):
     """The implementation's Qwen3 with the tiny model's deterministic weights in `shape`."""
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return tiny_qwen3(impl.package, device=device, dtype=dtype, **shape)
@@ -46,22 +47,23 @@ class Workload:
     timed_arrivals: bool = False          # Poisson: requests arrive while others run
 
     @property
-    def longest(self):
+    def longest(self) -> int:
         return max(len(it.prompt_ids) + it.max_tokens for it in self.items)
 
 
-def _scaled(bounds, scale, floor=4):
+def _scaled(bounds: tuple, scale: float, floor: int = 4) -> tuple:
     return tuple(max(floor, round(b * scale)) for b in bounds)
 
 
-def random_items(workloads, count, prompt_len, output_len, seed):
+def random_items(workloads, count: int, prompt_len: tuple, output_len: tuple, seed: int) -> list:
     """`count` independent prompts (byte-sized ids) with lengths drawn from inclusive ranges."""
     rng = random.Random(seed)
     return [workloads.WorkItem(f"req-{i}", [rng.randrange(256) for _ in range(rng.randint(*prompt_len))],
                                rng.randint(*output_len)) for i in range(count)]
 
 
-def make_workloads(impl, names, scale=1.0, seed_vocab=QWEN3_VOCAB_SIZE, rate=1.0, shape=None):
+def make_workloads(impl, names: list, scale: float = 1.0, seed_vocab: int = QWEN3_VOCAB_SIZE, rate: float = 1.0,
+                   shape: dict | None = None) -> list:
     """The bench's workloads by name; `shape` (a model shape) replaces each one's own.
 
     seed     Chapter 31's `run.py core` workload (16 requests sharing a 192-token system
@@ -93,7 +95,7 @@ def make_workloads(impl, names, scale=1.0, seed_vocab=QWEN3_VOCAB_SIZE, rate=1.0
 
 # --- contenders --------------------------------------------------------------------------------
 
-def cut(tokens, max_tokens, eos):
+def cut(tokens: list, max_tokens: int, eos: int | None) -> list:
     """A generation as every engine reports it: at most max_tokens, ending at the first EOS."""
     tokens = list(tokens[:max_tokens])
     if eos is not None and eos in tokens:
@@ -109,17 +111,17 @@ class CoreSteps:
         self.core, self.params = core, request_module.SamplingParams
 
     @property
-    def has_unfinished(self):
+    def has_unfinished(self) -> bool:
         return self.core.has_unfinished
 
     @property
-    def steps(self):
+    def steps(self) -> int:
         return self.core.steps
 
-    def add_request(self, request_id, prompt_ids, max_tokens):
+    def add_request(self, request_id: str, prompt_ids: list, max_tokens: int) -> None:
         self.core.add_request(request_id, prompt_ids, self.params(max_tokens=max_tokens))
 
-    def step(self):
+    def step(self) -> list:
         return [(out.request_id, out.new_token_ids, out.finished) for out in self.core.step()]
 
 
@@ -129,8 +131,8 @@ class Contender:
     items) returns (outputs, records): records are Chapter 22's RequestRecords when the
     contender streams tokens (None for one-shot batched generate)."""
     label: str
-    make: object
-    serve: object
+    make: Callable
+    serve: Callable
     streams: bool = True
     best: dict = field(default_factory=dict)          # workload name -> (seconds, outputs, records, steps)
 
@@ -142,25 +144,25 @@ class Recorded:
         self.engine, self.outputs = engine, {}
 
     @property
-    def has_unfinished(self):
+    def has_unfinished(self) -> bool:
         return self.engine.has_unfinished
 
     @property
-    def steps(self):
+    def steps(self) -> int:
         return self.engine.steps
 
-    def add_request(self, request_id, prompt_ids, max_tokens):
+    def add_request(self, request_id: str, prompt_ids: list, max_tokens: int) -> None:
         self.outputs[request_id] = []
         self.engine.add_request(request_id, prompt_ids, max_tokens)
 
-    def step(self):
+    def step(self) -> list:
         triples = self.engine.step()
         for request_id, tokens, _ in triples:
             self.outputs[request_id].extend(tokens)
         return triples
 
 
-def step_contender(label, make, workloads):
+def step_contender(label: str, make: Callable, workloads) -> Contender:
     """A contender with Part V's step API, driven by Chapter 22's replay (arrival times honoured)."""
     def serve(engine, items):
         records = workloads.replay(engine, items)
@@ -168,7 +170,7 @@ def step_contender(label, make, workloads):
     return Contender(label, lambda workload: Recorded(make(workload)), serve)
 
 
-def core_contender(impl, model, backend, block_size=16):
+def core_contender(impl, model, backend: str, block_size: int = 16) -> Contender:
     serve_modules = {name: impl.load(f"serve.{name}") for name in ("engine", "config", "request")}
     workloads = impl.load("workloads")
     eos = getattr(model.cfg, "eos_token_id", None)
@@ -182,7 +184,7 @@ def core_contender(impl, model, backend, block_size=16):
     return step_contender(f"core/{backend}", make, workloads)
 
 
-def slots_contender(impl, model, max_slots=64):
+def slots_contender(impl, model, max_slots: int = 64) -> Contender:
     continuous, workloads = impl.load("continuous"), impl.load("workloads")
     eos = getattr(model.cfg, "eos_token_id", None)
 
@@ -204,7 +206,7 @@ def transformers_model(model):
     return theirs.eval()
 
 
-def hf_contender(model, static, batch=None):
+def hf_contender(model, static: bool, batch: int | None = None) -> Contender:
     """transformers' batched greedy generate: left-padded batches of `batch` requests (all at
     once when None), each running to its longest request's max_tokens."""
     hf = transformers_model(model)
@@ -240,7 +242,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def timed_run(contender, workload, device):
+def timed_run(contender: Contender, workload: Workload, device: torch.device) -> None:
     engine = contender.make(workload)
     _sync(device)
     start = time.perf_counter()
@@ -252,7 +254,8 @@ def timed_run(contender, workload, device):
         contender.best[workload.name] = (seconds, outputs, records, getattr(engine, "steps", None), engine)
 
 
-def report(contender, workload, eos, workloads, reference_outputs=None):
+def report(contender: Contender, workload: Workload, eos: int | None, workloads,
+           reference_outputs: dict | None = None) -> tuple[dict, dict]:
     """The JSON line of one contender on one workload, from its fastest run."""
     seconds, outputs, records, steps, engine = contender.best[workload.name]
     items = {it.request_id: it for it in workload.items}
@@ -272,7 +275,7 @@ def report(contender, workload, eos, workloads, reference_outputs=None):
     return line, outputs
 
 
-def latency_summary(workloads, records):
+def latency_summary(workloads, records: dict) -> dict:
     """TTFT and TPOT percentiles in milliseconds, from Chapter 22's summarize."""
     summary = workloads.summarize(list(records.values()))
     return {f"{metric}_p{q}_ms": _ms(summary[f"{metric}_p{q}"]) for metric in ("ttft", "tpot") for q in (50, 99)}
@@ -285,10 +288,10 @@ def _ms(seconds):
 class Progress:
     """A one-line progress bar on stderr (the JSON lines go to stdout)."""
 
-    def __init__(self, total, enabled=True):
+    def __init__(self, total: int, enabled: bool = True):
         self.total, self.done, self.enabled = total, 0, enabled
 
-    def show(self, label):
+    def show(self, label: str) -> None:
         if self.enabled:
             filled = round(30 * self.done / max(1, self.total))
             sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label[:60]:<60}")
@@ -307,7 +310,7 @@ class Progress:
 PROFILE_PARTS = ("schedule", "build_batch", "attention", "lm_head", "other_forward", "sample", "bookkeeping")
 
 
-def profile_core(core, device):
+def profile_core(core, device: torch.device) -> dict:
     """Wrap the parts of one EngineCore's step with timers; returns a dict of seconds that
     fills as the engine runs. Instance attributes shadow the methods, so nothing else changes."""
     spent = dict.fromkeys(PROFILE_PARTS + ("step",), 0.0)
@@ -336,7 +339,7 @@ def profile_core(core, device):
     return spent
 
 
-def profile_shares(spent):
+def profile_shares(spent: dict) -> dict:
     """Seconds by part -> percent of step time (forward minus attention and LM head is
     'other_forward': projections, MLP, norms, RoPE; what the step does after sampling is
     'bookkeeping')."""
@@ -349,7 +352,7 @@ def profile_shares(spent):
 
 # --- the plot ----------------------------------------------------------------------------------
 
-def plot(lines, path):
+def plot(lines: list, path):
     """Throughput bars per workload (relative to Chapter 24's engine where it ran) and p99
     TPOT bars of the streaming contenders."""
     from matplotlib import colormaps
@@ -384,11 +387,11 @@ def plot(lines, path):
     return path
 
 
-def ratio(a, b):
+def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
-def summarise(workload, lines):
+def summarise(workload: Workload, lines: list) -> dict:
     """The ratios the book quotes, for one workload."""
     tok = {line["contender"]: line["tok_s"] for line in lines}
     hf = {label: value for label, value in tok.items() if label.startswith("hf")}

@@ -18,7 +18,10 @@ On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTER
 chosen by importing Chapter 30's triton_kernels first): slow, but the same code.
 On a GPU, tl.dot needs tiles of at least 16 in every dimension: block_size >= 16.
 """
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +30,9 @@ from .triton_kernels import interpreting     # chooses the interpreter before tr
 
 import triton                      # noqa: E402  (after the interpreter choice, on purpose)
 import triton.language as tl       # noqa: E402
+
+if TYPE_CHECKING:
+    from .serve.batch import BatchMeta
 
 
 # --- storing this step's keys and values ---------------------------------------------------------
@@ -45,7 +51,8 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size, 
     raise NotImplementedError("Your engine: Chapter 32: store_kv_kernel")
 
 
-def store_kv(k_cache, v_cache, k, v, slot_mapping):
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Write this step's keys and values through the slot mapping with one launch.
 
     k_cache, v_cache: [num_blocks + 1, block_size, Hkv, D] (contiguous); k, v: [N, Hkv, D];
@@ -88,7 +95,7 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table
     raise NotImplementedError("Your engine: Chapter 32: paged_attention_kernel")
 
 
-def query_tiles(meta, block_m):
+def query_tiles(meta: BatchMeta, block_m: int) -> tuple[list[int], list[int]]:
     """The tile list of one step: (request, first row) of every BLOCK_M-row piece of every
     request with context, from the batch's host lists (no device read).  (Your engine: Chapter 32)
 
@@ -101,7 +108,9 @@ def query_tiles(meta, block_m):
     raise NotImplementedError("Your engine: Chapter 32: query_tiles")
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale=None, window=0, block_m=16, tiles=None):
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                    scale: float | None = None, window: int = 0, block_m: int = 16,
+                    tiles: tuple | None = None) -> torch.Tensor:
     """One launch of paged_attention_kernel for the whole step: q [N, H, D] -> [N, H, D].
 
     tiles: the step's query_tiles, as two int32 device tensors (computed here when None).
@@ -129,23 +138,24 @@ class TritonBackend(ReferenceBackend):
     built once per step and shared by every layer."""
     name = "triton"
 
-    def __init__(self, block_m=16):
+    def __init__(self, block_m: int = 16):
         if block_m < 1 or block_m & (block_m - 1):
             raise ValueError(f"TritonBackend block_m must be a power of two, got {block_m}")
         super().__init__()                     # plain pools: the kernels read float K/V
         self.block_m = block_m
         self._tiles_for, self._tiles = None, None
 
-    def allocate(self, shape, dtype, device):
+    def allocate(self, shape: tuple, dtype: torch.dtype, device) -> tuple:
         block_size = shape[1]
         if block_size & (block_size - 1):
             raise ValueError(f"the Triton backend needs a power-of-two block_size, got {block_size}")
         return super().allocate(shape, dtype, device)
 
-    def write(self, cache, k, v, meta):
+    def write(self, cache: tuple, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
         store_kv(cache[0], cache[1], k, v, meta.slot_mapping)
 
-    def forward(self, q, cache, meta, scale=None, window=0):
+    def forward(self, q: torch.Tensor, cache: tuple, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor:
         if self._tiles_for is not meta:
             self._tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device)
                                 for x in query_tiles(meta, self.block_m))

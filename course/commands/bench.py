@@ -145,4 +145,5 @@ def _profile(impl, bench, workload, backend, device):
     engine = contender.make(workload)
     spent = bench.profile_core(engine.engine.core, device)
     contender.serve(engine, workload.items)
-    return {"workload": workload.name, "profile": f"core/{backend}", "percent_of_step_time": bench.profile_shares(spent)}
+    return {"workload": workload.name, "profile": f"core/{backend}",
+            "percent_of_step_time": bench.profile_shares(spent)}

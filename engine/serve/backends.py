@@ -19,12 +19,16 @@ read the blocks in place).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import causal_attention
 from ..kv_quant import FORMATS, quantize_kv
+
+if TYPE_CHECKING:
+    from .batch import BatchMeta
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -40,14 +44,15 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     raise NotImplementedError("Your engine: Chapter 31: write_kv")
 
 
-def raw_bytes(tensor):
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A view that index_copy_ accepts for any element type: one-byte floats (fp8) as uint8."""
     if tensor.dtype.is_floating_point and tensor.element_size() == 1:
         return tensor.view(torch.uint8)
     return tensor
 
 
-def write_quantized_kv(cache, k, v, slot_mapping, fmt):
+def write_quantized_kv(cache: tuple, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                       fmt: str) -> None:
     """Store this step's keys and values in a quantized pool.  (Your engine: Chapter 32)
 
     cache: (k_codes, v_codes, k_scale, v_scale): codes [num_blocks + 1, block_size, Hkv, D]
@@ -79,13 +84,13 @@ class ReferenceBackend:
     one request at a time. Slow and plainly right: every faster backend is compared to it."""
     name = "reference"
 
-    def __init__(self, kv_cache_dtype="auto"):
+    def __init__(self, kv_cache_dtype: str = "auto"):
         if kv_cache_dtype != "auto" and kv_cache_dtype not in FORMATS:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(FORMATS)}, got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
 
     @property
-    def quantized(self):
+    def quantized(self) -> bool:
         return self.kv_cache_dtype != "auto"
 
     def allocate(self, shape, dtype, device):
@@ -148,7 +153,9 @@ class StepPlan:
     row_offset [N]      the row's index among its request's rows (int64); None when decode_only
     visible [R, 1, Tq, K]  key j of request r's context may be read by its query i:
                         j <= that query's position (Tq = max_query_len, K = num_blocks *
-                        block_size); padded query slots i >= t_r see key 0 only
+                        block_size); padded slots (i >= t_r) get a mask too, and
+                        nobody reads their output
+    query_positions [R, Tq]  position of request r's query slot i (int64, clamped at 0)
     empty_rows [N, 1, 1] rows of padding requests (seq_len 0), whose output must be zero;
                         None when the step has none
     masks               visible intersected with a sliding window, by window size
@@ -176,26 +183,28 @@ class VectorisedBackend(ReferenceBackend):
     Pools, writes and quantized pools (kv_cache_dtype) are ReferenceBackend's."""
     name = "vectorised"
 
-    def __init__(self, kv_cache_dtype="auto"):
+    def __init__(self, kv_cache_dtype: str = "auto"):
         super().__init__(kv_cache_dtype)
         self._plan_key = None
         self._plan = None
 
-    def plan_for(self, meta, device):
+    def plan_for(self, meta: BatchMeta, device: torch.device) -> StepPlan:
         """The StepPlan of this batch: built on the first layer's call, reused after."""
         if self._plan_key is not meta:
             self._plan = plan_step(meta, device)
             self._plan_key = meta
         return self._plan
 
-    def forward(self, q, cache, meta, scale=None, window=0):
+    def forward(self, q: torch.Tensor, cache: tuple, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor:
         """Attention of this step's queries against the pool, one call for all requests.
         q [N, H, D] -> [N, H, D] in q's dtype; matches ReferenceBackend.forward."""
         plan = self.plan_for(meta, q.device)
         keys, values = (self.gather_all(pool, cache, which, plan, q.dtype) for which, pool in enumerate(cache[:2]))
         return attend_all(q, keys, values, plan, scale, window)
 
-    def gather_all(self, pool, cache, which, plan, dtype):
+    def gather_all(self, pool: torch.Tensor, cache: tuple, which: int, plan: StepPlan,
+                   dtype: torch.dtype) -> torch.Tensor:
         """Every request's context from one pool, dequantized when the pool carries scales:
         [R, Hkv, K, D] in `dtype`."""
         rows = gather_blocks(pool, plan.block_table).to(dtype)
@@ -204,7 +213,7 @@ class VectorisedBackend(ReferenceBackend):
         return rows.transpose(1, 2)
 
 
-def plan_step(meta, device):
+def plan_step(meta: BatchMeta, device: torch.device | str) -> StepPlan:
     """The StepPlan of one batch: where every query row and every key sits.  (Your engine: Chapter 32)
 
     meta: the step's BatchMeta (R requests, N rows); read sizes from the HOST lists
@@ -227,7 +236,7 @@ def plan_step(meta, device):
     raise NotImplementedError("Your engine: Chapter 32: plan_step")
 
 
-def gather_blocks(pool, block_table):
+def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """Every request's blocks from one pool in a single indexing call.  (Your engine: Chapter 32)
 
     pool: [num_blocks + 1, block_size, ...] (K or V rows, or their scales [.., Hkv]);
@@ -238,7 +247,8 @@ def gather_blocks(pool, block_table):
     raise NotImplementedError("Your engine: Chapter 32: gather_blocks")
 
 
-def attend_all(q, keys, values, plan, scale=None, window=0):
+def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: StepPlan,
+               scale: float | None = None, window: int = 0) -> torch.Tensor:
     """One attention call for every request of the step.  (Your engine: Chapter 32)
 
     q [N, H, D] (this step's rows); keys, values [R, Hkv, K, D] from gather_all; plan: the
