@@ -117,7 +117,8 @@ def test_vectorised_backend_matches_reference(serve, name, heads, kv_heads):
 
 def test_plan_is_built_once_per_step(serve, monkeypatch):
     """The layout of query rows and the mask depend on the batch, not on the layer: all
-    layers of one step share one plan, and a new step gets a new one."""
+    layers of one step share one plan, and a new step gets a new one. A step that mixes
+    decodes with chunks is split in two groups, so decodes are not padded to a chunk."""
     backends = serve.backends
     calls = []
     real = backends.plan_step
@@ -130,6 +131,9 @@ def test_plan_is_built_once_per_step(serve, monkeypatch):
         for _layer in range(3):
             backend.forward(q, (k_pool, v_pool), meta)
     assert len(calls) == 2, f"3 layers x 2 steps built {len(calls)} plans; expected one per step"
+    groups = backend.plan_for(meta, torch.device("cpu"))
+    assert [g.decode_only for g in groups] == [True, False], "decodes and chunks belong in separate groups"
+    assert [g.rows.tolist() for g in groups] == [[3, 8], [0, 1, 2, 4, 5, 6, 7, 9, 10, 11, 12, 13]]
 
 
 def test_gather_blocks_reads_every_table_at_once(serve):

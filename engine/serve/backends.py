@@ -143,23 +143,26 @@ class ReferenceBackend:
 
 @dataclass
 class StepPlan:
-    """Index tensors that say where each query row and each key sits, built once per step
-    and shared by every layer (the batch's layout is the same in all of them).
+    """Index tensors that say where each query row and each key of a group of requests
+    sits, built once per step and shared by every layer (the batch's layout is the same in
+    all of them).
 
-    num_blocks          blocks gathered per request: ceil(max_seq_len / block_size)
+    rows [N]            the step's row numbers of the group's rows (int64); None: all rows
+    num_blocks          blocks gathered per request: ceil(largest seq_len / block_size)
     block_table [R, num_blocks]  the block table cut to those columns (int64)
     decode_only         every request has exactly one row, so row r IS request r
     row_request [N]     request index of each query row (int64); None when decode_only
     row_offset [N]      the row's index among its request's rows (int64); None when decode_only
     visible [R, 1, Tq, K]  key j of request r's context may be read by its query i:
-                        j <= that query's position (Tq = max_query_len, K = num_blocks *
+                        j <= that query's position (Tq = the group's longest chunk, K = num_blocks *
                         block_size); padded slots (i >= t_r) get a mask too, and
                         nobody reads their output
     query_positions [R, Tq]  position of request r's query slot i (int64, clamped at 0)
-    empty_rows [N, 1, 1] rows of padding requests (seq_len 0), whose output must be zero;
+    empty_rows [N, 1, 1] the group's rows of padding requests (seq_len 0), whose output must be zero;
                         None when the step has none
     masks               visible intersected with a sliding window, by window size
     """
+    rows: torch.Tensor | None
     num_blocks: int
     block_table: torch.Tensor
     decode_only: bool
@@ -178,8 +181,10 @@ class VectorisedBackend(ReferenceBackend):
     blocks at once through the block table ([R, num_blocks] indices -> [R, K, Hkv, D]),
     lay the N query rows out as [R, max_query_len] (a decode-only step needs no re-layout:
     row r is request r), and call scaled_dot_product_attention once with a boolean mask
-    built from positions. The plan (indices and mask) depends only on the batch, so it is
-    made on the first layer and reused by the others.
+    built from positions. A step that mixes decodes with longer chunks is split in two
+    groups (one call each), so decodes are never padded to a chunk's length. The plans
+    (indices and masks) depend only on the batch, so they are made on the first layer and
+    reused by the others.
     Pools, writes and quantized pools (kv_cache_dtype) are ReferenceBackend's."""
     name = "vectorised"
 
@@ -188,8 +193,8 @@ class VectorisedBackend(ReferenceBackend):
         self._plan_key = None
         self._plan = None
 
-    def plan_for(self, meta: BatchMeta, device: torch.device) -> StepPlan:
-        """The StepPlan of this batch: built on the first layer's call, reused after."""
+    def plan_for(self, meta: BatchMeta, device: torch.device) -> list[StepPlan]:
+        """The StepPlans of this batch: built on the first layer's call, reused after."""
         if self._plan_key is not meta:
             self._plan = plan_step(meta, device)
             self._plan_key = meta
@@ -199,7 +204,17 @@ class VectorisedBackend(ReferenceBackend):
                 window: int = 0) -> torch.Tensor:
         """Attention of this step's queries against the pool, one call for all requests.
         q [N, H, D] -> [N, H, D] in q's dtype; matches ReferenceBackend.forward."""
-        plan = self.plan_for(meta, q.device)
+        plans = self.plan_for(meta, q.device)
+        if len(plans) == 1:
+            return self.attend_group(q, cache, plans[0], scale, window)
+        out = torch.empty_like(q)
+        for plan in plans:                      # decodes, then chunks: two groups, not a loop over requests
+            out.index_copy_(0, plan.rows, self.attend_group(q.index_select(0, plan.rows), cache, plan, scale, window))
+        return out
+
+    def attend_group(self, q: torch.Tensor, cache: tuple, plan: StepPlan, scale: float | None,
+                     window: int) -> torch.Tensor:
+        """One gather per pool and one attention call for one group's rows q [N, H, D]."""
         keys, values = (self.gather_all(pool, cache, which, plan, q.dtype) for which, pool in enumerate(cache[:2]))
         return attend_all(q, keys, values, plan, scale, window)
 
@@ -213,27 +228,44 @@ class VectorisedBackend(ReferenceBackend):
         return rows.transpose(1, 2)
 
 
-def plan_step(meta: BatchMeta, device: torch.device | str) -> StepPlan:
-    """The StepPlan of one batch: where every query row and every key sits.  (Your engine: Chapter 32)
+def plan_step(meta: BatchMeta, device: torch.device | str) -> list[StepPlan]:
+    """The plans of one step: its decodes in one group, its longer chunks in another.
 
-    meta: the step's BatchMeta (R requests, N rows); read sizes from the HOST lists
-    meta.query_start_loc_cpu and meta.seq_lens_cpu, and build each index tensor with ONE
-    torch call (no loop over requests that makes a tensor per request).
-    Returns a StepPlan whose fields hold these invariants (K = num_blocks * block_size):
-      - num_blocks = ceil(max_seq_len / block_size), at least 1; block_table =
-        meta.block_table[:, :num_blocks] as int64;
-      - decode_only = meta.decode_only; then row_request and row_offset are None;
-      - otherwise row_request[i] = r and row_offset[i] = i - query_start_loc[r] for every
-        row i of request r (int64 [N]);
-      - query_positions [R, Tq] int64: request r's query slot i sits at position
-        seq_len_r - t_r + i, clamped to at least 0 (padding requests have seq_len 0);
+    Laying queries out as [R, max_query_len] pads every request to the longest chunk: with
+    one 512-token chunk beside 63 decodes that computes about sixty times the scores needed.
+    Splitting the step costs one more attention call and pads chunks only among themselves.
+    A group covering every request (most steps) gets rows=None: no row selection at all."""
+    starts = meta.query_start_loc_cpu
+    singles = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] == 1]
+    if len(singles) in (0, meta.num_reqs):
+        return [plan_group(meta, None, device)]
+    chunks = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] > 1]
+    return [plan_group(meta, singles, device), plan_group(meta, chunks, device)]
+
+
+def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device | str) -> StepPlan:
+    """The StepPlan of some of a step's requests: where their query rows and keys sit.  (Your engine: Chapter 32)
+
+    meta: the step's BatchMeta; requests: indices of the group's requests in increasing
+    order, or None for all of them. Read sizes from the HOST lists meta.query_start_loc_cpu
+    and meta.seq_lens_cpu and build each index tensor with ONE torch call (no tensor per
+    request). With R = the group's requests, t_r their row counts, N = the sum of t_r, the
+    fields hold (K = num_blocks * block_size):
+      - rows: int64 [N], the step's row numbers of the group's rows, request by request,
+        or None when requests is None;
+      - num_blocks = ceil(largest seq_len of the group / block_size), at least 1;
+        block_table = the group's rows of meta.block_table, first num_blocks columns, int64;
+      - decode_only: every t_r is 1; then row_request and row_offset are None (row r of the
+        group IS request r);
+      - otherwise row_request[i] = r and row_offset[i] = the row's index among request r's
+        rows, for the group's i-th row (int64 [N]);
+      - query_positions [R, Tq] int64 (Tq = largest t_r): request r's slot i sits at
+        position seq_len_r - t_r + i, clamped to at least 0 (padding requests: seq_len 0);
       - visible [R, 1, Tq, K] bool: key j <= query_positions[r, i];
-      - empty_rows: a bool [N, 1, 1] marking the rows of requests with seq_len 0, or None
-        when there are none (most steps: then no extra work is spent on them).
-    Trap: a decode-only step with padding requests (Chapter 33's pad_to) still has one row
-    per request, so its rows need no re-layout either.
+      - empty_rows: bool [N, 1, 1] marking rows of requests with seq_len 0, or None when
+        the group has none (most steps: then no work is spent on them).
     """
-    raise NotImplementedError("Your engine: Chapter 32: plan_step")
+    raise NotImplementedError("Your engine: Chapter 32: plan_group")
 
 
 def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -249,10 +281,10 @@ def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 
 def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: StepPlan,
                scale: float | None = None, window: int = 0) -> torch.Tensor:
-    """One attention call for every request of the step.  (Your engine: Chapter 32)
+    """One attention call for every request of a group.  (Your engine: Chapter 32)
 
-    q [N, H, D] (this step's rows); keys, values [R, Hkv, K, D] from gather_all; plan: the
-    step's StepPlan. Returns [N, H, D] in q's dtype, equal (to float rounding) to
+    q [N, H, D] (the group's rows, in the group's order); keys, values [R, Hkv, K, D] from
+    gather_all; plan: the group's StepPlan. Returns [N, H, D] in q's dtype, equal (to float rounding) to
     ReferenceBackend.forward. Lay the rows out as [R, H, Tq, D] (decode-only: a view, one
     row per request; otherwise scatter row i to (row_request[i], row_offset[i])), call
     torch's scaled_dot_product_attention ONCE with attn_mask = plan.visible (intersected,
