@@ -12,13 +12,23 @@ A backend is any object with
     write(cache, k, v, meta)                   store this step's k, v [N, Hkv, D]
     forward(q, cache, meta, scale=None, window=0) -> [N, H, D]
 Chapter 32 registers faster ones with `register_backend`; they are tested against
-ReferenceBackend, which stays slow on purpose.
+ReferenceBackend, which stays slow on purpose: VectorisedBackend below (every request in
+one attention call per layer), and TritonBackend (paged_kernels.py: Triton kernels that
+read the blocks in place).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
+import torch.nn.functional as F
 
 from ..attention import causal_attention
+from ..kv_quant import FORMATS, quantize_kv
+
+if TYPE_CHECKING:
+    from .batch import BatchMeta
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -36,6 +46,30 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     for pool, rows in ((k_cache, k), (v_cache, v)):
         flat = pool.view(-1, *pool.shape[2:])
         flat.index_copy_(0, target, rows.to(pool.dtype))
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A view that index_copy_ accepts for any element type: one-byte floats (fp8) as uint8."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
+def write_quantized_kv(cache: tuple, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                       fmt: str) -> None:
+    """Store this step's keys and values in a quantized pool.  (Your engine: Chapter 32)
+
+    cache: (k_codes, v_codes, k_scale, v_scale): codes [num_blocks + 1, block_size, Hkv, D]
+    in FORMATS[fmt]'s storage dtype, scales [num_blocks + 1, block_size, Hkv] float32;
+    k, v: [N, Hkv, D] float. Afterwards each row's codes and its per-head scales (Chapter
+    28's quantize_kv: one scale per token and head) sit at the row's flat slot, so
+    codes * scale[..., None] gives back the row to within scale / 2 per element (int8).
+    Same slot rule as write_kv (slot -1 goes to the scratch slot), and index_copy_ has no
+    fp8 kernel on every device: copy one-byte floats through a uint8 view (raw_bytes).
+    """
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_kv(k, fmt), quantize_kv(v, fmt)
+    write_kv(raw_bytes(cache[0]), raw_bytes(cache[1]), raw_bytes(k_codes), raw_bytes(v_codes), slot_mapping)
+    write_kv(cache[2], cache[3], k_scale, v_scale, slot_mapping)
 
 
 def gather_context(cache, table_row, length):
@@ -56,13 +90,29 @@ class ReferenceBackend:
     one request at a time. Slow and plainly right: every faster backend is compared to it."""
     name = "reference"
 
+    def __init__(self, kv_cache_dtype: str = "auto"):
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in FORMATS:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(FORMATS)}, got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
     def allocate(self, shape, dtype, device):
-        """One layer's pool: (k_cache, v_cache), zero-filled."""
-        return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        """One layer's pool: (k_cache, v_cache), zero-filled; a quantized pool (Chapter 32)
+        stores 8-bit codes and adds (k_scale, v_scale) of shape [num_blocks + 1, block_size, Hkv]."""
+        if not self.quantized:
+            return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        codes = FORMATS[self.kv_cache_dtype][0]
+        return (torch.zeros(shape, dtype=codes, device=device), torch.zeros(shape, dtype=codes, device=device),
+                torch.zeros(shape[:-1], device=device), torch.zeros(shape[:-1], device=device))
 
     def write(self, cache, k, v, meta):
-        k_pool, v_pool = cache[:2]
-        write_kv(k_pool, v_pool, k, v, meta.slot_mapping)
+        if len(cache) == 2:
+            write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+        else:
+            write_quantized_kv(cache, k, v, meta.slot_mapping, self.kv_cache_dtype)
 
     def forward(self, q, cache, meta, scale=None, window=0):
         """Attention of this step's queries against the pool.  (Your engine: Chapter 31)
@@ -110,6 +160,209 @@ class ReferenceBackend:
         return values.transpose(0, 1).unsqueeze(0)
 
 
+# --- Chapter 32: the whole batch at once ---------------------------------------------------------
+
+@dataclass
+class StepPlan:
+    """Index tensors that say where each query row and each key of a group of requests
+    sits, built once per step and shared by every layer (the batch's layout is the same in
+    all of them).
+
+    rows [N]            the step's row numbers of the group's rows (int64); None: all rows
+    num_blocks          blocks gathered per request: ceil(largest seq_len / block_size)
+    block_table [R, num_blocks]  the block table cut to those columns (int64)
+    decode_only         every request has exactly one row, so row r IS request r
+    row_request [N]     request index of each query row (int64); None when decode_only
+    row_offset [N]      the row's index among its request's rows (int64); None when decode_only
+    visible [R, 1, Tq, K]  key j of request r's context may be read by its query i:
+                        j <= that query's position (Tq = the group's longest chunk, K = num_blocks *
+                        block_size); padded slots (i >= t_r) get a mask too, and
+                        nobody reads their output
+    query_positions [R, Tq]  position of request r's query slot i (int64, clamped at 0)
+    empty_rows [N, 1, 1] the group's rows of padding requests (seq_len 0), whose output must be zero;
+                        None when the step has none
+    masks               visible intersected with a sliding window, by window size
+    """
+    rows: torch.Tensor | None
+    num_blocks: int
+    block_table: torch.Tensor
+    decode_only: bool
+    row_request: torch.Tensor | None
+    row_offset: torch.Tensor | None
+    visible: torch.Tensor
+    empty_rows: torch.Tensor | None
+    query_positions: torch.Tensor
+    masks: dict = field(default_factory=dict)
+
+
+class VectorisedBackend(ReferenceBackend):
+    """Every request of the step in one gather and one attention call per layer.
+
+    The Python loop of ReferenceBackend becomes three tensor steps: gather every request's
+    blocks at once through the block table ([R, num_blocks] indices -> [R, K, Hkv, D]),
+    lay the N query rows out as [R, max_query_len] (a decode-only step needs no re-layout:
+    row r is request r), and call scaled_dot_product_attention once with a boolean mask
+    built from positions. A step that mixes decodes with longer chunks is split in two
+    groups (one call each), so decodes are never padded to a chunk's length. The plans
+    (indices and masks) depend only on the batch, so they are made on the first layer and
+    reused by the others.
+    Pools, writes and quantized pools (kv_cache_dtype) are ReferenceBackend's."""
+    name = "vectorised"
+
+    def __init__(self, kv_cache_dtype: str = "auto"):
+        super().__init__(kv_cache_dtype)
+        self._plan_key = None
+        self._plan = None
+
+    def plan_for(self, meta: BatchMeta, device: torch.device) -> list[StepPlan]:
+        """The StepPlans of this batch: built on the first layer's call, reused after."""
+        if self._plan_key is not meta:
+            self._plan = plan_step(meta, device)
+            self._plan_key = meta
+        return self._plan
+
+    def forward(self, q: torch.Tensor, cache: tuple, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor:
+        """Attention of this step's queries against the pool, one call for all requests.
+        q [N, H, D] -> [N, H, D] in q's dtype; matches ReferenceBackend.forward."""
+        plans = self.plan_for(meta, q.device)
+        if len(plans) == 1:
+            return self.attend_group(q, cache, plans[0], scale, window)
+        out = torch.empty_like(q)
+        for plan in plans:                      # decodes, then chunks: two groups, not a loop over requests
+            out.index_copy_(0, plan.rows, self.attend_group(q.index_select(0, plan.rows), cache, plan, scale, window))
+        return out
+
+    def attend_group(self, q: torch.Tensor, cache: tuple, plan: StepPlan, scale: float | None,
+                     window: int) -> torch.Tensor:
+        """One gather per pool and one attention call for one group's rows q [N, H, D]."""
+        keys, values = (self.gather_all(pool, cache, which, plan, q.dtype) for which, pool in enumerate(cache[:2]))
+        return attend_all(q, keys, values, plan, scale, window)
+
+    def gather_all(self, pool: torch.Tensor, cache: tuple, which: int, plan: StepPlan,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """Every request's context from one pool, dequantized when the pool carries scales:
+        [R, Hkv, K, D] in `dtype`."""
+        rows = gather_blocks(pool, plan.block_table).to(dtype)
+        if len(cache) > 2:                       # quantized: per-token scales follow K and V
+            rows = rows * gather_blocks(cache[2 + which], plan.block_table).to(dtype).unsqueeze(-1)
+        return rows.transpose(1, 2)
+
+
+def plan_step(meta: BatchMeta, device: torch.device | str) -> list[StepPlan]:
+    """The plans of one step: its decodes in one group, its longer chunks in another.
+
+    Laying queries out as [R, max_query_len] pads every request to the longest chunk: with
+    one 512-token chunk beside 63 decodes that computes about sixty times the scores needed.
+    Splitting the step costs one more attention call and pads chunks only among themselves.
+    A group covering every request (most steps) gets rows=None: no row selection at all."""
+    starts = meta.query_start_loc_cpu
+    singles = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] == 1]
+    if len(singles) in (0, meta.num_reqs):
+        return [plan_group(meta, None, device)]
+    chunks = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] > 1]
+    return [plan_group(meta, singles, device), plan_group(meta, chunks, device)]
+
+
+def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device | str) -> StepPlan:
+    """The StepPlan of some of a step's requests: where their query rows and keys sit.  (Your engine: Chapter 32)
+
+    meta: the step's BatchMeta; requests: indices of the group's requests in increasing
+    order, or None for all of them. Read sizes from the HOST lists meta.query_start_loc_cpu
+    and meta.seq_lens_cpu and build each index tensor with ONE torch call (no tensor per
+    request). With R = the group's requests, t_r their row counts, N = the sum of t_r, the
+    fields hold (K = num_blocks * block_size):
+      - rows: int64 [N], the step's row numbers of the group's rows, request by request,
+        or None when requests is None;
+      - num_blocks = ceil(largest seq_len of the group / block_size), at least 1;
+        block_table = the group's rows of meta.block_table, first num_blocks columns, int64;
+      - decode_only: every t_r is 1; then row_request and row_offset are None (row r of the
+        group IS request r);
+      - otherwise row_request[i] = r and row_offset[i] = the row's index among request r's
+        rows, for the group's i-th row (int64 [N]);
+      - query_positions [R, Tq] int64 (Tq = largest t_r): request r's slot i sits at
+        position seq_len_r - t_r + i, clamped to at least 0 (padding requests: seq_len 0);
+      - visible [R, 1, Tq, K] bool: key j <= query_positions[r, i];
+      - empty_rows: bool [N, 1, 1] marking rows of requests with seq_len 0, or None when
+        the group has none (most steps: then no work is spent on them).
+    """
+    starts, lengths = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    picked = range(len(lengths)) if requests is None else requests
+    counts = [starts[r + 1] - starts[r] for r in picked]
+    lengths = [lengths[r] for r in picked]
+    num_rows = sum(counts)
+    rows = None
+    table = meta.block_table
+    if requests is not None:
+        rows = torch.tensor([i for r in requests for i in range(starts[r], starts[r + 1])], device=device)
+        table = table[torch.tensor(requests, device=table.device)]
+    num_blocks = max(1, -(-max(lengths) // meta.block_size))
+    table = table[:, :num_blocks].to(device=device, dtype=torch.int64)
+    decode_only = max(counts) == 1
+    # The first query slot of request r sits at seq_len - t; the slots after it follow on.
+    first_position = torch.tensor([n - t for n, t in zip(lengths, counts)], device=device)
+    query_positions = (first_position[:, None] + torch.arange(max(counts), device=device)).clamp_(min=0)
+    keys = torch.arange(num_blocks * meta.block_size, device=device)
+    visible = (keys <= query_positions[:, :, None]).unsqueeze(1)
+    row_request = row_offset = None
+    if not decode_only:
+        row_request = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                              torch.tensor(counts, device=device), output_size=num_rows)
+        firsts = torch.tensor([0] + counts[:-1], device=device).cumsum(0)
+        row_offset = torch.arange(num_rows, device=device) - firsts[row_request]
+    empty_rows = None
+    if 0 in lengths:
+        empty = torch.tensor([n == 0 for n in lengths], device=device)
+        empty_rows = (empty if row_request is None else empty[row_request]).view(-1, 1, 1)
+    return StepPlan(rows, num_blocks, table, decode_only, row_request, row_offset, visible, empty_rows,
+                    query_positions)
+
+
+def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Every request's blocks from one pool in a single indexing call.  (Your engine: Chapter 32)
+
+    pool: [num_blocks + 1, block_size, ...] (K or V rows, or their scales [.., Hkv]);
+    block_table: int64 [R, W]. Returns [R, W * block_size, ...]: request r's first
+    W * block_size context rows in logical order (rows past its seq_len are whatever the
+    blocks hold: the mask hides them). A copy, made by one advanced-indexing read.
+    """
+    blocks = pool[block_table]                       # [R, W, block_size, ...]
+    return blocks.flatten(1, 2)
+
+
+def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: StepPlan,
+               scale: float | None = None, window: int = 0) -> torch.Tensor:
+    """One attention call for every request of a group.  (Your engine: Chapter 32)
+
+    q [N, H, D] (the group's rows, in the group's order); keys, values [R, Hkv, K, D] from
+    gather_all; plan: the group's StepPlan. Returns [N, H, D] in q's dtype, equal (to float rounding) to
+    ReferenceBackend.forward. Lay the rows out as [R, H, Tq, D] (decode-only: a view, one
+    row per request; otherwise scatter row i to (row_request[i], row_offset[i])), call
+    torch's scaled_dot_product_attention ONCE with attn_mask = plan.visible (intersected,
+    when window > 0, with key > query position - window; cache that mask in plan.masks so
+    the other layers reuse it) and enable_gqa=True, then read row i back from the same
+    place. Rows of padding requests (plan.empty_rows) come back as zeros.
+    """
+    mask = plan.visible
+    if window > 0:
+        mask = plan.masks.get(window)
+        if mask is None:
+            keys_at = torch.arange(plan.visible.shape[-1], device=q.device)
+            recent = keys_at > plan.query_positions[:, :, None] - window
+            mask = plan.masks[window] = plan.visible & recent.unsqueeze(1)
+    if plan.decode_only:
+        laid_out = q.unsqueeze(2)                                       # [R, H, 1, D]
+    else:
+        laid_out = q.new_zeros(mask.shape[0], mask.shape[2], *q.shape[1:])
+        laid_out[plan.row_request, plan.row_offset] = q                 # [R, Tq, H, D]
+        laid_out = laid_out.transpose(1, 2)
+    out = F.scaled_dot_product_attention(laid_out, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = out.squeeze(2) if plan.decode_only else out.transpose(1, 2)[plan.row_request, plan.row_offset]
+    if plan.empty_rows is not None:
+        out = out.masked_fill(plan.empty_rows, 0.0)
+    return out
+
+
 # --- the registry ----------------------------------------------------------------------------
 
 _BACKENDS = {}
@@ -143,3 +396,14 @@ def get_backend(name, **options):
 
 
 register_backend("reference", ReferenceBackend)
+register_backend("vectorised", VectorisedBackend)
+
+
+def _triton_backend(**options):
+    """Imported on first use: importing triton decides, once, whether kernels are compiled or
+    interpreted, and a process that never asks for this backend should not make that choice."""
+    from ..paged_kernels import TritonBackend
+    return TritonBackend(**options)
+
+
+register_backend("triton", _triton_backend)

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 # (field, value that would need the feature) -> the chapter that builds it.
 NOT_YET_BUILT = {
-    ("kv_cache_dtype", "int8"): 32,
-    ("kv_cache_dtype", "fp8"): 32,
     ("cuda_graphs", "auto"): 33,
     ("cuda_graphs", "on"): 33,
     ("cuda_graphs", "static"): 33,

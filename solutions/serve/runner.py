@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import get_backend
+from .backends import get_backend, raw_bytes
 from .batch import build_batch
 from .flat_model import FlatModel
 
@@ -51,13 +51,6 @@ def profile_num_blocks(flat, backend, block_size, dtype, device, max_tokens, uti
     return max(0, int((total * utilization - (peak - probe_bytes)) // per_block))
 
 
-def _raw(tensor):
-    """A view that index_copy_ and fancy indexing accept for any element type (fp8 too)."""
-    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
-        return tensor.view(torch.uint8)
-    return tensor
-
-
 class ModelRunner:
     """Owns the KV pools and runs one flattened batch per step.
 
@@ -92,7 +85,7 @@ class ModelRunner:
         for layer in self.kv_caches:
             copies = []
             for tensor in layer:
-                host = _raw(tensor).index_select(0, index.to(tensor.device)).cpu()
+                host = raw_bytes(tensor).index_select(0, index.to(tensor.device)).cpu()
                 copies.append(host.pin_memory() if pin else host)
             saved.append(copies)
         self.swapped[request.request_id] = saved
@@ -104,7 +97,7 @@ class ModelRunner:
         index = torch.tensor(blocks[:num_saved], dtype=torch.int64, device=self.device)
         for layer, copies in zip(self.kv_caches, saved):
             for tensor, host in zip(layer, copies):
-                _raw(tensor).index_copy_(0, index.to(tensor.device), host.to(tensor.device, non_blocking=True))
+                raw_bytes(tensor).index_copy_(0, index.to(tensor.device), host.to(tensor.device, non_blocking=True))
 
     def prepare(self, scheduled, block_tables, pad_to=None, previous=None):
         """The step's Batch. `previous` (the in-flight step of asynchronous scheduling,

@@ -1,0 +1,414 @@
+"""What `python run.py bench` (Chapter 32) is made of: model shapes, workloads, contenders,
+the interleaved timing loop, the step-time profile and the plot.
+
+Every contender serves the same WorkItems with the same weights and returns
+{request_id: output token ids}, cut the same way (at the request's max_tokens, and just
+after an end-of-sequence token), so their outputs can be compared token for token.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from course.models import QWEN3_VOCAB_SIZE, tiny_qwen3
+
+# --- model shapes ------------------------------------------------------------------------------
+
+# The tiny test model's layout with the serving workload's size: the issue's measurements.
+SERVING_SHAPE = dict(num_hidden_layers=4, hidden_size=256, intermediate_size=768, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, vocab_size=QWEN3_VOCAB_SIZE,
+                     max_position_embeddings=16384)
+# Qwen3-0.6B's published config (random weights: speed does not depend on their values).
+QWEN3_0_6B_SHAPE = dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, vocab_size=QWEN3_VOCAB_SIZE,
+                        max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=True)
+
+
+def build_model(impl, device: torch.device, shape: dict, dtype: torch.dtype | None = None):
+    """The implementation's Qwen3 with the tiny model's deterministic weights in `shape`."""
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return tiny_qwen3(impl.package, device=device, dtype=dtype, **shape)
+
+
+# --- workloads ---------------------------------------------------------------------------------
+
+@dataclass
+class Workload:
+    """A named list of WorkItems and the model shape it runs on."""
+    name: str
+    items: list
+    shape: dict
+    timed_arrivals: bool = False          # Poisson: requests arrive while others run
+
+    @property
+    def longest(self) -> int:
+        return max(len(it.prompt_ids) + it.max_tokens for it in self.items)
+
+
+def _scaled(bounds: tuple, scale: float, floor: int = 4) -> tuple:
+    return tuple(max(floor, round(b * scale)) for b in bounds)
+
+
+def random_items(workloads, count: int, prompt_len: tuple, output_len: tuple, seed: int) -> list:
+    """`count` independent prompts (byte-sized ids) with lengths drawn from inclusive ranges."""
+    rng = random.Random(seed)
+    return [workloads.WorkItem(f"req-{i}", [rng.randrange(256) for _ in range(rng.randint(*prompt_len))],
+                               rng.randint(*output_len)) for i in range(count)]
+
+
+def make_workloads(impl, names: list, scale: float = 1.0, seed_vocab: int = QWEN3_VOCAB_SIZE, rate: float = 1.0,
+                   shape: dict | None = None) -> list:
+    """The bench's workloads by name; `shape` (a model shape) replaces each one's own.
+
+    seed     Chapter 31's `run.py core` workload (16 requests sharing a 192-token system
+             prompt) on the tiny 2-layer model with vocabulary seed_vocab
+    serving  64 independent requests, prompts 64-512 tokens, outputs 32-256, SERVING_SHAPE
+    long     4 requests with 2k-8k-token prompts, outputs 16-64
+    poisson  the serving requests arriving as a Poisson process of `rate` requests/s
+    `scale` multiplies the number of requests and (except the seed's) the lengths; the
+    arrival rate is divided by it, so a shrunk workload keeps about the same load."""
+    workloads = impl.load("workloads")
+    count = lambda n: max(2, round(n * scale))        # noqa: E731
+    made = []
+    for name in names:
+        if name == "seed":
+            items = workloads.shared_prefix_workload(num_requests=count(16), seed=0)
+            made.append(Workload(name, items, shape or {"vocab_size": seed_vocab}))
+        elif name in ("serving", "poisson"):
+            items = random_items(workloads, count(64), _scaled((64, 512), scale), _scaled((32, 256), scale), 1)
+            if name == "poisson":
+                items = workloads.with_arrivals(items, workloads.poisson_arrivals(rate / scale, len(items), seed=2))
+            made.append(Workload(name, items, shape or SERVING_SHAPE, timed_arrivals=name == "poisson"))
+        elif name == "long":
+            items = random_items(workloads, count(4), _scaled((2048, 8192), scale), _scaled((16, 64), scale), 3)
+            made.append(Workload(name, items, shape or SERVING_SHAPE))
+        else:
+            raise ValueError(f"unknown workload {name!r}: choose from seed, serving, long, poisson")
+    return made
+
+
+# --- contenders --------------------------------------------------------------------------------
+
+def cut(tokens: list, max_tokens: int, eos: int | None) -> list:
+    """A generation as every engine reports it: at most max_tokens, ending at the first EOS."""
+    tokens = list(tokens[:max_tokens])
+    if eos is not None and eos in tokens:
+        tokens = tokens[:tokens.index(eos) + 1]
+    return tokens
+
+
+class CoreSteps:
+    """EngineCore behind Part V's step API (add_request(id, prompt, max_tokens); step() ->
+    (id, new tokens, finished) triples), so Chapter 22's replay drives it like Chapter 24's."""
+
+    def __init__(self, core, request_module):
+        self.core, self.params = core, request_module.SamplingParams
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished
+
+    @property
+    def steps(self) -> int:
+        return self.core.steps
+
+    def add_request(self, request_id: str, prompt_ids: list, max_tokens: int) -> None:
+        self.core.add_request(request_id, prompt_ids, self.params(max_tokens=max_tokens))
+
+    def step(self) -> list:
+        return [(out.request_id, out.new_token_ids, out.finished) for out in self.core.step()]
+
+
+@dataclass
+class Contender:
+    """One way of serving a workload. make(workload) builds it (not timed); serve(engine,
+    items) returns (outputs, records): records are Chapter 22's RequestRecords when the
+    contender streams tokens (None for one-shot batched generate)."""
+    label: str
+    make: Callable
+    serve: Callable
+    streams: bool = True
+    best: dict = field(default_factory=dict)          # workload name -> (seconds, outputs, records, steps)
+
+
+class Recorded:
+    """A step-API engine that also keeps every request's tokens (replay keeps only times)."""
+
+    def __init__(self, engine):
+        self.engine, self.outputs = engine, {}
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished
+
+    @property
+    def steps(self) -> int:
+        return self.engine.steps
+
+    def add_request(self, request_id: str, prompt_ids: list, max_tokens: int) -> None:
+        self.outputs[request_id] = []
+        self.engine.add_request(request_id, prompt_ids, max_tokens)
+
+    def step(self) -> list:
+        triples = self.engine.step()
+        for request_id, tokens, _ in triples:
+            self.outputs[request_id].extend(tokens)
+        return triples
+
+
+def step_contender(label: str, make: Callable, workloads) -> Contender:
+    """A contender with Part V's step API, driven by Chapter 22's replay (arrival times honoured)."""
+    def serve(engine, items):
+        records = workloads.replay(engine, items)
+        return engine.outputs, records
+    return Contender(label, lambda workload: Recorded(make(workload)), serve)
+
+
+def core_contender(impl, model, backend: str, block_size: int = 16) -> Contender:
+    serve_modules = {name: impl.load(f"serve.{name}") for name in ("engine", "config", "request")}
+    workloads = impl.load("workloads")
+    eos = getattr(model.cfg, "eos_token_id", None)
+
+    def make(workload):
+        blocks = sum(-(-(len(it.prompt_ids) + it.max_tokens) // block_size) for it in workload.items) + 8
+        config = serve_modules["config"].EngineConfig(num_blocks=blocks, block_size=block_size,
+                                                      attention_backend=backend)
+        return CoreSteps(serve_modules["engine"].EngineCore(model, config, eos_token_id=eos), serve_modules["request"])
+
+    return step_contender(f"core/{backend}", make, workloads)
+
+
+def slots_contender(impl, model, max_slots: int = 64) -> Contender:
+    continuous, workloads = impl.load("continuous"), impl.load("workloads")
+    eos = getattr(model.cfg, "eos_token_id", None)
+
+    def make(workload):
+        return continuous.ContinuousBatchingEngine(model, num_slots=min(max_slots, len(workload.items)),
+                                                   slot_len=workload.longest, eos_token_id=eos)
+
+    return step_contender("ch24 slots", make, workloads)
+
+
+def transformers_model(model):
+    """transformers' Qwen3ForCausalLM with our model's config and weights (state dicts share names)."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    config = transformers.Qwen3Config(**dataclasses.asdict(model.cfg))
+    theirs = transformers.Qwen3ForCausalLM(config).to(device=next(model.parameters()).device,
+                                                      dtype=next(model.parameters()).dtype)
+    theirs.load_state_dict(model.state_dict(), strict=False)     # tied heads: lm_head may be absent
+    return theirs.eval()
+
+
+def hf_contender(model, static: bool, batch: int | None = None) -> Contender:
+    """transformers' batched greedy generate: left-padded batches of `batch` requests (all at
+    once when None), each running to its longest request's max_tokens."""
+    hf = transformers_model(model)
+    eos = getattr(model.cfg, "eos_token_id", None)
+    pad = 0
+
+    @torch.inference_mode()
+    def serve(engine, items):
+        outputs = {}
+        size = batch or len(items)
+        for first in range(0, len(items), size):
+            group = items[first:first + size]
+            width = max(len(it.prompt_ids) for it in group)
+            ids = torch.tensor([[pad] * (width - len(it.prompt_ids)) + it.prompt_ids for it in group])
+            mask = torch.tensor([[0] * (width - len(it.prompt_ids)) + [1] * len(it.prompt_ids) for it in group])
+            device = next(hf.parameters()).device
+            kwargs = {"cache_implementation": "static"} if static else {}
+            out = hf.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                              max_new_tokens=max(it.max_tokens for it in group), eos_token_id=eos,
+                              pad_token_id=pad, **kwargs)
+            for row, it in enumerate(group):
+                outputs[it.request_id] = out[row, width:].tolist()
+        return outputs, None
+
+    label = "hf " + ("static" if static else "default") + (f", batches of {batch}" if batch else "")
+    return Contender(label, lambda workload: None, serve, streams=False)
+
+
+# --- running -----------------------------------------------------------------------------------
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_run(contender: Contender, workload: Workload, device: torch.device) -> None:
+    engine = contender.make(workload)
+    _sync(device)
+    start = time.perf_counter()
+    outputs, records = contender.serve(engine, workload.items)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    best = contender.best.get(workload.name)
+    if best is None or seconds < best[0]:
+        contender.best[workload.name] = (seconds, outputs, records, getattr(engine, "steps", None), engine)
+
+
+def report(contender: Contender, workload: Workload, eos: int | None, workloads,
+           reference_outputs: dict | None = None) -> tuple[dict, dict]:
+    """The JSON line of one contender on one workload, from its fastest run."""
+    seconds, outputs, records, steps, engine = contender.best[workload.name]
+    items = {it.request_id: it for it in workload.items}
+    outputs = {rid: cut(tokens, items[rid].max_tokens, eos) for rid, tokens in outputs.items()}
+    tokens = sum(len(v) for v in outputs.values())
+    line = {"workload": workload.name, "contender": contender.label, "requests": len(items),
+            "output_tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+    if steps is not None:
+        line["steps"] = steps
+    if records is not None:
+        line.update(latency_summary(workloads, records))
+    if reference_outputs is not None:
+        differ = [rid for rid in items if outputs[rid] != reference_outputs[rid]]
+        line["identical"] = not differ
+        if differ:
+            line["differing_requests"] = differ[:8]
+    return line, outputs
+
+
+def latency_summary(workloads, records: dict) -> dict:
+    """TTFT and TPOT percentiles in milliseconds, from Chapter 22's summarize."""
+    summary = workloads.summarize(list(records.values()))
+    return {f"{metric}_p{q}_ms": _ms(summary[f"{metric}_p{q}"]) for metric in ("ttft", "tpot") for q in (50, 99)}
+
+
+def _ms(seconds):
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+class Progress:
+    """A one-line progress bar on stderr (the JSON lines go to stdout)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.enabled = total, 0, enabled
+
+    def show(self, label: str) -> None:
+        if self.enabled:
+            filled = round(30 * self.done / max(1, self.total))
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label[:60]:<60}")
+            sys.stderr.flush()
+
+    def tick(self):
+        self.done += 1
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+# --- where a core step's time goes ------------------------------------------------------------
+
+PROFILE_PARTS = ("schedule", "build_batch", "attention", "lm_head", "other_forward", "sample", "bookkeeping")
+
+
+def profile_core(core, device: torch.device) -> dict:
+    """Wrap the parts of one EngineCore's step with timers; returns a dict of seconds that
+    fills as the engine runs. Instance attributes shadow the methods, so nothing else changes."""
+    spent = dict.fromkeys(PROFILE_PARTS + ("step",), 0.0)
+
+    def timed(part, fn):
+        def wrapper(*args, **kwargs):
+            _sync(device)
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            _sync(device)
+            spent[part] += time.perf_counter() - start
+            return result
+        return wrapper
+
+    runner = core.runner
+    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
+    runner.prepare = timed("build_batch", runner.prepare)
+    runner.execute = timed("forward", runner.execute)
+    runner.backend.forward = timed("attention", runner.backend.forward)
+    runner.backend.write = timed("attention", runner.backend.write)
+    runner.flat.compute_logits = timed("lm_head", runner.flat.compute_logits)
+    spent["forward"] = 0.0
+    sampler = core.sampler
+    core.sampler = timed("sample", sampler)
+    core.step = timed("step", core.step)
+    return spent
+
+
+def profile_shares(spent: dict) -> dict:
+    """Seconds by part -> percent of step time (forward minus attention and LM head is
+    'other_forward': projections, MLP, norms, RoPE; what the step does after sampling is
+    'bookkeeping')."""
+    total = spent["step"] or 1.0
+    other = spent["forward"] - spent["attention"] - spent["lm_head"]
+    parts = dict(spent, other_forward=other,
+                 bookkeeping=total - spent["forward"] - spent["schedule"] - spent["build_batch"] - spent["sample"])
+    return {part: round(100 * parts[part] / total, 1) for part in PROFILE_PARTS}
+
+
+# --- the plot ----------------------------------------------------------------------------------
+
+def plot(lines: list, path):
+    """Throughput bars per workload (relative to Chapter 24's engine where it ran) and p99
+    TPOT bars of the streaming contenders."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure               # not pyplot: leave a notebook's backend alone
+    from matplotlib.patches import Rectangle
+    runs = [line for line in lines if "contender" in line]
+    names = list(dict.fromkeys(line["workload"] for line in runs))
+    fig = Figure(figsize=(12, 4.2))
+    axes = fig.subplots(1, 2)
+    labels = list(dict.fromkeys(line["contender"] for line in runs))
+    colours = {label: colormaps["tab10"](i % 10) for i, label in enumerate(labels)}
+    width = 0.8 / max(1, len(labels))
+    for w, name in enumerate(names):
+        mine = {line["contender"]: line for line in runs if line["workload"] == name}
+        base = mine.get("ch24 slots", next(iter(mine.values())))["tok_s"]
+        for i, label in enumerate(labels):
+            if label in mine:
+                axes[0].bar(w + i * width, mine[label]["tok_s"] / base, width, color=colours[label],
+                            label=label if w == 0 else None)
+                tpot = mine[label].get("tpot_p99_ms")
+                if tpot is not None:
+                    axes[1].bar(w + i * width, tpot, width, color=colours[label])
+    for ax, title in ((axes[0], "throughput, relative to Chapter 24's engine"),
+                      (axes[1], "p99 time per output token (ms), streaming engines")):
+        ax.set_xticks([w + 0.4 - width / 2 for w in range(len(names))], names)
+        ax.set_title(title)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    handles = [Rectangle((0, 0), 1, 1, color=colours[label]) for label in labels]
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
+def summarise(workload: Workload, lines: list) -> dict:
+    """The ratios the book quotes, for one workload."""
+    tok = {line["contender"]: line["tok_s"] for line in lines}
+    hf = {label: value for label, value in tok.items() if label.startswith("hf")}
+    hf_static = max((v for k, v in hf.items() if "static" in k), default=None)
+    out = {"workload": workload.name, "outputs_identical": all(line.get("identical", True) for line in lines)}
+    for label in (k for k in tok if k.startswith("core/")):
+        backend = label.split("/", 1)[1]
+        out[f"{backend}_vs_ch24"] = ratio(tok[label], tok.get("ch24 slots"))
+        if hf:
+            out[f"{backend}_vs_hf_best"] = ratio(tok[label], max(hf.values()))
+        if hf_static:
+            out[f"{backend}_vs_hf_static"] = ratio(tok[label], hf_static)
+        if "hf default" in tok:
+            out[f"{backend}_vs_hf_default"] = ratio(tok[label], tok["hf default"])
+    tpot = {line["contender"]: line.get("tpot_p99_ms") for line in lines if line.get("tpot_p99_ms")}
+    for label in (k for k in tpot if k.startswith("core/")):
+        if "ch24 slots" in tpot:
+            out[f"{label.split('/', 1)[1]}_tpot_p99_vs_ch24"] = ratio(tpot[label], tpot["ch24 slots"])
+    return {k: v for k, v in out.items() if v is not None}
+

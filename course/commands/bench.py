@@ -1,0 +1,149 @@
+"""Chapter 32: the engine core beside Chapter 24's engine and transformers' batched generate.
+
+Contenders, all on the same weights and the same torch thread count, served in turn and
+interleaved round by round (a busy moment on a shared machine slows every contender alike):
+  core/<backend>   Chapter 31's EngineCore with each attention backend of --backends
+  ch24 slots       Chapter 24's ContinuousBatchingEngine (one slot per request, up to 64)
+  hf default       transformers' Qwen3ForCausalLM.generate on the whole batch, left-padded
+  hf static        the same with cache_implementation="static" (preallocated KV), the
+                   whole batch and, when there are more than 16 requests, batches of 16
+transformers' generate runs every request of a batch to the batch's longest max_tokens and
+cannot take requests that arrive later, so it is left out of the Poisson workload; its
+extra tokens are cut off before comparing and are not counted as throughput.
+
+Workloads (--workloads, comma-separated): seed (`run.py core`'s 16 requests on the tiny
+2-layer model, vocabulary --vocab-size), serving (64 requests, prompts 64-512 tokens,
+outputs 32-256, 4 layers, hidden 256, vocabulary 151,936), long (4 prompts of 2k-8k
+tokens), poisson (the serving requests arriving at --rate per second). --scale shrinks the
+request counts and lengths; --config qwen3-0.6b runs every workload on a model of
+Qwen3-0.6B's shape with random weights.
+
+Prints one JSON line per contender and workload (tok_s from its fastest round; streaming
+engines also TTFT/TPOT percentiles, with Chapter 22's replay), then one summary line per
+workload with the ratios, and with --profile the share of a core step spent in each part.
+Outputs are compared request by request with the first contender's: a difference is
+reported in its line and makes the command exit with status 2. --plot FILE draws the
+throughput and latency bars.
+"""
+import json
+
+from course.cli import CommandError, add_device_argument, add_impl_argument, resolve_device
+from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
+
+WORKLOADS = ("seed", "serving", "long", "poisson")
+
+
+def add_arguments(parser):
+    add_impl_argument(parser)
+    add_device_argument(parser)
+    parser.add_argument("--workloads", default="seed,serving",
+                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: seed,serving)")
+    parser.add_argument("--backends", default=None,
+                        help="attention backends of the core, comma-separated (default: reference,vectorised; "
+                             "plus triton on CUDA)")
+    parser.add_argument("--vocab-size", type=int, default=QWEN3_VOCAB_SIZE,
+                        help=f"vocabulary of the seed workload's tiny model (default {QWEN3_VOCAB_SIZE:,}; "
+                             f"{TINY_VOCAB_SIZE} shows the overhead-bound regime)")
+    parser.add_argument("--config", choices=("default", "qwen3-0.6b"), default="default",
+                        help="model shape: each workload's own (default), or Qwen3-0.6B's with random weights")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply request counts and lengths (default 1.0; the seed workload keeps its lengths)")
+    parser.add_argument("--rate", type=float, default=1.0,
+                        help="Poisson arrivals per second at scale 1 (divided by --scale; default 1.0)")
+    parser.add_argument("--no-hf", action="store_true", help="leave transformers' generate out")
+    parser.add_argument("--repeat", type=int, default=2, help="timed rounds; each contender's best counts (default 2)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for every contender (default: 1 on CPU, torch's choice on CUDA)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one run of the core with each backend: share of step time per part")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="draw throughput and latency bars into FILE")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args):
+    from course import bench
+    from course.commands._setup import set_threads
+    from course.impl import load
+    impl = load(args.impl)
+    device = resolve_device(args.device)
+    set_threads(device, args.threads)
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if not names or unknown:
+        raise CommandError(f"--workloads takes names from {', '.join(WORKLOADS)}; got {args.workloads!r}")
+    if args.repeat < 1 or args.scale <= 0 or args.rate <= 0:
+        raise CommandError("--repeat must be at least 1, --scale and --rate positive")
+    if args.vocab_size < TINY_VOCAB_SIZE:
+        raise CommandError(f"--vocab-size must be at least {TINY_VOCAB_SIZE} (bytes and special ids)")
+    backends = (args.backends.split(",") if args.backends else
+                ["reference", "vectorised"] + (["triton"] if device.type == "cuda" else []))
+    shape = bench.QWEN3_0_6B_SHAPE if args.config == "qwen3-0.6b" else None
+    try:
+        workloads = bench.make_workloads(impl, names, args.scale, args.vocab_size, args.rate, shape)
+        plans = [(w, _contenders(impl, bench, w, device, backends, args)) for w in workloads]
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    progress = bench.Progress(sum(len(c) for _, c in plans) * (args.repeat + 1), enabled=not args.quiet)
+    try:
+        for workload, contenders in plans:          # warm-up: first calls pay one-off costs
+            warm = bench.Workload(workload.name, workload.items[:2], workload.shape)
+            for contender in contenders:
+                progress.show(f"warm-up {workload.name}: {contender.label}")
+                contender.serve(contender.make(warm), warm.items)
+                progress.tick()
+        for _ in range(args.repeat):
+            for workload, contenders in plans:
+                for contender in contenders:
+                    progress.show(f"{workload.name}: {contender.label}")
+                    bench.timed_run(contender, workload, device)
+                    progress.tick()
+    except NotImplementedError as exc:
+        raise CommandError(f"{impl.name} is not complete yet: {exc}") from None
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    finally:
+        progress.close()
+
+    lines, problems = [], []
+    for workload, contenders in plans:
+        eos = workload.model.cfg.eos_token_id
+        first = None
+        mine = []
+        for contender in contenders:
+            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first)
+            first = first or outputs
+            mine.append(line)
+            if not line.get("identical", True):
+                problems.append(f"{workload.name}: {contender.label} differs from {contenders[0].label} in "
+                                f"{', '.join(line['differing_requests'])}")
+        for line in mine + [bench.summarise(workload, mine)]:
+            print(json.dumps(line), flush=True)
+        lines += mine
+        if args.profile:
+            for backend in backends:
+                print(json.dumps(_profile(impl, bench, workload, backend, device)), flush=True)
+    if args.plot:
+        bench.plot(lines, args.plot)
+    if problems:
+        raise CommandError("outputs differ between contenders: " + "; ".join(problems[:5]))
+    return 0
+
+
+def _contenders(impl, bench, workload, device, backends, args):
+    """Every contender of one workload, on one model built for it (same weights for all)."""
+    workload.model = model = bench.build_model(impl, device, workload.shape)
+    contenders = [bench.core_contender(impl, model, b) for b in backends] + [bench.slots_contender(impl, model)]
+    if not args.no_hf and not workload.timed_arrivals:
+        contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True)]
+        if len(workload.items) > 16:
+            contenders.append(bench.hf_contender(model, static=True, batch=16))
+    return contenders
+
+
+def _profile(impl, bench, workload, backend, device):
+    contender = bench.core_contender(impl, workload.model, backend)
+    engine = contender.make(workload)
+    spent = bench.profile_core(engine.engine.core, device)
+    contender.serve(engine, workload.items)
+    return {"workload": workload.name, "profile": f"core/{backend}",
+            "percent_of_step_time": bench.profile_shares(spent)}

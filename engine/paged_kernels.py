@@ -1,0 +1,164 @@
+"""Chapter 32: Triton kernels over the engine's block pool, and the backend that uses them.
+
+Two kernels replace the PyTorch work of Chapter 31's backends:
+
+    store_kv_kernel         one program per new row: copy its K and V into the pool at the
+                            row's flat slot (slot -1, a padding row, is skipped on the device)
+    paged_attention_kernel  one launch for the whole step, prefill chunks and decodes alike:
+                            program (tile, head) takes BLOCK_M query rows of ONE request and
+                            one query head, walks that request's blocks through the block
+                            table (one pool block per iteration) and keeps Chapter 29's
+                            online softmax, so no request's context is ever copied out
+
+The pool layout is Chapter 31's: [num_blocks + 1, block_size, kv_heads, head_dim], so the
+key at logical position p of a request lives at block block_table[r, p // block_size],
+row p % block_size. Query head h reads K/V head h // (heads // kv_heads) (GQA).
+
+On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1,
+chosen by importing Chapter 30's triton_kernels first): slow, but the same code.
+On a GPU, tl.dot needs tiles of at least 16 in every dimension: block_size >= 16.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .serve.backends import ReferenceBackend
+from .triton_kernels import interpreting     # chooses the interpreter before triton loads
+
+import triton                      # noqa: E402  (after the interpreter choice, on purpose)
+import triton.language as tl       # noqa: E402
+
+if TYPE_CHECKING:
+    from .serve.batch import BatchMeta
+
+
+# --- storing this step's keys and values ---------------------------------------------------------
+
+@triton.jit
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size, BLOCK: tl.constexpr):
+    """Program i stores row i of k and v in the pools.  (Your engine: Chapter 32)
+
+    k_ptr, v_ptr: [N, Hkv * D] rows, contiguous; k_cache_ptr, v_cache_ptr: pools whose flat
+    slot s starts at element s * row_size (the pool is slot-major, so a row's Hkv * D
+    numbers are one contiguous run in both places); slot_ptr: int64 [N]; BLOCK: a power of
+    two >= row_size. Afterwards the pool's slot slot[i] holds row i cast to the pool's
+    element type (pointer.dtype.element_ty). A negative slot is a padding row: store
+    nothing at all (the device decides; the host never counts real rows).
+    """
+    raise NotImplementedError("Your engine: Chapter 32: store_kv_kernel")
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write this step's keys and values through the slot mapping with one launch.
+
+    k_cache, v_cache: [num_blocks + 1, block_size, Hkv, D] (contiguous); k, v: [N, Hkv, D];
+    slot_mapping: int64 [N]. Row i goes to flat slot slot_mapping[i] of
+    k_cache.view(-1, Hkv, D); rows with slot -1 change nothing."""
+    rows = k.shape[0]
+    if rows == 0:
+        return
+    row_size = k.shape[1] * k.shape[2]
+    store_kv_kernel[(rows,)](k.contiguous(), v.contiguous(), k_cache, v_cache, slot_mapping, row_size,
+                             BLOCK=triton.next_power_of_2(row_size))
+
+
+# --- attention over the pool ---------------------------------------------------------------------
+
+@triton.jit
+def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, table_width,
+                           seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_row_ptr,
+                           scale, num_heads, num_kv_heads, head_dim, window,
+                           BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (tile, head): attention of one tile of query rows for one query head.  (Your engine: Chapter 32)
+
+    q_ptr, out_ptr: [N, H, D] contiguous (out zero-filled); k_cache_ptr, v_cache_ptr:
+    [num_blocks + 1, BLOCK_SIZE, Hkv, D] contiguous; block_table_ptr: int32 [R, table_width];
+    seq_lens_ptr: int32 [R]; query_start_ptr: int32 [R + 1]; tile_request_ptr,
+    tile_row_ptr: int32 [num_tiles] (query_tiles: the tile's request and first row).
+    BLOCK_M rows per tile, BLOCK_SIZE = the pool's block size, BLOCK_D = next power of two
+    >= head_dim (mask the extra lanes). Computes, for each row i of the tile that belongs
+    to its request (rows past the request's last row are masked: they belong to the next
+    request), out[i, head] = softmax(scale * q[i, head] . K^T) V over the request's keys at
+    positions 0 .. pos_i, where pos_i = seq_len - t + (i - first row of the request)
+    (t = its number of rows this step), and with window > 0 only keys > pos_i - window.
+    K and V come from KV head head // (num_heads // num_kv_heads); the key at position p
+    sits in pool block block_table[request, p // BLOCK_SIZE], row p % BLOCK_SIZE.
+    Contract details: read the pool in place, one block per loop iteration, with Chapter 29's
+    online softmax (running max, running sum, rescaled accumulator, in float32); visit only
+    the blocks the tile can see; a row that has seen no visible key yet must not produce NaN;
+    store in out's element type.
+    """
+    raise NotImplementedError("Your engine: Chapter 32: paged_attention_kernel")
+
+
+def query_tiles(meta: BatchMeta, block_m: int) -> tuple[list[int], list[int]]:
+    """The tile list of one step: (request, first row) of every BLOCK_M-row piece of every
+    request with context, from the batch's host lists (no device read).  (Your engine: Chapter 32)
+
+    meta: BatchMeta; block_m: rows per tile. Returns two Python lists of equal length,
+    tile_request and tile_row: request r with rows s .. e - 1 contributes tiles starting at
+    s, s + block_m, ... (< e), in request order. Padding requests (seq_len 0) and requests
+    with no rows contribute none. A decode gives one tile, a 40-row chunk with block_m 16
+    three.
+    """
+    raise NotImplementedError("Your engine: Chapter 32: query_tiles")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
+                    scale: float | None = None, window: int = 0, block_m: int = 16,
+                    tiles: tuple | None = None) -> torch.Tensor:
+    """One launch of paged_attention_kernel for the whole step: q [N, H, D] -> [N, H, D].
+
+    tiles: the step's query_tiles, as two int32 device tensors (computed here when None).
+    Rows of padding requests come back as zeros."""
+    num_rows, heads, dim = q.shape
+    out = torch.zeros_like(q)
+    if tiles is None:
+        tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device) for x in query_tiles(meta, block_m))
+    if tiles[0].numel() == 0:
+        return out
+    block_size = k_cache.shape[1]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    table = meta.block_table.to(torch.int32).contiguous()
+    grid = (tiles[0].numel(), heads)
+    paged_attention_kernel[grid](q.contiguous(), k_cache, v_cache, out, table, table.shape[1], meta.seq_lens,
+                                 meta.query_start_loc, tiles[0], tiles[1], scale, heads, k_cache.shape[2], dim,
+                                 window, BLOCK_M=block_m, BLOCK_SIZE=block_size,
+                                 BLOCK_D=triton.next_power_of_2(dim))
+    return out
+
+
+class TritonBackend(ReferenceBackend):
+    """Chapter 31's backend interface on the two kernels: one launch to store K/V, one to
+    attend, per layer. Pools are ReferenceBackend's plain (k, v) pairs; the tile list is
+    built once per step and shared by every layer."""
+    name = "triton"
+
+    def __init__(self, block_m: int = 16):
+        if block_m < 1 or block_m & (block_m - 1):
+            raise ValueError(f"TritonBackend block_m must be a power of two, got {block_m}")
+        super().__init__()                     # plain pools: the kernels read float K/V
+        self.block_m = block_m
+        self._tiles_for, self._tiles = None, None
+
+    def allocate(self, shape: tuple, dtype: torch.dtype, device) -> tuple:
+        block_size = shape[1]
+        if block_size & (block_size - 1):
+            raise ValueError(f"the Triton backend needs a power-of-two block_size, got {block_size}")
+        return super().allocate(shape, dtype, device)
+
+    def write(self, cache: tuple, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
+        store_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+
+    def forward(self, q: torch.Tensor, cache: tuple, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor:
+        if self._tiles_for is not meta:
+            self._tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device)
+                                for x in query_tiles(meta, self.block_m))
+            self._tiles_for = meta
+        return paged_attention(q, cache[0], cache[1], meta, scale, window, self.block_m, self._tiles)
+
