@@ -356,7 +356,7 @@ def plot(lines: list, path):
     """Throughput bars per workload (relative to Chapter 24's engine where it ran) and p99
     TPOT bars of the streaming contenders."""
     from matplotlib import colormaps
-    from matplotlib.figure import Figure               # not pyplot: leave a notebook's backend alone
+    from matplotlib.figure import Figure  # not pyplot: leave a notebook's backend alone
     from matplotlib.patches import Rectangle
     runs = [line for line in lines if "contender" in line]
     names = list(dict.fromkeys(line["workload"] for line in runs))

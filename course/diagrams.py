@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 
 import matplotlib
-
 from matplotlib import patches
 from matplotlib.figure import Figure
 
@@ -219,7 +218,10 @@ def rope_rotation(head_dim: int = 128, theta: float = 1_000_000.0, positions: in
                                theta2=math.degrees(0.25 + 4 * step), color=KEY, lw=1.5))
     left.text(0, -0.55, "between m=1 and m=4: 3 x angle,\nwhatever the absolute positions", fontsize=9,
               color=KEY, ha="center")
-    left.set_xlim(-1.35, 1.35); left.set_ylim(-1.3, 1.3); left.set_aspect("equal"); left.axis("off")
+    left.set_xlim(-1.35, 1.35)
+    left.set_ylim(-1.3, 1.3)
+    left.set_aspect("equal")
+    left.axis("off")
     left.set_title("one pair (x[i], x[i + D/2]) turned by m x angle_i", fontsize=10)
     pairs = list(range(head_dim // 2))
     wavelengths = [2 * math.pi * theta ** (2 * i / head_dim) for i in pairs]
@@ -340,8 +342,7 @@ def block_table_mapping(block_size: int = 4, tokens: int = 10, table: tuple[int,
         owner = table.index(block) if block in table else None
         bx = 0.5 + block * 2.6
         for offset in range(block_size):
-            used = owner is not None and owner * block_size + offset < tokens
-            face = REQUEST_COLOURS[owner] if used else PAD
+            face = PAD if owner is None or owner * block_size + offset >= tokens else REQUEST_COLOURS[owner]
             ax.add_patch(patches.Rectangle((bx + offset * 0.6, 1.6), 0.6, 0.8, facecolor=face, edgecolor="white"))
             ax.text(bx + offset * 0.6 + 0.3, 1.3, str(block * block_size + offset), ha="center", va="center",
                     fontsize=7.5, color="#606060")

@@ -26,19 +26,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from .serve.backends import ReferenceBackend
-from .triton_kernels import interpreting     # chooses the interpreter before triton loads
+from .triton_kernels import interpreting  # noqa: F401  (imported first: it chooses the interpreter before triton loads)
 
-import triton                      # noqa: E402  (after the interpreter choice, on purpose)
-import triton.language as tl       # noqa: E402
+# isort: split
+import triton  # after the interpreter choice, on purpose
+import triton.language as tl
 
 if TYPE_CHECKING:
+    from .serve.backends import KVCache
     from .serve.batch import BatchMeta
 
 
 # --- storing this step's keys and values ---------------------------------------------------------
 
+# Kernel parameters carry no Python annotations: Triton reads them to decide how to compile.
 @triton.jit
-def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size, BLOCK: tl.constexpr):
+def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, row_size,  # type: ignore[no-untyped-def]
+                    BLOCK: tl.constexpr):
     """Program i stores row i of k and v in the pools.  (Your engine: Chapter 32)
 
     k_ptr, v_ptr: [N, Hkv * D] rows, contiguous; k_cache_ptr, v_cache_ptr: pools whose flat
@@ -69,7 +73,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 # --- attention over the pool ---------------------------------------------------------------------
 
 @triton.jit
-def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, table_width,
+def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, table_width,  # type: ignore[no-untyped-def]
                            seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_row_ptr,
                            scale, num_heads, num_kv_heads, head_dim, window,
                            BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -110,7 +114,7 @@ def query_tiles(meta: BatchMeta, block_m: int) -> tuple[list[int], list[int]]:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                     scale: float | None = None, window: int = 0, block_m: int = 16,
-                    tiles: tuple | None = None) -> torch.Tensor:
+                    tiles: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One launch of paged_attention_kernel for the whole step: q [N, H, D] -> [N, H, D].
 
     tiles: the step's query_tiles, as two int32 device tensors (computed here when None).
@@ -138,23 +142,24 @@ class TritonBackend(ReferenceBackend):
     built once per step and shared by every layer."""
     name = "triton"
 
-    def __init__(self, block_m: int = 16):
+    def __init__(self, block_m: int = 16) -> None:
         if block_m < 1 or block_m & (block_m - 1):
             raise ValueError(f"TritonBackend block_m must be a power of two, got {block_m}")
         super().__init__()                     # plain pools: the kernels read float K/V
         self.block_m = block_m
-        self._tiles_for, self._tiles = None, None
+        self._tiles_for: BatchMeta | None = None
+        self._tiles: tuple[torch.Tensor, ...] | None = None
 
-    def allocate(self, shape: tuple, dtype: torch.dtype, device) -> tuple:
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         block_size = shape[1]
         if block_size & (block_size - 1):
             raise ValueError(f"the Triton backend needs a power-of-two block_size, got {block_size}")
         return super().allocate(shape, dtype, device)
 
-    def write(self, cache: tuple, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
         store_kv(cache[0], cache[1], k, v, meta.slot_mapping)
 
-    def forward(self, q: torch.Tensor, cache: tuple, meta: BatchMeta, scale: float | None = None,
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:
         if self._tiles_for is not meta:
             self._tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device)

@@ -1,27 +1,38 @@
 """Chapter 31: the model runner (pools, swaps, one forward per step) and pool sizing."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .backends import get_backend, raw_bytes
 from .batch import build_batch
 from .flat_model import FlatModel
 
+if TYPE_CHECKING:
+    from ..qwen3 import Qwen3ForCausalLM
+    from .backends import AttentionBackend, KVCache
+    from .batch import Batch
+    from .request import Request
 
-def kv_bytes_per_block(layers, kv_heads, head_dim, block_size, dtype, pools=2):
+
+def kv_bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                       pools: int = 2) -> int:
     """Bytes one block occupies across every layer: K and V (pools=2; a latent cache, one)."""
     element = torch.empty((), dtype=dtype).element_size()
     return pools * layers * block_size * kv_heads * head_dim * element
 
 
-def num_blocks_for_memory(free_bytes, layers, kv_heads, head_dim, block_size, dtype, pools=2):
+def num_blocks_for_memory(free_bytes: int, layers: int, kv_heads: int, head_dim: int, block_size: int,
+                          dtype: torch.dtype, pools: int = 2) -> int:
     """How many whole blocks fit in free_bytes."""
     one_block = kv_bytes_per_block(layers, kv_heads, head_dim, block_size, dtype, pools)
     return int(free_bytes // one_block)
 
 
 @torch.inference_mode()
-def profile_num_blocks(flat, backend, block_size, dtype, device, max_tokens, utilization=0.9):
+def profile_num_blocks(flat: FlatModel, backend: AttentionBackend, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str, max_tokens: int, utilization: float = 0.9) -> int:
     """CUDA only: size the pool from what the GPU has left.
 
     With the weights loaded, run the biggest step the scheduler may build (one request of
@@ -57,7 +68,9 @@ class ModelRunner:
     Each layer's pool holds num_blocks + 1 blocks: the last one is the scratch block that
     padding rows write into and the block manager never hands out."""
 
-    def __init__(self, model, num_blocks, block_size, backend="reference", device=None, dtype=None):
+    def __init__(self, model: Qwen3ForCausalLM | FlatModel, num_blocks: int, block_size: int,
+                 backend: str | AttentionBackend = "reference", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.flat = FlatModel(model) if not isinstance(model, FlatModel) else model
         weight = next(self.flat.parameters())
         self.device = torch.device(device) if device is not None else weight.device
@@ -68,16 +81,18 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)
         place = getattr(self.flat, "layer_device", None)           # layers on several devices (Chapter 40)
         make = getattr(self.flat.model, "allocate_kv", None) or self.backend.allocate
-        self.kv_caches = [make(shape, self.dtype, place(i) if place else self.device) for i in range(layers)]
-        self.swapped = {}           # request id -> per layer, host copies of its blocks
+        self.kv_caches: list[KVCache] = [make(shape, self.dtype, place(i) if place else self.device)
+                                         for i in range(layers)]
+        # request id -> per layer, host copies of its blocks
+        self.swapped: dict[str, list[list[torch.Tensor]]] = {}
         self.graphs = None          # Chapter 33
-        self.last_hidden = None     # hidden rows of the last step's logits (Chapter 37's heads)
+        self.last_hidden: torch.Tensor | None = None     # hidden rows of the last step's logits (Chapter 37's heads)
 
     @property
-    def pool_bytes(self):
+    def pool_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
-    def swap_out(self, request, blocks):
+    def swap_out(self, request: Request, blocks: list[int]) -> None:
         """Copy a preempted request's blocks to host memory (pinned on CUDA)."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         pin = self.device.type == "cuda"
@@ -90,7 +105,7 @@ class ModelRunner:
             saved.append(copies)
         self.swapped[request.request_id] = saved
 
-    def swap_in(self, request, blocks):
+    def swap_in(self, request: Request, blocks: list[int]) -> None:
         """Copy a resumed request's saved K/V into the first of its newly allocated blocks."""
         saved = self.swapped.pop(request.request_id)
         num_saved = len(saved[0][0])                   # the new list may be longer: room for new tokens
@@ -99,7 +114,8 @@ class ModelRunner:
             for tensor, host in zip(layer, copies):
                 raw_bytes(tensor).index_copy_(0, index.to(tensor.device), host.to(tensor.device, non_blocking=True))
 
-    def prepare(self, scheduled, block_tables, pad_to=None, previous=None):
+    def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
+                pad_to: int | None = None, previous: object | None = None) -> Batch:
         """The step's Batch. `previous` (the in-flight step of asynchronous scheduling,
         Chapter 33) supplies tokens not yet read back; this engine is synchronous."""
         if previous is not None:
@@ -108,13 +124,13 @@ class ModelRunner:
         self.prepare_features(batch, scheduled)
         return batch
 
-    def prepare_features(self, batch, scheduled):
+    def prepare_features(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:
         """Fill batch.extra with per-step inputs of later chapters (adapter slots, image rows,
         M-RoPE positions: Chapter 43). Chapter 31's requests carry none."""
         return batch
 
     @torch.inference_mode()
-    def execute(self, batch):
+    def execute(self, batch: Batch) -> torch.Tensor:
         """One forward pass; logits [L, vocab] (float32) for batch.logits_indices only."""
         hidden = self.flat(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
                            **batch.extra)

@@ -19,7 +19,7 @@ read the blocks in place).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,24 @@ from ..kv_quant import FORMATS, quantize_kv
 if TYPE_CHECKING:
     from .batch import BatchMeta
 
+# One layer's pool as a backend allocates it: (k_cache, v_cache), then anything else it needs.
+KVCache = tuple[torch.Tensor, ...]
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
+
+class AttentionBackend(Protocol):
+    """The interface above, as a type: what FlatModel and ModelRunner call on a backend."""
+    name: str
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache: ...
+
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None: ...
+
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor: ...
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values in the pool.  (Your engine: Chapter 31)
 
     k_cache, v_cache: [num_blocks + 1, block_size, Hkv, D]; k, v: [N, Hkv, D] (cast them to
@@ -55,7 +71,7 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def write_quantized_kv(cache: tuple, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+def write_quantized_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                        fmt: str) -> None:
     """Store this step's keys and values in a quantized pool.  (Your engine: Chapter 32)
 
@@ -72,7 +88,7 @@ def write_quantized_kv(cache: tuple, k: torch.Tensor, v: torch.Tensor, slot_mapp
     write_kv(cache[2], cache[3], k_scale, v_scale, slot_mapping)
 
 
-def gather_context(cache, table_row, length):
+def gather_context(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` rows of one request's history, read through its block table.
 
     cache: [num_blocks + 1, block_size, ...]; table_row: its blocks in logical order
@@ -90,7 +106,7 @@ class ReferenceBackend:
     one request at a time. Slow and plainly right: every faster backend is compared to it."""
     name = "reference"
 
-    def __init__(self, kv_cache_dtype: str = "auto"):
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
         if kv_cache_dtype != "auto" and kv_cache_dtype not in FORMATS:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(FORMATS)}, got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
@@ -99,7 +115,7 @@ class ReferenceBackend:
     def quantized(self) -> bool:
         return self.kv_cache_dtype != "auto"
 
-    def allocate(self, shape, dtype, device):
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache:
         """One layer's pool: (k_cache, v_cache), zero-filled; a quantized pool (Chapter 32)
         stores 8-bit codes and adds (k_scale, v_scale) of shape [num_blocks + 1, block_size, Hkv]."""
         if not self.quantized:
@@ -108,13 +124,14 @@ class ReferenceBackend:
         return (torch.zeros(shape, dtype=codes, device=device), torch.zeros(shape, dtype=codes, device=device),
                 torch.zeros(shape[:-1], device=device), torch.zeros(shape[:-1], device=device))
 
-    def write(self, cache, k, v, meta):
+    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
         if len(cache) == 2:
             write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
         else:
             write_quantized_kv(cache, k, v, meta.slot_mapping, self.kv_cache_dtype)
 
-    def forward(self, q, cache, meta, scale=None, window=0):
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
+                window: int = 0) -> torch.Tensor:
         """Attention of this step's queries against the pool.  (Your engine: Chapter 31)
 
         q: [N, H, D]; cache: (k_cache, v_cache, ...) already holding this step's keys;
@@ -146,7 +163,8 @@ class ReferenceBackend:
         return out
 
     @staticmethod
-    def dequantize(x, cache, which, meta, r, length):
+    def dequantize(x: torch.Tensor, cache: KVCache, which: int, meta: BatchMeta, r: int,
+                   length: int) -> torch.Tensor:
         """Turn rows read from request r's blocks ([length, Hkv, D]) into float32 keys or
         values laid out for causal_attention ([1, Hkv, length, D]).
 
@@ -192,7 +210,7 @@ class StepPlan:
     visible: torch.Tensor
     empty_rows: torch.Tensor | None
     query_positions: torch.Tensor
-    masks: dict = field(default_factory=dict)
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class VectorisedBackend(ReferenceBackend):
@@ -209,10 +227,10 @@ class VectorisedBackend(ReferenceBackend):
     Pools, writes and quantized pools (kv_cache_dtype) are ReferenceBackend's."""
     name = "vectorised"
 
-    def __init__(self, kv_cache_dtype: str = "auto"):
+    def __init__(self, kv_cache_dtype: str = "auto") -> None:
         super().__init__(kv_cache_dtype)
-        self._plan_key = None
-        self._plan = None
+        self._plan_key: BatchMeta | None = None
+        self._plan: list[StepPlan] = []
 
     def plan_for(self, meta: BatchMeta, device: torch.device) -> list[StepPlan]:
         """The StepPlans of this batch: built on the first layer's call, reused after."""
@@ -221,7 +239,7 @@ class VectorisedBackend(ReferenceBackend):
             self._plan_key = meta
         return self._plan
 
-    def forward(self, q: torch.Tensor, cache: tuple, meta: BatchMeta, scale: float | None = None,
+    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:
         """Attention of this step's queries against the pool, one call for all requests.
         q [N, H, D] -> [N, H, D] in q's dtype; matches ReferenceBackend.forward."""
@@ -230,16 +248,17 @@ class VectorisedBackend(ReferenceBackend):
             return self.attend_group(q, cache, plans[0], scale, window)
         out = torch.empty_like(q)
         for plan in plans:                      # decodes, then chunks: two groups, not a loop over requests
+            assert plan.rows is not None        # a split step's groups always name their rows
             out.index_copy_(0, plan.rows, self.attend_group(q.index_select(0, plan.rows), cache, plan, scale, window))
         return out
 
-    def attend_group(self, q: torch.Tensor, cache: tuple, plan: StepPlan, scale: float | None,
+    def attend_group(self, q: torch.Tensor, cache: KVCache, plan: StepPlan, scale: float | None,
                      window: int) -> torch.Tensor:
         """One gather per pool and one attention call for one group's rows q [N, H, D]."""
         keys, values = (self.gather_all(pool, cache, which, plan, q.dtype) for which, pool in enumerate(cache[:2]))
         return attend_all(q, keys, values, plan, scale, window)
 
-    def gather_all(self, pool: torch.Tensor, cache: tuple, which: int, plan: StepPlan,
+    def gather_all(self, pool: torch.Tensor, cache: KVCache, which: int, plan: StepPlan,
                    dtype: torch.dtype) -> torch.Tensor:
         """Every request's context from one pool, dequantized when the pool carries scales:
         [R, Hkv, K, D] in `dtype`."""
@@ -345,11 +364,12 @@ def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: 
     """
     mask = plan.visible
     if window > 0:
-        mask = plan.masks.get(window)
-        if mask is None:
+        cached = plan.masks.get(window)
+        if cached is None:
             keys_at = torch.arange(plan.visible.shape[-1], device=q.device)
             recent = keys_at > plan.query_positions[:, :, None] - window
-            mask = plan.masks[window] = plan.visible & recent.unsqueeze(1)
+            cached = plan.masks[window] = plan.visible & recent.unsqueeze(1)
+        mask = cached
     if plan.decode_only:
         laid_out = q.unsqueeze(2)                                       # [R, H, 1, D]
     else:
@@ -365,10 +385,11 @@ def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: 
 
 # --- the registry ----------------------------------------------------------------------------
 
-_BACKENDS = {}
+_BACKENDS: dict[str, Callable[..., AttentionBackend]] = {}
 
 
-def register_backend(name, factory, replace=False):
+def register_backend(name: str, factory: Callable[..., AttentionBackend],
+                     replace: bool = False) -> Callable[..., AttentionBackend]:
     """Make `get_backend(name, **options)` return factory(**options). Chapter 32 adds its
     kernels this way; re-registering a taken name needs replace=True."""
     if not isinstance(name, str) or not name:
@@ -379,11 +400,11 @@ def register_backend(name, factory, replace=False):
     return factory
 
 
-def available_backends():
+def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def get_backend(name, **options):
+def get_backend(name: str, **options: Any) -> AttentionBackend:
     """A new backend object registered under `name`, built with `options`."""
     factory = _BACKENDS.get(name)
     if factory is None:
@@ -399,7 +420,7 @@ register_backend("reference", ReferenceBackend)
 register_backend("vectorised", VectorisedBackend)
 
 
-def _triton_backend(**options):
+def _triton_backend(**options: Any) -> AttentionBackend:
     """Imported on first use: importing triton decides, once, whether kernels are compiled or
     interpreted, and a process that never asks for this backend should not make that choice."""
     from ..paged_kernels import TritonBackend

@@ -12,16 +12,25 @@ Chapter 43 wraps the projections with LoRA, without touching the forward loop.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 from torch import nn
 
 from ..layers import apply_rope, rope_cos_sin
 
+if TYPE_CHECKING:
+    from ..qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
+    from .backends import AttentionBackend, KVCache
+    from .batch import BatchMeta
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
 
 class FlatModel(nn.Module):
     """A loaded causal LM (its modules and weights, untouched) run on flat rows."""
 
-    def __init__(self, model):
+    def __init__(self, model: Qwen3ForCausalLM) -> None:
         super().__init__()
         self.cfg = model.cfg
         self.backbone = model.model                  # embed_tokens, layers, norm
@@ -31,12 +40,12 @@ class FlatModel(nn.Module):
         self.rope = self.default_rope if own_tables is None else own_tables
         self.fused = False                           # Chapter 33: fused add + norm
 
-    def default_rope(self, positions, dtype):
+    def default_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos, sin for N positions, shaped [N, 1, head_dim] to broadcast over [N, H, head_dim]."""
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, dtype)
         return cos[0, 0].unsqueeze(1), sin[0, 0].unsqueeze(1)
 
-    def kv_spec(self):
+    def kv_spec(self) -> tuple[int, int, int]:
         """(layers, kv_heads, head_dim) of the pool every attention layer writes."""
         own = getattr(self.model, "kv_spec", None)    # a model with another cache shape (Chapter 42)
         if own is not None:
@@ -45,25 +54,27 @@ class FlatModel(nn.Module):
 
     # --- seams --------------------------------------------------------------------------
 
-    def project_qkv(self, attn, h):
+    def project_qkv(self, attn: Qwen3Attention, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [N, D] -> q [N, H*Dh], k [N, Hkv*Dh], v [N, Hkv*Dh]."""
         return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
 
-    def add_norm(self, norm, x, delta):
+    def add_norm(self, norm: nn.Module, x: torch.Tensor,
+                 delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add a sublayer's output to the residual stream, then normalise a copy for the next
         sublayer: returns (norm(x + delta), x + delta). delta None: the first layer's input."""
         if delta is not None:
             x = x + delta
         return norm(x), x
 
-    def mlp(self, module, h):
+    def mlp(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """The feed-forward block on [N, D] rows: SwiGLU, or a sparse MoE (Chapter 27)."""
         out = module(h)
         return out[0] if isinstance(out, tuple) else out     # some MoE blocks also return router logits
 
     # --- the two stubs ------------------------------------------------------------------
 
-    def attention(self, layer, attn, h, positions, rope, kv, meta, backend):
+    def attention(self, layer: int, attn: Qwen3Attention, h: torch.Tensor, positions: torch.Tensor,
+                  rope: RopeTables, kv: KVCache, meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
         """One attention sublayer on flat rows.  (Your engine: Chapter 31)
 
         h [N, D] (already normalised) -> [N, D]. The same steps as Qwen3Attention.forward in
@@ -91,7 +102,8 @@ class FlatModel(nn.Module):
         y = backend.forward(q, kv, meta, window=getattr(attn, "sliding_window", 0) or 0)
         return attn.o_proj(y.reshape(rows, -1))
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend, embeds=None, **features):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: BatchMeta,
+                backend: AttentionBackend, embeds: torch.Tensor | None = None, **features: Any) -> torch.Tensor:
         """Token ids [N] -> final hidden states [N, D] (before the LM head).  (Your engine: Chapter 31)
 
         The residual stream starts as the token embeddings (self.backbone.embed_tokens), or
@@ -110,7 +122,7 @@ class FlatModel(nn.Module):
         stream = embeds if embeds is not None else self.backbone.embed_tokens(input_ids)
         tables = self.rope(positions, stream.dtype)
         branch = None                                   # output of the sublayer not yet added
-        for index, block in enumerate(self.layers):
+        for index, block in enumerate(cast("list[Qwen3DecoderLayer]", self.layers)):
             normed, stream = self.add_norm(block.input_layernorm, stream, branch)
             branch = self.attention(index, block.self_attn, normed, positions, tables, kv_caches[index], meta,
                                     backend)
@@ -118,7 +130,7 @@ class FlatModel(nn.Module):
             branch = self.mlp(block.mlp, normed)
         return self.add_norm(self.backbone.norm, stream, branch)[0]
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the selected rows only ([L, D] -> [L, vocab], float32): the LM head is the
         largest matmul of the model, and a 2,000-token prefill needs just one of its rows."""
         return self.model.lm_head(hidden).float()
