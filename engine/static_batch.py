@@ -16,7 +16,7 @@ With those, each row's greedy output equals its solo `generate`, token for token
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 

@@ -75,7 +75,8 @@ def generate_chunked(model: Qwen3ForCausalLM, prompt_ids: Sequence[int], max_new
     if not prompt_ids:
         raise ValueError("generate needs a non-empty prompt")
     device = next(model.parameters()).device
-    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
+    options: dict[str, Any] = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                   generator=generator)
     stops = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
     limit = getattr(model, "context_limit", 1 << 30)
     out: list[int] = []

@@ -16,7 +16,7 @@ With those, each row's greedy output equals its solo `generate`, token for token
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -106,7 +106,8 @@ def generate_batch(model: Qwen3ForCausalLM, prompts: Sequence[Sequence[int]], ma
     Greedy output per row must equal generate(model, prompt, ...) alone.
     """
     device = next(model.parameters()).device
-    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generator=generator)
+    options: dict[str, Any] = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                   generator=generator)
     stops = set(stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
     limit = getattr(model, "context_limit", 1 << 30)
     input_ids, positions, pad_lens = left_pad(prompts, pad_id, device)

@@ -18,10 +18,9 @@ import os
 import time
 from collections.abc import Hashable, Iterable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from .blocks import BlockManager
 from .config import EngineConfig
@@ -31,6 +30,9 @@ from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
 from .sampler import SimpleSampler
 from .scheduler import Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:
+    from ..qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,8 @@ class EngineCore:
     vocab_bytes: each token's bytes, for constrained decoding (Chapter 35).
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig | None = None, eos_token_id: int | None = None,
+    def __init__(self, model: Qwen3ForCausalLM | FlatModel, config: EngineConfig | None = None,
+                 eos_token_id: int | None = None,
                  sampler: Sampler | None = None, vocab_bytes: list[bytes] | None = None) -> None:
         if config is None:
             config = EngineConfig()

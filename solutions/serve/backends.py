@@ -6,7 +6,7 @@ With that order a flat slot number s = block * block_size + offset addresses one
 k_cache.view(-1, kv_heads, head_dim), so storing a whole step's keys is a single scatter.
 The extra last block is scratch: padding rows (slot -1) write there and nobody reads it.
 
-A backend is any object with
+A backend is any object with (serve.interfaces.AttentionBackend states the full contract)
     name
     allocate(shape, dtype, device) -> cache (a tuple: k, v, then anything else it needs)
     write(cache, k, v, meta)                   store this step's k, v [N, Hkv, D]
@@ -19,31 +19,20 @@ read the blocks in place).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import causal_attention
 from ..kv_quant import FORMATS, quantize_kv
+from .interfaces import AttentionBackend
 
 if TYPE_CHECKING:
     from .batch import BatchMeta
 
 # One layer's pool as a backend allocates it: (k_cache, v_cache), then anything else it needs.
 KVCache = tuple[torch.Tensor, ...]
-
-
-class AttentionBackend(Protocol):
-    """The interface above, as a type: what FlatModel and ModelRunner call on a backend."""
-    name: str
-
-    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVCache: ...
-
-    def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None: ...
-
-    def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
-                window: int = 0) -> torch.Tensor: ...
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -21,8 +21,9 @@ from ..layers import apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
-    from .backends import AttentionBackend, KVCache
+    from .backends import KVCache
     from .batch import BatchMeta
+    from .interfaces import AttentionBackend
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 

@@ -11,8 +11,9 @@ from .flat_model import FlatModel
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
-    from .backends import AttentionBackend, KVCache
+    from .backends import KVCache
     from .batch import Batch
+    from .interfaces import AttentionBackend
     from .request import Request
 
 

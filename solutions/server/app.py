@@ -168,6 +168,7 @@ class Job:
                 if not item.finished:
                     self.state.loop.abort(self.submission, item.request_id)
             elif item.finished:
+                assert item.finish_reason is not None, "a finished output names why it finished"
                 text += stream.flush()
                 self._finish(i, item.finish_reason)
             yield i, text, list(item.new_token_ids), self.finish[i]
