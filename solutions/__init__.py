@@ -32,6 +32,14 @@ The modules, in the order the book builds them (chapters in brackets):
     kv_quant.py        [28]       quantize_kv, QuantizedKVCache
     flash.py           [29]       online_softmax_update, flash_attention (tiles in PyTorch)
     triton_kernels.py  [30]       vector_add, softmax: first Triton kernels
-    serve/             [31]       the engine core: requests, scheduler, block manager, one
-                                  flat batch per step (its __init__ maps its modules)
+    serve/             [31-32]    the engine core: requests, scheduler, block manager, one
+                                  flat batch per step, attention backends (its __init__
+                                  maps its modules)
+    paged_kernels.py   [32]       Triton paged attention and KV store over the block pool
+    bpe.py             [36]       byte-level BPE: train_bpe, BPETokenizer (GGUF metadata, chat
+                                  template), IncrementalDetokenizer, StopStringMatcher
+    server/            [38]       the OpenAI-compatible HTTP server: protocol, engine loop, app
+    gguf.py            [39]       GGUFFile reader, dequantization (F16, Q8_0, Q4_0, Q4_1), GGUFLinear
+    families.py        [42]       the model-family registry: Llama, Qwen2, Mistral, scaled RoPE
+                                  (checkpoint.load_model picks the family from a config or GGUF)
 """
