@@ -34,8 +34,9 @@ BLOCK = 16
 
 def make_meta(serve, requests, block_size, device="cpu"):
     """requests: [(seq_len, new_rows, block_table)]. A BatchMeta laid out as build_batch would."""
+    rows_per_request = [rows for _, rows, _ in requests]
     starts = [0]
-    for _, rows, _ in requests:
+    for rows in rows_per_request:
         starts.append(starts[-1] + rows)
     width = max(1, max(len(t) for *_, t in requests))
     slots = []
@@ -43,14 +44,14 @@ def make_meta(serve, requests, block_size, device="cpu"):
         for p in range(length - rows, length):
             slots.append(table[p // block_size] * block_size + p % block_size if length else -1)
     lengths = [r[0] for r in requests]
+    as_int32 = dict(dtype=torch.int32, device=device)
     return serve.batch.BatchMeta(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, **as_int32), seq_lens=torch.tensor(lengths, **as_int32),
         block_table=torch.tensor([list(t) + [0] * (width - len(t)) for *_, t in requests], dtype=torch.int32,
                                  device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
         query_start_loc_cpu=starts, seq_lens_cpu=lengths,
-        max_query_len=max(b - a for a, b in zip(starts, starts[1:])), max_seq_len=max(lengths))
+        max_query_len=max(rows_per_request), max_seq_len=max(lengths))
 
 
 def random_requests(rng, shapes, block_size, num_blocks):
