@@ -82,8 +82,8 @@ def add_impl_argument(parser, default: str = "solutions") -> None:
 
 
 def add_device_argument(parser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="device (default: cuda when available, else cpu)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "mps"), default=None,
+                        help="device (default: cuda when available, else cpu; mps on Apple silicon when asked)")
 
 
 def add_model_argument(parser) -> None:
@@ -97,4 +97,6 @@ def resolve_device(choice: str | None):
     import torch
     if choice == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda: torch sees no CUDA device here")
+    if choice == "mps" and not torch.backends.mps.is_available():
+        raise CommandError("--device mps: torch sees no Apple GPU (MPS) here")
     return torch.device(choice or ("cuda" if torch.cuda.is_available() else "cpu"))
