@@ -117,12 +117,12 @@ def test_check_reports_pass_fail_and_not_implemented(fake_package, isolated_cach
     assert passed and passed.status == "pass" and passed.value == 5
     todo = check("ops.Box.area", full.ops.Box(), 2, 3, impl=gated, reference=full)
     assert todo.status == "not implemented" and todo.detail == "fill in Box.area (Chapter 2)"
-    assert repr(todo) == "[TODO] ops.Box.area: fill in Box.area (Chapter 2)"
+    assert repr(todo) == "[NOT IMPLEMENTED YET] ops.Box.area: fill in Box.area (Chapter 2)"
     wrong = check("ops.add", 2, 3, impl=gated, expected=6)
     assert not wrong and wrong.detail == "got 5, expected 6"
     crashed = check(lambda impl: impl.ops.add(1, None), impl=gated, expected=1, name="add None")
     assert crashed.status == "fail" and crashed.detail.startswith("TypeError:")
-    assert "TODO" in todo._repr_html_() and isinstance(todo, CheckResult)
+    assert "NOT IMPLEMENTED YET" in todo._repr_html_() and isinstance(todo, CheckResult)
     missing = check("ops.add", 1, 2, impl=str(fake_package.parent / "nowhere"))
     assert missing.status == "not implemented" and "unknown implementation" in missing.detail
 
