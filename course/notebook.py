@@ -8,10 +8,10 @@
 
 `check` runs the learner's function and the reference's on the same arguments and shows
 one line in the same words everywhere in the book: PASS, FAIL (with the first difference,
-or the exception's one-line message), or NOT IMPLEMENTED YET (naming the stub to fill in). It never lets a learner's exception
-escape as a traceback, so a notebook always runs top to bottom, with or without the
-learner's work: that is what lets nbval execute every notebook in CI against the bare
-skeleton.
+or the exception's one-line message), or NOT IMPLEMENTED YET (naming the stub to fill in).
+It never lets a learner's exception escape as a traceback, so a notebook always runs top to
+bottom, with or without the learner's work: that is what lets nbval execute every notebook
+in CI against the bare skeleton.
 """
 from __future__ import annotations
 
