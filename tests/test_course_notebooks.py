@@ -144,3 +144,29 @@ def test_table_renders_as_text_and_html():
     shown = table([[1, 0.5], [20, 1 / 3]], ["pos", "value"])
     assert repr(shown).splitlines() == ["pos   value", "---  ------", "  1     0.5", " 20  0.3333"]
     assert "<th>pos</th>" in shown._repr_html_()
+
+
+# --- diagrams -------------------------------------------------------------------------------
+
+
+def test_engine_v2_diagrams_fit_the_column():
+    """Chapter 31's diagrams draw, and none is wider than the book's column (about 780 px),
+    so the book never shrinks their text below a readable size."""
+    import io
+    import re
+
+    from course import diagrams
+
+    figures = {
+        "part map": diagrams.part_map("VII"),
+        "flattened batch": diagrams.flattened_batch(["a", "b"], [7, 8, 9], [4, 5, 11], [12, 13, 3], [0, 2, 3],
+                                                    [6, 12], [1, 2]),
+        "scheduler step": diagrams.scheduler_step(),
+        "hash chain": diagrams.hash_chain(),
+        "block states": diagrams.block_states(),
+    }
+    for name, fig in figures.items():
+        buffer = io.StringIO()
+        fig.savefig(buffer, format="svg", bbox_inches="tight")
+        width_pt = float(re.search(r'width="([\d.]+)pt"', buffer.getvalue()).group(1))
+        assert width_pt <= 1.1 * diagrams.COLUMN_INCHES * 72, f"the {name} diagram is {width_pt:.0f} pt wide"
