@@ -357,3 +357,187 @@ def block_table_mapping(block_size: int = 4, tokens: int = 10, table: tuple[int,
             f"{table[last // block_size] * block_size + last % block_size}", fontsize=10, va="center",
             bbox=dict(boxstyle="round", facecolor="white", edgecolor=MUTED))
     return fig
+
+
+# --- Engine v2's core (Chapter 31) -----------------------------------------------------------
+
+def flattened_batch(request_ids: list[str], input_ids: list[int], positions: list[int], slots: list[int],
+                    query_start_loc: list[int], seq_lens: list[int], logits_indices: list[int]) -> Figure:
+    """One step's batch as the core builds it: the scheduled tokens of every request laid end
+    to end in N rows, no padding. Each column is one row: token id, position, pool slot.
+    Above: which request owns the rows and its seq_len; below: query_start_loc, the row where
+    each request starts; the rows in logits_indices are the only ones sent to the LM head."""
+    rows = len(input_ids)
+    x0, cell = 3.4, 1.0
+    width = x0 + rows * cell + 0.3
+    fig, ax = _canvas(width, 8.0, COLUMN_INCHES * 8.0 / width)
+    fields = (("input_ids", input_ids, 3.7), ("positions", positions, 2.9), ("slot_mapping", slots, 2.1))
+    for k, rid in enumerate(request_ids):
+        start, end = query_start_loc[k], query_start_loc[k + 1]
+        colour = REQUEST_COLOURS[k % len(REQUEST_COLOURS)]
+        for row in range(start, end):
+            for _, values, y in fields:
+                ax.add_patch(patches.Rectangle((x0 + row * cell, y), cell, 0.8, facecolor=colour, edgecolor="white",
+                                               lw=1.5))
+                ax.text(x0 + (row + 0.5) * cell, y + 0.4, str(values[row]), ha="center", va="center", fontsize=9,
+                        color="white")
+        # The request's rows, bracketed above the batch with its context length.
+        left, right = x0 + start * cell + 0.08, x0 + end * cell - 0.08
+        ax.plot([left, left, right, right], [4.65, 4.8, 4.8, 4.65], color=colour, lw=1.6)
+        # Labels of narrow neighbours would collide: every other short request's label goes higher.
+        lift = 0.75 if end - start < 3 and k % 2 else 0.0
+        ax.text((left + right) / 2, 4.95 + lift, f"{rid}: {end - start} row{'s' if end - start > 1 else ''}\nseq_len "
+                f"{seq_lens[k]}", ha="center", va="bottom", fontsize=8.5, color=colour, weight="bold")
+    for name, _, y in fields:
+        ax.text(x0 - 0.2, y + 0.4, name, ha="right", va="center", fontsize=9.5)
+    ax.text(x0 - 0.2, 1.55, "row", ha="right", va="center", fontsize=8.5, color="#505050")
+    for row in range(rows):
+        ax.text(x0 + (row + 0.5) * cell, 1.55, str(row), ha="center", va="center", fontsize=8.5, color="#505050")
+    # query_start_loc: where each request's rows start, and N at the end (one more than requests).
+    ax.text(x0 - 0.2, 0.7, "query_start_loc", ha="right", va="center", fontsize=9.5)
+    for boundary in query_start_loc:
+        bx = x0 + boundary * cell
+        ax.plot([bx, bx], [1.2, 4.6], color=INK, lw=1.0, ls=(0, (3, 2)))
+        ax.text(bx, 0.7, str(boundary), ha="center", va="center", fontsize=9.5, weight="bold",
+                bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor=MUTED))
+    # Only the rows whose next token is unknown reach the LM head.
+    for row in logits_indices:
+        _arrow(ax, (x0 + (row + 0.5) * cell, 6.6), (x0 + (row + 0.5) * cell, 7.2), color=KEY, lw=1.6)
+    ax.text(x0 - 0.2, 6.9, "to the LM head", ha="right", va="center", fontsize=9.5, color=KEY, weight="bold")
+    ax.text(x0 + rows * cell / 2, 7.6, f"logits_indices = {list(logits_indices)}: one row of logits per "
+            "request that samples", ha="center", va="center", fontsize=9.5, color=KEY)
+    return fig
+
+
+def scheduler_step() -> Figure:
+    """The core scheduler's decision for one step: running requests first, in order, each
+    allocated its tokens or else the last running request is preempted; then, with what is
+    left of the budget, waiting requests are admitted from the front, never by preempting,
+    and not at all in a step that preempted."""
+    fig, ax = _canvas(11.0, 8.2, 5.9)
+    running, waiting, stop, good = "#DCE6F2", "#E5F1E7", "#F6DADA", "#F4F4F4"
+    _box(ax, 2.2, 7.45, 6.6, 0.6, "a step starts: budget = max_num_batched_tokens", face=good, size=10,
+         weight="bold")
+    ax.text(2.7, 6.95, "1. running requests, in order", ha="center", fontsize=10.5, weight="bold", color=QUERY)
+    ax.text(8.3, 6.95, "2. admission, with the budget left", ha="center", fontsize=10.5, weight="bold",
+            color="#3B7D4A")
+    # Phase 1 down the left.
+    _box(ax, 0.1, 5.7, 5.2, 0.95, "next running request (arrival order, or\n(priority, arrival)): n = min(tokens "
+         "it still\nneeds, budget, long_prefill_token_threshold)", face=running, size=8.8)
+    _box(ax, 1.3, 4.5, 3.5, 0.7, "allocate_slots(request, n)?", face="white", size=9.5)
+    _box(ax, 0.1, 2.9, 2.45, 1.05, "yes: schedule\n(request, n);\nbudget -= n", face=running, size=8.8)
+    _box(ax, 2.85, 2.9, 2.45, 1.05, "no: preempt the LAST\nrunning request (its\nblocks freed; front of\n"
+         "the waiting queue)", face=stop, size=8.3)
+    _box(ax, 2.85, 1.55, 2.45, 0.9, "the victim was this\nrequest: stop serving\nrunning requests", face=stop,
+         size=8.3)
+    _arrow(ax, (5.0, 7.45), (4.95, 6.65))
+    _arrow(ax, (2.7, 5.7), (2.7, 5.2))
+    _arrow(ax, (2.4, 4.5), (1.35, 3.95))
+    _arrow(ax, (3.7, 4.5), (4.05, 3.95))
+    _arrow(ax, (5.1, 3.95), (4.85, 4.85), connection="arc3,rad=0.5")
+    ax.text(5.3, 4.4, "retry", fontsize=8.5, color="#505050")
+    _arrow(ax, (4.05, 2.9), (4.05, 2.45))
+    _arrow(ax, (0.25, 3.95), (0.25, 5.7), connection="arc3,rad=-0.3")
+    ax.text(0.5, 4.85, "while\nbudget\nis left", fontsize=8, color="#505050", va="center")
+    ax.text(0.1, 0.75, "running requests hold memory and someone\nreads their streams, so they go before anyone\n"
+            "new (a decode asks for 1 token)", fontsize=8.5, color="#505050", va="center")
+    # Phase 2 down the right.
+    _box(ax, 5.75, 5.7, 5.15, 0.95, "only while: budget > 0, fewer than\nmax_num_seqs running, and NOBODY was\n"
+         "preempted this step (the pool is full)", face=waiting, size=8.8)
+    _box(ax, 5.75, 4.3, 5.15, 0.95, "front of the waiting queue: skip its longest\ncached prefix "
+         "(find_cached_prefix); n = min(tokens\nleft after it, budget, the same chunk cap)", face=waiting, size=8.8)
+    _box(ax, 6.5, 3.25, 3.65, 0.6, "allocate_slots(request, n, cached)?", face="white", size=9)
+    _box(ax, 5.75, 1.55, 2.45, 1.2, "yes: it joins the\nrunning list;\nschedule (request, n);\nbudget -= n",
+         face=waiting, size=8.5)
+    _box(ax, 8.45, 1.55, 2.45, 1.2, "no: stop admitting\n(admission never\npreempts; it waits\nfor the next step)",
+         face=stop, size=8.5)
+    _arrow(ax, (5.3, 6.2), (5.75, 6.2))
+    _arrow(ax, (8.3, 5.7), (8.3, 5.25))
+    _arrow(ax, (8.3, 4.3), (8.3, 3.85))
+    _arrow(ax, (7.6, 3.25), (7.0, 2.75))
+    _arrow(ax, (9.0, 3.25), (9.6, 2.75))
+    _arrow(ax, (5.9, 2.75), (5.9, 4.3), connection="arc3,rad=-0.3")
+    ax.text(5.75, 0.75, "the step's plan: scheduled = [(request, n), ...],\nthe preempted requests and the "
+            "swap-ins;\none flattened batch is built from it", fontsize=8.5, color="#505050", va="center")
+    return fig
+
+
+def hash_chain(blocks: int = 3) -> Figure:
+    """The prefix cache's keys: each full block's key hashes the previous block's key with
+    the block's tokens and the request's extra key, so one key stands for the whole prefix
+    up to the end of its block. A second request that differs in block 1 gets a different
+    key for block 1 and for every block after it, even where its tokens are the same."""
+    fig, ax = _canvas(11.3, 6.6, 4.5)
+    width, gap, x0 = 2.0, 0.5, 1.6
+
+    def chain(y, label, changed_from=None):
+        ax.text(x0 - 0.2, y + 1.55, label, ha="right", va="center", fontsize=9.5, weight="bold")
+        for i in range(blocks + 1):
+            x = x0 + i * (width + gap)
+            full = i < blocks
+            differs = changed_from is not None and i >= changed_from
+            token_colour = KEY if changed_from is not None and i == changed_from else QUERY
+            tokens = f"tokens of block {i}" + ("" if full else "\n(not full yet)")
+            _box(ax, x, y + 1.25, width, 0.6, tokens, face=(token_colour + "33") if full else PAD,
+                 edge=token_colour if full else MUTED, size=8.5, round_=False)
+            if not full:
+                ax.text(x + width / 2, y + 0.45, "no key until\nthe block fills", ha="center", va="center",
+                        fontsize=8.5, color="#707070")
+                continue
+            key = f"h{i}'" if differs else f"h{i}"
+            _box(ax, x + 0.35, y + 0.1, width - 0.7, 0.65, key, face="#FBE3D3" if differs else "#DCE6F2",
+                 edge=KEY if differs else QUERY, size=10.5, weight="bold")
+            _arrow(ax, (x + width / 2, y + 1.25), (x + width / 2, y + 0.75))
+            if i:
+                _arrow(ax, (x - gap - 0.35, y + 0.42), (x + 0.35, y + 0.42))
+            else:
+                ax.text(x - 0.1, y + 0.42, "root ->", ha="right", va="center", fontsize=8.5, color="#505050")
+
+    chain(3.7, "request 1")
+    chain(0.9, "request 2", changed_from=1)
+    ax.text(5.5, 6.35, r"$h_i = H(h_{i-1},\ \mathrm{tokens}_i,\ \mathrm{extra})$: BLAKE2b, 16 bytes; extra = the "
+            "request's cache_key", ha="center", va="center", fontsize=10)
+    ax.text(5.5, 0.4, "request 2 differs only in block 1: h1' and every later key differ too, so a key pins "
+            "down its whole prefix", ha="center", va="center", fontsize=9, color=KEY)
+    ax.text(5.5, 3.4, "same block 0, same h0: request 2 adopts request 1's block 0 from the cache",
+            ha="center", va="center", fontsize=9, color="#505050")
+    return fig
+
+
+def block_states() -> Figure:
+    """The three states of a pool block in the core's BlockManager and what moves a block
+    between them. A block whose last owner lets go keeps its key and waits in the free queue
+    (cached-free): a prefix hit can adopt it for free until an allocation takes it for new
+    contents, which evicts its key."""
+    fig, ax = _canvas(11.0, 7.0, 5.0)
+    used, cached, free = (3.6, 4.9, 3.8, 1.35), (0.1, 1.45, 3.6, 1.35), (7.3, 1.45, 3.6, 1.35)
+    _box(ax, *used, "in use  (state 'used')\nref_count > 0, key or not,\nnot in the free queue", face="#DCE6F2",
+         edge=QUERY, size=9.5)
+    _box(ax, *cached, "cached-free  ('cached')\nref_count 0, key kept,\nin the free queue", face="#FBE3D3",
+         edge=KEY, size=9.5)
+    _box(ax, *free, "free  ('free')\nref_count 0, no key,\nin the free queue", face="#F4F4F4", edge=INK, size=9.5)
+    # in use -> cached-free / free: the last owner lets go.
+    _arrow(ax, (3.9, 4.9), (2.2, 2.8), color=INK, connection="arc3,rad=0.15")
+    ax.text(1.2, 4.1, "free: last owner lets go,\nthe block has a key", ha="center", fontsize=8.5)
+    _arrow(ax, (7.1, 4.9), (8.8, 2.8), color=INK, connection="arc3,rad=-0.15")
+    ax.text(9.8, 4.1, "free: last owner lets go,\nno key", ha="center", fontsize=8.5)
+    # cached-free -> in use: adopted (a prefix hit) or evicted (allocated for new contents).
+    _arrow(ax, (2.9, 2.8), (4.4, 4.9), color=KEY, connection="arc3,rad=-0.15", lw=1.6)
+    ax.text(3.75, 3.9, "adopt: a prefix\nhit, key kept,\nno compute", ha="left", va="center", fontsize=8.5,
+            color=KEY)
+    # free -> in use: allocation.
+    _arrow(ax, (8.1, 2.8), (6.6, 4.9), color=QUERY, connection="arc3,rad=0.15", lw=1.6)
+    ax.text(7.1, 3.9, "allocate: taken\nfrom the free\nqueue's front", ha="right", va="center", fontsize=8.5,
+            color=QUERY)
+    # cached-free -> in use by eviction: allocated for new contents, it leaves the cache.
+    _arrow(ax, (3.7, 2.0), (5.5, 4.9), color="#C44E52", connection="arc3,rad=0.3", lw=1.3)
+    ax.text(5.75, 2.3, "evict: allocation\ntakes it, key\ndropped", ha="left", va="center", fontsize=8.5,
+            color="#C44E52")
+    # Changes that stay inside "in use".
+    ax.text(5.5, 6.55, "adopt: ref_count + 1   |   free, another owner left: ref_count - 1   |   "
+            "publish (cache_full_blocks): gets a key", ha="center", fontsize=8.5, color="#505050")
+    # The free queue: LRU, and a finished request's tail goes in before its head.
+    ax.text(0.1, 0.6, "free queue (LRU): allocation takes the front, free appends to the back, a request's "
+            "blocks tail first,\nso its unique tail is reused before its shared head (the system prompt)",
+            fontsize=8.5, va="center", color="#505050")
+    return fig

@@ -7,11 +7,11 @@
     check("attention.causal_attention", q, k, v, q_pos, k_pos)
 
 `check` runs the learner's function and the reference's on the same arguments and shows
-one line: pass, fail (with the first difference, or the exception's one-line message), or
-not implemented yet (naming the stub to fill in). It never lets a learner's exception
-escape as a traceback, so a notebook always runs top to bottom, with or without the
-learner's work: that is what lets nbval execute every notebook in CI against the bare
-skeleton.
+one line in the same words everywhere in the book: PASS, FAIL (with the first difference,
+or the exception's one-line message), or NOT IMPLEMENTED YET (naming the stub to fill in).
+It never lets a learner's exception escape as a traceback, so a notebook always runs top to
+bottom, with or without the learner's work: that is what lets nbval execute every notebook
+in CI against the bare skeleton.
 """
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class CheckResult:
     detail: str = ""
     value: Any = None
 
-    _ICONS = {"pass": "PASS", "fail": "FAIL", "not implemented": "TODO"}
+    # The words a learner reads; the book's prose quotes them, so change them together.
+    _ICONS = {"pass": "PASS", "fail": "FAIL", "not implemented": "NOT IMPLEMENTED YET"}
     _COLOURS = {"pass": "#1a7f37", "fail": "#cf222e", "not implemented": "#9a6700"}
 
     def __bool__(self) -> bool:

@@ -117,12 +117,12 @@ def test_check_reports_pass_fail_and_not_implemented(fake_package, isolated_cach
     assert passed and passed.status == "pass" and passed.value == 5
     todo = check("ops.Box.area", full.ops.Box(), 2, 3, impl=gated, reference=full)
     assert todo.status == "not implemented" and todo.detail == "fill in Box.area (Chapter 2)"
-    assert repr(todo) == "[TODO] ops.Box.area: fill in Box.area (Chapter 2)"
+    assert repr(todo) == "[NOT IMPLEMENTED YET] ops.Box.area: fill in Box.area (Chapter 2)"
     wrong = check("ops.add", 2, 3, impl=gated, expected=6)
     assert not wrong and wrong.detail == "got 5, expected 6"
     crashed = check(lambda impl: impl.ops.add(1, None), impl=gated, expected=1, name="add None")
     assert crashed.status == "fail" and crashed.detail.startswith("TypeError:")
-    assert "TODO" in todo._repr_html_() and isinstance(todo, CheckResult)
+    assert "NOT IMPLEMENTED YET" in todo._repr_html_() and isinstance(todo, CheckResult)
     missing = check("ops.add", 1, 2, impl=str(fake_package.parent / "nowhere"))
     assert missing.status == "not implemented" and "unknown implementation" in missing.detail
 
@@ -144,3 +144,29 @@ def test_table_renders_as_text_and_html():
     shown = table([[1, 0.5], [20, 1 / 3]], ["pos", "value"])
     assert repr(shown).splitlines() == ["pos   value", "---  ------", "  1     0.5", " 20  0.3333"]
     assert "<th>pos</th>" in shown._repr_html_()
+
+
+# --- diagrams -------------------------------------------------------------------------------
+
+
+def test_engine_v2_diagrams_fit_the_column():
+    """Chapter 31's diagrams draw, and none is wider than the book's column (about 780 px),
+    so the book never shrinks their text below a readable size."""
+    import io
+    import re
+
+    from course import diagrams
+
+    figures = {
+        "part map": diagrams.part_map("VII"),
+        "flattened batch": diagrams.flattened_batch(["a", "b"], [7, 8, 9], [4, 5, 11], [12, 13, 3], [0, 2, 3],
+                                                    [6, 12], [1, 2]),
+        "scheduler step": diagrams.scheduler_step(),
+        "hash chain": diagrams.hash_chain(),
+        "block states": diagrams.block_states(),
+    }
+    for name, fig in figures.items():
+        buffer = io.StringIO()
+        fig.savefig(buffer, format="svg", bbox_inches="tight")
+        width_pt = float(re.search(r'width="([\d.]+)pt"', buffer.getvalue()).group(1))
+        assert width_pt <= 1.1 * diagrams.COLUMN_INCHES * 72, f"the {name} diagram is {width_pt:.0f} pt wide"
