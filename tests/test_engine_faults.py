@@ -236,3 +236,23 @@ def test_a_sampler_that_loses_rows_is_caught(serve, tiny_model, ref_model):
     outputs = drain(engine)
     assert all(o.finish_reason == "abort" and o.error for o in outputs.values()), (
         f"alone, each request gets no token from this sampler and must end with an error: {outputs}")
+
+
+def test_an_aborted_request_reports_the_error_type_and_logs_it(serve, tiny_model, caplog):
+    """The output of a request aborted by its own failure carries no new tokens and an error
+    naming the exception's type and text; the same line goes to the engine's log at ERROR
+    level with the exception attached (its traceback), and the request's blocks are free."""
+    import logging
+
+    engine = engine_for(serve, tiny_model)
+    engine.sampler = FailingFor(engine.sampler, "bad")
+    engine.add_request("bad", PROMPTS["b"], P(serve))
+    with caplog.at_level(logging.ERROR):
+        (out,) = engine.step()
+    assert out.request_id == "bad" and out.new_token_ids == [] and out.finish_reason == "abort", out
+    assert out.error == "request 'bad': sampling failed: RuntimeError: probability tensor contains inf or nan", (
+        out.error)
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in logged] == [out.error], f"log: {[r.getMessage() for r in logged]}"
+    assert logged[0].exc_info and isinstance(logged[0].exc_info[1], RuntimeError), "the traceback is logged"
+    assert_engine_idle(engine, "after a request aborted by its own failure")
