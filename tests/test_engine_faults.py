@@ -256,3 +256,26 @@ def test_an_aborted_request_reports_the_error_type_and_logs_it(serve, tiny_model
     assert [r.getMessage() for r in logged] == [out.error], f"log: {[r.getMessage() for r in logged]}"
     assert logged[0].exc_info and isinstance(logged[0].exc_info[1], RuntimeError), "the traceback is logged"
     assert_engine_idle(engine, "after a request aborted by its own failure")
+
+
+def test_seed_zero_is_a_seed_and_an_abort_forgets_the_generator(serve, tiny_model):
+    """seed=0 seeds the request's own generator with 0 (it is not "no seed"): its draws differ
+    from seed=1's. An aborted seeded request leaves no generator behind: a later unseeded
+    request under the same id draws from the engine's generator, as in a fresh engine."""
+    def sampled(**kwargs):
+        return P(serve, 8, temperature=1.0, **kwargs)
+
+    engine = engine_for(serve, tiny_model)
+    engine.add_request("zero", PROMPTS["a"], sampled(seed=0))
+    engine.add_request("one", PROMPTS["a"], sampled(seed=1))
+    outs = drain(engine)
+    assert outs["zero"].output_token_ids != outs["one"].output_token_ids, (
+        f"seeds 0 and 1 drew the same tokens {outs['one'].output_token_ids}: seed 0 was not used as a seed")
+    fresh = engine_for(serve, tiny_model)
+    fresh.add_request("x", PROMPTS["b"], sampled())
+    engine = engine_for(serve, tiny_model)
+    engine.add_request("x", PROMPTS["b"], sampled(seed=5))
+    engine.abort_request("x")
+    engine.add_request("x", PROMPTS["b"], sampled())
+    assert drain(engine)["x"].output_token_ids == drain(fresh)["x"].output_token_ids, (
+        "an unseeded request drew from the generator of an aborted seeded request with the same id")

@@ -428,3 +428,17 @@ def test_stats_counts_by_hand(serve, tiny_model):
     assert engine.stats() == {"steps": 1, "preemptions": 0, "prefix_hit_rate": 0.0, "blocks_free": 4,
                               "num_blocks": 6, "waiting": 1, "running": 1, "prefix_queries": 8,
                               "prefix_hits": 0, "prefix_evictions": 0}, engine.stats()
+
+
+def test_generate_passes_its_priorities_on(serve, tiny_model):
+    """Under policy="priority" generate's prompts compete with the requests already queued:
+    by default at priority 0 (ahead of a queued priority-1 request), or at the priorities
+    given (priority 5 waits behind it). max_num_seqs = 1 makes the order visible."""
+    P = serve.request.SamplingParams
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_num_seqs=1, policy="priority")
+    queued = add(serve, engine, "queued", [9, 9], max_tokens=2, priority=1)
+    engine.generate([[1, 2]], P(max_tokens=2))
+    assert queued.num_computed_tokens == 0, "generate's prompt (priority 0 by default) must run before priority 1"
+    engine.generate([[3, 4]], P(max_tokens=2), priorities=[5])
+    assert queued.status.name == "FINISHED_LENGTH", (
+        f"a priority-1 request must finish before generate's priority-5 prompt is served: {queued.status.name}")
