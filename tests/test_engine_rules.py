@@ -328,7 +328,8 @@ def test_the_pool_is_sized_from_kv_cache_bytes(serve, tiny_model, monkeypatch, c
 
 
 def test_a_pool_too_small_for_one_block_is_refused(serve, tiny_model):
-    with pytest.raises(ValueError, match="the KV pool would hold no block"):
+    whole_message = r"^the KV pool would hold no block: give more memory or set EngineConfig\.num_blocks$"
+    with pytest.raises(ValueError, match=whole_message):
         make_engine(serve, tiny_model, num_blocks=None, kv_cache_bytes=TINY_BLOCK_BYTES - 1, block_size=4)
 
 
@@ -442,3 +443,20 @@ def test_generate_passes_its_priorities_on(serve, tiny_model):
     engine.generate([[3, 4]], P(max_tokens=2), priorities=[5])
     assert queued.status.name == "FINISHED_LENGTH", (
         f"a priority-1 request must finish before generate's priority-5 prompt is served: {queued.status.name}")
+
+
+def test_outputs_carry_the_stop_token_and_the_cached_prefix(serve, tiny_model):
+    """A request's output names the stop token that ended it (stop_reason) and how many prompt
+    tokens came from the prefix cache: b repeats finished a's 8-token prompt, 2 full blocks of
+    4, so 8 of its tokens are cached. Without prompt logprobs a batch records no prompt spans."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=16)
+    add(serve, engine, "a", [1] * 8, max_tokens=1)
+    (a,) = engine.step()
+    assert a.finished and a.num_cached_tokens == 0 and a.stop_reason is None, a
+    stopper = next_token([1] * 8 + [3])               # the scripted model's first token for b
+    engine.add_request("b", [1] * 8 + [3], serve.request.SamplingParams(max_tokens=5, stop_token_ids=[stopper]))
+    (b,) = engine.step()
+    assert (b.finished, b.finish_reason, b.stop_reason, b.num_cached_tokens) == (True, "stop", stopper, 8), b
+    request = serve.request.Request("plain", [1, 2, 3])
+    batch = serve.batch.build_batch([(request, 3)], {"plain": [0]}, 4, "cpu")
+    assert batch.prompt_spans == [], f"no prompt logprobs asked, yet prompt_spans is {batch.prompt_spans!r}"
