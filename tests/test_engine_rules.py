@@ -460,3 +460,28 @@ def test_outputs_carry_the_stop_token_and_the_cached_prefix(serve, tiny_model):
     request = serve.request.Request("plain", [1, 2, 3])
     batch = serve.batch.build_batch([(request, 3)], {"plain": [0]}, 4, "cpu")
     assert batch.prompt_spans == [], f"no prompt logprobs asked, yet prompt_spans is {batch.prompt_spans!r}"
+
+
+def test_prompt_logprob_rows_and_spans_by_hand(serve):
+    """With params.prompt_logprobs set (Chapter 34's seam), the rows whose next token is a
+    prompt token follow the sampling rows in logits_indices and prompt_spans records
+    (request, first position, the prompt tokens they predict). Prompt 10..14 in chunks of 3,
+    1 and 1 behind a plain 3-token prompt; then a request with two draft tokens (Chapter 37)."""
+    import torch
+    plain = serve.request.Request("plain", [1, 2, 3])
+    scored = serve.request.Request("scored", [10, 11, 12, 13, 14], serve.request.SamplingParams(prompt_logprobs=0))
+    tables = {"plain": [0], "scored": [1, 2]}
+    batch = serve.batch.build_batch([(plain, 3), (scored, 3)], tables, 4, "cpu")
+    assert (batch.logits_indices.tolist(), batch.sample_counts) == ([2, 3, 4, 5], [1, 0]), (
+        f"plain samples row 2; scored's rows 3..5 predict prompt tokens 11..13: {batch.logits_indices.tolist()}")
+    assert [(r.request_id, c, tokens) for r, c, tokens in batch.prompt_spans] == [("scored", 0, [11, 12, 13])]
+    for done, rows, spans in ((3, [0], [("scored", 3, [14])]), (4, [0], [])):
+        scored.num_computed_tokens = done
+        batch = serve.batch.build_batch([(scored, 1)], tables, 4, "cpu")
+        assert batch.logits_indices.tolist() == rows and [
+            (r.request_id, c, tokens) for r, c, tokens in batch.prompt_spans] == spans, (
+            f"scored at position {done}: rows {batch.logits_indices.tolist()}, spans {batch.prompt_spans}")
+    drafted = serve.request.Request("drafted", [1, 2, 3])
+    drafted.num_computed_tokens, drafted.spec_token_ids = 2, [7, 8]
+    batch = serve.batch.build_batch([(drafted, 3)], {"drafted": [0, 1]}, 4, "cpu")
+    assert batch.input_ids.tolist() == [3, 7, 8] and batch.input_ids.dtype == torch.int64, batch.input_ids
