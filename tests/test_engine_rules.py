@@ -485,3 +485,18 @@ def test_prompt_logprob_rows_and_spans_by_hand(serve):
     drafted.num_computed_tokens, drafted.spec_token_ids = 2, [7, 8]
     batch = serve.batch.build_batch([(drafted, 3)], {"drafted": [0, 1]}, 4, "cpu")
     assert batch.input_ids.tolist() == [3, 7, 8] and batch.input_ids.dtype == torch.int64, batch.input_ids
+
+
+def test_padding_rows_by_hand(serve):
+    """pad_to (Chapter 33's seam) appends one-row dummies (token 0, position 0, slot -1,
+    seq_len 0, an all-zero block-table row) until there are pad_to requests, and none when
+    there are already that many. A one-block table keeps the block table one column wide."""
+    plain = serve.request.Request("p", [1, 2, 3])
+    for pad_to, ids, slots, lens, starts, table in (
+            (2, [1, 2, 3, 0], [20, 21, 22, -1], [3, 0], [0, 3, 4], [[5], [0]]),
+            (1, [1, 2, 3], [20, 21, 22], [3], [0, 3], [[5]])):
+        batch = serve.batch.build_batch([(plain, 3)], {"p": [5]}, 4, "cpu", pad_to)
+        meta = batch.meta
+        got = (batch.input_ids.tolist(), batch.positions.tolist()[3:], meta.slot_mapping.tolist(),
+               meta.seq_lens.tolist(), meta.query_start_loc.tolist(), meta.block_table.tolist())
+        assert got == (ids, [0] * (len(ids) - 3), slots, lens, starts, table), f"pad_to={pad_to}: {got}"
