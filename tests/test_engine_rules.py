@@ -491,6 +491,7 @@ def test_padding_rows_by_hand(serve):
     """pad_to (Chapter 33's seam) appends one-row dummies (token 0, position 0, slot -1,
     seq_len 0, an all-zero block-table row) until there are pad_to requests, and none when
     there are already that many. A one-block table keeps the block table one column wide."""
+    import torch
     plain = serve.request.Request("p", [1, 2, 3])
     for pad_to, ids, slots, lens, starts, table in (
             (2, [1, 2, 3, 0], [20, 21, 22, -1], [3, 0], [0, 3, 4], [[5], [0]]),
@@ -500,3 +501,9 @@ def test_padding_rows_by_hand(serve):
         got = (batch.input_ids.tolist(), batch.positions.tolist()[3:], meta.slot_mapping.tolist(),
                meta.seq_lens.tolist(), meta.query_start_loc.tolist(), meta.block_table.tolist())
         assert got == (ids, [0] * (len(ids) - 3), slots, lens, starts, table), f"pad_to={pad_to}: {got}"
+        assert (meta.block_size, meta.max_query_len, meta.max_seq_len) == (4, 3, 3), meta
+        assert [t.dtype for t in (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping)] == [
+            torch.int32, torch.int32, torch.int32, torch.int64], "the spec's index dtypes: int32, slots int64"
+    only_padding = serve.batch.build_batch([], {}, 4, "cpu", 2).meta
+    assert (only_padding.max_query_len, only_padding.max_seq_len) == (1, 0), (
+        "two one-row dummies: the longest query is 1 row, the longest context 0")
