@@ -507,3 +507,6 @@ def test_padding_rows_by_hand(serve):
     only_padding = serve.batch.build_batch([], {}, 4, "cpu", 2).meta
     assert (only_padding.max_query_len, only_padding.max_seq_len) == (1, 0), (
         "two one-row dummies: the longest query is 1 row, the longest context 0")
+    mid_prompt = serve.batch.build_batch([(serve.request.Request("m", [1, 2, 3, 4, 5]), 2)], {"m": [0, 1]}, 4, "cpu")
+    assert mid_prompt.logits_indices.tolist() == [] and mid_prompt.logits_indices.dtype == torch.int64, (
+        f"a mid-prompt chunk samples no row, and its empty logits_indices is still int64: {mid_prompt.logits_indices}")
