@@ -279,3 +279,15 @@ def test_seed_zero_is_a_seed_and_an_abort_forgets_the_generator(serve, tiny_mode
     engine.add_request("x", PROMPTS["b"], sampled())
     assert drain(engine)["x"].output_token_ids == drain(fresh)["x"].output_token_ids, (
         "an unseeded request drew from the generator of an aborted seeded request with the same id")
+
+
+def test_unseeded_requests_draw_from_the_engines_seeded_generator(serve, tiny_model):
+    """EngineConfig.seed makes unseeded sampled requests reproducible: two engines with the
+    same seed draw the same tokens whatever torch's global generator did in between."""
+    outputs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        engine = engine_for(serve, tiny_model, seed=7)
+        engine.add_request("x", PROMPTS["a"], P(serve, 8, temperature=1.0))
+        outputs.append(drain(engine)["x"].output_token_ids)
+    assert outputs[0] == outputs[1], f"same EngineConfig.seed, different draws: {outputs}"
