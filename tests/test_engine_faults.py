@@ -236,3 +236,58 @@ def test_a_sampler_that_loses_rows_is_caught(serve, tiny_model, ref_model):
     outputs = drain(engine)
     assert all(o.finish_reason == "abort" and o.error for o in outputs.values()), (
         f"alone, each request gets no token from this sampler and must end with an error: {outputs}")
+
+
+def test_an_aborted_request_reports_the_error_type_and_logs_it(serve, tiny_model, caplog):
+    """The output of a request aborted by its own failure carries no new tokens and an error
+    naming the exception's type and text; the same line goes to the engine's log at ERROR
+    level with the exception attached (its traceback), and the request's blocks are free."""
+    import logging
+
+    engine = engine_for(serve, tiny_model)
+    engine.sampler = FailingFor(engine.sampler, "bad")
+    engine.add_request("bad", PROMPTS["b"], P(serve))
+    with caplog.at_level(logging.ERROR):
+        (out,) = engine.step()
+    assert out.request_id == "bad" and out.new_token_ids == [] and out.finish_reason == "abort", out
+    assert out.error == "request 'bad': sampling failed: RuntimeError: probability tensor contains inf or nan", (
+        out.error)
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in logged] == [out.error], f"log: {[r.getMessage() for r in logged]}"
+    assert logged[0].exc_info and isinstance(logged[0].exc_info[1], RuntimeError), "the traceback is logged"
+    assert_engine_idle(engine, "after a request aborted by its own failure")
+
+
+def test_seed_zero_is_a_seed_and_an_abort_forgets_the_generator(serve, tiny_model):
+    """seed=0 seeds the request's own generator with 0 (it is not "no seed"): its draws differ
+    from seed=1's. An aborted seeded request leaves no generator behind: a later unseeded
+    request under the same id draws from the engine's generator, as in a fresh engine."""
+    def sampled(**kwargs):
+        return P(serve, 8, temperature=1.0, **kwargs)
+
+    engine = engine_for(serve, tiny_model)
+    engine.add_request("zero", PROMPTS["a"], sampled(seed=0))
+    engine.add_request("one", PROMPTS["a"], sampled(seed=1))
+    outs = drain(engine)
+    assert outs["zero"].output_token_ids != outs["one"].output_token_ids, (
+        f"seeds 0 and 1 drew the same tokens {outs['one'].output_token_ids}: seed 0 was not used as a seed")
+    fresh = engine_for(serve, tiny_model)
+    fresh.add_request("x", PROMPTS["b"], sampled())
+    engine = engine_for(serve, tiny_model)
+    engine.add_request("x", PROMPTS["b"], sampled(seed=5))
+    engine.abort_request("x")
+    engine.add_request("x", PROMPTS["b"], sampled())
+    assert drain(engine)["x"].output_token_ids == drain(fresh)["x"].output_token_ids, (
+        "an unseeded request drew from the generator of an aborted seeded request with the same id")
+
+
+def test_unseeded_requests_draw_from_the_engines_seeded_generator(serve, tiny_model):
+    """EngineConfig.seed makes unseeded sampled requests reproducible: two engines with the
+    same seed draw the same tokens whatever torch's global generator did in between."""
+    outputs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        engine = engine_for(serve, tiny_model, seed=7)
+        engine.add_request("x", PROMPTS["a"], P(serve, 8, temperature=1.0))
+        outputs.append(drain(engine)["x"].output_token_ids)
+    assert outputs[0] == outputs[1], f"same EngineConfig.seed, different draws: {outputs}"

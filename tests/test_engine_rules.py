@@ -297,3 +297,216 @@ def test_block_manager_edges(serve):
     bm.ref_count[bm.req_blocks["drafted"][0]] = 0
     with pytest.raises(RuntimeError, match=f"block {bm.req_blocks['drafted'][0]} released more times"):
         bm.free(drafted)
+
+
+# --- pool sizing, generate's ids and loop, the counters (found by mutation testing) -------------
+# The tiny model: 2 layers, 2 KV heads, head_dim 16, float32 (course.models.tiny_config). One
+# block of 4 tokens holds K and V: 2 pools x 2 layers x 4 tokens x 2 heads x 16 x 4 bytes = 2048.
+TINY_BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("case", [
+    dict(kv_cache_bytes=5 * TINY_BLOCK_BYTES + TINY_BLOCK_BYTES - 1, block_size=4, expect=5),
+    dict(kv_cache_bytes=5 * TINY_BLOCK_BYTES + TINY_BLOCK_BYTES - 1, block_size=8, expect=2),   # 4096 a block
+    dict(kv_cache_bytes=TINY_BLOCK_BYTES, block_size=4, expect=1),
+    dict(kv_cache_bytes=5 * TINY_BLOCK_BYTES + TINY_BLOCK_BYTES - 1, block_size=4, dtype="bfloat16", expect=11),
+    dict(kv_cache_bytes=5 * TINY_BLOCK_BYTES + TINY_BLOCK_BYTES - 1, block_size=4, kv_pools=1, expect=11),
+], ids=["5 blocks and a bit", "blocks of 8", "exactly one block", "bfloat16 halves a block", "one latent pool"])
+def test_the_pool_is_sized_from_kv_cache_bytes(serve, tiny_model, monkeypatch, case):
+    """Off CUDA with num_blocks=None, the pool holds kv_cache_bytes // (bytes of one block), a
+    block's bytes following block_size, the model's dtype and its number of pools (K and V: 2;
+    a model with `kv_pools = 1` keeps one latent pool)."""
+    import torch
+    model = tiny_model.to(torch.bfloat16) if case.get("dtype") == "bfloat16" else tiny_model
+    if "kv_pools" in case:
+        monkeypatch.setattr(model, "kv_pools", case["kv_pools"], raising=False)
+    engine = make_engine(serve, model, num_blocks=None, kv_cache_bytes=case["kv_cache_bytes"],
+                         block_size=case["block_size"])
+    assert engine.blocks.num_blocks == case["expect"], (
+        f"{case}: a pool of {case['kv_cache_bytes']} bytes holds {case['expect']} whole blocks, "
+        f"the engine made {engine.blocks.num_blocks}")
+
+
+def test_a_pool_too_small_for_one_block_is_refused(serve, tiny_model):
+    whole_message = r"^the KV pool would hold no block: give more memory or set EngineConfig\.num_blocks$"
+    with pytest.raises(ValueError, match=whole_message):
+        make_engine(serve, tiny_model, num_blocks=None, kv_cache_bytes=TINY_BLOCK_BYTES - 1, block_size=4)
+
+
+def test_on_cuda_the_pool_is_profiled_with_the_configs_budget(serve, tiny_model, monkeypatch):
+    """On CUDA with num_blocks=None the engine asks runner.profile_num_blocks, passing the block
+    size, the model's dtype and device, the step's token budget and gpu_memory_utilization.
+    A model that says it lives on CUDA, and a stand-in profiler that records its arguments
+    and stops the construction there, check the call on any machine."""
+    import inspect
+    from types import SimpleNamespace
+
+    import torch
+
+    class Stop(Exception):
+        pass
+
+    class SaysCuda(serve.flat_model.FlatModel):
+        def parameters(self, recurse=True):
+            yield SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+
+    calls = []
+
+    def profiler(*args, **kwargs):
+        calls.append(inspect.signature(serve.runner.profile_num_blocks).bind(*args, **kwargs))
+        raise Stop
+
+    monkeypatch.setattr(serve.engine, "profile_num_blocks", profiler)
+    flat = SaysCuda(tiny_model)
+    with pytest.raises(Stop):
+        make_engine(serve, flat, num_blocks=None, block_size=8, max_num_batched_tokens=96,
+                    gpu_memory_utilization=0.5)
+    assert len(calls) == 1, f"the engine must profile the pool once on CUDA, it called the profiler {len(calls)} times"
+    calls[0].apply_defaults()
+    got = dict(calls[0].arguments)
+    backend = got.pop("backend")
+    assert backend is not None and hasattr(backend, "allocate"), f"the profiler needs the attention backend: {backend}"
+    assert got == dict(flat=flat, block_size=8, dtype=torch.bfloat16, device=torch.device("cuda"), max_tokens=96,
+                       utilization=0.5), f"profile_num_blocks was called with {got}"
+
+
+def test_generate_picks_ids_no_live_request_uses(serve, tiny_model):
+    """generate() names its prompts itself. Live requests already holding the names a fresh
+    engine's generate would use (seen on a first engine), plain or as the samples of an n = 3
+    group ("<id>:2"), make it pick others: nothing is refused, the live requests
+    are untouched. (Found by mutation testing: only samples :0 and :1 were checked.)"""
+    P = serve.request.SamplingParams
+    probe = scripted(serve, tiny_model, block_size=4, num_blocks=32)
+    first = [o.request_id for o in probe.generate([[1, 2], [3, 4]], P(max_tokens=1))]
+    for samples in (False, True):
+        engine = scripted(serve, tiny_model, block_size=4, num_blocks=32)
+        squatters = [f"{rid}:2" for rid in first] if samples else first
+        for rid in squatters:
+            engine.add_request(rid, [5, 6], P(max_tokens=20))
+        outs = engine.generate([[1, 2], [3, 4]], P(max_tokens=2, n=3) if samples else P(max_tokens=2))
+        got = [o.request_id for out in outs for o in (out if isinstance(out, list) else [out])]
+        assert not set(got) & set(squatters) and len(set(got)) == len(got), (
+            f"generate used the ids {got} while {squatters} were live")
+        assert all(engine.scheduler.requests[rid].num_output_tokens >= 2 for rid in squatters)
+
+
+def test_generate_runs_through_steps_without_outputs_and_returns_only_its_own(serve, tiny_model):
+    """A prompt longer than the step's budget spends steps with no output (mid-prompt chunks):
+    generate keeps stepping. A request queued before generate advances too and may finish
+    during it, but only generate's prompts come back, finished, in the order given."""
+    P = serve.request.SamplingParams
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_num_batched_tokens=8)
+    early = add(serve, engine, "early", [9], max_tokens=1)
+    outs = engine.generate([list(range(1, 20)), [7, 7]], [P(max_tokens=3), P(max_tokens=2)])
+    assert [(len(o.output_token_ids), o.finished) for o in outs] == [(3, True), (2, True)], (
+        f"generate returns each prompt's FINAL output: {outs}")
+    assert outs[0].output_token_ids == [next_token(list(range(1, 20)) + outs[0].output_token_ids[:k])
+                                        for k in range(3)]
+    assert early.status.name == "FINISHED_LENGTH" and "early" not in [o.request_id for o in outs]
+
+
+def test_generate_raises_when_the_scheduler_plans_nothing(serve, tiny_model):
+    """A scheduler that plans nothing while generate's requests are unfinished would spin
+    forever: generate raises a RuntimeError naming (at most four of) them, and leaves the
+    engine empty."""
+    P = serve.request.SamplingParams
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32)
+    engine.scheduler.schedule = lambda: serve.scheduler.SchedulerOutput()
+    with pytest.raises(RuntimeError, match=r"planned nothing while 5 request\(s\) are unfinished") as caught:
+        engine.generate([[1, 2]] * 5, P(max_tokens=2))
+    listed = str(caught.value).split("unfinished:")[1]
+    assert listed.count("'") == 8, f"the error lists the first four unfinished ids: {caught.value}"
+    assert_engine_idle(engine, "after generate raised")
+
+
+def test_stats_counts_by_hand(serve, tiny_model):
+    """stats() after one step: a (8 tokens) runs, b (the same 8 tokens) waits (max_num_seqs = 1).
+    a was looked up (8 tokens queried, nothing cached) and holds 2 of the 6 blocks."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=6, max_num_seqs=1)
+    add(serve, engine, "a", [1] * 8, max_tokens=4)
+    add(serve, engine, "b", [1] * 8, max_tokens=4)
+    engine.step()
+    assert engine.stats() == {"steps": 1, "preemptions": 0, "prefix_hit_rate": 0.0, "blocks_free": 4,
+                              "num_blocks": 6, "waiting": 1, "running": 1, "prefix_queries": 8,
+                              "prefix_hits": 0, "prefix_evictions": 0}, engine.stats()
+
+
+def test_generate_passes_its_priorities_on(serve, tiny_model):
+    """Under policy="priority" generate's prompts compete with the requests already queued:
+    by default at priority 0 (ahead of a queued priority-1 request), or at the priorities
+    given (priority 5 waits behind it). max_num_seqs = 1 makes the order visible."""
+    P = serve.request.SamplingParams
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_num_seqs=1, policy="priority")
+    queued = add(serve, engine, "queued", [9, 9], max_tokens=2, priority=1)
+    engine.generate([[1, 2]], P(max_tokens=2))
+    assert queued.num_computed_tokens == 0, "generate's prompt (priority 0 by default) must run before priority 1"
+    engine.generate([[3, 4]], P(max_tokens=2), priorities=[5])
+    assert queued.status.name == "FINISHED_LENGTH", (
+        f"a priority-1 request must finish before generate's priority-5 prompt is served: {queued.status.name}")
+
+
+def test_outputs_carry_the_stop_token_and_the_cached_prefix(serve, tiny_model):
+    """A request's output names the stop token that ended it (stop_reason) and how many prompt
+    tokens came from the prefix cache: b repeats finished a's 8-token prompt, 2 full blocks of
+    4, so 8 of its tokens are cached. Without prompt logprobs a batch records no prompt spans."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=16)
+    add(serve, engine, "a", [1] * 8, max_tokens=1)
+    (a,) = engine.step()
+    assert a.finished and a.num_cached_tokens == 0 and a.stop_reason is None, a
+    stopper = next_token([1] * 8 + [3])               # the scripted model's first token for b
+    engine.add_request("b", [1] * 8 + [3], serve.request.SamplingParams(max_tokens=5, stop_token_ids=[stopper]))
+    (b,) = engine.step()
+    assert (b.finished, b.finish_reason, b.stop_reason, b.num_cached_tokens) == (True, "stop", stopper, 8), b
+    request = serve.request.Request("plain", [1, 2, 3])
+    batch = serve.batch.build_batch([(request, 3)], {"plain": [0]}, 4, "cpu")
+    assert batch.prompt_spans == [], f"no prompt logprobs asked, yet prompt_spans is {batch.prompt_spans!r}"
+
+
+def test_prompt_logprob_rows_and_spans_by_hand(serve):
+    """With params.prompt_logprobs set (Chapter 34's seam), the rows whose next token is a
+    prompt token follow the sampling rows in logits_indices and prompt_spans records
+    (request, first position, the prompt tokens they predict). Prompt 10..14 in chunks of 3,
+    1 and 1 behind a plain 3-token prompt; then a request with two draft tokens (Chapter 37)."""
+    import torch
+    plain = serve.request.Request("plain", [1, 2, 3])
+    scored = serve.request.Request("scored", [10, 11, 12, 13, 14], serve.request.SamplingParams(prompt_logprobs=0))
+    tables = {"plain": [0], "scored": [1, 2]}
+    batch = serve.batch.build_batch([(plain, 3), (scored, 3)], tables, 4, "cpu")
+    assert (batch.logits_indices.tolist(), batch.sample_counts) == ([2, 3, 4, 5], [1, 0]), (
+        f"plain samples row 2; scored's rows 3..5 predict prompt tokens 11..13: {batch.logits_indices.tolist()}")
+    assert [(r.request_id, c, tokens) for r, c, tokens in batch.prompt_spans] == [("scored", 0, [11, 12, 13])]
+    for done, rows, spans in ((3, [0], [("scored", 3, [14])]), (4, [0], [])):
+        scored.num_computed_tokens = done
+        batch = serve.batch.build_batch([(scored, 1)], tables, 4, "cpu")
+        assert batch.logits_indices.tolist() == rows and [
+            (r.request_id, c, tokens) for r, c, tokens in batch.prompt_spans] == spans, (
+            f"scored at position {done}: rows {batch.logits_indices.tolist()}, spans {batch.prompt_spans}")
+    drafted = serve.request.Request("drafted", [1, 2, 3])
+    drafted.num_computed_tokens, drafted.spec_token_ids = 2, [7, 8]
+    batch = serve.batch.build_batch([(drafted, 3)], {"drafted": [0, 1]}, 4, "cpu")
+    assert batch.input_ids.tolist() == [3, 7, 8] and batch.input_ids.dtype == torch.int64, batch.input_ids
+
+
+def test_padding_rows_by_hand(serve):
+    """pad_to (Chapter 33's seam) appends one-row dummies (token 0, position 0, slot -1,
+    seq_len 0, an all-zero block-table row) until there are pad_to requests, and none when
+    there are already that many. A one-block table keeps the block table one column wide."""
+    import torch
+    plain = serve.request.Request("p", [1, 2, 3])
+    for pad_to, ids, slots, lens, starts, table in (
+            (2, [1, 2, 3, 0], [20, 21, 22, -1], [3, 0], [0, 3, 4], [[5], [0]]),
+            (1, [1, 2, 3], [20, 21, 22], [3], [0, 3], [[5]])):
+        batch = serve.batch.build_batch([(plain, 3)], {"p": [5]}, 4, "cpu", pad_to)
+        meta = batch.meta
+        got = (batch.input_ids.tolist(), batch.positions.tolist()[3:], meta.slot_mapping.tolist(),
+               meta.seq_lens.tolist(), meta.query_start_loc.tolist(), meta.block_table.tolist())
+        assert got == (ids, [0] * (len(ids) - 3), slots, lens, starts, table), f"pad_to={pad_to}: {got}"
+        assert (meta.block_size, meta.max_query_len, meta.max_seq_len) == (4, 3, 3), meta
+        assert [t.dtype for t in (meta.query_start_loc, meta.seq_lens, meta.block_table, meta.slot_mapping)] == [
+            torch.int32, torch.int32, torch.int32, torch.int64], "the spec's index dtypes: int32, slots int64"
+    only_padding = serve.batch.build_batch([], {}, 4, "cpu", 2).meta
+    assert (only_padding.max_query_len, only_padding.max_seq_len) == (1, 0), (
+        "two one-row dummies: the longest query is 1 row, the longest context 0")
+    mid_prompt = serve.batch.build_batch([(serve.request.Request("m", [1, 2, 3, 4, 5]), 2)], {"m": [0, 1]}, 4, "cpu")
+    assert mid_prompt.logits_indices.tolist() == [] and mid_prompt.logits_indices.dtype == torch.int64, (
+        f"a mid-prompt chunk samples no row, and its empty logits_indices is still int64: {mid_prompt.logits_indices}")

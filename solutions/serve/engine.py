@@ -435,7 +435,9 @@ class EngineCore:
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"generate: {len(priorities)} priorities for {len(prompts)} prompts")
-        ids = self._fresh_ids(len(prompts))
+        # n > 1 names samples "<id>:0" .. "<id>:<n-1>": those must be free too.
+        samples = max((p.n for p in per_prompt if isinstance(p, SamplingParams)), default=1)
+        ids = self._fresh_ids(len(prompts), samples)
         added = []
         try:
             for rid, prompt, p, priority in zip(ids, prompts, per_prompt, priorities):
@@ -448,12 +450,13 @@ class EngineCore:
                 self.abort_request(rid)
             raise
 
-    def _fresh_ids(self, count: int) -> list[str]:
-        """Ids for generate's prompts that no request or group in the engine uses."""
+    def _fresh_ids(self, count: int, samples: int = 1) -> list[str]:
+        """Ids for generate's prompts that no request or group in the engine uses, nor the
+        ids "<id>:0" .. "<id>:<samples-1>" of their samples."""
         while True:
             self._generate_calls += 1
             ids = [f"generate{self._generate_calls}-{i}" for i in range(count)]
-            if not any(self._id_taken(rid) or any(self._id_taken(f"{rid}:{j}") for j in range(2)) for rid in ids):
+            if not any(self._id_taken(rid) or any(self._id_taken(f"{rid}:{j}") for j in range(samples)) for rid in ids):
                 return ids
 
     def _run_to_completion(self, added: list[Request | list[Request]]) -> list[RequestOutput | list[RequestOutput]]:
