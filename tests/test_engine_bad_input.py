@@ -89,6 +89,8 @@ REQUEST_CASES = {
     "negative temperature": (lambda e, s: P(s, temperature=-1.0), r"temperature must be >= 0"),
     "top_p 0": (lambda e, s: P(s, top_p=0.0), r"top_p must be in \(0, 1\]"),
     "fractional stop token": (lambda e, s: P(s, stop_token_ids=[1.5]), r"stop_token_ids must be .*integer token ids"),
+    "bool stop token": (lambda e, s: P(s, stop_token_ids=[True]),
+                        r"stop_token_ids must be integer token ids, got \[True\]"),
     "logprobs before Chapter 34": (lambda e, s: e.add_request("lp", [1, 2], P(s, logprobs=2)), r"Chapter 34"),
     "abort with a non-string id": (lambda e, s: e.abort_request(["run0"]), r"non-empty strings"),
 }
