@@ -77,14 +77,25 @@ class Guide(Protocol):
     """The constrained-decoding state of one request (Chapter 35), kept in
     request.extra["guide"].
 
-    Contract as Chapter 31 reads it: `finished` is True once the pattern admits no further
-    byte; EngineCore.check_stop then ends the request as FINISHED_STOPPED with stop_reason
-    "guided". Chapter 35 adds how the sampler masks the tokens the guide forbids and how the
-    guide advances by each accepted token; a guide that raises fails only its own request.
+    Contract:
+    - `allowed()` returns a bool tensor [vocab_size] on the CPU: True for every token whose
+      bytes keep the pattern matchable from the guide's current state, and for EOS exactly
+      when the text so far is a complete match. It does not change the guide.
+    - The full sampler (Chapter 34) sets the logits of every token `allowed()` forbids to
+      -inf before it applies any other rule, so a guided request can only draw allowed tokens.
+    - `advance(token_id)` moves the guide past one accepted token; the engine calls it after
+      appending the token and before check_stop. A forbidden token raises ValueError naming it.
+    - `finished` is True once the pattern admits no further byte; EngineCore.check_stop then
+      ends the request as FINISHED_STOPPED with stop_reason "guided".
+    A guide that raises fails only its own request.
     """
 
     @property
     def finished(self) -> bool: ...
+
+    def allowed(self) -> torch.Tensor: ...
+
+    def advance(self, token_id: int) -> None: ...
 
 
 @runtime_checkable
