@@ -41,9 +41,11 @@ FAMILIES = {
     "mistral (window 6)": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
     "llama 3 rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": SCALED}),
     "yarn rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": YARN}),
+    "qwen3 yarn rope scaling": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_scaling": YARN}),
 }
 OURS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral (window 6)": "MistralForCausalLM",
-        "llama 3 rope scaling": "LlamaForCausalLM", "yarn rope scaling": "LlamaForCausalLM"}
+        "llama 3 rope scaling": "LlamaForCausalLM", "yarn rope scaling": "LlamaForCausalLM",
+        "qwen3 yarn rope scaling": "Qwen3ScaledForCausalLM"}
 
 
 def hf_family(impl, label, seed=0):
@@ -128,6 +130,15 @@ def test_unknown_architecture_names_the_known_ones(impl, tmp_path):
     message = str(error.value)
     assert "GPTNeoXForCausalLM" in message and "LlamaForCausalLM" in message and "Qwen3ForCausalLM" in message, (
         f"an unknown architecture must be named along with the known ones: {message}")
+
+
+def test_qwen3_config_refuses_a_rope_scaling_it_cannot_apply(impl):
+    values = {**dataclasses.asdict(tiny_config(impl.package)), "rope_scaling": YARN}
+    with pytest.raises(ValueError, match="yarn"):
+        impl.qwen3.Qwen3Config.from_dict(values)
+    values.pop("rope_theta")
+    plain = impl.qwen3.Qwen3Config.from_dict({**values, "rope_scaling": {"rope_type": "default", "rope_theta": 5.0}})
+    assert plain.rope_theta == 5.0, "a 'default' rope_scaling only carries rope_theta and must be accepted"
 
 
 def test_sliding_window_mask_rule(impl):
