@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .mla import DeepseekV2ForCausalLM, MLAConfig
 from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3ForCausalLM, rope_type
 
 if TYPE_CHECKING:
@@ -218,6 +219,7 @@ FAMILIES = {family.name: family for family in (
     Family("llama", LlamaConfig, LlamaForCausalLM, ("LlamaForCausalLM", "LlamaModel")),
     Family("qwen2", LlamaConfig, Qwen2ForCausalLM, ("Qwen2ForCausalLM", "Qwen2Model")),
     Family("mistral", LlamaConfig, MistralForCausalLM, ("MistralForCausalLM", "MistralModel")),
+    Family("deepseek_v2", MLAConfig, DeepseekV2ForCausalLM, ("DeepseekV2ForCausalLM", "DeepseekV2Model")),
     # Qwen3's architectures again: family_for picks this one when rope_scaling is not "default".
     Family("qwen3-scaled-rope", LlamaConfig, Qwen3ScaledForCausalLM, ("Qwen3ForCausalLM", "Qwen3Model")),
 )}

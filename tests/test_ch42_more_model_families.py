@@ -1,6 +1,8 @@
-"""Chapter 42 milestone: Llama, Qwen2, Mistral, Llama 3 and YaRN RoPE scaling beside Qwen3.
+"""Chapter 42 milestone: Llama, Qwen2, Mistral, Llama 3 and YaRN RoPE scaling (Llama and
+Qwen3) and DeepSeek-V2's latent attention beside Qwen3.
 
-Oracles: transformers' own LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM with
+Oracles: transformers' own LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
+Qwen3ForCausalLM and DeepseekV2ForCausalLM with
 the deterministic tiny weights, saved with save_pretrained and loaded back through our
 checkpoint.load_model (the family comes from config.json): logits within 1e-5 of
 transformers' (relative to the largest logit), greedy tokens equal to a full-recompute
@@ -34,6 +36,10 @@ EOS = 257
 SCALED = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# DeepSeek-V2's attention on the tiny shape: every head its own K/V head in transformers'
+# bookkeeping, a 32-number latent and an 8-channel rotary key per token, dense MLPs only.
+LATENT = {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_nope_head_dim": 16,
+          "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 2}
 # family label -> (transformers config class, model class, extra config fields)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -42,17 +48,21 @@ FAMILIES = {
     "llama 3 rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": SCALED}),
     "yarn rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": YARN}),
     "qwen3 yarn rope scaling": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_scaling": YARN}),
+    "deepseek v2 latent attention": ("DeepseekV2Config", "DeepseekV2ForCausalLM", LATENT),
+    "deepseek v2 latent, low-rank queries": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                                             {**LATENT, "q_lora_rank": 24}),
 }
 OURS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral (window 6)": "MistralForCausalLM",
         "llama 3 rope scaling": "LlamaForCausalLM", "yarn rope scaling": "LlamaForCausalLM",
-        "qwen3 yarn rope scaling": "Qwen3ScaledForCausalLM"}
+        "qwen3 yarn rope scaling": "Qwen3ScaledForCausalLM", "deepseek v2 latent attention": "DeepseekV2ForCausalLM",
+        "deepseek v2 latent, low-rank queries": "DeepseekV2ForCausalLM"}
 
 
 def hf_family(impl, label, seed=0):
     config_class, model_class, extra = FAMILIES[label]
     values = dataclasses.asdict(tiny_config(impl.package))
     values.pop("attention_bias")
-    hcfg = getattr(transformers, config_class)(**values, **extra, attn_implementation="eager")
+    hcfg = getattr(transformers, config_class)(**{**values, **extra}, attn_implementation="eager")
     return fill_deterministic(getattr(transformers, model_class)(hcfg), seed).eval()
 
 
@@ -139,6 +149,34 @@ def test_qwen3_config_refuses_a_rope_scaling_it_cannot_apply(impl):
     values.pop("rope_theta")
     plain = impl.qwen3.Qwen3Config.from_dict({**values, "rope_scaling": {"rope_type": "default", "rope_theta": 5.0}})
     assert plain.rope_theta == 5.0, "a 'default' rope_scaling only carries rope_theta and must be accepted"
+
+
+def test_latent_pool_holds_one_small_vector_per_token(impl, serve, tmp_path_factory):
+    _, ours = loaded(impl, "deepseek v2 latent attention", tmp_path_factory)
+    width = LATENT["kv_lora_rank"] + LATENT["qk_rope_head_dim"]
+    budget = 1 << 20
+    engine = serve.engine.EngineCore(ours, serve.config.EngineConfig(kv_cache_bytes=budget, block_size=8),
+                                     eos_token_id=EOS)
+    layers = len(engine.runner.kv_caches)
+    k_cache, v_cache = engine.runner.kv_caches[0][:2]
+    assert k_cache is v_cache, "the latent pool is ONE tensor per layer, handed out as both k_cache and v_cache"
+    assert tuple(k_cache.shape[2:]) == (1, width), (
+        f"a block row holds one entry of latent + rotary key ({width} numbers), got {tuple(k_cache.shape[2:])}")
+    per_block = layers * 8 * width * 4
+    assert engine.blocks.num_blocks == budget // per_block, (
+        f"{budget} bytes hold {budget // per_block} latent blocks (one pool, not K and V); the engine made "
+        f"{engine.blocks.num_blocks}")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        serve.engine.EngineCore(ours, serve.config.EngineConfig(num_blocks=8, block_size=8, kv_cache_dtype="int8"),
+                                eos_token_id=EOS)
+
+
+def test_latent_attention_refuses_what_it_does_not_build(impl):
+    values = {**dataclasses.asdict(tiny_config(impl.package)), **LATENT}
+    with pytest.raises(ValueError, match="experts"):
+        impl.mla.MLAConfig.from_dict({**values, "first_k_dense_replace": 0, "n_routed_experts": 4})
+    with pytest.raises(ValueError, match="yarn"):
+        impl.mla.MLAConfig.from_dict({**values, "rope_scaling": YARN})
 
 
 def test_sliding_window_mask_rule(impl):
