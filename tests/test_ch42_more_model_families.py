@@ -286,6 +286,38 @@ def test_run_py_chat_answers(impl, smollm2_path, capsys):
     assert out.strip() == "The capital of France is Paris.", f"run.py chat printed {out!r}"
 
 
+def test_run_py_bench_chat_workload(impl, smollm2_path, capsys):
+    """`run.py bench --workloads chat` shrunk to two questions of 8 tokens, on the real model:
+    the EngineCore and Chapter 24's engine give the same tokens (the command exits 2
+    otherwise) and each reports its rate. (transformers joins them without --no-hf; its
+    conversion of a Llama-family model is checked on the tiny one below.)"""
+    import json
+
+    from course import cli
+    status = cli.main(["bench", "--impl", impl.spec.text, "--device", "cpu", "--workloads", "chat", "--scale", "0.125",
+                       "--backends", "reference", "--repeat", "1", "--no-hf", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py bench --workloads chat failed:\n{out}{err}"
+    runs = {line["contender"]: line for line in map(json.loads, out.splitlines()) if "contender" in line}
+    assert {"core/reference", "ch24 slots"} <= set(runs), out
+    assert all(line["requests"] == 2 and line["tok_s"] > 0 and line.get("identical", True)
+               for line in runs.values()), out
+
+
+@pytest.mark.parametrize("label", ["llama", "mistral (window 6)"])
+def test_bench_builds_transformers_of_the_same_family(impl, label, tmp_path_factory):
+    """The bench's transformers contender is transformers' class of the model's own family
+    with our weights: same logits (a Llama's "no window", 0 for us, must not become a window of 0)."""
+    from course import bench
+    hf, ours = loaded(impl, label, tmp_path_factory)
+    theirs = bench.transformers_model(ours)
+    assert type(theirs).__name__ == type(hf).__name__, f"{label}: the bench built {type(theirs).__name__}"
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        err = float((theirs(ids).logits - hf(ids).logits).abs().max())
+    assert err < 1e-4, f"{label}: the bench's transformers model is {err:.3g} from transformers' own"
+
+
 def test_smollm2_answers_a_chat_over_http(impl, device, smollm2_path):
     """SmolLM2 behind Chapter 38's server: the reply's ids are the reference's solo greedy
     `generate` on the chat template's ids, and its text is those ids decoded. (Here, not in
