@@ -119,23 +119,59 @@ def draw_series(snaps, columns=8, budget=None, per_row=3):
     return fig
 
 
-def animation_html(snaps, columns=8, budget=None, dpi=72):
-    """Every snapshot as one frame of a self-contained HTML/JavaScript player (the frames are
-    embedded images, no script is fetched), for pages read without a live kernel."""
-    from matplotlib.animation import FuncAnimation
+PLAYER = """<div id="{uid}" style="max-width:100%">
+<img id="{uid}-frame" style="max-width:100%" alt="engine step">
+<div style="font:13px sans-serif;margin-top:4px">
+<button id="{uid}-first">|&lt;</button> <button id="{uid}-back">&lt; step</button>
+<button id="{uid}-play">play</button> <button id="{uid}-next">step &gt;</button>
+<input id="{uid}-slider" type="range" min="0" max="{last}" value="0" style="vertical-align:middle">
+<span id="{uid}-label"></span></div></div>
+<script>
+(function() {{
+  var frames = {frames}, at = 0, timer = null;
+  function el(name) {{ return document.getElementById("{uid}-" + name); }}
+  function show(i) {{
+    at = Math.max(0, Math.min(frames.length - 1, i));
+    el("frame").src = "data:image/png;base64," + frames[at];
+    el("slider").value = at;
+    el("label").textContent = "frame " + (at + 1) + " of " + frames.length;
+  }}
+  function stop() {{ if (timer) {{ clearInterval(timer); timer = null; el("play").textContent = "play"; }} }}
+  el("first").onclick = function() {{ stop(); show(0); }};
+  el("back").onclick = function() {{ stop(); show(at - 1); }};
+  el("next").onclick = function() {{ stop(); show(at + 1); }};
+  el("slider").oninput = function() {{ stop(); show(+this.value); }};
+  el("play").onclick = function() {{
+    if (timer) {{ stop(); return; }}
+    if (at === frames.length - 1) show(0);
+    el("play").textContent = "pause";
+    timer = setInterval(function() {{ if (at === frames.length - 1) stop(); else show(at + 1); }}, {interval});
+  }};
+  show(0);
+}})();
+</script>"""
 
-    order = {}
+
+def animation_html(snaps, columns=8, budget=None, dpi=72, interval_ms=700):
+    """Every snapshot as one frame of a small HTML/JavaScript player (buttons and a slider),
+    for pages read without a live kernel. The frames are PNG images embedded in the page and
+    the script is inline: nothing is fetched from anywhere."""
+    import base64
+    import io
+    import uuid
+
+    order, frames = {}, []
     fig, (pool_ax, tokens_ax) = plt.subplots(2, 1, figsize=(5, 5), dpi=dpi, gridspec_kw={"height_ratios": [4, 1]})
     fig.legend(handles=legend_handles(), loc="lower center", ncol=2, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-
-    def frame(i):
-        draw(snaps[i], pool_ax, tokens_ax, order, columns, budget)
-
-    player = FuncAnimation(fig, frame, frames=len(snaps), interval=700)
-    html = player.to_jshtml(default_mode="once")
+    for snap in snaps:
+        draw(snap, pool_ax, tokens_ax, order, columns, budget)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=dpi)
+        frames.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
     plt.close(fig)
-    return html
+    return PLAYER.format(uid=f"steps-{uuid.uuid4().hex[:8]}", last=len(frames) - 1, interval=interval_ms,
+                         frames="[" + ",".join(f'"{f}"' for f in frames) + "]")
 
 
 def stepper(make_engine, columns=8, budget=None):
