@@ -275,29 +275,44 @@ class DraftModelProposer:
 
 
 class DraftHeads(nn.Module):
-    """Medusa-style heads: head i maps the target's final hidden state h of a token to
-    logits of the token i + 1 places after the one h itself predicts, through
-    lm_head(h + SiLU(W_i h)). The LM head is the target's, frozen and shared; W_i starts at
-    zero, so an untrained head guesses what the target's own head says."""
+    """Heads on the target's last hidden state (Medusa style, with the newest token's
+    embedding as a second input, as multi-token-prediction heads have). For the row that
+    chose token x from hidden state h, head i guesses the token i + 1 places after x:
 
-    def __init__(self, lm_head: nn.Module, hidden_size: int, num_heads: int) -> None:
+        logits_i = lm_head(h + SiLU(W_i h + U_i embed(x)))
+
+    The embedding table and the LM head are the target's, frozen and shared; W_i and U_i
+    start at zero, so an untrained head repeats the target's own guess for x's slot."""
+
+    def __init__(self, embed: nn.Module, lm_head: nn.Module, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.lm_head = lm_head
-        self.mixers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_heads))
-        for mixer in self.mixers:
-            nn.init.zeros_(mixer.weight)
+        self.embed, self.lm_head = embed, lm_head
+        self.from_hidden = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_heads))
+        self.from_token = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_heads))
+        for layer in [*self.from_hidden, *self.from_token]:
+            nn.init.zeros_(layer.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, D] -> logits [R, num_heads, V]."""
-        return torch.stack([self.lm_head(hidden + nn.functional.silu(m(hidden))) for m in self.mixers], dim=1)
+    @property
+    def num_heads(self) -> int:
+        return len(self.from_hidden)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [*self.from_hidden.parameters(), *self.from_token.parameters()]
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden [R, D], tokens [R] (the token each row chose) -> logits [R, num_heads, V]."""
+        token = self.embed(tokens)
+        return torch.stack([self.lm_head(hidden + nn.functional.silu(w(hidden) + u(token)))
+                            for w, u in zip(self.from_hidden, self.from_token)], dim=1)
 
 
 def train_heads(model: Qwen3ForCausalLM, prompts: Sequence[Sequence[int]], num_heads: int, new_tokens: int = 32,
                 steps: int = 100, lr: float = 1e-2, eos_token_id: int | None = None, seed: int = 0) -> DraftHeads:
     """Fit DraftHeads to the model's OWN greedy continuations of `prompts`: generate them
-    with the engine core (batched), take the final hidden state at every output position,
-    and train head i by cross-entropy (full batch, Adam) to predict the greedy token i + 1
-    places further on. The target is frozen. On the tiny model, 128 prompts and 100 steps
+    with the engine core (batched), take the final hidden state and the token it chose at
+    every output position, and train head i by cross-entropy (full batch, Adam) to predict
+    the greedy token i + 1 places after the chosen one. The target is frozen (only W_i and
+    U_i get gradients; the optimizer never sees the target's parameters). On the tiny model, 128 prompts and 100 steps
     take seconds of CPU; the chapter measures how often the heads are then right."""
     from .config import EngineConfig
     from .engine import EngineCore
@@ -306,27 +321,28 @@ def train_heads(model: Qwen3ForCausalLM, prompts: Sequence[Sequence[int]], num_h
     longest = max(len(p) for p in prompts) + new_tokens
     config = EngineConfig(num_blocks=len(prompts) * -(-longest // 16), block_size=16)
     finals = EngineCore(model, config, eos_token_id).generate(prompts, SamplingParams(max_tokens=new_tokens))
-    features, targets = [], []
+    features, chosen, targets = [], [], []
     with torch.inference_mode():
         for prompt, final in zip(prompts, finals):
             sequence = list(prompt) + list(final.output_token_ids)  # type: ignore[union-attr]
             hidden = model.model(torch.tensor([sequence], device=device))[0]
             for i in range(len(prompt) - 1, len(sequence) - 1 - num_heads):   # positions whose next token is generated
                 features.append(hidden[i].clone())
+                chosen.append(sequence[i + 1])
                 targets.append(sequence[i + 2:i + 2 + num_heads])
     if not features:
         raise ValueError("train_heads: the prompts and new_tokens leave no position to learn from")
     dtype = model.lm_head.weight.dtype
     x = torch.stack(features).to(dtype)
+    x_tokens = torch.tensor(chosen, device=device)
     y = torch.tensor(targets, device=device)
-    heads = DraftHeads(model.lm_head, model.cfg.hidden_size, num_heads)
-    heads.mixers.to(device=device, dtype=dtype)      # only the new weights: the LM head stays the target's
-    for p in heads.lm_head.parameters():
-        p.requires_grad_(False)
-    optimizer = torch.optim.Adam(heads.mixers.parameters(), lr=lr)
+    heads = DraftHeads(model.model.embed_tokens, model.lm_head, model.cfg.hidden_size, num_heads)
+    for layer in [*heads.from_hidden, *heads.from_token]:   # only the new weights: the target's stay as they are
+        layer.to(device=device, dtype=dtype)
+    optimizer = torch.optim.Adam(heads.trainable(), lr=lr)
     with torch.enable_grad():
         for _ in range(steps):
-            logits = heads(x)
+            logits = heads(x, x_tokens)
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
             optimizer.zero_grad()
             loss.backward()
@@ -346,8 +362,9 @@ class HeadProposer:
                 hidden: torch.Tensor | None) -> list[Draft]:
         if hidden is None or not requests:
             return [Draft([]) for _ in requests]
-        weight = next(self.heads.parameters())
-        guesses = self.heads(hidden.to(weight.dtype)).argmax(dim=-1).tolist()
+        newest = torch.tensor([r.token_ids[-1] for r in requests], device=hidden.device)
+        weight = self.heads.from_hidden[0].weight
+        guesses = self.heads(hidden.to(weight.dtype), newest).argmax(dim=-1).tolist()
         return [Draft(row[:limit]) for row, limit in zip(guesses, limits)]
 
     def release(self, request_id: str) -> None:
@@ -363,6 +380,11 @@ class SpecStats:
     accepted: int = 0          # of those, kept
     emitted: int = 0           # tokens appended to requests
     verify_rows: int = 0       # sampled rows (one per request per step, plus one per draft)
+    verifications: int = 0     # (request, step) pairs that sampled: plain decoding emits 1 token each
+
+    @property
+    def tokens_per_verification(self) -> float:
+        return self.emitted / self.verifications if self.verifications else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -470,6 +492,7 @@ class Speculator:
             self.stats.accepted += len(emitted) - 1
             self.stats.emitted += len(new)
             self.stats.verify_rows += count
+            self.stats.verifications += 1
             if request.first_token_time is None:
                 request.first_token_time = now
             if reason is not None:
