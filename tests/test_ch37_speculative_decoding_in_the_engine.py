@@ -20,11 +20,11 @@ from collections import Counter
 
 import pytest
 import torch
+from test_engine_random_workloads import FAST_SEEDS, run_workload
 
 import course
 from course.models import tiny_qwen3
 from course.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
-from test_engine_random_workloads import FAST_SEEDS, run_workload
 
 pytestmark = pytest.mark.chapter(37)
 
@@ -108,12 +108,14 @@ def run_steps(engine, where):
 
 def test_ngram_lookup_finds_the_latest_repeat_of_the_tail(spec):
     look = spec.propose_ngram
-    assert look([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1], "the LATEST earlier occurrence of [1, 2, 3] is followed by 7, 1"
+    assert look([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1], (
+        "the LATEST earlier occurrence of [1, 2, 3] is followed by 7, 1")
     assert look([5, 6, 7, 5, 6], 4) == [7, 5, 6], "the continuation stops at the end of the sequence"
     assert look([4, 4, 4], 3, max_n=2) == [4], "a run continues itself: tail [4, 4] occurs at 0, followed by 4"
     assert look([1, 2, 3, 4], 3) == [], "no tail recurs: no guess"
     assert look([1, 2, 1, 2], 0) == [], "k = 0 asks for nothing"
-    assert look([8, 1, 9, 3, 1], 2, max_n=3, min_n=1) == [9, 3], "no 3- or 2-token repeat, so the 1-token tail [1] decides"
+    assert look([8, 1, 9, 3, 1], 2, max_n=3, min_n=1) == [9, 3], (
+        "no 3- or 2-token repeat, so the 1-token tail [1] decides")
     assert look([8, 1, 9, 3, 1], 2, max_n=3, min_n=2) == [], "min_n=2 refuses the 1-token match"
 
 

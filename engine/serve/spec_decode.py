@@ -232,12 +232,12 @@ class DraftModelProposer:
         drafts = []
         for request in requests:
             tokens = guesses.get(request.request_id, [])
-            shadow = self.shadows.get(request.request_id)
-            if shadow is not None:                     # the guesses' K/V are not the request's (yet)
-                shadow.num_computed_tokens = min(shadow.num_computed_tokens, shadow.num_tokens)
-                shadow.spec_token_ids = []
-            probs = torch.stack(rows[request.request_id]) if rows.get(request.request_id) else None
-            drafts.append(Draft(tokens, probs))
+            kept = self.shadows.get(request.request_id)
+            if kept is not None:                       # the guesses' K/V are not the request's (yet)
+                kept.num_computed_tokens = min(kept.num_computed_tokens, kept.num_tokens)
+                kept.spec_token_ids = []
+            drawn = rows.get(request.request_id)
+            drafts.append(Draft(tokens, torch.stack(drawn) if drawn else None))
         return drafts
 
 
@@ -330,8 +330,8 @@ class HeadProposer:
         if hidden is None or not requests:
             return [Draft([]) for _ in requests]
         newest = torch.tensor([r.token_ids[-1] for r in requests], device=hidden.device)
-        weight = self.heads.from_hidden[0].weight
-        guesses = self.heads(hidden.to(weight.dtype), newest).argmax(dim=-1).tolist()
+        dtype = next(self.heads.from_hidden.parameters()).dtype
+        guesses = self.heads(hidden.to(dtype), newest).argmax(dim=-1).tolist()
         return [Draft(row[:limit]) for row, limit in zip(guesses, limits)]
 
     def release(self, request_id: str) -> None:
