@@ -374,7 +374,7 @@ class HeadProposer:
 # --- the drafter the engine calls -----------------------------------------------------------
 
 @dataclass
-class SpecStats:
+class VerifyStats:
     """Counters over every step the Speculator ran."""
     proposed: int = 0          # draft tokens the target verified
     accepted: int = 0          # of those, kept
@@ -424,7 +424,7 @@ class Speculator:
     Install with `Speculator(proposer, k).attach(engine)` on an engine with no request yet."""
     proposer: Any
     k: int = 4
-    stats: SpecStats = field(default_factory=SpecStats)
+    stats: VerifyStats = field(default_factory=VerifyStats)
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)   # request id -> q rows of its drafts
 
     def __post_init__(self) -> None:
@@ -523,5 +523,5 @@ class Speculator:
 
 
 __all__ = ["propose_ngram", "warped_probs", "settle", "Draft", "Proposer", "NgramProposer", "DraftModelProposer",
-           "DraftHeads", "train_heads", "HeadProposer", "SpecStats", "Speculator", "refuse_with_drafter",
+           "DraftHeads", "train_heads", "HeadProposer", "VerifyStats", "Speculator", "refuse_with_drafter",
            "NOT_WITH_DRAFTS"]
