@@ -201,6 +201,42 @@ def test_stop_rules_apply_to_accepted_tokens_in_order(serve, spec, tiny_model, r
     assert_engine_idle(engine, "[perfect drafter] after the run")
 
 
+def test_a_budget_that_cuts_the_drafts_verifies_only_what_ran(serve, spec, tiny_model, ref_model):
+    """With a 3-token step budget a request can feed its newest token and at most 2 of its 4
+    drafts: only those are verified, the rest are dropped and proposed again."""
+    prompts = prompts_for(13, 1)
+    engine = make_engine(serve, tiny_model, num_blocks=32, block_size=4, max_num_batched_tokens=3,
+                         debug_checks=True)
+    drafter = spec.Speculator(PerfectProposer(ref_model, prompts, 16), k=4).attach(engine)
+    engine.add_request("cut", prompts[0], serve.request.SamplingParams(max_tokens=16))
+    got, most = [], 0
+    while engine.has_unfinished:
+        new = [t for o in engine.step() for t in o.new_token_ids]
+        got += new
+        most = max(most, len(new))
+    assert got == solo(ref_model, prompts[0], 16), f"budget 3: expected {solo(ref_model, prompts[0], 16)}, got {got}"
+    assert most <= 3, f"a step emitted {most} tokens: more drafts were accepted than the budget fed"
+    assert drafter.stats.accepted == drafter.stats.proposed > 0, f"a perfect drafter's drafts: {drafter.stats}"
+    assert engine.steps < 16, f"{engine.steps} steps for 16 tokens: the verified drafts saved none"
+    assert_engine_idle(engine, "[budget 3] after the run")
+
+
+def test_a_full_draft_pool_means_no_drafts_not_a_stall(serve, spec, impl, tiny_model, ref_model):
+    """The draft model's own pool holds 2 blocks of 4 tokens: longer requests get no drafts
+    from it, and decode as if no drafter were installed."""
+    prompts = prompts_for(17, 3)
+    engine = make_engine(serve, tiny_model, num_blocks=48, block_size=4, debug_checks=True)
+    draft = spec.DraftModelProposer(impl.load("speculative").truncated_draft(tiny_model, 1), 2, 4)
+    spec.Speculator(draft, k=3).attach(engine)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"f{i}", p, serve.request.SamplingParams(max_tokens=10))
+    got = run_steps(engine, "[tiny draft pool]")
+    for i, p in enumerate(prompts):
+        assert got[f"f{i}"] == solo(ref_model, p, 10), f"request f{i} changed when its draft pool was full"
+    assert draft.blocks.num_free == 2 and not draft.shadows, "the draft pool kept blocks after the run"
+    assert_engine_idle(engine, "[tiny draft pool] after the run")
+
+
 def test_rejected_drafts_are_trimmed_and_never_published(serve, spec, tiny_model, ref_model):
     """Rejected drafts write K/V into blocks. After every step: no request holds blocks past
     its computed tokens' needs plus what the next step asks, and every published key is the
