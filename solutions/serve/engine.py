@@ -26,7 +26,7 @@ from .batch import Batch
 from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
-from .interfaces import AttentionBackend, Sampler
+from .interfaces import AttentionBackend, Drafter, Sampler
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
 from .sampler import Sampler as FullSampler
@@ -96,7 +96,7 @@ class EngineCore:
         self.steps = 0
         self.preemptions = 0
         self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
-        self.drafter = None             # Chapter 37
+        self.drafter: Drafter | None = None     # Chapter 37 (serve.spec_decode.Speculator)
         self.inflight = None            # Chapter 33
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
         self._generate_calls = 0
@@ -227,6 +227,9 @@ class EngineCore:
         return prompt
 
     def _check_features(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
+        if self.drafter is not None:                       # Chapter 37: what speculation cannot verify
+            from .spec_decode import refuse_with_drafter
+            refuse_with_drafter(request_id, params, lora, features)
         if lora is not None or features:
             raise ValueError(f"request {request_id!r}: adapters and image features arrive in Chapter 43")
         if params.guided_regex is not None or params.guided_json is not None:
@@ -306,7 +309,8 @@ class EngineCore:
            it in self.last_plan.
         2. Swaps, before any compute: every runner.swap_out(request, blocks) of plan.swap_out,
            THEN every runner.swap_in(request, blocks) (freed blocks may be reused right away).
-        3. Nothing scheduled -> return [].
+        3. Nothing scheduled -> return []. With self.drafter set (Chapter 37), return
+           self.drafter.step(self, plan): it does steps 4-7 with verification rows.
         4. batch = runner.prepare(plan.scheduled, self.blocks.req_blocks);
            logits = runner.execute(batch): one row per sampled row, in request order.
         5. The requests with a nonzero batch.sample_counts entry get tokens through
@@ -336,6 +340,8 @@ class EngineCore:
             runner.swap_in(resumed, new_blocks)
         if not plan.scheduled:
             return []
+        if self.drafter is not None:
+            return self.drafter.step(self, plan)          # Chapter 37: verify drafts, then update
         batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
         logits = self.runner.execute(batch)
         if batch.prompt_spans:                  # prompt-logprob rows follow the sampling rows (Chapter 34)
