@@ -180,3 +180,153 @@ def test_bad_adapter_requests_are_refused_and_change_nothing(impl, serve, tiny_m
     with pytest.raises(ValueError, match="AdapterBank"):
         plain.add_request("r0", [1, 2, 3], lora="sql")
     assert not engine.scheduler.requests and not plain.scheduler.requests, "a refused request was queued"
+
+
+# --- images --------------------------------------------------------------------------------------
+
+IMAGE = 300                  # the placeholder id (the tiny vocabulary's prompts use ids below 256)
+SECTIONS = (4, 2, 2)         # frequency pairs of the T, H, W axes (head_dim 16: 8 pairs)
+MERGE = 2                    # the encoder merges 2 x 2 patches into one image token
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl():
+    """transformers' Qwen3-VL: the whole model for get_rope_index, and its text model with the
+    tiny Qwen3's weights (Qwen3-VL's language model is Qwen3 with three-axis RoPE)."""
+    model = models.tiny_qwen3(__import__("course").reference().package)
+    text = dict(vocab_size=model.cfg.vocab_size, hidden_size=model.cfg.hidden_size,
+                intermediate_size=model.cfg.intermediate_size, num_hidden_layers=model.cfg.num_hidden_layers,
+                num_attention_heads=model.cfg.num_attention_heads,
+                num_key_value_heads=model.cfg.num_key_value_heads, head_dim=model.cfg.head_dim,
+                rms_norm_eps=model.cfg.rms_norm_eps, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": model.cfg.rope_theta,
+                                 "mrope_section": list(SECTIONS), "mrope_interleaved": True})
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 4,
+              "out_hidden_size": model.cfg.hidden_size, "spatial_merge_size": MERGE, "temporal_patch_size": 1,
+              "num_position_embeddings": 16, "deepstack_visual_indexes": []}
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+    config.text_config._attn_implementation = "eager"
+    whole = transformers.Qwen3VLModel(config).eval()
+    weights = {k[len("model."):]: v for k, v in model.state_dict().items() if k.startswith("model.")}
+    whole.language_model.load_state_dict(weights)
+    return whole, model.lm_head.weight.detach()
+
+
+def rope_index(whole, prompt, grids):
+    """transformers' positions [3, T] and delta for one prompt; grids are in image tokens."""
+    ids = torch.tensor([prompt])
+    thw = torch.tensor([[1, rows * MERGE, cols * MERGE] for rows, cols in grids])
+    positions, delta = whole.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=thw)
+    return positions[:, 0], int(delta)
+
+
+PROMPTS = {      # name -> (prompt, grids of image tokens)
+    "image first": ([IMAGE] * 6 + [5, 6, 7], [(2, 3)]),
+    "image in the middle": ([5, 6, 7] + [IMAGE] * 6 + [8, 9], [(3, 2)]),
+    "two images": ([4] + [IMAGE] * 4 + [7] + [IMAGE] + [9, 9], [(2, 2), (1, 1)]),
+    "wide image, text last": ([1, 2] + [IMAGE] * 8 + [3, 4, 5, 6], [(2, 4)]),
+    "no image": ([3, 1, 4, 1, 5], []),
+}
+
+
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_mrope_positions_match_qwen3_vl(impl, qwen3_vl, case):
+    vision = impl.load("serve.vision")
+    prompt, grids = PROMPTS[case]
+    expected, expected_delta = rope_index(qwen3_vl[0], prompt, grids)
+    table, delta = vision.mrope_positions(prompt, IMAGE, grids)
+    assert torch.equal(table, expected), f"{case}: positions\n{table}\nexpected (transformers)\n{expected}"
+    assert delta == expected_delta, f"{case}: delta {delta}, transformers says {expected_delta}"
+
+
+def test_mrope_tables_match_qwen3_vl_rotary(impl, qwen3_vl):
+    vision = impl.load("serve.vision")
+    positions, _ = rope_index(qwen3_vl[0], *PROMPTS["wide image, text last"])
+    rotary = qwen3_vl[0].language_model.rotary_emb
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[:, None])
+    ours_cos, ours_sin = vision.mrope_cos_sin(positions, 16, 10000.0, SECTIONS, torch.float32)
+    torch.testing.assert_close(ours_cos[:, 0], cos[0], msg="M-RoPE cos tables differ from Qwen3-VL's")
+    torch.testing.assert_close(ours_sin[:, 0], sin[0], msg="M-RoPE sin tables differ from Qwen3-VL's")
+
+
+def vision_engine(impl, serve, model, **config):
+    vision = impl.load("serve.vision")
+    engine = make_engine(serve, model, **{"block_size": BLOCK, "num_blocks": 96, **config})
+    torch.manual_seed(0)
+    encoder = vision.VisionEncoder(vision.VisionConfig(out_hidden_size=model.cfg.hidden_size, merge_size=MERGE))
+    vision.attach_vision(engine.runner.flat, encoder.eval(), IMAGE, SECTIONS)
+    return engine, encoder
+
+
+def images(seed, *sizes):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(3, h, w, generator=g) for h, w in sizes]
+
+
+@torch.inference_mode()
+def qwen3_vl_greedy(qwen3_vl, encoder, prompt, grids, pictures, max_new):
+    """Greedy tokens by full recompute in transformers' text model: embeddings with the image
+    rows put in, positions from get_rope_index, generated tokens at q + delta on all axes."""
+    whole, lm_head = qwen3_vl
+    table, delta = rope_index(whole, prompt, grids)
+    rows = torch.cat([encoder(p) for p in pictures]) if pictures else None
+    tokens = list(prompt)
+    text = whole.language_model
+    for _ in range(max_new):
+        embeds = text.embed_tokens(torch.tensor([tokens]))
+        if rows is not None:
+            embeds[0, torch.tensor(tokens) == IMAGE] = rows
+        later = (torch.arange(len(prompt), len(tokens)) + delta).expand(3, -1)
+        positions = torch.cat([table, later], dim=1)[:, None]
+        hidden = text(inputs_embeds=embeds, position_ids=positions).last_hidden_state[0, -1]
+        tokens.append(int((hidden @ lm_head.T).argmax()))
+        if tokens[-1] == TINY_EOS:
+            break
+    return tokens[len(prompt):]
+
+
+def test_image_and_text_requests_in_one_batch_match_qwen3_vl(impl, serve, tiny_model, qwen3_vl):
+    """Image and text requests share steps, and a small token budget makes prefill chunks cut
+    through images: every request's greedy tokens equal transformers' run alone."""
+    engine, encoder = vision_engine(impl, serve, tiny_model, max_num_batched_tokens=7)
+    requests = {
+        "middle": (PROMPTS["image in the middle"], images(1, (24, 16))),
+        "text": (PROMPTS["no image"], []),
+        "two": (PROMPTS["two images"], images(2, (16, 16), (8, 8))),
+        "wide": (PROMPTS["wide image, text last"], images(3, (16, 32))),
+    }
+    params = serve.request.SamplingParams(max_tokens=8)
+    for rid, ((prompt, _), pictures) in requests.items():
+        engine.add_request(rid, prompt, params, features={"images": pictures} if pictures else None)
+    outputs = {}
+    while engine.has_unfinished:
+        outputs.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
+    for rid, ((prompt, grids), pictures) in requests.items():
+        expected = qwen3_vl_greedy(qwen3_vl, encoder, prompt, grids, pictures, 8)
+        assert outputs[rid] == expected, f"request {rid!r}: engine {outputs[rid]}, Qwen3-VL alone {expected}"
+    assert_engine_idle(engine)
+
+
+def test_images_are_part_of_the_block_hash(impl, serve, tiny_model):
+    engine, _ = vision_engine(impl, serve, tiny_model)
+    prompt = [IMAGE] * 4 + list(range(20, 20 + 3 * BLOCK))
+    params = serve.request.SamplingParams(max_tokens=2)
+    cached = {}
+    for rid, seed in (("cat", 1), ("dog", 2), ("cat again", 1)):
+        engine.add_request(rid, prompt, params, features={"images": images(seed, (16, 16))})
+        while engine.has_unfinished:
+            cached.update({o.request_id: o.num_cached_tokens for o in engine.step() if o.finished})
+    assert cached["dog"] == 0, f"a different image reused {cached['dog']} tokens of K/V computed for another image"
+    full = (len(prompt) // BLOCK) * BLOCK
+    assert cached["cat again"] == full, f"the same image should reuse {full} tokens, reused {cached['cat again']}"
+
+
+def test_bad_image_requests_are_refused_and_change_nothing(impl, serve, tiny_model):
+    engine, _ = vision_engine(impl, serve, tiny_model)
+    cases = {"too few placeholders": ([IMAGE] * 3 + [1], images(0, (16, 16)), "runs"),
+             "side not a multiple of 8": ([IMAGE] * 4, images(0, (16, 12)), "multiple"),
+             "no images": ([1, 2], [], "empty")}
+    for name, (prompt, pictures, words) in cases.items():
+        with pytest.raises(ValueError, match=words):
+            engine.add_request(name, prompt, features={"images": pictures})
+    assert not engine.scheduler.requests, "a refused image request was queued"
