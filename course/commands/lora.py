@@ -31,14 +31,15 @@ def add_arguments(parser):
                         help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
 
 
-def random_adapter(lora, model, name, rank, seed):
-    """An adapter with small random A and B on every projection of every layer."""
+def random_adapter(lora, model, name, rank, seed, targets=None):
+    """An adapter of `lora` (a serve.lora module) with random A and B on `targets` (default:
+    all seven projections) of every layer of `model`, scaling alpha / rank = 1."""
     import torch
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for index, layer in enumerate(model.model.layers):
-        for target, parent in lora.TARGETS.items():
-            linear = getattr(getattr(layer, parent), target)
+        for target in targets or lora.TARGETS:
+            linear = getattr(getattr(layer, lora.TARGETS[target]), target)
             a = torch.randn(rank, linear.in_features, generator=g) * linear.in_features ** -0.5
             b = torch.randn(linear.out_features, rank, generator=g) * rank ** -0.5
             weights[(index, target)] = (a, b)

@@ -137,6 +137,14 @@ def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, sections
 
 # --- wiring into the engine ---------------------------------------------------------------------
 
+@dataclass
+class VisionInputs:
+    """What attach_vision leaves on a FlatModel (as `flat.vision`) for add_request."""
+    encoder: VisionEncoder
+    image_token_id: int
+    sections: tuple[int, ...]
+
+
 def attach_vision(flat: FlatModel, encoder: VisionEncoder, image_token_id: int,
                   sections: tuple[int, int, int]) -> None:
     """Make `flat` a vision-language model: add_request then accepts images, and the RoPE
@@ -154,9 +162,9 @@ def attach_vision(flat: FlatModel, encoder: VisionEncoder, image_token_id: int,
         return mrope_cos_sin(positions, flat.cfg.head_dim, flat.cfg.rope_theta, sections, dtype)
 
     flat.rope = rope
-    flat.vision = encoder.to(next(flat.parameters()).device)
-    flat.image_token_id = image_token_id
-    flat.mrope_sections = tuple(sections)
+    encoder.to(next(flat.parameters()).device)
+    # nn.Module's __setattr__ is typed for tensors and modules; this is a plain record.
+    flat.vision = VisionInputs(encoder, image_token_id, tuple(sections))  # type: ignore[assignment]
 
 
 def image_key(pixels: torch.Tensor) -> str:
@@ -172,13 +180,13 @@ def image_inputs(flat: FlatModel, request_id: str, prompt: list[int], features: 
     """What add_request stores for a request with images: features = {"images": [pixels
     [C, H, W], ...]} in prompt order, each matched by a run of rows * cols image tokens.
     Returns (request.extra entries, block-hash keys); ValueError if anything does not fit."""
-    encoder = getattr(flat, "vision", None)
-    if encoder is None:
+    vision = getattr(flat, "vision", None)
+    if vision is None:
         raise ValueError(f"request {request_id!r}: image features need a vision encoder attached with "
                          f"serve.vision.attach_vision (Chapter 43)")
     if not isinstance(features, dict) or set(features) != {"images"} or not isinstance(features["images"], list):
         raise ValueError(f"request {request_id!r}: features must be {{'images': [pixel tensors]}}, got {features!r}")
-    images = features["images"]
+    images, encoder = features["images"], vision.encoder
     if not images:
         raise ValueError(f"request {request_id!r}: features['images'] is empty; leave features out for text")
     try:
@@ -186,7 +194,7 @@ def image_inputs(flat: FlatModel, request_id: str, prompt: list[int], features: 
                  for pixels in images]
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from None
-    token = flat.image_token_id
+    token = vision.image_token_id
     runs, index = [], 0
     while index < len(prompt):                       # the placeholder runs, in order
         if prompt[index] == token:

@@ -145,7 +145,8 @@ class AdapterBank:
                         torch.zeros(1, module.out_features, 0, device=self.device, dtype=self.dtype))
                     module.register_forward_hook(self._hook(index, target))
         self.active: torch.Tensor | None = None
-        flat.adapters = self                               # where the engine finds the bank
+        # Where the runner finds the bank (nn.Module's __setattr__ is typed for tensors and modules).
+        flat.adapters = self  # type: ignore[assignment]
 
     def __len__(self) -> int:
         return len(self.names) - 1

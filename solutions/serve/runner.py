@@ -132,7 +132,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare_features(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:
-        """Map absolute feature positions and adapter slots to this step's ragged rows.  (Your engine: Chapter 43)
+        """Turn each request's adapter slot, image rows and 3-axis positions into per-row step inputs.  (Your engine: Chapter 43)
 
         scheduled [(request, n)] in batch order: request i's n rows start at row
         batch.meta.query_start_loc_cpu[i] and hold its positions c .. c + n - 1
