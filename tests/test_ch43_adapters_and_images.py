@@ -54,10 +54,20 @@ def adapters(tmp_path_factory):
     return peft_model.eval(), folder
 
 
+_PEFT_RUNS: dict = {}
+
+
 @torch.inference_mode()
 def peft_greedy(peft_model, adapter, prompt, max_new):
     """Greedy tokens of the base model with `adapter` alone (None: the base model), by full
-    recompute, stopping at the tiny model's EOS."""
+    recompute, stopping at the tiny model's EOS. Cached: several tests ask the same question."""
+    key = (id(peft_model), adapter, tuple(prompt), max_new)
+    if key not in _PEFT_RUNS:
+        _PEFT_RUNS[key] = peft_model, _peft_greedy(peft_model, adapter, prompt, max_new)
+    return list(_PEFT_RUNS[key][1])
+
+
+def _peft_greedy(peft_model, adapter, prompt, max_new):
     tokens = list(prompt)
     for _ in range(max_new):
         if adapter is None:
@@ -109,11 +119,12 @@ def test_shrink_and_expand_match_one_matmul_per_row(impl):
 
 # --- adapters through the engine --------------------------------------------------------------
 
-def test_many_adapters_in_one_batch_match_peft_alone(impl, serve, tiny_model, adapters):
-    """Base and three adapters, interleaved, in the same steps: each request's greedy tokens
-    equal peft's with that adapter alone."""
+@pytest.mark.parametrize("pool", [96, 8])
+def test_many_adapters_in_one_batch_match_peft_alone(impl, serve, tiny_model, adapters, pool):
+    """Base and three adapters, interleaved, in the same steps (and, in an 8-block pool,
+    preempted and recomputed): each request's greedy tokens equal peft's with that adapter alone."""
     peft_model, folder = adapters
-    engine = lora_engine(impl, serve, tiny_model, folder)
+    engine = lora_engine(impl, serve, tiny_model, folder, num_blocks=pool)
     g = torch.Generator().manual_seed(5)
     choices = [None, "sql", "poet", "math", "sql", None, "math", "poet"]
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (8,), generator=g)]
@@ -127,6 +138,7 @@ def test_many_adapters_in_one_batch_match_peft_alone(impl, serve, tiny_model, ad
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
         steps_with_mix += len(running) > 2
     assert steps_with_mix, "the requests of different adapters never ran in the same step"
+    assert pool > 8 or engine.preemptions, "the 8-block pool was meant to force a preemption"
     for i, (prompt, name) in enumerate(zip(prompts, choices)):
         expected = peft_greedy(peft_model, name, prompt, 10)
         assert outputs[f"r{i}"].output_token_ids == expected, (
@@ -285,10 +297,15 @@ def qwen3_vl_greedy(qwen3_vl, encoder, prompt, grids, pictures, max_new):
     return tokens[len(prompt):]
 
 
-def test_image_and_text_requests_in_one_batch_match_qwen3_vl(impl, serve, tiny_model, qwen3_vl):
-    """Image and text requests share steps, and a small token budget makes prefill chunks cut
-    through images: every request's greedy tokens equal transformers' run alone."""
-    engine, encoder = vision_engine(impl, serve, tiny_model, max_num_batched_tokens=7)
+@pytest.mark.parametrize("squeeze", ["chunks through images", "preempted, recomputed", "preempted, swapped"])
+def test_image_and_text_requests_in_one_batch_match_qwen3_vl(impl, serve, tiny_model, qwen3_vl, squeeze):
+    """Image and text requests share steps; a small token budget makes prefill chunks cut
+    through images, a small pool preempts requests (their image rows must come back). Every
+    request's greedy tokens equal transformers' run alone."""
+    config = {"chunks through images": {"max_num_batched_tokens": 7},
+              "preempted, recomputed": {"num_blocks": 7},
+              "preempted, swapped": {"num_blocks": 7, "preemption_mode": "swap"}}[squeeze]
+    engine, encoder = vision_engine(impl, serve, tiny_model, **config)
     requests = {
         "middle": (PROMPTS["image in the middle"], images(1, (24, 16))),
         "text": (PROMPTS["no image"], []),
@@ -301,6 +318,8 @@ def test_image_and_text_requests_in_one_batch_match_qwen3_vl(impl, serve, tiny_m
     outputs = {}
     while engine.has_unfinished:
         outputs.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
+    if "preempted" in squeeze:
+        assert engine.preemptions, f"{squeeze}: the 7-block pool was meant to force a preemption"
     for rid, ((prompt, grids), pictures) in requests.items():
         expected = qwen3_vl_greedy(qwen3_vl, encoder, prompt, grids, pictures, 8)
         assert outputs[rid] == expected, f"request {rid!r}: engine {outputs[rid]}, Qwen3-VL alone {expected}"
