@@ -194,6 +194,27 @@ def test_bad_adapter_requests_are_refused_and_change_nothing(impl, serve, tiny_m
     assert not engine.scheduler.requests and not plain.scheduler.requests, "a refused request was queued"
 
 
+def test_peft_settings_this_engine_does_not_compute_are_refused(impl, adapters, tmp_path):
+    """DoRA, rsLoRA and trained biases change the arithmetic: serving them as plain LoRA
+    would be silently wrong, so loading refuses them, naming the setting."""
+    import json
+    import shutil
+    lora = impl.load("serve.lora")
+    _, folder = adapters
+    for setting, value in (("use_dora", True), ("use_rslora", True), ("bias", "all")):
+        copy = tmp_path / setting
+        shutil.copytree(folder / "sql", copy)
+        config = json.loads((copy / "adapter_config.json").read_text())
+        config[setting] = value
+        (copy / "adapter_config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=setting):
+            lora.load_peft_adapter(copy)
+    loaded = lora.load_peft_adapter(folder / "poet")
+    assert (loaded.rank, loaded.alpha) == (2, 16) and len(loaded.weights) == 3 * 2, (
+        f"adapter 'poet' (rank 2, alpha 16, 3 targets x 2 layers) loaded as rank {loaded.rank}, alpha "
+        f"{loaded.alpha}, {len(loaded.weights)} projections")
+
+
 # --- images --------------------------------------------------------------------------------------
 
 IMAGE = 300                  # the placeholder id (the tiny vocabulary's prompts use ids below 256)
