@@ -189,9 +189,11 @@ def image_inputs(flat: FlatModel, request_id: str, prompt: list[int], features: 
     images, encoder = features["images"], vision.encoder
     if not images:
         raise ValueError(f"request {request_id!r}: features['images'] is empty; leave features out for text")
+    strangers = [type(pixels).__name__ for pixels in images if not isinstance(pixels, torch.Tensor)]
+    if strangers:
+        raise ValueError(f"request {request_id!r}: images are pixel tensors [C, H, W], got {strangers[0]}")
     try:
-        grids = [encoder.grid(pixels) if isinstance(pixels, torch.Tensor) else encoder.grid(torch.empty(0))
-                 for pixels in images]
+        grids = [encoder.grid(pixels) for pixels in images]
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from None
     token = vision.image_token_id
