@@ -132,7 +132,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prepare_features(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:
-        """Turn each request's adapter slot, image rows and 3-axis positions into per-row step inputs.  (Your engine: Chapter 43)
+        """Give every row of the step its adapter slot, image embedding and 3-axis position.  (Your engine: Chapter 43)
 
         scheduled [(request, n)] in batch order: request i's n rows start at row
         batch.meta.query_start_loc_cpu[i] and hold its positions c .. c + n - 1
