@@ -215,6 +215,31 @@ def test_peft_settings_this_engine_does_not_compute_are_refused(impl, adapters, 
         f"{loaded.alpha}, {len(loaded.weights)} projections")
 
 
+def test_the_http_server_selects_an_adapter_by_model_name(impl, tiny_model, adapters):
+    """As with vLLM, a client names a served adapter as its `model`; the answer is that
+    adapter's, and GET /v1/models lists it beside the base model."""
+    httpx = pytest.importorskip("httpx")
+    peft_model, folder = adapters
+    serve = type("serve", (), {"engine": impl.load("serve.engine"), "config": impl.load("serve.config")})
+    engine = lora_engine(impl, serve, tiny_model, folder, names=("poet",))
+    text, app_module = impl.load("server.text"), impl.load("server.app")
+    tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer(tiny_model.cfg.vocab_size))
+    served = app_module.ServedModel("tiny", tokenizer, lambda: text.DiffDetokenizer(tokenizer), adapters=("poet",))
+    prompt = [72, 101, 108, 108, 111, 33]
+    app = app_module.build_app(engine, served)
+    with app_module.serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        answers = {name: client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 6,
+                                                             "temperature": 0, "return_token_ids": True}).json()
+                   for name in ("tiny", "poet")}
+    assert listed == ["tiny", "poet"], f"GET /v1/models lists {listed}"
+    for name, adapter in (("tiny", None), ("poet", "poet")):
+        got = answers[name]["choices"][0].get("token_ids")
+        assert got == peft_greedy(peft_model, adapter, prompt, 6), f"model {name!r}: {answers[name]}"
+    assert answers["tiny"]["choices"][0]["token_ids"] != answers["poet"]["choices"][0]["token_ids"], (
+        "adapter 'poet' answered like the base model: the test prompt proves nothing")
+
+
 # --- images --------------------------------------------------------------------------------------
 
 IMAGE = 300                  # the placeholder id (the tiny vocabulary's prompts use ids below 256)
