@@ -35,6 +35,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
+    max_loras: int = 4
 
 
 @dataclass
@@ -62,6 +63,7 @@ class EngineConfig:
     async_scheduling         overlap scheduling with the device (Chapter 33)
     debug_checks             check the scheduler's and block manager's invariants
                              (course/engine_checks.py) inside every step: slow, for tests
+    max_loras                most distinct LoRA adapters running at once (Chapter 43)
     """
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -82,6 +84,7 @@ class EngineConfig:
     cuda_graphs: str = "off"
     async_scheduling: bool = False
     debug_checks: bool = False
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,6 +106,7 @@ class EngineConfig:
         positive("long_prefill_token_threshold", low=0)
         positive("max_model_len", allow_none=True)
         positive("seed", low=0)
+        positive("max_loras")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -123,4 +127,5 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.enable_chunked_prefill,
-                               self.long_prefill_token_threshold, self.policy, self.preemption_mode)
+                               self.long_prefill_token_threshold, self.policy, self.preemption_mode,
+                               self.max_loras)

@@ -146,6 +146,8 @@ class EngineCore:
         except TypeError:
             raise ValueError(f"request {request_id!r}: cache_key must be a tuple of hashable values, "
                              f"got {cache_key!r}") from None
+        extra, keys = self._request_inputs(request_id, prompt, lora, features)
+        cache_key += keys                       # an adapter or an image changes every block's K/V
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
                                          or not math.isfinite(arrival_time)):
             raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds, "
@@ -169,6 +171,7 @@ class EngineCore:
         requests = [Request(rid, list(prompt), p, self.eos_token_id, priority, now, cache_key)
                     for rid, p in zip(ids, each)]
         for request in requests:
+            request.extra.update(extra)
             self.scheduler.check(request)          # pool capacity, budget, duplicate id
         # Generators are made here, before the engine changes: torch may still refuse a seed.
         generators = {r.request_id: self._make_generator(r) for r in requests if r.params.seed is not None}
@@ -226,12 +229,26 @@ class EngineCore:
                              f"vocabulary (0..{self.vocab_size - 1}); {len(bad)} such token(s)")
         return prompt
 
+    def _request_inputs(self, request_id: str, prompt: list[int], lora: object,
+                        features: object) -> tuple[dict[str, Any], tuple]:
+        """Chapter 43: the request.extra entries and block-hash keys of an adapter (lora: a
+        loaded adapter's name) and of images (features: see serve.vision.image_inputs)."""
+        extra: dict[str, Any] = {}
+        keys: tuple = ()
+        if lora is not None:
+            from .lora import adapter_inputs
+            more, key = adapter_inputs(self.runner.flat, request_id, lora)
+            extra, keys = {**extra, **more}, keys + key
+        if features:
+            from .vision import image_inputs
+            more, key = image_inputs(self.runner.flat, request_id, prompt, features)
+            extra, keys = {**extra, **more}, keys + key
+        return extra, keys
+
     def _check_features(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
         if self.drafter is not None:                       # Chapter 37: what speculation cannot verify
             from .spec_decode import refuse_with_drafter
             refuse_with_drafter(request_id, params, lora, features)
-        if lora is not None or features:
-            raise ValueError(f"request {request_id!r}: adapters and image features arrive in Chapter 43")
         if params.guided_regex is not None or params.guided_json is not None:
             raise ValueError(f"request {request_id!r}: guided decoding arrives in Chapter 35")
         wanted = [name for name, on in (("logprobs", params.logprobs is not None),

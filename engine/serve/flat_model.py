@@ -8,7 +8,8 @@ Qwen3Model.forward are only these: rows instead of [B, T], heads on the middle a
 writes and reads the pool through a backend.
 
 The small methods project_qkv, add_norm and mlp are seams: Chapter 33 fuses add + norm,
-Chapter 43 wraps the projections with LoRA, without touching the forward loop.
+Chapter 43 adds LoRA to the projections (through forward hooks) and M-RoPE through the
+rope seam, without touching the forward loop.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Chapter 31: the model runner (pools, swaps, one forward per step) and pool sizing."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
     from .batch import Batch
     from .interfaces import AttentionBackend
     from .request import Request
+
+# request.extra entries that give a step inputs (Chapter 43): prepare_features maps them to rows.
+STEP_FEATURES = frozenset({"lora_slot", "image_embeds", "mrope_positions"})
 
 
 def kv_bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -127,19 +131,76 @@ class ModelRunner:
         if previous is not None:
             raise ValueError("asynchronous scheduling arrives in Chapter 33")
         batch = build_batch(scheduled, block_tables, self.block_size, self.device, pad_to)
-        self.prepare_features(batch, scheduled)
+        if any(STEP_FEATURES & request.extra.keys() for request, _ in scheduled):
+            self.prepare_features(batch, scheduled)
         return batch
 
+    @torch.inference_mode()
     def prepare_features(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:
-        """Fill batch.extra with per-step inputs of later chapters (adapter slots, image rows,
-        M-RoPE positions: Chapter 43). Chapter 31's requests carry none."""
+        """Give every row of the step its adapter slot, image embedding and 3-axis position.  (Your engine: Chapter 43)
+
+        scheduled [(request, n)] in batch order: request i's n rows start at row
+        batch.meta.query_start_loc_cpu[i] and hold its positions c .. c + n - 1
+        (c = request.num_computed_tokens). Rows past the scheduled ones are padding.
+        Reads request.extra (written by add_request) and sets in batch.extra, on the
+        batch's device:
+        - "lora_ids" [N] int64: each row's request.extra["lora_slot"], 0 for rows of
+          requests without one and for padding. Only when some request has a slot.
+        - "embeds" [N, D] in the model's dtype: the rows of
+          self.flat.backbone.embed_tokens(batch.input_ids), except that a row at position p
+          with p in request.extra["image_positions"] ([M] int64) takes the matching row of
+          request.extra["image_embeds"] ([M, D]). Only when some image row is in this step.
+        - "mrope_positions" [3, N] int64: for a request with extra["mrope_positions"] ([3, P]
+          over its prompt), column p for positions p < P and p + extra["mrope_delta"] on all
+          three axes after the prompt; every other row its batch.positions value on all
+          three axes. Only when some request has M-RoPE positions.
+        Trap: a prefill chunk can cut through an image, so place exactly the image rows whose
+        positions fall in [c, c + n); a request recomputed after preemption gets the same
+        rows again from request.extra. Returns batch.
+        """
+        device = batch.input_ids.device
+        starts = batch.meta.query_start_loc_cpu
+        spans = [(request, start, request.num_computed_tokens, n) for (request, n), start in zip(scheduled, starts)]
+        if any("lora_slot" in request.extra for request, *_ in spans):
+            slots = torch.zeros_like(batch.input_ids, dtype=torch.int64)
+            for request, start, _, n in spans:
+                slots[start:start + n] = request.extra.get("lora_slot", 0)
+            batch.extra["lora_ids"] = slots
+        if any("mrope_positions" in request.extra for request, *_ in spans):
+            axes = batch.positions.to(torch.int64).unsqueeze(0).repeat(3, 1)
+            for request, start, computed, n in spans:
+                table = request.extra.get("mrope_positions")
+                if table is None:
+                    continue
+                prompt_rows = max(0, min(n, table.shape[1] - computed))
+                axes[:, start:start + prompt_rows] = table[:, computed:computed + prompt_rows].to(device)
+                axes[:, start + prompt_rows:start + n] += request.extra["mrope_delta"]
+            batch.extra["mrope_positions"] = axes
+        rows, values = [], []
+        for request, start, computed, n in spans:
+            where = request.extra.get("image_positions")
+            if where is None:
+                continue
+            inside = (where >= computed) & (where < computed + n)
+            rows.append(where[inside] - computed + start)
+            values.append(request.extra["image_embeds"][inside])
+        if rows and sum(len(r) for r in rows):
+            embeds = self.flat.backbone.embed_tokens(batch.input_ids)
+            embeds[torch.cat(rows).to(device)] = torch.cat(values).to(device=device, dtype=embeds.dtype)
+            batch.extra["embeds"] = embeds
         return batch
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
-        """One forward pass; logits [L, vocab] (float32) for batch.logits_indices only."""
-        hidden = self.flat(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
-                           **batch.extra)
+        """One forward pass; logits [L, vocab] (float32) for batch.logits_indices only.
+        Chapter 43's step inputs: lora_ids select each row's adapter, mrope_positions [3, N]
+        replace the positions, embeds the token embeddings."""
+        extra = dict(batch.extra)
+        bank = getattr(self.flat, "adapters", None)
+        lora_ids = extra.pop("lora_ids", None)
+        positions = extra.pop("mrope_positions", batch.positions)
+        with bank.activate(lora_ids) if bank is not None else nullcontext():
+            hidden = self.flat(batch.input_ids, positions, self.kv_caches, batch.meta, self.backend, **extra)
         if batch.logits_indices.numel() == 0:
             self.last_hidden = None
             return torch.empty((0, self.flat.cfg.vocab_size), device=hidden.device)

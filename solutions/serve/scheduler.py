@@ -112,6 +112,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _adapter_waits(self, request: Request) -> bool:
+        """Chapter 43: True when admitting `request` would make more than config.max_loras
+        distinct LoRA adapters run at once (slot 0, no adapter, never counts)."""
+        slot = request.extra.get("lora_slot", 0)
+        if not slot:
+            return False
+        running = {r.extra.get("lora_slot", 0) for r in self.running} - {0}
+        return slot not in running and len(running) >= self.config.max_loras
+
     def _chunk(self, wanted: int, budget: int) -> int:
         cap = self.config.long_prefill_token_threshold
         n = min(wanted, budget)
@@ -165,6 +174,8 @@ class Scheduler:
            self._chunk(remaining, budget); if allocate_slots(request, n, cached) fails, stop
            admitting (never preempt to admit); a request that waits after a lookup calls
            blocks.forget_lookup(request, cached), so the hit rate counts each admission once.
+           A request for which self._adapter_waits(request) holds waits too (Chapter 43's
+           cap on adapters per step), before any lookup.
            Else pop it from waiting; a swapped_out
            request goes to out.swap_in with a copy of its new block list (swapped_out =
            False); computed += cached tokens; on a FIRST admission (status WAITING) record
@@ -203,6 +214,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < cfg.max_num_seqs):
             request = self.waiting[0]
+            if self._adapter_waits(request):
+                break
             cached = blocks.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             reused = len(cached) * blocks.block_size
             remaining = request.num_tokens - request.num_computed_tokens - reused
