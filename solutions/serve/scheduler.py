@@ -183,6 +183,8 @@ class Scheduler:
         while budget > 0 and i < len(self.running):
             request = self.running[i]
             n = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            if request.num_output_tokens >= request.params.max_tokens:
+                n = 0                                # its last token is still in flight (Chapter 33)
             if n <= 0:
                 i += 1
                 continue
