@@ -436,7 +436,7 @@ def test_quantized_pool_is_sized_from_its_own_bytes(serve, tiny_model, fmt):
 
 def test_run_py_overlap_on_a_tiny_workload(impl, device, capsys):
     from course import cli
-    status = cli.main(["overlap", "--impl", impl.spec.text, "--device", str(device), "--requests", "4",
+    status = cli.main(["overlap", "--impl", impl.spec.text, "--device", str(device), "--requests", "2",
                        "--vocab-size", "320", "--repeat", "1"])
     out, err = capsys.readouterr()
     assert status == 0, f"run.py overlap failed:\n{out}{err}"
