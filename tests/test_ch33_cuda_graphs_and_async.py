@@ -287,9 +287,10 @@ def test_engine_with_fused_add_norm_equals_the_synchronous_engine(serve, impl, t
     prompts, max_tokens, want = baseline
     flat = serve.flat_model.FlatModel(tiny_model)
     flat.fused = mode
-    keep = ("r0", "r2") if mode == "triton" else tuple(prompts)       # the interpreter is slow: two requests
-    _, got = serve_all(serve, flat, {r: prompts[r] for r in keep}, max_tokens, num_blocks=64)
-    expect_same(f"fused {mode}", got, {r: want[r] for r in keep})
+    if mode == "triton":                     # the interpreter is slow: one request, its first 6 tokens
+        prompts, max_tokens, want = {"r0": prompts["r0"]}, {"r0": 6}, {"r0": want["r0"][:6]}
+    _, got = serve_all(serve, flat, prompts, max_tokens, num_blocks=64)
+    expect_same(f"fused {mode}", got, want)
 
 
 # --- 3. asynchronous scheduling ------------------------------------------------------------------------------

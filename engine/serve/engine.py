@@ -27,7 +27,8 @@ from .config import EngineConfig
 from .flat_model import FlatModel
 from .interfaces import AttentionBackend, Sampler
 from .request import Request, RequestOutput, SamplingParams, Status
-from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
+from .runner import ModelRunner, profile_num_blocks
+from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .sampler import SimpleSampler
 from .scheduler import Scheduler, SchedulerOutput
 
@@ -93,22 +94,29 @@ class EngineCore:
         self.preemptions = 0
         self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
         self.drafter = None             # Chapter 37
-        self.inflight = None            # Chapter 33
+        self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
         self._generate_calls = 0
+        if config.cuda_graphs != "off" and (config.cuda_graphs != "auto" or self.device.type == "cuda"):
+            mode = {"static": "off"}.get(config.cuda_graphs, config.cuda_graphs)
+            self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, mode)
+        self.async_steps = AsyncStepper(self) if config.async_scheduling else None
+        if self.async_steps is not None:      # the overlapped step replaces Chapter 31's, which stays as written
+            self.step = self.async_steps.step  # type: ignore[method-assign]
 
     def _size_pool(self, flat: FlatModel, backend: AttentionBackend) -> int:
         """Blocks for the pool when the config gives no number: measured on CUDA, else from
-        kv_cache_bytes."""
+        kv_cache_bytes and the bytes one block of THIS pool takes (a quantized pool stores
+        one-byte codes and per-token scales, not the model's dtype)."""
         cfg = self.config
         if self.device.type == "cuda":
             found = profile_num_blocks(flat, backend, cfg.block_size, self.dtype, self.device,
                                        cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
         else:
             layers, kv_heads, head_dim = flat.kv_spec()
-            pools = getattr(flat.model, "kv_pools", 2)          # a latent cache has one pool, not K and V
-            found = num_blocks_for_memory(cfg.kv_cache_bytes, layers, kv_heads, head_dim, cfg.block_size,
-                                          self.dtype, pools)
+            allocate = getattr(flat.model, "allocate_kv", None) or backend.allocate    # latent caches: their own
+            one_block = allocate((1, cfg.block_size, kv_heads, head_dim), self.dtype, "meta")
+            found = cfg.kv_cache_bytes // (layers * sum(t.numel() * t.element_size() for t in one_block))
         if found < 1:
             raise ValueError("the KV pool would hold no block: give more memory or set EngineConfig.num_blocks")
         return found
@@ -252,12 +260,15 @@ class EngineCore:
         """Abort one request (never a group) and drop everything the engine keeps for it."""
         self.runner.swapped.pop(request_id, None)        # host copies of a swapped request
         self.generators.pop(request_id, None)
-        return self.scheduler.abort(request_id)
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            drop_placeholders(request)                   # tokens still in flight are nobody's now
+        return request
 
     @property
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return bool(self.scheduler.has_unfinished)
+        """True while any request waits or runs, or a launched step is unread."""
+        return bool(self.scheduler.has_unfinished) or self.inflight is not None
 
     # --- the two stubs -------------------------------------------------------------------------
 

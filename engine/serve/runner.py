@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
     from .backends import KVCache
     from .batch import Batch
+    from .graphs import GraphRunner
     from .interfaces import AttentionBackend
     from .request import Request
 
@@ -86,7 +87,7 @@ class ModelRunner:
                                          for i in range(layers)]
         # request id -> per layer, host copies of its blocks
         self.swapped: dict[str, list[list[torch.Tensor]]] = {}
-        self.graphs = None          # Chapter 33
+        self.graphs: GraphRunner | None = None      # decode steps in static shapes (Chapter 33)
         self.last_hidden: torch.Tensor | None = None     # hidden rows of the last step's logits (Chapter 37's heads)
 
     @property
@@ -117,10 +118,13 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
                 pad_to: int | None = None, previous: object | None = None) -> Batch:
-        """The step's Batch. `previous` (the in-flight step of asynchronous scheduling,
-        Chapter 33) supplies tokens not yet read back; this engine is synchronous."""
+        """The step's Batch; decode steps are padded to a graph bucket when graphs are on.
+        `previous` is not taken: asynchronous scheduling (Chapter 33, serve/overlap.py) fills
+        placeholder tokens on the device queue, after the step that samples them."""
         if previous is not None:
-            raise ValueError("asynchronous scheduling arrives in Chapter 33")
+            raise ValueError("ModelRunner.prepare builds host batches only; serve.overlap fills placeholders")
+        if pad_to is None and self.graphs is not None:
+            pad_to = self.graphs.pad_size(scheduled)
         batch = build_batch(scheduled, block_tables, self.block_size, self.device, pad_to)
         self.prepare_features(batch, scheduled)
         return batch
@@ -133,6 +137,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """One forward pass; logits [L, vocab] (float32) for batch.logits_indices only."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         hidden = self.flat(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
                            **batch.extra)
         if batch.logits_indices.numel() == 0:
@@ -140,3 +146,11 @@ class ModelRunner:
             return torch.empty((0, self.flat.cfg.vocab_size), device=hidden.device)
         self.last_hidden = hidden.index_select(0, batch.logits_indices)
         return self.flat.compute_logits(self.last_hidden)
+
+    def enable_graphs(self, max_batch: int, max_model_len: int, mode: str = "auto") -> None:
+        """Run decode steps through a GraphRunner (Chapter 33): mode "on" captures CUDA graphs,
+        "off" runs the padded static path eagerly, "auto" captures when it can."""
+        from .graphs import GraphRunner
+        blocks = min(-(-max_model_len // self.block_size), self.num_blocks)    # no request holds more
+        self.graphs = GraphRunner(self, max_batch, blocks, use_graphs=None if mode == "auto" else mode == "on")
+        self.graphs.capture()
