@@ -59,7 +59,7 @@ def timeline(steps: int = 4, host: float = 1.0, device: float = 2.2, update: flo
         _box(ax, now, lanes["async host"], update, 0.9, f"{s - 1}", face=KEY, size=8.5)
         now += update
     async_end = now
-    for y, end, label in ((6.0, sync_end, "sync"), (1.5, async_end, "async")):
+    for y, end in ((6.0, sync_end), (1.5, async_end)):
         ax.annotate("", (end, y - 0.35), (0, y - 0.35), arrowprops=dict(arrowstyle="<->", color=INK, lw=0.9))
         ax.text(end / 2, y - 0.65, f"{steps} steps: {end:.1f} time units", ha="center", fontsize=9, color=INK)
     ax.text(0.1, 0.2, "plan = schedule + build batch      forward = model + sampling (queued on the device)      "

@@ -22,6 +22,7 @@ one thread on a CPU unless --threads says otherwise.
 """
 import json
 import time
+from typing import Any
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, resolve_device
 from course.models import QWEN3_VOCAB_SIZE
@@ -95,7 +96,7 @@ def run(args):
     model = load_model(impl, device, None, args.vocab_size)
     items = impl.load("workloads").shared_prefix_workload(num_requests=args.requests, seed=args.seed)
     builders = contenders(Serve, model, device, args.max_num_seqs)
-    best: dict[str, tuple[float, object, dict]] = {}
+    best: dict[str, tuple[float, Any, dict]] = {}
     try:
         for build in builders.values():        # warm-up: first calls pay one-off costs
             serve_items(Serve, build(), items[:2])

@@ -26,9 +26,9 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
 from .interfaces import AttentionBackend, Sampler
+from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, profile_num_blocks
-from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .sampler import SimpleSampler
 from .scheduler import Scheduler, SchedulerOutput
 
