@@ -137,8 +137,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
         """One forward pass; logits [L, vocab] (float32) for batch.logits_indices only."""
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(batch):           # a padded decode step (Chapter 33)
+            return graphs.run(batch)
         hidden = self.flat(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
                            **batch.extra)
         if batch.logits_indices.numel() == 0:
@@ -151,6 +152,7 @@ class ModelRunner:
         """Run decode steps through a GraphRunner (Chapter 33): mode "on" captures CUDA graphs,
         "off" runs the padded static path eagerly, "auto" captures when it can."""
         from .graphs import GraphRunner
-        blocks = min(-(-max_model_len // self.block_size), self.num_blocks)    # no request holds more
-        self.graphs = GraphRunner(self, max_batch, blocks, use_graphs=None if mode == "auto" else mode == "on")
+        capture = {"on": True, "off": False}.get(mode)              # None: the GraphRunner decides
+        widest = min(-(-max_model_len // self.block_size), self.num_blocks)    # no request holds more blocks
+        self.graphs = GraphRunner(self, max_batch, widest, capture)
         self.graphs.capture()

@@ -97,9 +97,12 @@ class EngineCore:
         self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
         self._generate_calls = 0
-        if config.cuda_graphs != "off" and (config.cuda_graphs != "auto" or self.device.type == "cuda"):
-            mode = {"static": "off"}.get(config.cuda_graphs, config.cuda_graphs)
-            self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, mode)
+        # cuda_graphs -> the GraphRunner's mode ("static" is the padded path without capture);
+        # "auto" off CUDA means no GraphRunner at all.
+        on_cuda = self.device.type == "cuda"
+        graph_mode = {"off": None, "static": "off", "on": "on", "auto": "auto" if on_cuda else None}[config.cuda_graphs]
+        if graph_mode is not None:
+            self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
         self.async_steps = AsyncStepper(self) if config.async_scheduling else None
         if self.async_steps is not None:      # the overlapped step replaces Chapter 31's, which stays as written
             self.step = self.async_steps.step  # type: ignore[method-assign]

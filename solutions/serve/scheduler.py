@@ -184,9 +184,10 @@ class Scheduler:
         i = 0
         while budget > 0 and i < len(self.running):
             request = self.running[i]
-            n = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
-            if request.num_output_tokens >= request.params.max_tokens:
-                n = 0                                # its last token is still in flight (Chapter 33)
+            # With async scheduling (Chapter 33) the final output token may still be a
+            # placeholder: the request has all its tokens and must not get another row.
+            complete = request.num_output_tokens >= request.params.max_tokens
+            n = 0 if complete else self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
