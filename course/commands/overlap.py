@@ -15,7 +15,8 @@ produced the same tokens (any difference is an error, exit status 2).
                             what the bookkeeping costs)
     async thread            asynchronous scheduling, device part on a worker thread (the
                             forward pass overlaps the host's scheduling)
-On a GPU two more: "cuda graphs" (cuda_graphs="on", Triton backend) and "async cuda graphs".
+On a GPU three more: "sync triton" (Chapter 32's Triton backend, eager), "cuda graphs"
+(the same backend, cuda_graphs="on", the fused Triton add + RMSNorm) and "async cuda graphs".
 
 Engines are timed in turn, --repeat rounds, best run each (see `run.py core`). Torch uses
 one thread on a CPU unless --threads says otherwise.
@@ -65,6 +66,7 @@ def contenders(serve, model, device, max_num_seqs):
            "async inline": make(queue="inline", async_scheduling=True),
            "async thread": make(queue="thread", async_scheduling=True)}
     if device.type == "cuda":
+        out["sync triton"] = make(attention_backend="triton")
         out["cuda graphs"] = make(cuda_graphs="on", attention_backend="triton", fused=True)
         out["async cuda graphs"] = make(cuda_graphs="on", attention_backend="triton", fused=True,
                                         async_scheduling=True)
