@@ -345,7 +345,7 @@ def test_async_engine_equals_the_synchronous_engine(serve, tiny_model, baseline,
     assert engine.inflight is None and not engine.has_unfinished
 
 
-def test_async_engine_applies_stop_tokens_once_known(serve, tiny_model, ref_model):
+def test_async_engine_applies_stop_tokens_once_known(serve, overlap, tiny_model):
     """Stop tokens are known only after the step that samples them; the request has by then
     been given one more row, whose token must not reach the output."""
     prompts, max_tokens = five_requests(seed=3)
@@ -356,17 +356,12 @@ def test_async_engine_applies_stop_tokens_once_known(serve, tiny_model, ref_mode
     for mode in ("inline", "thread"):
         engine = serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(
             block_size=BLOCK, num_blocks=64, async_scheduling=True), eos_token_id=EOS)
-        engine.async_steps.queue = serve_overlap(serve).DeviceQueue(mode)
+        engine.async_steps.queue = overlap.DeviceQueue(mode)
         params = [serve.request.SamplingParams(max_tokens=max_tokens[r], stop_token_ids=stop) for r in prompts]
         got = {r: o.output_token_ids for r, o in zip(prompts, engine.generate(list(prompts.values()), params))}
         engine.async_steps.queue.close()
         expect_same(f"async {mode} queue with stop tokens", got, want)
         assert_engine_idle(engine, f"async {mode} queue after stop tokens")
-
-
-def serve_overlap(serve):
-    import importlib
-    return importlib.import_module(serve.engine.__name__.rsplit(".", 1)[0] + ".overlap")
 
 
 def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again(serve, tiny_model):

@@ -34,6 +34,9 @@ def add_arguments(parser):
     add_device_argument(parser)
     parser.add_argument("--vocab-size", type=int, default=QWEN3_VOCAB_SIZE,
                         help=f"vocabulary of the tiny model (default {QWEN3_VOCAB_SIZE:,}, Qwen3's)")
+    parser.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny",
+                        help="the tiny test model (default) or Qwen3-0.6B's shape with random weights (bfloat16 "
+                             "on CUDA; --vocab-size applies to the tiny model only)")
     parser.add_argument("--requests", type=int, default=16, help="number of requests (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most requests per step: the largest bucket")
@@ -95,7 +98,11 @@ def run(args):
         flat_model = impl.load("serve.flat_model")
         overlap = impl.load("serve.overlap")
 
-    model = load_model(impl, device, None, args.vocab_size)
+    if args.shape == "tiny":
+        model = load_model(impl, device, None, args.vocab_size)
+    else:
+        from course.bench import QWEN3_0_6B_SHAPE, build_model
+        model = build_model(impl, device, QWEN3_0_6B_SHAPE)
     items = impl.load("workloads").shared_prefix_workload(num_requests=args.requests, seed=args.seed)
     builders = contenders(Serve, model, device, args.max_num_seqs)
     best: dict[str, tuple[float, Any, dict]] = {}

@@ -117,9 +117,15 @@ class EngineCore:
                                        cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
         else:
             layers, kv_heads, head_dim = flat.kv_spec()
-            allocate = getattr(flat.model, "allocate_kv", None) or backend.allocate    # latent caches: their own
-            one_block = allocate((1, cfg.block_size, kv_heads, head_dim), self.dtype, "meta")
-            found = cfg.kv_cache_bytes // (layers * sum(t.numel() * t.element_size() for t in one_block))
+            shape = (1, cfg.block_size, kv_heads, head_dim)          # one block, on "meta": sizes without memory
+            own = getattr(flat.model, "allocate_kv", None)            # a model with its own cache layout
+            if own is not None:
+                layer_bytes = sum(t.numel() * t.element_size() for t in own(shape, self.dtype, "meta"))
+            else:                                                     # K and V (codes and scales when quantized)
+                pair = backend.allocate(shape, self.dtype, "meta")
+                pools = getattr(flat.model, "kv_pools", 2)            # a latent cache keeps one pool, not two
+                layer_bytes = sum(t.numel() * t.element_size() for t in pair) * pools // 2
+            found = cfg.kv_cache_bytes // (layers * layer_bytes)
         if found < 1:
             raise ValueError("the KV pool would hold no block: give more memory or set EngineConfig.num_blocks")
         return found
