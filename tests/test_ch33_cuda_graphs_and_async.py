@@ -412,6 +412,9 @@ def test_async_with_a_custom_sampler_is_refused(serve, tiny_model):
     with pytest.raises(ValueError, match="sampler"):
         serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(num_blocks=8, async_scheduling=True),
                                 eos_token_id=EOS, sampler=Mine())
+    with pytest.raises(ValueError, match="sampler"):
+        serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(num_blocks=8, async_scheduling=True,
+                                                                      sampler="full"), eos_token_id=EOS)
 
 
 # --- 4. the pool of a quantized cache holds the blocks its bytes allow ------------------------------------

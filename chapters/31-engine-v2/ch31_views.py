@@ -3,7 +3,8 @@
 `snapshot(engine)` copies what a picture needs out of an EngineCore after a step, so a
 series of snapshots can be drawn later; `draw(snap, axes)` draws one; `stepper(make)` is
 the interactive version (ipywidgets): a Step button that advances a live engine by one
-step and redraws.
+step and redraws; `animation_html(snaps)` is the version for a page without a kernel (a
+player of every step whose frames are embedded in the page).
 """
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
@@ -99,16 +100,42 @@ def legend_handles():
             Patch(facecolor="white", edgecolor="black", label="decode token")]
 
 
-def draw_series(snaps, columns=8, budget=None):
-    """A static figure: one column per snapshot (pool on top, scheduled tokens below)."""
+def draw_series(snaps, columns=8, budget=None, per_row=3):
+    """A static figure: one panel per snapshot (pool on top, scheduled tokens below),
+    `per_row` panels to a row, so the figure stays readable at a page's width."""
     order = {}
-    fig, axes = plt.subplots(2, len(snaps), figsize=(2.6 * len(snaps), 4.2),
-                             gridspec_kw={"height_ratios": [4, 1]}, squeeze=False)
-    for i, snap in enumerate(snaps):
-        draw(snap, axes[0, i], axes[1, i], order, columns, budget)
-    fig.legend(handles=legend_handles(), loc="lower center", ncol=5, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    rows = -(-len(snaps) // per_row)
+    fig, axes = plt.subplots(2 * rows, per_row, figsize=(2.6 * per_row, 4.2 * rows),
+                             gridspec_kw={"height_ratios": [4, 1] * rows}, squeeze=False)
+    for i in range(rows * per_row):
+        pool_ax, tokens_ax = axes[2 * (i // per_row), i % per_row], axes[2 * (i // per_row) + 1, i % per_row]
+        if i < len(snaps):
+            draw(snaps[i], pool_ax, tokens_ax, order, columns, budget)
+        else:                                    # an unused slot in the last row
+            pool_ax.axis("off")
+            tokens_ax.axis("off")
+    fig.legend(handles=legend_handles(), loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.05 / rows, 1, 1))
     return fig
+
+
+def animation_html(snaps, columns=8, budget=None, dpi=72):
+    """Every snapshot as one frame of a self-contained HTML/JavaScript player (the frames are
+    embedded images, no script is fetched), for pages read without a live kernel."""
+    from matplotlib.animation import FuncAnimation
+
+    order = {}
+    fig, (pool_ax, tokens_ax) = plt.subplots(2, 1, figsize=(5, 5), dpi=dpi, gridspec_kw={"height_ratios": [4, 1]})
+    fig.legend(handles=legend_handles(), loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+
+    def frame(i):
+        draw(snaps[i], pool_ax, tokens_ax, order, columns, budget)
+
+    player = FuncAnimation(fig, frame, frames=len(snaps), interval=700)
+    html = player.to_jshtml(default_mode="once")
+    plt.close(fig)
+    return html
 
 
 def stepper(make_engine, columns=8, budget=None):

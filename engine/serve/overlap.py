@@ -174,8 +174,9 @@ class AsyncStepper:
 
     def __init__(self, engine: EngineCore, mode: str | None = None) -> None:
         if type(engine.sampler) is not SimpleSampler:
-            raise ValueError("asynchronous scheduling samples on the device with SimpleSampler's rules; "
-                             "a custom sampler needs the synchronous engine")
+            raise ValueError("asynchronous scheduling samples on the device with SimpleSampler's rules; the full "
+                             "sampler (EngineConfig(sampler='full'), Chapter 34) or a custom sampler needs the "
+                             "synchronous engine")
         self.engine = engine
         self.queue = DeviceQueue(mode or ("cuda" if engine.device.type == "cuda" else "inline"))
         self.host_seconds = 0.0           # time spent scheduling and building batches

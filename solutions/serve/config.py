@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # (field, value that would need the feature) -> the chapter that builds it.
-NOT_YET_BUILT = {
-    ("sampler", "full"): 34,
+NOT_YET_BUILT: dict[tuple[str, object], int] = {
 }
 
 CHOICES = {
