@@ -10,11 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # (field, value that would need the feature) -> the chapter that builds it.
-NOT_YET_BUILT = {
-    ("cuda_graphs", "auto"): 33,
-    ("cuda_graphs", "on"): 33,
-    ("cuda_graphs", "static"): 33,
-    ("async_scheduling", True): 33,
+NOT_YET_BUILT: dict[tuple[str, object], int] = {
 }
 
 CHOICES = {
@@ -59,8 +55,10 @@ class EngineConfig:
     max_model_len            positions a request may reach; None: the model's context limit
     gpu_memory_utilization   share of the GPU the weights, activations and pool may use
     kv_cache_dtype           "auto" (the model's dtype) or a quantized pool (Chapter 32)
-    cuda_graphs              "off", or graph capture modes of Chapter 33
-    async_scheduling         overlap scheduling with the device (Chapter 33)
+    cuda_graphs              decode steps in padded static shapes (Chapter 33): "off"; "auto"
+                             (CUDA graphs on CUDA with a graph-safe backend); "on" (graphs,
+                             or an error); "static" (the padded path run eagerly, any device)
+    async_scheduling         schedule step t+1 while step t runs (Chapter 33)
     debug_checks             check the scheduler's and block manager's invariants
                              (course/engine_checks.py) inside every step: slow, for tests
     max_loras                most distinct LoRA adapters running at once (Chapter 43)

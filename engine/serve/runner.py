@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
     from .backends import KVCache
     from .batch import Batch
+    from .graphs import GraphRunner
     from .interfaces import AttentionBackend
     from .request import Request
 
@@ -85,15 +86,17 @@ class ModelRunner:
         layers, kv_heads, head_dim = self.flat.kv_spec()
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)
         place = getattr(self.flat, "layer_device", None)           # layers on several devices (Chapter 40)
-        make = getattr(self.flat.model, "allocate_kv", None) or self.backend.allocate
-        if make is not self.backend.allocate and getattr(self.backend, "quantized", False):
+        own = getattr(self.flat.model, "allocate_kv", None)
+        make = own or self.backend.allocate
+        # Ask about `own`, not `make`: every access to a bound method makes a new object.
+        if own is not None and getattr(self.backend, "quantized", False):
             raise ValueError("this model allocates its own KV pool (latent attention, Chapter 42), which is never "
                              "quantized: use kv_cache_dtype='auto'")
         self.kv_caches: list[KVCache] = [make(shape, self.dtype, place(i) if place else self.device)
                                          for i in range(layers)]
         # request id -> per layer, host copies of its blocks
         self.swapped: dict[str, list[list[torch.Tensor]]] = {}
-        self.graphs = None          # Chapter 33
+        self.graphs: GraphRunner | None = None      # decode steps in static shapes (Chapter 33)
         self.last_hidden: torch.Tensor | None = None     # hidden rows of the last step's logits (Chapter 37's heads)
 
     @property
@@ -126,10 +129,13 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
                 pad_to: int | None = None, previous: object | None = None) -> Batch:
-        """The step's Batch. `previous` (the in-flight step of asynchronous scheduling,
-        Chapter 33) supplies tokens not yet read back; this engine is synchronous."""
+        """The step's Batch; decode steps are padded to a graph bucket when graphs are on.
+        `previous` is not taken: asynchronous scheduling (Chapter 33, serve/overlap.py) fills
+        placeholder tokens on the device queue, after the step that samples them."""
         if previous is not None:
-            raise ValueError("asynchronous scheduling arrives in Chapter 33")
+            raise ValueError("ModelRunner.prepare builds host batches only; serve.overlap fills placeholders")
+        if pad_to is None and self.graphs is not None:
+            pad_to = self.graphs.pad_size(scheduled)
         batch = build_batch(scheduled, block_tables, self.block_size, self.device, pad_to)
         if any(STEP_FEATURES & request.extra.keys() for request, _ in scheduled):
             self.prepare_features(batch, scheduled)
@@ -165,6 +171,9 @@ class ModelRunner:
         """One forward pass; logits [L, vocab] (float32) for batch.logits_indices only.
         Chapter 43's step inputs: lora_ids select each row's adapter, mrope_positions [3, N]
         replace the positions, embeds the token embeddings."""
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(batch):  # a padded decode step, no step inputs (Chapter 33)
+            return graphs.run(batch)
         extra = dict(batch.extra)
         bank = getattr(self.flat, "adapters", None)
         lora_ids = extra.pop("lora_ids", None)
@@ -176,3 +185,12 @@ class ModelRunner:
             return torch.empty((0, self.flat.cfg.vocab_size), device=hidden.device)
         self.last_hidden = hidden.index_select(0, batch.logits_indices)
         return self.flat.compute_logits(self.last_hidden)
+
+    def enable_graphs(self, max_batch: int, max_model_len: int, mode: str = "auto") -> None:
+        """Run decode steps through a GraphRunner (Chapter 33): mode "on" captures CUDA graphs,
+        "off" runs the padded static path eagerly, "auto" captures when it can."""
+        from .graphs import GraphRunner
+        capture = {"on": True, "off": False}.get(mode)              # None: the GraphRunner decides
+        widest = min(-(-max_model_len // self.block_size), self.num_blocks)    # no request holds more blocks
+        self.graphs = GraphRunner(self, max_batch, widest, capture)
+        self.graphs.capture()

@@ -27,8 +27,9 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
 from .interfaces import AttentionBackend, Drafter, Sampler
+from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .request import Request, RequestOutput, SamplingParams, Status
-from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
+from .runner import ModelRunner, profile_num_blocks
 from .sampler import Sampler as FullSampler
 from .sampler import SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
@@ -97,22 +98,39 @@ class EngineCore:
         self.preemptions = 0
         self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
         self.drafter: Drafter | None = None     # Chapter 37 (serve.spec_decode.Speculator)
-        self.inflight = None            # Chapter 33
+        self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
         self._generate_calls = 0
+        # cuda_graphs -> the GraphRunner's mode ("static" is the padded path without capture);
+        # "auto" off CUDA means no GraphRunner at all.
+        on_cuda = self.device.type == "cuda"
+        graph_mode = {"off": None, "static": "off", "on": "on", "auto": "auto" if on_cuda else None}[config.cuda_graphs]
+        if graph_mode is not None:
+            self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
+        self.async_steps = AsyncStepper(self) if config.async_scheduling else None
+        if self.async_steps is not None:      # the overlapped step replaces Chapter 31's, which stays as written
+            self.step = self.async_steps.step  # type: ignore[method-assign]
 
     def _size_pool(self, flat: FlatModel, backend: AttentionBackend) -> int:
         """Blocks for the pool when the config gives no number: measured on CUDA, else from
-        kv_cache_bytes."""
+        kv_cache_bytes and the bytes one block of THIS pool takes (a quantized pool stores
+        one-byte codes and per-token scales, not the model's dtype)."""
         cfg = self.config
         if self.device.type == "cuda":
             found = profile_num_blocks(flat, backend, cfg.block_size, self.dtype, self.device,
                                        cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
         else:
             layers, kv_heads, head_dim = flat.kv_spec()
-            pools = getattr(flat.model, "kv_pools", 2)          # a latent cache has one pool, not K and V
-            found = num_blocks_for_memory(cfg.kv_cache_bytes, layers, kv_heads, head_dim, cfg.block_size,
-                                          self.dtype, pools)
+            shape = (1, cfg.block_size, kv_heads, head_dim)          # one block, on "meta": sizes without memory
+            own = getattr(flat.model, "allocate_kv", None)            # a model with its own cache layout
+            if own is not None:                                       # a latent pool is one tensor, handed out twice
+                unique = {id(t): t for t in own(shape, self.dtype, "meta")}.values()
+                layer_bytes = sum(t.numel() * t.element_size() for t in unique)
+            else:                                                     # K and V (codes and scales when quantized)
+                pair = backend.allocate(shape, self.dtype, "meta")
+                pools = getattr(flat.model, "kv_pools", 2)            # a latent cache keeps one pool, not two
+                layer_bytes = sum(t.numel() * t.element_size() for t in pair) * pools // 2
+            found = cfg.kv_cache_bytes // (layers * layer_bytes)
         if found < 1:
             raise ValueError("the KV pool would hold no block: give more memory or set EngineConfig.num_blocks")
         return found
@@ -278,12 +296,15 @@ class EngineCore:
         """Abort one request (never a group) and drop everything the engine keeps for it."""
         self.runner.swapped.pop(request_id, None)        # host copies of a swapped request
         self.generators.pop(request_id, None)
-        return self.scheduler.abort(request_id)
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            drop_placeholders(request)                   # tokens still in flight are nobody's now
+        return request
 
     @property
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return bool(self.scheduler.has_unfinished)
+        """True while any request waits or runs, or a launched step is unread."""
+        return bool(self.scheduler.has_unfinished) or self.inflight is not None
 
     # --- the two stubs -------------------------------------------------------------------------
 

@@ -161,7 +161,9 @@ class Scheduler:
         budget = config.max_num_batched_tokens; under policy "priority", first sort
         self.running by (priority, arrival_time).
         1. Running requests, in order, while budget is left: n = self._chunk(num_tokens_with_spec
-           - num_computed_tokens, budget); skip n == 0. Until blocks.allocate_slots(request, n)
+           - num_computed_tokens, budget); n = 0 for a request that already has
+           params.max_tokens output tokens (its last one is still being computed: a
+           placeholder, Chapter 33); skip n == 0. Until blocks.allocate_slots(request, n)
            succeeds, preempt the LAST running request (self._preempt); if that victim was
            this request itself, stop the whole pass. Otherwise schedule (request, n), publish
            its blocks at once (blocks.cache_full_blocks(request, computed + n)), spend n.
@@ -193,7 +195,10 @@ class Scheduler:
         i = 0
         while budget > 0 and i < len(self.running):
             request = self.running[i]
-            n = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            # With async scheduling (Chapter 33) the final output token may still be a
+            # placeholder: the request has all its tokens and must not get another row.
+            complete = request.num_output_tokens >= request.params.max_tokens
+            n = 0 if complete else self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
