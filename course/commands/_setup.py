@@ -18,8 +18,6 @@ def load_model(impl, device, model_path=None, vocab_size=None):
     """The tiny test model of `impl` (with `vocab_size` rows of embedding and LM head if
     given), or a real checkpoint (Chapter 11's loader) with --model, in the device's default
     dtype (Chapter 40: bfloat16 where it computes, float32 on a CPU)."""
-    import torch
-
     from course.models import TINY_VOCAB_SIZE, tiny_qwen3
     if model_path is not None and vocab_size is not None:
         raise CommandError("a vocabulary size applies to the tiny model only: a checkpoint brings its own")

@@ -32,8 +32,8 @@ def add_arguments(parser):
     parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="weights' dtype (default for --model: the device's, Chapter 40: bfloat16 where it computes, "
-                             "float32 on a CPU)")
+                        help="weights' dtype (default for --model: the device's, Chapter 40: bfloat16 where it "
+                             "computes, float32 on a CPU)")
     parser.add_argument("--no-cache", action="store_true", help="full recompute every step (Chapter 8)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap --prompt in the checkpoint's chat template (needs --model with a tokenizer)")
