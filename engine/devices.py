@@ -274,8 +274,11 @@ class PlacedFlatModel(FlatModel):
         Counts one transfer in self.transfers and its bytes (N * D * element size) in
         self.transfer_bytes, EVEN when both stages share a device: the count is the
         pipeline's plumbing, what a real second device would have to carry.
-        Trap: only a whole [N, D] stream crosses; moving the stream and the unadded branch
-        separately would carry twice the bytes.
+        Traps: only a whole [N, D] stream crosses (moving the stream and the unadded branch
+        separately would carry twice the bytes); and a copy TO the CPU must be blocking:
+        with non_blocking=True it returns before the bytes arrive, and the CPU stage would
+        read garbage (copies to an accelerator are queued in order, so they may be
+        asynchronous).
         """
         raise NotImplementedError("Your engine: Chapter 40: PlacedFlatModel.hand_over")
 

@@ -323,12 +323,16 @@ class PlacedFlatModel(FlatModel):
         Counts one transfer in self.transfers and its bytes (N * D * element size) in
         self.transfer_bytes, EVEN when both stages share a device: the count is the
         pipeline's plumbing, what a real second device would have to carry.
-        Trap: only a whole [N, D] stream crosses; moving the stream and the unadded branch
-        separately would carry twice the bytes.
+        Traps: only a whole [N, D] stream crosses (moving the stream and the unadded branch
+        separately would carry twice the bytes); and a copy TO the CPU must be blocking:
+        with non_blocking=True it returns before the bytes arrive, and the CPU stage would
+        read garbage (copies to an accelerator are queued in order, so they may be
+        asynchronous).
         """
         self.transfers += 1
         self.transfer_bytes += stream.numel() * stream.element_size()
-        return stream.to(self.stage_devices[stage], non_blocking=True)
+        target = self.stage_devices[stage]
+        return stream.to(target, non_blocking=target.type != "cpu")
 
     def add_norm(self, norm: nn.Module, x: torch.Tensor,
                  delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
