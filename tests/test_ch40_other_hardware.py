@@ -185,6 +185,7 @@ def test_hand_over_counts_same_device_transfers(impl, devices):
 
 
 @needs_cuda
-def test_layers_on_cuda_and_cpu_match_solo_generate(impl, serve, devices):
-    placed, engine = check_placed_run(impl, serve, devices, ["cuda:0", "cpu"], 4)
+@pytest.mark.parametrize("config", [{}, {"num_blocks": 12, "preemption_mode": "swap"}], ids=["ample", "swapping"])
+def test_layers_on_cuda_and_cpu_match_solo_generate(impl, serve, devices, config):
+    placed, engine = check_placed_run(impl, serve, devices, ["cuda:0", "cpu"], 4, **config)
     assert engine.runner.kv_caches[0][0].device.type == "cuda" and engine.runner.kv_caches[-1][0].device.type == "cpu"
