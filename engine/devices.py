@@ -138,7 +138,9 @@ def supports_bf16(device: torch.device | str) -> bool:
     unless the core has AVX512-BF16 or AMX; we say no and keep float32 there)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        # torch.cuda.is_bf16_supported() also says yes for older GPUs that only emulate it
+        # (slowly), and asks the current device rather than this one.
+        return bool(torch.version.hip) or torch.cuda.get_device_properties(device).major >= 8
     if device.type == "mps":             # macOS 14 added bfloat16 to Metal; older systems refuse the dtype
         try:
             torch.ones(1, dtype=torch.bfloat16, device=device).sum().item()
