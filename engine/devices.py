@@ -263,6 +263,9 @@ class PlacedFlatModel(FlatModel):
         self.returns = 0                # rows brought home for the LM head
         self.return_bytes = 0
         self._step_inputs: dict[int, tuple[Any, ...]] = {}     # stage -> its copies of this step's inputs
+        # id(input_layernorm of a stage's first layer) -> that stage: where the stream crosses
+        self._openers = {id(self.layers[i].input_layernorm): stage_of_layer[i] for i in range(1, layers)
+                         if stage_of_layer[i] != stage_of_layer[i - 1]}
 
     def layer_device(self, index: int) -> torch.device:
         """The device of decoder layer `index` (the ModelRunner puts its KV pool there)."""
@@ -296,11 +299,7 @@ class PlacedFlatModel(FlatModel):
     def _stage_opened_by(self, norm: nn.Module) -> int | None:
         """The stage whose first layer's input_layernorm is `norm` (None for stage 0: the
         stream starts there; and for every other norm)."""
-        for index in range(1, len(self.layers)):
-            if self.stage_of_layer[index] != self.stage_of_layer[index - 1] and \
-                    self.layers[index].input_layernorm is norm:
-                return self.stage_of_layer[index]
-        return None
+        return self._openers.get(id(norm))
 
     def attention(self, layer: int, attn: Qwen3Attention, h: torch.Tensor, positions: torch.Tensor,
                   rope: RopeTables, kv: KVCache, meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
