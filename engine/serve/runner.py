@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..devices import pinned
 from .backends import get_backend, raw_bytes
 from .batch import build_batch
 from .flat_model import FlatModel
@@ -106,15 +107,14 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in unique.values())
 
     def swap_out(self, request: Request, blocks: list[int]) -> None:
-        """Copy a preempted request's blocks to host memory (pinned on CUDA)."""
+        """Copy a preempted request's blocks to host memory (pinned on CUDA and XPU)."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        pin = self.device.type == "cuda"
         saved = []
         for layer in self.kv_caches:
             copies = []
             for tensor in layer:
                 host = raw_bytes(tensor).index_select(0, index.to(tensor.device)).cpu()
-                copies.append(host.pin_memory() if pin else host)
+                copies.append(pinned(host, tensor.device))     # page-locked where the device copies faster
             saved.append(copies)
         self.swapped[request.request_id] = saved
 
@@ -183,7 +183,8 @@ class ModelRunner:
         if batch.logits_indices.numel() == 0:
             self.last_hidden = None
             return torch.empty((0, self.flat.cfg.vocab_size), device=hidden.device)
-        self.last_hidden = hidden.index_select(0, batch.logits_indices)
+        # the last pipeline stage may sit on another device than the batch (Chapter 40)
+        self.last_hidden = hidden.index_select(0, batch.logits_indices.to(hidden.device))
         return self.flat.compute_logits(self.last_hidden)
 
     def enable_graphs(self, max_batch: int, max_model_len: int, mode: str = "auto") -> None:
