@@ -211,7 +211,7 @@ class AsyncStepper:
         if scheduled:
             pad_to = runner.graphs.pad_size(scheduled) if runner.graphs is not None else None
             batch = build_batch(scheduled, engine.blocks.req_blocks, runner.block_size, "cpu", pad_to)
-            runner.prepare_features(batch, scheduled)
+            runner.add_step_inputs(batch, scheduled)
             for (request, n), start in zip(scheduled, batch.meta.query_start_loc_cpu):
                 for offset in range(n):
                     if request.token_ids[request.num_computed_tokens + offset] == PLACEHOLDER:

@@ -137,6 +137,11 @@ class ModelRunner:
         if pad_to is None and self.graphs is not None:
             pad_to = self.graphs.pad_size(scheduled)
         batch = build_batch(scheduled, block_tables, self.block_size, self.device, pad_to)
+        return self.add_step_inputs(batch, scheduled)
+
+    def add_step_inputs(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:
+        """prepare_features for a step some of whose requests carry Chapter 43's inputs, and
+        nothing otherwise: the engines of Chapters 31-42 never reach that chapter's stub."""
         if any(STEP_FEATURES & request.extra.keys() for request, _ in scheduled):
             self.prepare_features(batch, scheduled)
         return batch
