@@ -135,7 +135,7 @@ def chapter_of(item) -> int | None:
 
 # Notebooks whose cells need Triton (its wheels are Linux-only; requirements.txt leaves it out
 # elsewhere). Their milestones skip through pytest.importorskip; these notebooks skip here.
-TRITON_NOTEBOOKS = ("30-first-triton-kernel.ipynb", "32-fast-kernels.ipynb")
+TRITON_NOTEBOOKS = ("30-first-triton-kernel.ipynb", "32-fast-kernels.ipynb", "33-cuda-graphs-and-async.ipynb")
 
 
 def _skip_triton_notebooks(items: list[pytest.Item]) -> None:
