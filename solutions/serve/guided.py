@@ -72,7 +72,7 @@ class TokenIndex:
         self.vocabulary = vocabulary
         self.masks: dict[int, torch.Tensor] = {}
         # A state with no live move: the text so far admits no further byte.
-        self.dead_end: np.ndarray = ~(dfa.transitions >= 0).any(axis=1)
+        self.dead_end = np.asarray((dfa.transitions < 0).all(axis=1))
 
     def mask(self, state: int) -> torch.Tensor:
         """The cached mask of `state` (computed on first use); shared, so never modify it."""
