@@ -6,7 +6,7 @@ Every string the pattern matches is a JSON document that validates against the s
 a guide built from it (serve/guided.py) makes a model's output parse and validate. The
 subset:
 - "type": "string", "number", "integer", "boolean", "null", "object", "array", or a list
-  of them (any one); "enum" and "const" (any JSON values, written compactly); "anyOf".
+  of them (any one); "enum" and "const" (any JSON values, keys in the order given); "anyOf".
 - strings: "minLength", "maxLength" (counted in characters, as JSON Schema counts them);
 - arrays: "items" (one schema for every item), "minItems", "maxItems";
 - objects: "properties". EVERY listed property is generated, in the order the schema lists
@@ -48,7 +48,7 @@ KEYWORDS_BY_TYPE = {
 
 
 def compact_json(value: Any) -> str:
-    """`value` as the most compact JSON text (what enum and const compile to)."""
+    """`value` as the most compact JSON text."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -77,6 +77,14 @@ def schema_to_regex(schema: Any, whitespace: str = OPTIONAL_SPACE) -> str:
     separator = "," + whitespace
     colon = ":" + whitespace
 
+    def literal(value: Any) -> str:
+        """One JSON value exactly, spaced by the same whitespace rule as everything else."""
+        if isinstance(value, dict):
+            return r"\{" + separator.join(escape(compact_json(k)) + colon + literal(v) for k, v in value.items()) + r"\}"
+        if isinstance(value, list):
+            return r"\[" + separator.join(literal(v) for v in value) + r"\]"
+        return escape(compact_json(value))
+
     def compile_node(node: Any, where: str) -> str:
         if not isinstance(node, dict):
             raise ValueError(f"schema at {where}: expected an object, got {node!r}")
@@ -87,7 +95,7 @@ def schema_to_regex(schema: Any, whitespace: str = OPTIONAL_SPACE) -> str:
             unknown = set(node) - {"enum", "const", "type"} - ANNOTATIONS
             if unknown:
                 raise ValueError(f"schema at {where}: {sorted(unknown)[0]!r} is not supported next to enum/const")
-            return "(?:" + "|".join(escape(compact_json(choice)) for choice in choices) + ")"
+            return "(?:" + "|".join(literal(choice) for choice in choices) + ")"
         if "anyOf" in node:
             options = node["anyOf"]
             if not isinstance(options, list) or not options or set(node) - {"anyOf"} - ANNOTATIONS:
