@@ -80,7 +80,8 @@ def schema_to_regex(schema: Any, whitespace: str = OPTIONAL_SPACE) -> str:
     def literal(value: Any) -> str:
         """One JSON value exactly, spaced by the same whitespace rule as everything else."""
         if isinstance(value, dict):
-            return r"\{" + separator.join(escape(compact_json(k)) + colon + literal(v) for k, v in value.items()) + r"\}"
+            members = (escape(compact_json(k)) + colon + literal(v) for k, v in value.items())
+            return r"\{" + separator.join(members) + r"\}"
         if isinstance(value, list):
             return r"\[" + separator.join(literal(v) for v in value) + r"\]"
         return escape(compact_json(value))

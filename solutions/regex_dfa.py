@@ -461,63 +461,73 @@ def determinize(nfa: NFA) -> DFA:
     return DFA(np.stack(rows), accepting, 0)
 
 
+def distinct_columns(table: np.ndarray) -> np.ndarray:
+    """The table with one column per distinct byte behaviour (bytes that move every state
+    alike need one column): [S, 256] -> [S, C] with C usually a few dozen."""
+    _, first = np.unique(table, axis=1, return_index=True)
+    return table[:, np.sort(first)]
+
+
+def breadth_first(columns: np.ndarray, start: int, keep: np.ndarray) -> list[int]:
+    """The states `keep` allows that `start` reaches, in breadth-first order, start first."""
+    order, seen = [start], {start}
+    for state in order:
+        for target in columns[state].tolist():
+            if target >= 0 and keep[target] and target not in seen:
+                seen.add(target)
+                order.append(target)
+    return order
+
+
+def renumbered(dfa: DFA, order: list[int], group: np.ndarray) -> DFA:
+    """The DFA whose state i is dfa's state order[i]; a move to state t goes to the new
+    number of group[t] (states of one group become one state), -1 stays -1."""
+    new_number = np.full(int(group.max()) + 1, -1, dtype=np.int64)
+    new_number[group[order]] = np.arange(len(order))
+    rows = dfa.transitions[order]
+    target_group = np.where(rows >= 0, group[np.maximum(rows, 0)], -1)
+    moved = np.where(target_group >= 0, new_number[np.maximum(target_group, 0)], -1)
+    return DFA(moved.astype(np.int32), dfa.accepting[order].copy(), 0)
+
+
 def trim(dfa: DFA) -> DFA:
     """Drop the states from which no accepting state can be reached (moves into them become
     -1) and those the start cannot reach; renumber so the start is state 0."""
-    table = dfa.transitions
+    columns = distinct_columns(dfa.transitions)
     alive = dfa.accepting.copy()
     while True:                                      # grow backwards from the accepting states
-        targets = np.where(table >= 0, alive[np.maximum(table, 0)], False)
-        grown = alive | targets.any(axis=1)
+        grown = alive | np.where(columns >= 0, alive[np.maximum(columns, 0)], False).any(axis=1)
         if (grown == alive).all():
             break
         alive = grown
     if not alive[dfa.start]:
         raise ValueError("the pattern matches no string")
-    keep = [dfa.start]
-    index = {dfa.start: 0}
-    for state in keep:                               # breadth first from the start
-        for target in np.unique(table[state]):
-            target = int(target)
-            if target >= 0 and alive[target] and target not in index:
-                index[target] = len(keep)
-                keep.append(target)
-    remap = np.full(len(table) + 1, -1, dtype=np.int32)   # the extra slot maps -1 to -1
-    for old, new in index.items():
-        remap[old] = new
-    new_table = remap[table[keep]]
-    return DFA(new_table.astype(np.int32), dfa.accepting[keep].copy(), 0)
+    order = breadth_first(columns, dfa.start, alive)
+    return renumbered(dfa, order, np.where(alive, np.arange(dfa.num_states), -1))
 
 
 def minimize(dfa: DFA) -> DFA:
     """The smallest DFA for the same language (Moore's partition refinement): states that
     accept alike and move to the same blocks on every byte merge. Expects a trimmed DFA."""
-    table = dfa.transitions
+    columns = distinct_columns(dfa.transitions)
     block = dfa.accepting.astype(np.int64)
     count = len(np.unique(block))
     while True:
-        moved = np.where(table >= 0, block[np.maximum(table, 0)], -1)
-        signature = np.concatenate([block[:, None], moved], axis=1)
-        _, refined = np.unique(signature, axis=0, return_inverse=True)
-        refined = refined.reshape(-1)
-        new_count = int(refined.max()) + 1
-        block = refined
-        if new_count == count:
+        moved = np.where(columns >= 0, block[np.maximum(columns, 0)], -1)
+        _, refined = np.unique(np.concatenate([block[:, None], moved], axis=1), axis=0, return_inverse=True)
+        block = refined.reshape(-1)
+        if int(block.max()) + 1 == count:
             break
-        count = new_count
-    # Renumber blocks in breadth-first order from the start's block, so the start is 0.
-    order = {int(block[dfa.start]): 0}
-    representative = [dfa.start]
-    for state in representative:
-        for target in np.unique(table[state]):
-            if target >= 0 and int(block[target]) not in order:
-                order[int(block[target])] = len(representative)
-                representative.append(int(target))
-    remap = np.full(count + 1, -1, dtype=np.int32)
-    for old, new in order.items():
-        remap[old] = new
-    new_table = np.where(table[representative] >= 0, remap[block[np.maximum(table[representative], 0)]], -1)
-    return DFA(new_table.astype(np.int32), dfa.accepting[representative].copy(), 0)
+        count = int(block.max()) + 1
+    # One representative per block, in breadth-first order from the start's block.
+    first_of_block = np.full(count, -1, dtype=np.int64)
+    first_of_block[block[::-1]] = np.arange(dfa.num_states)[::-1]
+    is_first = np.zeros(dfa.num_states, dtype=bool)
+    is_first[first_of_block] = True
+    representative = first_of_block[block]           # every state -> its block's first state
+    reduced = np.where(columns >= 0, representative[np.maximum(columns, 0)], -1)
+    order = breadth_first(reduced, int(representative[dfa.start]), is_first)
+    return renumbered(dfa, order, representative)
 
 
 def compile_regex(pattern: str) -> DFA:

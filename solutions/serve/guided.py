@@ -71,6 +71,7 @@ class TokenIndex:
         self.dfa = dfa
         self.vocabulary = vocabulary
         self.masks: dict[int, torch.Tensor] = {}
+        self.stuck: set[int] = set()          # states whose mask allows nothing
         # A state with no live move: the text so far admits no further byte.
         self.dead_end = np.asarray((dfa.transitions < 0).all(axis=1))
 
@@ -79,6 +80,8 @@ class TokenIndex:
         found = self.masks.get(state)
         if found is None:
             found = self.masks[state] = self.compute_mask(state)
+            if not bool(found.any()):
+                self.stuck.add(state)
         return found
 
     def compute_mask(self, state: int) -> torch.Tensor:
@@ -97,11 +100,14 @@ class TokenIndex:
         vocabulary = self.vocabulary
         table = self.dfa.transitions
         states = np.full(len(vocabulary.token_ids), state, dtype=np.int64)
+        reading = np.arange(len(vocabulary.token_ids))    # rows still alive with bytes left, ascending
         for position, count in enumerate(vocabulary.longer_than):
-            current = states[:count]
-            live = current >= 0
-            moved = table[np.where(live, current, 0), vocabulary.byte_matrix[:count, position]]
-            states[:count] = np.where(live, moved, -1)
+            reading = reading[:np.searchsorted(reading, count)]     # the shorter tokens are done
+            if not len(reading):
+                break
+            moved = table[states[reading], vocabulary.byte_matrix[reading, position]]
+            states[reading] = moved
+            reading = reading[moved >= 0]
         allowed = torch.zeros(vocabulary.vocab_size, dtype=torch.bool)
         allowed[torch.from_numpy(vocabulary.token_ids[states >= 0])] = True
         if vocabulary.eos_token_id is not None and self.dfa.accepting[state]:
@@ -137,7 +143,7 @@ class RegexGuide:
         same pattern: read it, never write to it). ValueError when the vocabulary cannot
         spell any continuation (a pattern that needs a byte no token has)."""
         mask = self.index.mask(self.state)
-        if not self.ended and not bool(mask.any()):
+        if not self.ended and self.state in self.index.stuck:
             raise ValueError(f"no token of the vocabulary can continue the pattern from DFA state {self.state}")
         return mask
 

@@ -1,0 +1,113 @@
+"""Chapter 35: what constrained decoding costs, on the byte vocabulary and on SmolLM2's.
+
+For each vocabulary (the tiny model's 256 byte tokens plus specials, and SmolLM2-135M's
+49,152 BPE tokens read from its GGUF file) and each grammar (a date-and-time regex and a
+nested JSON schema), prints one JSON line:
+- compile_ms: pattern -> minimal byte DFA (parse, NFA, subset construction, minimisation);
+- states: the DFA's states; first_mask_ms: the first mask of one state (walking every
+  token's bytes once); precompute_ms: every state's mask (what an ahead-of-time index such
+  as outlines' would pay before the first token);
+- step_us: one guided step once the states it visits are cached: allowed() + advance(),
+  averaged over random walks that follow the masks to the end of the pattern;
+- mask_apply_us: setting the forbidden logits of one [vocab] float32 row to -inf.
+The walks draw uniformly among allowed tokens (seeded), so they visit many more states than
+a model would. The SmolLM2 file is fetched on first use (course.smollm2); without it only
+the byte vocabulary is measured.
+"""
+import json
+import random
+import time
+
+from course.cli import add_impl_argument
+
+REGEX = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])T([01]\d|2[0-3]):[0-5]\d"
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "age": {"type": "integer"},
+    "languages": {"type": "array", "items": {"enum": ["python", "c", "rust"]}, "maxItems": 3},
+    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string",
+                                                                                    "minLength": 5,
+                                                                                    "maxLength": 5}}},
+    "verified": {"type": "boolean"},
+}, "required": ["name", "age"]}
+
+
+def add_arguments(parser):
+    add_impl_argument(parser)
+    parser.add_argument("--walks", type=int, default=20, help="random guided walks per grammar (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the walks (default 0)")
+
+
+def vocabularies(guided):
+    """(name, vocab_bytes, eos_token_id) for the byte vocabulary and, if available, SmolLM2's."""
+    from course import bpe_oracle, reference, smollm2
+    from course.models import TINY_VOCAB_SIZE
+    byte_vocab = [bytes([i]) if i < 256 else b"" for i in range(TINY_VOCAB_SIZE)]
+    found = [("bytes", byte_vocab, 257)]
+    try:
+        tokenizer = reference().bpe.BPETokenizer.from_gguf_metadata(bpe_oracle.smollm2_metadata())
+    except smollm2.SmolLM2Unavailable as missing:
+        print(json.dumps({"vocabulary": "smollm2", "skipped": str(missing)}))
+        return found
+    found.append(("smollm2", guided.token_bytes_of(tokenizer), tokenizer.eos_token_id))
+    return found
+
+
+def measure(guided, request, name, vocab_bytes, eos, grammar, fields, walks, seed):
+    import torch
+    factory = guided.GuideFactory(vocab_bytes, eos, len(vocab_bytes))
+    params = request.SamplingParams(**fields)
+    start = time.perf_counter()
+    guide = factory(params)
+    compile_ms = (time.perf_counter() - start) * 1e3
+    index = guide.index
+    start = time.perf_counter()
+    index.mask(index.dfa.start)
+    first_mask_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    index.precompute()
+    precompute_ms = (time.perf_counter() - start) * 1e3
+    rng = random.Random(seed)
+    steps, seconds, lengths = 0, 0.0, []
+    for _ in range(walks):
+        guide = factory(params)
+        produced = 0
+        while not guide.finished:
+            start = time.perf_counter()
+            allowed = guide.allowed()
+            seconds += time.perf_counter() - start
+            choices = torch.nonzero(allowed).flatten().tolist()
+            token = rng.choice(choices)
+            start = time.perf_counter()
+            guide.advance(token)
+            seconds += time.perf_counter() - start
+            steps += 1
+            produced += 1
+            if token == eos:
+                break
+        lengths.append(produced)
+    logits = torch.randn(len(vocab_bytes))
+    mask = index.mask(index.dfa.start)
+    repeats = 200
+    start = time.perf_counter()
+    for _ in range(repeats):
+        logits.masked_fill(~mask, float("-inf"))
+    apply_us = (time.perf_counter() - start) / repeats * 1e6
+    return {"vocabulary": name, "vocab_size": len(vocab_bytes), "grammar": grammar, "states": index.dfa.num_states,
+            "compile_ms": round(compile_ms, 1), "first_mask_ms": round(first_mask_ms, 2),
+            "precompute_ms": round(precompute_ms, 1), "step_us": round(seconds / max(steps, 1) * 1e6, 1),
+            "mask_apply_us": round(apply_us, 1), "tokens_per_walk": round(sum(lengths) / len(lengths), 1)}
+
+
+def run(args):
+    import torch
+
+    from course.impl import load
+    torch.set_num_threads(1)
+    impl = load(args.impl)
+    guided = impl.load("serve.guided")
+    request = impl.load("serve.request")
+    for name, vocab_bytes, eos in vocabularies(guided):
+        for grammar, fields in (("regex", {"guided_regex": REGEX}), ("json", {"guided_json": SCHEMA})):
+            print(json.dumps(measure(guided, request, name, vocab_bytes, eos, grammar, fields, args.walks,
+                                     args.seed)), flush=True)
