@@ -36,14 +36,18 @@ def add_arguments(parser):
     add_impl_argument(parser)
     parser.add_argument("--walks", type=int, default=20, help="random guided walks per grammar (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the walks (default 0)")
+    parser.add_argument("--vocabulary", choices=("bytes", "smollm2", "all"), default="all",
+                        help="which vocabularies to measure (default all)")
 
 
-def vocabularies(guided):
-    """(name, vocab_bytes, eos_token_id) for the byte vocabulary and, if available, SmolLM2's."""
+def vocabularies(guided, which):
+    """(name, vocab_bytes, eos_token_id) for the byte vocabulary and/or, if available, SmolLM2's."""
     from course import bpe_oracle, reference, smollm2
     from course.models import TINY_VOCAB_SIZE
     byte_vocab = [bytes([i]) if i < 256 else b"" for i in range(TINY_VOCAB_SIZE)]
-    found = [("bytes", byte_vocab, 257)]
+    found = [("bytes", byte_vocab, 257)] if which in ("bytes", "all") else []
+    if which == "bytes":
+        return found
     try:
         tokenizer = reference().bpe.BPETokenizer.from_gguf_metadata(bpe_oracle.smollm2_metadata())
     except smollm2.SmolLM2Unavailable as missing:
@@ -107,7 +111,7 @@ def run(args):
     impl = load(args.impl)
     guided = impl.load("serve.guided")
     request = impl.load("serve.request")
-    for name, vocab_bytes, eos in vocabularies(guided):
+    for name, vocab_bytes, eos in vocabularies(guided, args.vocabulary):
         for grammar, fields in (("regex", {"guided_regex": REGEX}), ("json", {"guided_json": SCHEMA})):
             print(json.dumps(measure(guided, request, name, vocab_bytes, eos, grammar, fields, args.walks,
                                      args.seed)), flush=True)
