@@ -40,11 +40,13 @@ def build_model(impl, device: torch.device, shape: dict, dtype: torch.dtype | No
 
 @dataclass
 class Workload:
-    """A named list of WorkItems and the model shape it runs on."""
+    """A named list of WorkItems and the model it runs on: the tiny model's weights in
+    `shape`, or a real checkpoint file (`checkpoint`, loaded by the implementation)."""
     name: str
     items: list
     shape: dict
     timed_arrivals: bool = False          # Poisson: requests arrive while others run
+    checkpoint: str | None = None
 
     @property
     def longest(self) -> int:
@@ -62,6 +64,31 @@ def random_items(workloads, count: int, prompt_len: tuple, output_len: tuple, se
                                rng.randint(*output_len)) for i in range(count)]
 
 
+# The chat workload's questions: short, varied, answerable by a 135M-parameter model.
+CHAT_QUESTIONS = (
+    "What is the capital of France?", "Give me three tips for sleeping better.",
+    "Explain what a prime number is.", "Write a haiku about the sea.",
+    "How do I boil an egg?", "What is photosynthesis?", "Name three planets of the solar system.",
+    "Why is the sky blue?", "Suggest a name for a small bakery.", "What does a compiler do?",
+    "How many days are in a leap year?", "Describe a cat in one sentence.",
+    "What is the difference between weather and climate?", "Give me a short tip for learning to cook.",
+    "What is 12 times 12?", "Translate 'good morning' into Spanish.",
+)
+
+
+def chat_items(impl, workloads, count: int, max_tokens: int) -> tuple[list, str]:
+    """`count` single-turn chat prompts for SmolLM2 (its own chat template and tokenizer,
+    through the implementation's Chapter 36 and 39 code) and the checkpoint's path.
+    Raises course.smollm2.SmolLM2Unavailable when the file is neither cached nor fetchable."""
+    from course.smollm2 import smollm2_gguf_path
+    path = smollm2_gguf_path(quiet=True)
+    tokenizer = impl.bpe.BPETokenizer.from_gguf_metadata(impl.gguf.GGUFFile(path).metadata)
+    questions = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(count)]
+    items = [workloads.WorkItem(f"chat-{i}", tokenizer.encode_chat([{"role": "user", "content": q}]), max_tokens)
+             for i, q in enumerate(questions)]
+    return items, str(path)
+
+
 def make_workloads(impl, names: list, scale: float = 1.0, seed_vocab: int = QWEN3_VOCAB_SIZE, rate: float = 1.0,
                    shape: dict | None = None) -> list:
     """The bench's workloads by name; `shape` (a model shape) replaces each one's own.
@@ -71,6 +98,8 @@ def make_workloads(impl, names: list, scale: float = 1.0, seed_vocab: int = QWEN
     serving  64 independent requests, prompts 64-512 tokens, outputs 32-256, SERVING_SHAPE
     long     4 requests with 2k-8k-token prompts, outputs 16-64
     poisson  the serving requests arriving as a Poisson process of `rate` requests/s
+    chat     16 chat questions to SmolLM2-135M-Instruct (the real model), up to 64 tokens
+             each, ending at its end-of-turn token
     `scale` multiplies the number of requests and (except the seed's) the lengths; the
     arrival rate is divided by it, so a shrunk workload keeps about the same load."""
     workloads = impl.load("workloads")
@@ -88,8 +117,11 @@ def make_workloads(impl, names: list, scale: float = 1.0, seed_vocab: int = QWEN
         elif name == "long":
             items = random_items(workloads, count(4), _scaled((2048, 8192), scale), _scaled((16, 64), scale), 3)
             made.append(Workload(name, items, shape or SERVING_SHAPE))
+        elif name == "chat":
+            items, path = chat_items(impl, workloads, count(16), max(4, round(64 * scale)))
+            made.append(Workload(name, items, {}, checkpoint=path))
         else:
-            raise ValueError(f"unknown workload {name!r}: choose from seed, serving, long, poisson")
+            raise ValueError(f"unknown workload {name!r}: choose from seed, serving, long, poisson, chat")
     return made
 
 
@@ -196,11 +228,16 @@ def slots_contender(impl, model, max_slots: int = 64) -> Contender:
 
 
 def transformers_model(model):
-    """transformers' Qwen3ForCausalLM with our model's config and weights (state dicts share names)."""
+    """transformers' class of our model's family (Qwen3ForCausalLM, LlamaForCausalLM, ...:
+    ours carry the same names) with our model's config and weights (state dicts share names)."""
     import transformers
     transformers.logging.set_verbosity_error()
-    config = transformers.Qwen3Config(**dataclasses.asdict(model.cfg))
-    theirs = transformers.Qwen3ForCausalLM(config).to(device=next(model.parameters()).device,
+    family = type(model).__name__
+    values = dataclasses.asdict(model.cfg)
+    if not values.get("sliding_window"):         # our "no window" is 0; transformers' is None, and 0 means 0
+        values.pop("sliding_window", None)
+    config = getattr(transformers, family.replace("ForCausalLM", "Config"))(**values)
+    theirs = getattr(transformers, family)(config).to(device=next(model.parameters()).device,
                                                       dtype=next(model.parameters()).dtype)
     theirs.load_state_dict(model.state_dict(), strict=False)     # tied heads: lm_head may be absent
     return theirs.eval()

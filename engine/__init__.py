@@ -45,4 +45,6 @@ The modules, in the order the book builds them (chapters in brackets):
     gguf.py            [39]       GGUFFile reader, dequantization (F16, Q8_0, Q4_0, Q4_1), GGUFLinear
     families.py        [42]       the model-family registry: Llama, Qwen2, Mistral, scaled RoPE
                                   (checkpoint.load_model picks the family from a config or GGUF)
+    mla.py             [42]       DeepSeek-V2's latent attention: one small cached vector per
+                                  token, absorbed into multi-query attention over the pool
 """

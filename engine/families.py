@@ -4,7 +4,7 @@ Llama, Qwen2, Mistral and Qwen3 are one decoder with small differences, so each 
 here is Qwen3's classes with one or two changes, never a copy:
 
     family    QK-norm   q/k/v bias   attention window                          RoPE
-    Qwen3     yes       no           full                                      plain
+    Qwen3     yes       no           full                                      plain, Llama 3 or YaRN scaled
     Llama     no        no           full                                      plain, Llama 3 or YaRN scaled
     Qwen2     no        yes          full                                      plain
     Mistral   no        no           sliding (the last `sliding_window` keys)  plain
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3ForCausalLM
+from .mla import DeepseekV2ForCausalLM, MLAConfig
+from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3ForCausalLM, rope_type
 
 if TYPE_CHECKING:
     from .kv_cache import ModelCache
@@ -52,7 +53,7 @@ class LlamaConfig(Qwen3Config):
         HF writes None for "no window". An unknown rope_type is refused, not ignored: the
         model would run and quietly compute something else."""
         stored = values.get("rope_scaling") or values.get("rope_parameters") or {}
-        kind = stored.get("rope_type", stored.get("type", "default"))
+        kind = rope_type(values)
         if kind not in ROPE_TYPES:
             raise ValueError(f"rope_type {kind!r} is not supported; known: {', '.join(ROPE_TYPES)}")
         scaling = None if kind == "default" else {**{k: v for k, v in stored.items() if k != "rope_theta"},
@@ -172,12 +173,13 @@ class MistralAttention(LlamaAttention):
 
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Qwen3ForCausalLM whose layers use the family's attention module."""
-    attention_class: type[LlamaAttention] = LlamaAttention
+    attention_class: type[Qwen3Attention] = LlamaAttention
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__(cfg)
-        for index, layer in enumerate(self.model.layers):
-            layer.self_attn = self.attention_class(cfg, index)
+        if self.attention_class is not Qwen3Attention:
+            for index, layer in enumerate(self.model.layers):
+                layer.self_attn = self.attention_class(cfg, index)
         if cfg.rope_scaling:
             # An instance attribute shadows Qwen3Model's method on purpose (its forward calls
             # self.rope_tables); mypy refuses any assignment to a method, hence the ignore.
@@ -191,6 +193,12 @@ class LlamaForCausalLM(Qwen3ForCausalLM):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_class = Qwen2Attention
+
+
+class Qwen3ScaledForCausalLM(LlamaForCausalLM):
+    """Qwen3 itself (QK-norm kept) with the RoPE scaling its config asks for: Qwen3's
+    checkpoints reach past their native 32,768 positions with YaRN (factor 4)."""
+    attention_class = Qwen3Attention
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -211,6 +219,9 @@ FAMILIES = {family.name: family for family in (
     Family("llama", LlamaConfig, LlamaForCausalLM, ("LlamaForCausalLM", "LlamaModel")),
     Family("qwen2", LlamaConfig, Qwen2ForCausalLM, ("Qwen2ForCausalLM", "Qwen2Model")),
     Family("mistral", LlamaConfig, MistralForCausalLM, ("MistralForCausalLM", "MistralModel")),
+    Family("deepseek_v2", MLAConfig, DeepseekV2ForCausalLM, ("DeepseekV2ForCausalLM", "DeepseekV2Model")),
+    # Qwen3's architectures again: family_for picks this one when rope_scaling is not "default".
+    Family("qwen3-scaled-rope", LlamaConfig, Qwen3ScaledForCausalLM, ("Qwen3ForCausalLM", "Qwen3Model")),
 )}
 
 
@@ -220,8 +231,10 @@ def family_for(config: dict[str, Any]) -> Family:
     names = config.get("architectures") or []
     for family in FAMILIES.values():
         if set(names) & set(family.architectures) or (not names and config.get("model_type") == family.name):
+            if family.name == "qwen3" and rope_type(config) != "default":
+                return FAMILIES["qwen3-scaled-rope"]
             return family
-    known = sorted(a for family in FAMILIES.values() for a in family.architectures if a.endswith("ForCausalLM"))
+    known = sorted({a for family in FAMILIES.values() for a in family.architectures if a.endswith("ForCausalLM")})
     raise ValueError(f"unknown architecture {names or None} (model_type {config.get('model_type')!r}); "
                      f"known architectures: {', '.join(known)}")
 

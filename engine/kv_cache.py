@@ -45,10 +45,13 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model: Qwen3ForCausalLM, batch: int, max_len: int) -> KVCache:
-        """A cache shaped for `model` (its config, dtype and device)."""
+        """A cache shaped for `model` (its config, dtype and device). A model whose cache is
+        not K/V heads of head_dim (latent attention, Chapter 42) gives its shape by kv_spec()."""
         cfg, weight = model.cfg, next(model.parameters())
-        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, max_len,
-                   weight.dtype, weight.device)
+        own = getattr(model, "kv_spec", None)
+        layers, kv_heads, width = own() if own is not None else (cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                                 cfg.head_dim)
+        return cls(layers, batch, kv_heads, width, max_len, weight.dtype, weight.device)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [batch, kv_heads, T, head_dim] at slots length .. length + T - 1 and

@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from .kv_cache import ModelCache
 
 
+def rope_type(config: dict[str, Any]) -> str:
+    """The RoPE variant a config.json dict asks for: rope_scaling's (or, in newer files,
+    rope_parameters') "rope_type" or "type"; "default" when it names none."""
+    stored = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return str(stored.get("rope_type", stored.get("type", "default")))
+
+
 @dataclass
 class Qwen3Config:
     """The fields of a Hugging Face Qwen3 config.json that the model needs (same names)."""
@@ -41,8 +48,15 @@ class Qwen3Config:
     def from_dict(cls, values: dict[str, Any]) -> Self:
         """Keep the fields this class knows; config.json carries many more.
 
-        Newer config files may nest rope_theta inside rope_parameters/rope_scaling."""
+        Newer config files may nest rope_theta inside rope_parameters/rope_scaling. A RoPE
+        scaling other than "default" is refused (ValueError) by a class without a
+        rope_scaling field, rather than dropped."""
         known = {f.name for f in fields(cls)}
+        kind = rope_type(values)
+        if kind != "default" and "rope_scaling" not in known:
+            # Dropping it would build a model that runs and quietly computes something else.
+            raise ValueError(f"this config asks for rope_type {kind!r}, which {cls.__name__} does not apply; "
+                             "load it with checkpoint.load_model (Chapter 42's families scale RoPE)")
         kept = {k: v for k, v in values.items() if k in known}
         for nested in ("rope_parameters", "rope_scaling"):
             extra = values.get(nested) or {}

@@ -1,6 +1,8 @@
-"""Chapter 42 milestone: Llama, Qwen2, Mistral, Llama 3 and YaRN RoPE scaling beside Qwen3.
+"""Chapter 42 milestone: Llama, Qwen2, Mistral, Llama 3 and YaRN RoPE scaling (Llama and
+Qwen3) and DeepSeek-V2's latent attention beside Qwen3.
 
-Oracles: transformers' own LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM with
+Oracles: transformers' own LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,
+Qwen3ForCausalLM and DeepseekV2ForCausalLM with
 the deterministic tiny weights, saved with save_pretrained and loaded back through our
 checkpoint.load_model (the family comes from config.json): logits within 1e-5 of
 transformers' (relative to the largest logit), greedy tokens equal to a full-recompute
@@ -34,6 +36,10 @@ EOS = 257
 SCALED = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+# DeepSeek-V2's attention on the tiny shape: every head its own K/V head in transformers'
+# bookkeeping, a 32-number latent and an 8-channel rotary key per token, dense MLPs only.
+LATENT = {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_nope_head_dim": 16,
+          "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 2}
 # family label -> (transformers config class, model class, extra config fields)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -41,16 +47,22 @@ FAMILIES = {
     "mistral (window 6)": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}),
     "llama 3 rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": SCALED}),
     "yarn rope scaling": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": YARN}),
+    "qwen3 yarn rope scaling": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_scaling": YARN}),
+    "deepseek v2 latent attention": ("DeepseekV2Config", "DeepseekV2ForCausalLM", LATENT),
+    "deepseek v2 latent, low-rank queries": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                                             {**LATENT, "q_lora_rank": 24}),
 }
 OURS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral (window 6)": "MistralForCausalLM",
-        "llama 3 rope scaling": "LlamaForCausalLM", "yarn rope scaling": "LlamaForCausalLM"}
+        "llama 3 rope scaling": "LlamaForCausalLM", "yarn rope scaling": "LlamaForCausalLM",
+        "qwen3 yarn rope scaling": "Qwen3ScaledForCausalLM", "deepseek v2 latent attention": "DeepseekV2ForCausalLM",
+        "deepseek v2 latent, low-rank queries": "DeepseekV2ForCausalLM"}
 
 
 def hf_family(impl, label, seed=0):
     config_class, model_class, extra = FAMILIES[label]
     values = dataclasses.asdict(tiny_config(impl.package))
     values.pop("attention_bias")
-    hcfg = getattr(transformers, config_class)(**values, **extra, attn_implementation="eager")
+    hcfg = getattr(transformers, config_class)(**{**values, **extra}, attn_implementation="eager")
     return fill_deterministic(getattr(transformers, model_class)(hcfg), seed).eval()
 
 
@@ -128,6 +140,43 @@ def test_unknown_architecture_names_the_known_ones(impl, tmp_path):
     message = str(error.value)
     assert "GPTNeoXForCausalLM" in message and "LlamaForCausalLM" in message and "Qwen3ForCausalLM" in message, (
         f"an unknown architecture must be named along with the known ones: {message}")
+
+
+def test_qwen3_config_refuses_a_rope_scaling_it_cannot_apply(impl):
+    values = {**dataclasses.asdict(tiny_config(impl.package)), "rope_scaling": YARN}
+    with pytest.raises(ValueError, match="yarn"):
+        impl.qwen3.Qwen3Config.from_dict(values)
+    values.pop("rope_theta")
+    plain = impl.qwen3.Qwen3Config.from_dict({**values, "rope_scaling": {"rope_type": "default", "rope_theta": 5.0}})
+    assert plain.rope_theta == 5.0, "a 'default' rope_scaling only carries rope_theta and must be accepted"
+
+
+def test_latent_pool_holds_one_small_vector_per_token(impl, serve, tmp_path_factory):
+    _, ours = loaded(impl, "deepseek v2 latent attention", tmp_path_factory)
+    width = LATENT["kv_lora_rank"] + LATENT["qk_rope_head_dim"]
+    budget = 1 << 20
+    engine = serve.engine.EngineCore(ours, serve.config.EngineConfig(kv_cache_bytes=budget, block_size=8),
+                                     eos_token_id=EOS)
+    layers = len(engine.runner.kv_caches)
+    k_cache, v_cache = engine.runner.kv_caches[0][:2]
+    assert k_cache is v_cache, "the latent pool is ONE tensor per layer, handed out as both k_cache and v_cache"
+    assert tuple(k_cache.shape[2:]) == (1, width), (
+        f"a block row holds one entry of latent + rotary key ({width} numbers), got {tuple(k_cache.shape[2:])}")
+    per_block = layers * 8 * width * 4
+    assert engine.blocks.num_blocks == budget // per_block, (
+        f"{budget} bytes hold {budget // per_block} latent blocks (one pool, not K and V); the engine made "
+        f"{engine.blocks.num_blocks}")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        serve.engine.EngineCore(ours, serve.config.EngineConfig(num_blocks=8, block_size=8, kv_cache_dtype="int8"),
+                                eos_token_id=EOS)
+
+
+def test_latent_attention_refuses_what_it_does_not_build(impl):
+    values = {**dataclasses.asdict(tiny_config(impl.package)), **LATENT}
+    with pytest.raises(ValueError, match="experts"):
+        impl.mla.MLAConfig.from_dict({**values, "first_k_dense_replace": 0, "n_routed_experts": 4})
+    with pytest.raises(ValueError, match="yarn"):
+        impl.mla.MLAConfig.from_dict({**values, "rope_scaling": YARN})
 
 
 def test_sliding_window_mask_rule(impl):
@@ -235,6 +284,38 @@ def test_run_py_chat_answers(impl, smollm2_path, capsys):
     out, err = capsys.readouterr()
     assert status == 0, f"run.py chat failed:\n{out}{err}"
     assert out.strip() == "The capital of France is Paris.", f"run.py chat printed {out!r}"
+
+
+def test_run_py_bench_chat_workload(impl, smollm2_path, capsys):
+    """`run.py bench --workloads chat` shrunk to two questions of 8 tokens, on the real model:
+    the EngineCore and Chapter 24's engine give the same tokens (the command exits 2
+    otherwise) and each reports its rate. (transformers joins them without --no-hf; its
+    conversion of a Llama-family model is checked on the tiny one below.)"""
+    import json
+
+    from course import cli
+    status = cli.main(["bench", "--impl", impl.spec.text, "--device", "cpu", "--workloads", "chat", "--scale", "0.125",
+                       "--backends", "reference", "--repeat", "1", "--no-hf", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py bench --workloads chat failed:\n{out}{err}"
+    runs = {line["contender"]: line for line in map(json.loads, out.splitlines()) if "contender" in line}
+    assert {"core/reference", "ch24 slots"} <= set(runs), out
+    assert all(line["requests"] == 2 and line["tok_s"] > 0 and line.get("identical", True)
+               for line in runs.values()), out
+
+
+@pytest.mark.parametrize("label", ["llama", "mistral (window 6)"])
+def test_bench_builds_transformers_of_the_same_family(impl, label, tmp_path_factory):
+    """The bench's transformers contender is transformers' class of the model's own family
+    with our weights: same logits (a Llama's "no window", 0 for us, must not become a window of 0)."""
+    from course import bench
+    hf, ours = loaded(impl, label, tmp_path_factory)
+    theirs = bench.transformers_model(ours)
+    assert type(theirs).__name__ == type(hf).__name__, f"{label}: the bench built {type(theirs).__name__}"
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        err = float((theirs(ids).logits - hf(ids).logits).abs().max())
+    assert err < 1e-4, f"{label}: the bench's transformers model is {err:.3g} from transformers' own"
 
 
 def test_smollm2_answers_a_chat_over_http(impl, device, smollm2_path):

@@ -4,7 +4,7 @@ Contenders, all on the same weights and the same torch thread count, served in t
 interleaved round by round (a busy moment on a shared machine slows every contender alike):
   core/<backend>   Chapter 31's EngineCore with each attention backend of --backends
   ch24 slots       Chapter 24's ContinuousBatchingEngine (one slot per request, up to 64)
-  hf default       transformers' Qwen3ForCausalLM.generate on the whole batch, left-padded
+  hf default       transformers' generate (its class of the model's family) on the whole batch, left-padded
   hf static        the same with cache_implementation="static" (preallocated KV), the
                    whole batch and, when there are more than 16 requests, batches of 16
 transformers' generate runs every request of a batch to the batch's longest max_tokens and
@@ -14,9 +14,10 @@ extra tokens are cut off before comparing and are not counted as throughput.
 Workloads (--workloads, comma-separated): seed (`run.py core`'s 16 requests on the tiny
 2-layer model, vocabulary --vocab-size), serving (64 requests, prompts 64-512 tokens,
 outputs 32-256, 4 layers, hidden 256, vocabulary 151,936), long (4 prompts of 2k-8k
-tokens), poisson (the serving requests arriving at --rate per second). --scale shrinks the
-request counts and lengths; --config qwen3-0.6b runs every workload on a model of
-Qwen3-0.6B's shape with random weights.
+tokens), poisson (the serving requests arriving at --rate per second), chat (16 chat
+questions to the real SmolLM2-135M-Instruct, up to 64 tokens each, fetched on first use).
+--scale shrinks the request counts and lengths; --config qwen3-0.6b runs every synthetic
+workload on a model of Qwen3-0.6B's shape with random weights.
 
 Prints one JSON line per contender and workload (tok_s from its fastest round; streaming
 engines also TTFT/TPOT percentiles, with Chapter 22's replay), then one summary line per
@@ -27,10 +28,13 @@ throughput and latency bars.
 """
 import json
 
+import torch
+
 from course.cli import CommandError, add_device_argument, add_impl_argument, resolve_device
 from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
+from course.smollm2 import SmolLM2Unavailable
 
-WORKLOADS = ("seed", "serving", "long", "poisson")
+WORKLOADS = ("seed", "serving", "long", "poisson", "chat")
 
 
 def add_arguments(parser):
@@ -81,7 +85,7 @@ def run(args):
     try:
         workloads = bench.make_workloads(impl, names, args.scale, args.vocab_size, args.rate, shape)
         plans = [(w, _contenders(impl, bench, w, device, backends, args)) for w in workloads]
-    except ValueError as exc:
+    except (ValueError, SmolLM2Unavailable) as exc:
         raise CommandError(str(exc)) from None
     progress = bench.Progress(sum(len(c) for _, c in plans) * (args.repeat + 1), enabled=not args.quiet)
     try:
@@ -131,7 +135,11 @@ def run(args):
 
 def _contenders(impl, bench, workload, device, backends, args):
     """Every contender of one workload, on one model built for it (same weights for all)."""
-    workload.model = model = bench.build_model(impl, device, workload.shape)
+    if workload.checkpoint:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        workload.model = model = impl.checkpoint.load_model(workload.checkpoint, dtype=dtype, device=device)
+    else:
+        workload.model = model = bench.build_model(impl, device, workload.shape)
     contenders = [bench.core_contender(impl, model, b) for b in backends] + [bench.slots_contender(impl, model)]
     if not args.no_hf and not workload.timed_arrivals:
         contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True)]

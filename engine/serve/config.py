@@ -15,7 +15,6 @@ NOT_YET_BUILT = {
     ("cuda_graphs", "on"): 33,
     ("cuda_graphs", "static"): 33,
     ("async_scheduling", True): 33,
-    ("sampler", "full"): 34,
 }
 
 CHOICES = {

@@ -84,6 +84,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0        # Chapter 34
     logit_bias: dict[int, float] | None = None         # token id -> added logit (Chapter 34)
     allowed_token_ids: tuple[int, ...] | None = None  # Chapter 34
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never to complete (Chapter 34)
     guided_regex: str | None = None        # Chapter 35
     guided_json: object = None             # Chapter 35
 
@@ -91,6 +92,7 @@ class SamplingParams:
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+        self.bad_words_token_ids = tuple(_token_ids("bad_words_token_ids", word) for word in self.bad_words_token_ids)
         self.validate()
 
     def validate(self) -> SamplingParams:
@@ -127,6 +129,13 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 whole(name, 0)
         _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
+        for token, bias in (self.logit_bias or {}).items():
+            _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                   f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias),
+                   f"logit_bias[{token}] must be a finite number, got {bias!r}")
+        _check(all(word for word in self.bad_words_token_ids),
+               f"bad_words_token_ids must be non-empty token sequences, got {self.bad_words_token_ids}")
         _check(self.guided_regex is None or self.guided_json is None,
                "give guided_regex or guided_json, not both")
         return self
@@ -221,8 +230,8 @@ class RequestOutput:
     status: Status = Status.RUNNING
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    logprobs: list[Any] | None = None
-    prompt_logprobs: list[Any] | None = None
+    logprobs: list[Any] | None = None          # Chapter 34: one entry per output token so far
+    prompt_logprobs: list[Any] | None = None   # Chapter 34: one per prompt token (the first is None)
     error: str | None = None           # set when the engine aborted the request because its processing failed
 
     @property

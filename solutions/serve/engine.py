@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .batch import Batch
 from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
@@ -29,7 +30,8 @@ from .guided import GuideFactory
 from .interfaces import AttentionBackend, Sampler
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
-from .sampler import SimpleSampler
+from .sampler import Sampler as FullSampler
+from .sampler import SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -83,7 +85,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
         self.runner = ModelRunner(flat, pool_blocks, config.block_size, backend)
         self.engine_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.sampler = sampler if sampler is not None else SimpleSampler(self.engine_generator)
+        if sampler is None:
+            sampler = (FullSampler if config.sampler == "full" else SimpleSampler)(self.engine_generator)
+        self.sampler = sampler
         self.eos_token_id = eos_token_id
         self.vocab_bytes = vocab_bytes
         self.guides = GuideFactory(vocab_bytes, eos_token_id, flat.cfg.vocab_size) if vocab_bytes is not None else None
@@ -242,10 +246,12 @@ class EngineCore:
                                         ("penalties", params.needs_penalties),
                                         ("logit_bias", bool(params.logit_bias)),
                                         ("allowed_token_ids", params.allowed_token_ids is not None),
+                                        ("bad_words_token_ids", bool(params.bad_words_token_ids)),
                                         ("min_tokens", params.min_tokens > 0)) if on]
-        if wanted:
-            raise ValueError(f"request {request_id!r}: {', '.join(wanted)} need the full sampler "
-                             f"(EngineConfig(sampler='full')), which arrives in Chapter 34")
+        if wanted and self.config.sampler != "full":
+            raise ValueError(f"request {request_id!r}: {', '.join(wanted)} need the full sampler: "
+                             f"EngineConfig(sampler='full') (Chapter 34)")
+        check_token_ids(request_id, params, self.vocab_size)
 
     def abort_request(self, request_id: str) -> Request | list[Request | None] | None:
         """Stop a request wherever it is (waiting, running, preempted, swapped) and give back
@@ -343,6 +349,9 @@ class EngineCore:
             return []
         batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
         logits = self.runner.execute(batch)
+        if batch.prompt_spans:                  # prompt-logprob rows follow the sampling rows (Chapter 34)
+            self._record_prompt_logprobs(batch, logits[batch.num_sample_rows:])
+            logits = logits[:batch.num_sample_rows]
         rows = {request.request_id: k for (request, _), k in zip(plan.scheduled, batch.sample_counts) if k}
         gained, logprobs, failed = self._sample(logits, [r for r, _ in plan.scheduled if r.request_id in rows], rows)
         outputs, now = [], time.monotonic()
@@ -374,7 +383,7 @@ class EngineCore:
             if reason is not None:                        # its blocks return now, for the next step
                 self.generators.pop(request.request_id, None)
                 self.scheduler.finish(request, reason)
-            outputs.append(self.make_output(request, list(new), logprobs.get(request.request_id)))
+            outputs.append(self.make_output(request, list(new), self._keep_logprobs(request, logprobs)))
         self.steps += 1
         if self.checks is not None:
             self.checks.check_scheduler(self.scheduler, f"after engine step {self.steps}")
@@ -415,6 +424,31 @@ class EngineCore:
             start += count
         return alone, alone_logprobs, failed
 
+    def _keep_logprobs(self, request: Request, found: dict[str, Any]) -> list[TokenLogprobs] | None:
+        """Chapter 34: append this step's logprobs of a request to request.extra["logprobs"]
+        (one entry per output token); returns a copy of them all, or None if it asked for none."""
+        if request.params.logprobs is None:
+            return None
+        kept: list[TokenLogprobs] = request.extra.setdefault("logprobs", [])
+        kept += found.get(request.request_id) or []
+        return list(kept)
+
+    def _record_prompt_logprobs(self, batch: Batch, rows: torch.Tensor) -> None:
+        """Chapter 34: the log-probabilities of prompt tokens, one row per prompt position
+        that predicts a prompt token, kept in request.extra["prompt_logprobs"]: entry p
+        belongs to prompt token p (entry 0 is None: nothing predicts the first token). A
+        position already recorded (a prompt computed again after preemption) is kept."""
+        targets = [token for _, _, tokens in batch.prompt_spans for token in tokens]
+        widths = [request.params.prompt_logprobs or 0 for request, _, tokens in batch.prompt_spans for _ in tokens]
+        found = token_logprobs(rows, torch.tensor(targets, dtype=torch.int64, device=rows.device), widths)
+        offset = 0
+        for request, start, tokens in batch.prompt_spans:
+            recorded: list[TokenLogprobs | None] = request.extra.setdefault("prompt_logprobs", [None])
+            for position, entry in enumerate(found[offset:offset + len(tokens)], start=start + 1):
+                if position == len(recorded):
+                    recorded.append(entry)
+            offset += len(tokens)
+
     def _abort_with_error(self, request: Request, exc: Exception, doing: str) -> RequestOutput:
         """Finish one request whose own processing failed inside a step, as aborted, with the
         error on its output; the step goes on for everyone else."""
@@ -426,9 +460,10 @@ class EngineCore:
     # --- helpers ----------------------------------------------------------------------------------
 
     def make_output(self, request: Request, new_tokens: list[int], logprobs: Any = None) -> RequestOutput:
+        prompt_logprobs = request.extra.get("prompt_logprobs")      # Chapter 34, once the prompt is computed
         return RequestOutput(request.request_id, new_tokens, request.output_token_ids, request.status.finished,
                              request.status, request.stop_reason, request.num_cached_tokens, logprobs,
-                             error=request.error)
+                             list(prompt_logprobs) if prompt_logprobs else None, error=request.error)
 
     def stats(self) -> dict[str, float]:
         """Counters for benchmarks and plots."""

@@ -82,6 +82,9 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)
         place = getattr(self.flat, "layer_device", None)           # layers on several devices (Chapter 40)
         make = getattr(self.flat.model, "allocate_kv", None) or self.backend.allocate
+        if make is not self.backend.allocate and getattr(self.backend, "quantized", False):
+            raise ValueError("this model allocates its own KV pool (latent attention, Chapter 42), which is never "
+                             "quantized: use kv_cache_dtype='auto'")
         self.kv_caches: list[KVCache] = [make(shape, self.dtype, place(i) if place else self.device)
                                          for i in range(layers)]
         # request id -> per layer, host copies of its blocks
@@ -91,7 +94,9 @@ class ModelRunner:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
+        # A latent pool hands one tensor out as both k_cache and v_cache: count each storage once.
+        unique = {t.data_ptr(): t for layer in self.kv_caches for t in layer}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     def swap_out(self, request: Request, blocks: list[int]) -> None:
         """Copy a preempted request's blocks to host memory (pinned on CUDA)."""
