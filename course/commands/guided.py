@@ -13,8 +13,17 @@ nested JSON schema), prints one JSON line:
 The walks draw uniformly among allowed tokens (seeded), so they visit many more states than
 a model would. The SmolLM2 file is fetched on first use (course.smollm2); without it only
 the byte vocabulary is measured.
+
+--engine measures the whole engine instead: the same requests (greedy, --requests of them,
+--tokens output tokens each) through EngineCore with the full sampler, free and then guided
+by a pattern of lowercase prose that can only end after 200 capitals (so no guided request
+ends before --tokens tokens, and both runs take the same steps), guided twice: "cold"
+computes the masks, "warm" finds them cached (free and warm: best of --repeat interleaved
+rounds). One JSON line per model and run: ms per step and the overhead over the free run.
+The tiny model speaks bytes; SmolLM2 its BPE vocabulary.
 """
 import json
+import math
 import random
 import time
 
@@ -38,6 +47,11 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=int, default=0, help="seed of the walks (default 0)")
     parser.add_argument("--vocabulary", choices=("bytes", "smollm2", "all"), default="all",
                         help="which vocabularies to measure (default all)")
+    parser.add_argument("--engine", action="store_true", help="time whole engine steps, free against guided")
+    parser.add_argument("--requests", type=int, default=4, help="requests per --engine run (default 4)")
+    parser.add_argument("--tokens", type=int, default=32, help="output tokens per --engine request (default 32)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="--engine: timed rounds of the free and warm runs, best kept (default 3)")
 
 
 def vocabularies(guided, which):
@@ -103,6 +117,53 @@ def measure(guided, request, name, vocab_bytes, eos, grammar, fields, walks, see
             "mask_apply_us": round(apply_us, 1), "tokens_per_walk": round(sum(lengths) / len(lengths), 1)}
 
 
+def timed(engine, prompts, params):
+    """(ms per engine step, steps) to serve one request per prompt with `params`."""
+    for prompt in prompts:
+        engine.add_request(f"r{time.perf_counter_ns()}", prompt, params)
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - start) / steps * 1e3, steps
+
+
+def engine_runs(impl, guided, args):
+    """Yield one result per (model, run): free, guided cold, guided warm."""
+    from course import smollm2
+    from course.models import tiny_qwen3
+    from course.oracles import TINY_EOS
+    from course.real_model import smollm2 as load_smollm2
+    engine_module, config, request = (impl.load(f"serve.{name}") for name in ("engine", "config", "request"))
+    tiny = tiny_qwen3(impl.package)
+    models = [("tiny", tiny, [bytes([i]) if i < 256 else b"" for i in range(tiny.cfg.vocab_size)], TINY_EOS,
+               [[1 + i, 2, 3] for i in range(args.requests)])]
+    if args.vocabulary != "bytes":
+        try:
+            model, tokenizer = load_smollm2()
+            prompts = [tokenizer.encode_chat([{"role": "user", "content": f"Write {i + 2} words about the sea."}])
+                       for i in range(args.requests)]
+            models.append(("smollm2", model, guided.token_bytes_of(tokenizer), tokenizer.eos_token_id, prompts))
+        except smollm2.SmolLM2Unavailable as missing:
+            print(json.dumps({"model": "smollm2", "skipped": str(missing)}))
+    pattern = "[a-z ,.]*[A-Z]{200}"
+    for name, model, vocab_bytes, eos, prompts in models:
+        engine = engine_module.EngineCore(model, config.EngineConfig(num_blocks=256, sampler="full"),
+                                          eos_token_id=eos, vocab_bytes=vocab_bytes)
+        guided_fields = {"guided_regex": pattern}
+        best = {"free": timed(engine, prompts, request.SamplingParams(max_tokens=args.tokens, ignore_eos=True)),
+                "guided cold": timed(engine, prompts, request.SamplingParams(max_tokens=args.tokens, ignore_eos=True,
+                                                                              **guided_fields))}
+        for _ in range(args.repeat):                    # interleaved, best of each: load only slows
+            for label, fields in (("free", {}), ("guided warm", guided_fields)):
+                params = request.SamplingParams(max_tokens=args.tokens, ignore_eos=True, **fields)
+                best[label] = min(best.get(label, (math.inf, 0)), timed(engine, prompts, params))
+        for label in ("free", "guided cold", "guided warm"):
+            ms, steps = best[label]
+            yield {"model": name, "vocab_size": len(vocab_bytes), "run": label, "requests": len(prompts),
+                   "steps": steps, "ms_per_step": round(ms, 2), "overhead_ms": round(ms - best["free"][0], 2)}
+
+
 def run(args):
     import torch
 
@@ -111,6 +172,10 @@ def run(args):
     impl = load(args.impl)
     guided = impl.load("serve.guided")
     request = impl.load("serve.request")
+    if args.engine:
+        for result in engine_runs(impl, guided, args):
+            print(json.dumps(result), flush=True)
+        return
     for name, vocab_bytes, eos in vocabularies(guided, args.vocabulary):
         for grammar, fields in (("regex", {"guided_regex": REGEX}), ("json", {"guided_json": SCHEMA})):
             print(json.dumps(measure(guided, request, name, vocab_bytes, eos, grammar, fields, args.walks,
