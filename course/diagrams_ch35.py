@@ -22,16 +22,15 @@ def guided_pipeline() -> Figure:
     the guide's state -> its mask -> the sampler -> the token -> advance."""
     fig, ax = _canvas(11.0, 4.9, 3.6)
     once = [("JSON schema\nor regex", 0.1), ("syntax tree\n(parse)", 2.3), ("NFA over bytes\n(Thompson)", 4.5),
-            ("DFA over bytes\n(subsets, trim,\nminimise)", 6.7), ("token masks,\none per DFA state\n(lazy, cached)",
-                                                                   8.9)]
+            ("DFA over bytes\n(subsets, trim,\nminimise)", 6.7),
+            ("token masks,\none per DFA state\n(lazy, cached)", 8.9)]
     for text, x in once:
         _box(ax, x, 3.1, 2.0, 1.35, text, face=ONCE, size=9)
     for (_, x), (_, x_next) in zip(once, once[1:]):
         _arrow(ax, (x + 2.0, 3.77), (x_next, 3.77))
     ax.text(0.1, 4.7, "once per (pattern, vocabulary)", fontsize=9.5, color=QUERY, weight="bold")
-    step = [("guide.state\n(a DFA state)", 0.9), ("allowed():\nthe state's mask", 3.5), ("sampler: forbidden\nlogits = -inf",
-                                                                                        6.1),
-            ("token drawn,\nappended", 8.7)]
+    step = [("guide.state\n(a DFA state)", 0.9), ("allowed():\nthe state's mask", 3.5),
+            ("sampler: forbidden\nlogits = -inf", 6.1), ("token drawn,\nappended", 8.7)]
     for text, x in step:
         _box(ax, x, 0.85, 2.1, 1.2, text, face=EVERY_STEP, size=9)
     for (_, x), (_, x_next) in zip(step, step[1:]):

@@ -370,8 +370,9 @@ class EngineCore:
                 request.first_token_time = now
             guide = request.extra.get("guide")
             try:                                             # Chapter 35: the guide reads every new token
-                for token in new if guide is not None else ():
-                    guide.advance(token)
+                if guide is not None:
+                    for token in new:
+                        guide.advance(token)
             except Exception as exc:
                 outputs.append(self._abort_with_error(request, exc, "advancing its guide"))
                 continue
