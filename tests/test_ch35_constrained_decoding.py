@@ -289,10 +289,11 @@ def params_for(guided, **fields):
     return guided.SamplingParams(max_tokens=8, **fields)
 
 
-def test_advance_refuses_forbidden_tokens_and_eos_before_a_match(guided):
+def test_advance_refuses_forbidden_tokens_and_eos_before_a_match(guided, impl):
     vocab = synthetic_vocabulary()
     eos = len(vocab) - 2
     guide = guided.GuideFactory(vocab, eos, len(vocab))(params_for(guided, guided_regex="ab+"))
+    assert isinstance(guide, impl.load("serve.interfaces").Guide), "a guide implements interfaces.Guide"
     state = guide.state
     for bad, words in ((ord("b"), "98"), (eos, "EOS"), (len(vocab) - 1, str(len(vocab) - 1))):
         with pytest.raises(ValueError, match=words):
