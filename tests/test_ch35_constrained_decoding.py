@@ -426,3 +426,25 @@ def test_guided_requests_are_refused_without_what_they_need(serve, tiny_model):
         assert (len(engine.scheduler.waiting), engine.blocks.num_free) == before
     drain(engine)
     assert_engine_idle(engine)
+
+
+def test_a_guide_that_fails_aborts_only_its_request(serve, tiny_model, ref_model):
+    class FailingGuide:
+        finished = False
+
+        def allowed(self):
+            return torch.ones(tiny_model.cfg.vocab_size, dtype=torch.bool)
+
+        def advance(self, token_id):
+            raise ValueError(f"token {token_id} broke the guide")
+
+    engine = guided_engine(serve, tiny_model)
+    P = serve.request.SamplingParams
+    engine.add_request("fine", [3, 14, 15], P(max_tokens=6))
+    broken = engine.add_request("broken", [1, 2], P(max_tokens=6, guided_regex="[a-z]+"))
+    broken.extra["guide"] = FailingGuide()
+    outputs = drain(engine)
+    assert outputs["broken"].finish_reason == "abort" and "advancing its guide" in outputs["broken"].error, (
+        f"a guide that raises must abort its own request with the reason, got {outputs['broken'].error!r}")
+    assert outputs["fine"].output_token_ids == solo(ref_model, [3, 14, 15], 6), "the other request goes on"
+    assert_engine_idle(engine)
