@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ class Vocabulary:
     eos_token_id: the end-of-sequence id (its bytes are ignored), or None.
     vocab_size: the width of the model's logits (>= len(vocab_bytes); the ids past the list
     are never allowed).
+    The matrix is laid out on first use, so an engine that never sees a guided request
+    never pays for it.
     """
 
     def __init__(self, vocab_bytes: Sequence[bytes], eos_token_id: int | None, vocab_size: int) -> None:
@@ -49,16 +52,28 @@ class Vocabulary:
         self.vocab_bytes = list(vocab_bytes)
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
-        usable = [i for i, b in enumerate(self.vocab_bytes) if b and i != eos_token_id]
+
+    @cached_property
+    def token_ids(self) -> np.ndarray:
+        """int64 [n]: the ids of the tokens that have bytes (EOS aside), longest first."""
+        usable = [i for i, b in enumerate(self.vocab_bytes) if b and i != self.eos_token_id]
         usable.sort(key=lambda i: -len(self.vocab_bytes[i]))
-        lengths = np.array([len(self.vocab_bytes[i]) for i in usable], dtype=np.int64)
-        width = int(lengths[0]) if len(usable) else 0
-        self.token_ids = np.array(usable, dtype=np.int64)               # [n], longest first
-        self.byte_matrix = np.zeros((len(usable), width), dtype=np.int64)    # [n, longest]
-        for row, i in enumerate(usable):
-            self.byte_matrix[row, :lengths[row]] = np.frombuffer(self.vocab_bytes[i], dtype=np.uint8)
-        # longer_than[p]: how many tokens have more than p bytes (they lead the sorted rows).
-        self.longer_than = [int((lengths > p).sum()) for p in range(width)]
+        return np.array(usable, dtype=np.int64)
+
+    @cached_property
+    def byte_matrix(self) -> np.ndarray:
+        """uint8 [n, longest]: row r holds the bytes of token_ids[r], zero-padded."""
+        rows = [self.vocab_bytes[i] for i in self.token_ids.tolist()]
+        matrix = np.zeros((len(rows), len(rows[0]) if rows else 0), dtype=np.uint8)
+        for row, data in enumerate(rows):
+            matrix[row, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return matrix
+
+    @cached_property
+    def longer_than(self) -> list[int]:
+        """longer_than[p]: how many tokens have more than p bytes (they lead the rows)."""
+        lengths = np.array([len(self.vocab_bytes[i]) for i in self.token_ids.tolist()], dtype=np.int64)
+        return [int((lengths > p).sum()) for p in range(self.byte_matrix.shape[1])]
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.vocab_bytes[token_id] if 0 <= token_id < len(self.vocab_bytes) else b""
@@ -91,7 +106,7 @@ class TokenIndex:
         when walking all of t's bytes from `state` through self.dfa.transitions (int32
         [S, 256], -1: no match can follow) never meets -1; True for vocabulary.eos_token_id
         exactly when self.dfa.accepting[state]; False for every token listed with no bytes
-        and every id past the byte list. The rows of vocabulary.byte_matrix (int64
+        and every id past the byte list. The rows of vocabulary.byte_matrix (uint8
         [n, longest], zero-padded) are the tokens vocabulary.token_ids, longest first, and
         vocabulary.longer_than[p] of them have more than p bytes.
         Trap: a Python loop over 49,152 tokens for every new state costs tens of
