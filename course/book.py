@@ -8,6 +8,11 @@ planned. The .md side of each pair is left out: it holds the same cells, and two
 with one name would be two pages. The reference pages (REFERENCE_PAGES: the glossary) are
 plain Markdown in chapters/, copied to the same place in the book so that a chapter's
 relative link to them works on GitHub and in the book alike.
+
+The book reads offline: MathJax is bundled (copied from jupyter-server-mathjax to the
+site's root), widget state is dropped from the copied notebooks (each widget has a static
+version beside it), and `offline_problems` checks the built HTML for anything fetched from
+another host (`python run.py book --check`, run in CI).
 """
 from __future__ import annotations
 
@@ -21,6 +26,22 @@ from . import manifest as manifest_module
 from .manifest import ROOT, Chapter, Manifest
 
 DEFAULT_OUT = ROOT / "build" / "book"
+# The bundled MathJax (jupyter-server-mathjax, requirements-book.txt: MathJax 2 with the
+# STIX web fonts only, hence the font settings). It goes to EXTRA_DIR/MATHJAX_DIR in the
+# source, which Sphinx copies to MATHJAX_DIR at the site's root (html_extra_path): under
+# _static, Jupyter Book would add every one of its scripts to every page. mathjax_path is
+# relative to _static, hence the "../".
+EXTRA_DIR = "_offline"
+MATHJAX_DIR = "mathjax"
+MATHJAX_PATH = f"../{MATHJAX_DIR}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"
+MATHJAX2_CONFIG = {
+    "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]], "processEscapes": True,
+                "processClass": "math|output_area", "ignoreClass": "document"},
+    "HTML-CSS": {"availableFonts": [], "webFont": "STIX-Web", "imageFont": None},
+    "SVG": {"font": "STIX-Web"},
+}
+# Output types that need a live kernel (or a widget manager fetched from a CDN) to show.
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 # Pages that belong to no chapter: (path in the repository and in the book source, without
 # the .md extension; title in the table of contents). They form the book's last part.
 REFERENCE_PAGES = (("chapters/glossary", "Glossary"),)
@@ -72,6 +93,10 @@ def config_yml(manifest: Manifest) -> str:
         "  thebe: false",
         "sphinx:",
         "  config:",
+        "    # MathJax 2 from jupyter-server-mathjax, copied into _static: math renders offline.",
+        f"    mathjax_path: {MATHJAX_PATH}",
+        f"    html_extra_path: [{EXTRA_DIR}]",
+        f"    mathjax2_config: {json.dumps(MATHJAX2_CONFIG)}",
         "    html_show_copyright: false",
         "    myst_heading_anchors: 2       # [term](#term) links to a heading, as on GitHub (the glossary)",
         "    suppress_warnings: [\"mystnb.unknown_mime_type\"]",
@@ -243,11 +268,68 @@ def build_source(target: Path, manifest: Manifest | None = None, root: Path = RO
             shutil.copytree(source, target / "chapters" / chapter.dirname,
                             ignore=shutil.ignore_patterns(f"{chapter.dirname}.md", ".ipynb_checkpoints",
                                                           "__pycache__"))
+            for notebook in (target / "chapters" / chapter.dirname).glob("*.ipynb"):
+                without_widgets(notebook)
         else:
             page = target / f"{page_path(chapter)}.md"
             page.parent.mkdir(parents=True, exist_ok=True)
             page.write_text(planned_page(chapter), encoding="utf-8")
     return target
+
+
+def copy_mathjax(destination: Path) -> None:
+    """Copy the MathJax bundle that jupyter-server-mathjax ships to `destination`, without
+    importing that package (it would import jupyter_server)."""
+    from importlib.util import find_spec
+    spec = find_spec("jupyter_server_mathjax")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("jupyter-server-mathjax is not installed (the book's offline math): "
+                                "pip install -r requirements-book.txt")
+    shutil.copytree(Path(list(spec.submodule_search_locations)[0]) / "static", destination)
+
+
+def without_widgets(notebook: Path) -> None:
+    """Drop a notebook's saved widget state and widget views, in place: in a page without a
+    kernel they would only make Sphinx load a widget manager from a CDN and show nothing.
+    Cells that use a widget carry the remove-cell tag and a static version beside them."""
+    data = json.loads(notebook.read_text(encoding="utf-8"))
+    data.get("metadata", {}).pop("widgets", None)
+    for cell in data.get("cells", []):
+        outputs = cell.get("outputs", [])
+        for output in outputs:
+            output.get("data", {}).pop(WIDGET_MIME, None)
+        cell["outputs"] = [o for o in outputs if o.get("output_type") not in ("display_data", "execute_result")
+                           or o.get("data")]
+    notebook.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+def offline_problems(html: Path, manifest: Manifest) -> list[str]:
+    """What keeps the built book from being read offline, page by page: scripts or styles
+    fetched from another host, a written chapter missing or without a figure, math on a
+    page that does not load the bundled MathJax. Empty when the book is fine."""
+    import re
+    remote = re.compile(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=["'](?:https?:)?//[^"']*""", re.IGNORECASE)
+    problems = []
+    for page in sorted(html.rglob("*.html")):
+        text = page.read_text(encoding="utf-8", errors="replace")
+        name = page.relative_to(html)
+        for match in remote.finditer(text):
+            problems.append(f"{name}: fetches {match.group(0)[:120]}")
+        if 'class="math' in text and f"{MATHJAX_DIR}/MathJax.js" not in text:
+            problems.append(f"{name}: has math but does not load the bundled MathJax")
+    for chapter in manifest.chapters:
+        if not chapter.written:
+            continue
+        page = html / "chapters" / chapter.dirname / f"{chapter.dirname}.html"
+        if not page.is_file():
+            problems.append(f"Chapter {chapter.number}: no page {page.relative_to(html)}")
+            continue
+        text = page.read_text(encoding="utf-8", errors="replace")
+        if "<img" not in text and "<svg" not in text:
+            problems.append(f"Chapter {chapter.number}: its page has no figure")
+    if not (html / MATHJAX_DIR / "MathJax.js").is_file():
+        problems.append(f"{MATHJAX_DIR}/MathJax.js is missing: the bundled MathJax was not copied")
+    return problems
 
 
 def jupyter_book_command() -> list[str]:
@@ -265,6 +347,7 @@ def build(out: Path = DEFAULT_OUT, manifest: Manifest | None = None, quiet: bool
     """Build the HTML book under `out`; returns the folder holding index.html."""
     out = Path(out)
     source = build_source(out / "src", manifest)
+    copy_mathjax(source / EXTRA_DIR / MATHJAX_DIR)
     command = jupyter_book_command() + ["build", str(source), "--path-output", str(out), "--builder", "html"]
     if quiet:
         command.append("--quiet")

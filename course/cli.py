@@ -82,8 +82,9 @@ def add_impl_argument(parser, default: str = "solutions") -> None:
 
 
 def add_device_argument(parser) -> None:
-    parser.add_argument("--device", choices=("cpu", "cuda", "mps"), default=None,
-                        help="device (default: cuda when available, else cpu; mps on Apple silicon when asked)")
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="cpu, cuda, cuda:N, mps, xpu, or auto (cuda, mps, xpu, cpu: the first present); "
+                             "default: cuda when available, else cpu")
 
 
 def add_model_argument(parser) -> None:
@@ -93,10 +94,13 @@ def add_model_argument(parser) -> None:
 
 
 def resolve_device(choice: str | None):
-    """The torch.device a command should use for `--device` (None: cuda when available)."""
+    """The torch.device a command should use for `--device` (None: cuda when available),
+    checked by the reference's Chapter 40 device module (the machinery never depends on a
+    learner's unfinished stub)."""
     import torch
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise CommandError("--device cuda: torch sees no CUDA device here")
-    if choice == "mps" and not torch.backends.mps.is_available():
-        raise CommandError("--device mps: torch sees no Apple GPU (MPS) here")
-    return torch.device(choice or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    from course import reference
+    try:
+        return reference().devices.pick_device(choice or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None

@@ -541,3 +541,49 @@ def block_states() -> Figure:
             "blocks tail first,\nso its unique tail is reused before its shared head (the system prompt)",
             fontsize=8.5, va="center", color="#505050")
     return fig
+
+
+# --- from text to logits (Chapter 3) -----------------------------------------------------------
+
+def token_path(text: str = "Hi!", vocab: int = 320, hidden: int = 64) -> Figure:
+    """The two ends of a language model: text becomes ids, ids pick rows of the embedding
+    table, the decoder layers transform those rows, and the LM head scores every
+    vocabulary entry at every position; the last row's scores choose the next token."""
+    ids = list(text.encode("utf-8"))
+    rows_y = [3.2 - 0.6 * i for i in range(len(ids))]
+    fig, ax = _canvas(11.0, 4.5, 3.2)
+
+    def title(x, line1, line2=""):
+        ax.text(x, 4.4, line1 + ("\n" + line2 if line2 else ""), fontsize=9.5, weight="bold", va="top")
+
+    title(0.0, "text")
+    ax.text(0.0, 3.4, f'"{text}"', fontsize=12, family="monospace", va="center")
+    title(1.3, "token ids", "[T]")
+    for y, token in zip(rows_y, ids):
+        _box(ax, 1.3, y, 0.8, 0.42, str(token), face=PAD, size=10, round_=False)
+    _arrow(ax, (0.9, 3.4), (1.28, 3.41))
+    # The embedding table: one row per vocabulary entry; each id selects its row.
+    title(2.6, "embedding", f"[{vocab}, {hidden}]")
+    top, bottom = 3.75, 0.2
+    ax.add_patch(patches.Rectangle((2.6, bottom), 1.5, top - bottom, facecolor="white", edgecolor=INK, lw=1.2))
+    title(4.6, "hidden", "[T, hidden]")
+    for i, (y, token) in enumerate(zip(rows_y, ids)):
+        row = top - (top - bottom) * (token + 0.5) / vocab
+        colour = REQUEST_COLOURS[i % len(REQUEST_COLOURS)]
+        ax.add_patch(patches.Rectangle((2.6, row - 0.05), 1.5, 0.1, facecolor=colour, lw=0))
+        _arrow(ax, (2.1, y + 0.21), (2.6, row), color=colour)
+        _box(ax, 4.6, y, 1.0, 0.42, "", face=colour, round_=False)
+        _arrow(ax, (4.1, row), (4.6, y + 0.21), color=colour)
+    _box(ax, 6.0, 1.9, 1.5, 1.1, "decoder layers,\nfinal norm", face="#EAE6F5", size=9)
+    _arrow(ax, (5.6, 2.4), (6.0, 2.4))
+    _box(ax, 7.9, 1.9, 1.1, 1.1, f"LM head\n[{hidden}, {vocab}]", face="#DCE6F2", size=9)
+    _arrow(ax, (7.5, 2.45), (7.9, 2.45))
+    title(9.3, "logits", f"[T, {vocab}]")
+    for i, y in enumerate(rows_y):
+        last = i == len(ids) - 1
+        _box(ax, 9.3, y, 1.6, 0.42, "next token" if last else "", face="#FBE3D3" if last else PAD, size=8.5,
+             round_=False)
+    _arrow(ax, (9.0, 2.45), (9.3, 2.45))
+    ax.text(9.3, rows_y[-1] - 0.15, "only the last row is\nneeded to generate", fontsize=8, va="top",
+            color="#505050")
+    return fig

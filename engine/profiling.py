@@ -36,6 +36,8 @@ def synchronizer(device: torch.device | str) -> Callable[[], None]:
         return lambda: torch.cuda.synchronize(device)
     if device.type == "mps":
         return torch.mps.synchronize
+    if device.type == "xpu":
+        return lambda: torch.xpu.synchronize(device)
     return lambda: None
 
 

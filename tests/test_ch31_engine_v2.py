@@ -620,7 +620,7 @@ def test_bad_input_leaves_the_engine_untouched(serve, tiny_model):
         params(serve, 4, temperature=-1)
     with pytest.raises(ValueError, match="max_tokens"):
         params(serve, 0)
-    for bad, words in ((dict(async_scheduling=True), "Chapter 33"),
+    for bad, words in ((dict(cuda_graphs="fast"), "cuda_graphs"),
                        (dict(policy="lifo"), "policy"), (dict(block_size=0), "block_size"),
                        (dict(attention_backend="nope"), "nope")):
         with pytest.raises(ValueError, match=words):

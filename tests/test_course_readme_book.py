@@ -65,6 +65,47 @@ def test_reference_pages_close_the_book_where_chapters_link_to_them(tmp_path):
     assert "[Glossary](chapters/glossary.md)" in (source / "intro.md").read_text()
 
 
+def test_book_notebooks_lose_widget_state_but_keep_other_outputs(tmp_path):
+    import json
+    notebook = tmp_path / "n.ipynb"
+    view = {"application/vnd.jupyter.widget-view+json": {"model_id": "x"}, "text/plain": "VBox()"}
+    notebook.write_text(json.dumps({"metadata": {"widgets": {"state": {}}, "kernelspec": {}}, "cells": [
+        {"cell_type": "code", "outputs": [{"output_type": "display_data", "data": view},
+                                          {"output_type": "stream", "text": "kept"}]},
+        {"cell_type": "code", "outputs": [{"output_type": "display_data",
+                                           "data": {"application/vnd.jupyter.widget-view+json": {}}}]}]}))
+    book.without_widgets(notebook)
+    data = json.loads(notebook.read_text())
+    assert "widgets" not in data["metadata"] and "kernelspec" in data["metadata"]
+    first, second = (cell["outputs"] for cell in data["cells"])
+    assert first == [{"output_type": "display_data", "data": {"text/plain": "VBox()"}},
+                     {"output_type": "stream", "text": "kept"}]
+    assert second == [], "an output that was only a widget view disappears"
+
+
+def test_offline_check_names_every_page_that_needs_the_network(tmp_path):
+    book_ = written_at({5, 6})
+    html = tmp_path / "html"
+    (html / "mathjax").mkdir(parents=True)
+    (html / "mathjax" / "MathJax.js").write_text("")
+    five = html / "chapters" / "05-attention"
+    five.mkdir(parents=True)
+    (five / "05-attention.html").write_text(
+        '<script src="../../_static/../mathjax/MathJax.js"></script><span class="math">x</span><img src="a.png">'
+        '<a href="https://arxiv.org/abs/1706.03762">a link is fine</a>')
+    (html / "index.html").write_text('<script src="https://cdn.example.org/require.js"></script>'
+                                     '<link rel="stylesheet" href="//fonts.example.org/a.css">'
+                                     '<div class="math notranslate">y</div>')
+    problems = book.offline_problems(html, book_)
+    assert any("index.html: fetches <script src=\"https://cdn.example.org" in p for p in problems), problems
+    assert any("index.html: fetches <link" in p for p in problems), problems
+    assert any("index.html: has math" in p for p in problems), problems
+    assert any(p.startswith("Chapter 6: no page") for p in problems), problems
+    assert not any("05-attention" in p for p in problems), problems
+    (five / "05-attention.html").write_text("<p>text only</p>")
+    assert "Chapter 5: its page has no figure" in book.offline_problems(html, book_)
+
+
 GLOSSARY = ROOT / "chapters" / "glossary.md"
 
 

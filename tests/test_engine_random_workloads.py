@@ -79,13 +79,16 @@ def make_workload(seed, ref_model):
     return config, requests
 
 
-def run_workload(serve, model, ref_model, seed):
+def run_workload(serve, model, ref_model, seed, speculate=None):
     """Run workload `seed`; fail with the request, step and tokens on any difference.
-    Returns the features it exercised and its step count."""
+    Returns the features it exercised and its step count. `speculate(engine)`, when given,
+    installs a drafter first (Chapter 37's milestone runs these workloads speculatively)."""
     config, requests = make_workload(seed, ref_model)
     label = f"[workload {seed}: {config}]"
     # debug_checks: the plan and the scheduler's invariants are checked inside every step.
     engine = make_engine(serve, model, debug_checks=True, **config)
+    if speculate is not None:
+        speculate(engine)
     sched = engine.scheduler
     got, finished, aborted, children, admitted = {}, {}, set(), {}, []
     seen = Counter()

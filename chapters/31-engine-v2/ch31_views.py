@@ -3,7 +3,8 @@
 `snapshot(engine)` copies what a picture needs out of an EngineCore after a step, so a
 series of snapshots can be drawn later; `draw(snap, axes)` draws one; `stepper(make)` is
 the interactive version (ipywidgets): a Step button that advances a live engine by one
-step and redraws.
+step and redraws; `animation_html(snaps)` is the version for a page without a kernel (a
+player of every step whose frames are embedded in the page).
 """
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
@@ -99,16 +100,78 @@ def legend_handles():
             Patch(facecolor="white", edgecolor="black", label="decode token")]
 
 
-def draw_series(snaps, columns=8, budget=None):
-    """A static figure: one column per snapshot (pool on top, scheduled tokens below)."""
+def draw_series(snaps, columns=8, budget=None, per_row=3):
+    """A static figure: one panel per snapshot (pool on top, scheduled tokens below),
+    `per_row` panels to a row, so the figure stays readable at a page's width."""
     order = {}
-    fig, axes = plt.subplots(2, len(snaps), figsize=(2.6 * len(snaps), 4.2),
-                             gridspec_kw={"height_ratios": [4, 1]}, squeeze=False)
-    for i, snap in enumerate(snaps):
-        draw(snap, axes[0, i], axes[1, i], order, columns, budget)
-    fig.legend(handles=legend_handles(), loc="lower center", ncol=5, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    rows = -(-len(snaps) // per_row)
+    fig, axes = plt.subplots(2 * rows, per_row, figsize=(2.6 * per_row, 4.2 * rows),
+                             gridspec_kw={"height_ratios": [4, 1] * rows}, squeeze=False)
+    for i in range(rows * per_row):
+        pool_ax, tokens_ax = axes[2 * (i // per_row), i % per_row], axes[2 * (i // per_row) + 1, i % per_row]
+        if i < len(snaps):
+            draw(snaps[i], pool_ax, tokens_ax, order, columns, budget)
+        else:                                    # an unused slot in the last row
+            pool_ax.axis("off")
+            tokens_ax.axis("off")
+    fig.legend(handles=legend_handles(), loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.05 / rows, 1, 1))
     return fig
+
+
+PLAYER = """<div id="{uid}" style="max-width:100%">
+<img id="{uid}-frame" style="max-width:100%" alt="engine step">
+<div style="font:13px sans-serif;margin-top:4px">
+<button id="{uid}-first">|&lt;</button> <button id="{uid}-back">&lt; step</button>
+<button id="{uid}-play">play</button> <button id="{uid}-next">step &gt;</button>
+<input id="{uid}-slider" type="range" min="0" max="{last}" value="0" style="vertical-align:middle">
+<span id="{uid}-label"></span></div></div>
+<script>
+(function() {{
+  var frames = {frames}, at = 0, timer = null;
+  function el(name) {{ return document.getElementById("{uid}-" + name); }}
+  function show(i) {{
+    at = Math.max(0, Math.min(frames.length - 1, i));
+    el("frame").src = "data:image/png;base64," + frames[at];
+    el("slider").value = at;
+    el("label").textContent = "frame " + (at + 1) + " of " + frames.length;
+  }}
+  function stop() {{ if (timer) {{ clearInterval(timer); timer = null; el("play").textContent = "play"; }} }}
+  el("first").onclick = function() {{ stop(); show(0); }};
+  el("back").onclick = function() {{ stop(); show(at - 1); }};
+  el("next").onclick = function() {{ stop(); show(at + 1); }};
+  el("slider").oninput = function() {{ stop(); show(+this.value); }};
+  el("play").onclick = function() {{
+    if (timer) {{ stop(); return; }}
+    if (at === frames.length - 1) show(0);
+    el("play").textContent = "pause";
+    timer = setInterval(function() {{ if (at === frames.length - 1) stop(); else show(at + 1); }}, {interval});
+  }};
+  show(0);
+}})();
+</script>"""
+
+
+def animation_html(snaps, columns=8, budget=None, dpi=72, interval_ms=700):
+    """Every snapshot as one frame of a small HTML/JavaScript player (buttons and a slider),
+    for pages read without a live kernel. The frames are PNG images embedded in the page and
+    the script is inline: nothing is fetched from anywhere."""
+    import base64
+    import io
+    import uuid
+
+    order, frames = {}, []
+    fig, (pool_ax, tokens_ax) = plt.subplots(2, 1, figsize=(5, 5), dpi=dpi, gridspec_kw={"height_ratios": [4, 1]})
+    fig.legend(handles=legend_handles(), loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    for snap in snaps:
+        draw(snap, pool_ax, tokens_ax, order, columns, budget)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=dpi)
+        frames.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    plt.close(fig)
+    return PLAYER.format(uid=f"steps-{uuid.uuid4().hex[:8]}", last=len(frames) - 1, interval=interval_ms,
+                         frames="[" + ",".join(f'"{f}"' for f in frames) + "]")
 
 
 def stepper(make_engine, columns=8, budget=None):

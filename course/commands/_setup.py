@@ -16,10 +16,8 @@ def set_threads(device, threads):
 
 def load_model(impl, device, model_path=None, vocab_size=None):
     """The tiny test model of `impl` (with `vocab_size` rows of embedding and LM head if
-    given), or a real checkpoint (Chapter 11's loader) with --model; bfloat16 on CUDA,
-    float32 on a CPU."""
-    import torch
-
+    given), or a real checkpoint (Chapter 11's loader) with --model, in the device's default
+    dtype (Chapter 40: bfloat16 where it computes, float32 on a CPU)."""
     from course.models import TINY_VOCAB_SIZE, tiny_qwen3
     if model_path is not None and vocab_size is not None:
         raise CommandError("a vocabulary size applies to the tiny model only: a checkpoint brings its own")
@@ -33,7 +31,8 @@ def load_model(impl, device, model_path=None, vocab_size=None):
         checkpoint = impl.load("checkpoint")
     except ModuleNotFoundError as exc:
         raise CommandError(f"--model needs {impl.name}.checkpoint (Chapter 11): {exc}") from exc
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    from course import reference
+    dtype = reference().devices.default_dtype(device)
     model_path = model_source(model_path)
     # load_model (Chapters 39, 42) reads GGUF files and every family; older checkouts have Qwen3 only.
     loader = getattr(checkpoint, "load_model", checkpoint.load_checkpoint)

@@ -2,6 +2,9 @@
 
 Written chapters appear with their saved outputs (nothing is executed); planned chapters
 appear in the table of contents as placeholders. Needs `pip install -r requirements-book.txt`.
+--check then reads the built HTML and fails (status 2) when a page fetches anything from
+another host, a written chapter's page is missing or has no figure, or math is on a page
+without the bundled MathJax: the book must read offline.
 """
 import subprocess
 import time
@@ -16,6 +19,8 @@ def add_arguments(parser):
     parser.add_argument("--source-only", action="store_true",
                         help="write the generated Jupyter Book source (config, TOC, pages) and stop")
     parser.add_argument("--verbose", action="store_true", help="show Jupyter Book's own output")
+    parser.add_argument("--check", action="store_true",
+                        help="after building, check that the book reads offline (status 2 if not)")
 
 
 def run(args):
@@ -30,4 +35,9 @@ def run(args):
     except subprocess.CalledProcessError as exc:
         raise CommandError(f"jupyter-book failed with status {exc.returncode}; rerun with --verbose") from None
     print(f"built {html / 'index.html'} in {time.monotonic() - started:.0f}s")
+    if args.check:
+        problems = book.offline_problems(html, book.manifest_module.load())
+        if problems:
+            raise CommandError(f"{len(problems)} problem(s) reading the book offline:\n  " + "\n  ".join(problems[:40]))
+        print("offline check: no remote script or style, every written chapter has a figure, math is bundled")
     return 0

@@ -52,9 +52,8 @@ def add_arguments(parser):
 
 
 def _sync(device):
-    if device.type == "cuda":
-        import torch
-        torch.cuda.synchronize()
+    from course import reference
+    reference().devices.synchronize(device)
 
 
 class Contender:

@@ -32,7 +32,8 @@ def add_arguments(parser):
     parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default 0)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="weights' dtype (default: bfloat16 for --model on cuda, else float32)")
+                        help="weights' dtype (default for --model: the device's, Chapter 40: bfloat16 where it "
+                             "computes, float32 on a CPU)")
     parser.add_argument("--no-cache", action="store_true", help="full recompute every step (Chapter 8)")
     parser.add_argument("--chat", action="store_true",
                         help="wrap --prompt in the checkpoint's chat template (needs --model with a tokenizer)")
@@ -56,7 +57,8 @@ def _load(impl, args, device, dtype):
         tokenizer = impl.load("tokenizer").ByteTokenizer(model.cfg.vocab_size)
         return model, tokenizer, (tokenizer.eos_token_id,), "tiny"
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        from course import reference
+        dtype = reference().devices.default_dtype(device)
     from course.commands._setup import gguf_tokenizer, model_source
     path = model_source(args.model)
     if str(path).endswith(".gguf"):              # Chapters 36, 39, 42: the file brings weights and tokenizer

@@ -10,11 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # (field, value that would need the feature) -> the chapter that builds it.
-NOT_YET_BUILT = {
-    ("cuda_graphs", "auto"): 33,
-    ("cuda_graphs", "on"): 33,
-    ("cuda_graphs", "static"): 33,
-    ("async_scheduling", True): 33,
+NOT_YET_BUILT: dict[tuple[str, object], int] = {
 }
 
 CHOICES = {
@@ -35,6 +31,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
+    max_loras: int = 4
 
 
 @dataclass
@@ -58,10 +55,13 @@ class EngineConfig:
     max_model_len            positions a request may reach; None: the model's context limit
     gpu_memory_utilization   share of the GPU the weights, activations and pool may use
     kv_cache_dtype           "auto" (the model's dtype) or a quantized pool (Chapter 32)
-    cuda_graphs              "off", or graph capture modes of Chapter 33
-    async_scheduling         overlap scheduling with the device (Chapter 33)
+    cuda_graphs              decode steps in padded static shapes (Chapter 33): "off"; "auto"
+                             (CUDA graphs on CUDA with a graph-safe backend); "on" (graphs,
+                             or an error); "static" (the padded path run eagerly, any device)
+    async_scheduling         schedule step t+1 while step t runs (Chapter 33)
     debug_checks             check the scheduler's and block manager's invariants
                              (course/engine_checks.py) inside every step: slow, for tests
+    max_loras                most distinct LoRA adapters running at once (Chapter 43)
     """
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -82,6 +82,7 @@ class EngineConfig:
     cuda_graphs: str = "off"
     async_scheduling: bool = False
     debug_checks: bool = False
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,6 +104,7 @@ class EngineConfig:
         positive("long_prefill_token_threshold", low=0)
         positive("max_model_len", allow_none=True)
         positive("seed", low=0)
+        positive("max_loras")
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -123,4 +125,5 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.enable_chunked_prefill,
-                               self.long_prefill_token_threshold, self.policy, self.preemption_mode)
+                               self.long_prefill_token_threshold, self.policy, self.preemption_mode,
+                               self.max_loras)

@@ -27,9 +27,10 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
 from .guided import GuideFactory
-from .interfaces import AttentionBackend, Sampler
+from .interfaces import AttentionBackend, Drafter, Sampler
+from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .request import Request, RequestOutput, SamplingParams, Status
-from .runner import ModelRunner, num_blocks_for_memory, profile_num_blocks
+from .runner import ModelRunner, profile_num_blocks
 from .sampler import Sampler as FullSampler
 from .sampler import SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
@@ -98,23 +99,40 @@ class EngineCore:
         self.steps = 0
         self.preemptions = 0
         self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
-        self.drafter = None             # Chapter 37
-        self.inflight = None            # Chapter 33
+        self.drafter: Drafter | None = None     # Chapter 37 (serve.spec_decode.Speculator)
+        self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
         self._generate_calls = 0
+        # cuda_graphs -> the GraphRunner's mode ("static" is the padded path without capture);
+        # "auto" off CUDA means no GraphRunner at all.
+        on_cuda = self.device.type == "cuda"
+        graph_mode = {"off": None, "static": "off", "on": "on", "auto": "auto" if on_cuda else None}[config.cuda_graphs]
+        if graph_mode is not None:
+            self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
+        self.async_steps = AsyncStepper(self) if config.async_scheduling else None
+        if self.async_steps is not None:      # the overlapped step replaces Chapter 31's, which stays as written
+            self.step = self.async_steps.step  # type: ignore[method-assign]
 
     def _size_pool(self, flat: FlatModel, backend: AttentionBackend) -> int:
         """Blocks for the pool when the config gives no number: measured on CUDA, else from
-        kv_cache_bytes."""
+        kv_cache_bytes and the bytes one block of THIS pool takes (a quantized pool stores
+        one-byte codes and per-token scales, not the model's dtype)."""
         cfg = self.config
         if self.device.type == "cuda":
             found = profile_num_blocks(flat, backend, cfg.block_size, self.dtype, self.device,
                                        cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
         else:
             layers, kv_heads, head_dim = flat.kv_spec()
-            pools = getattr(flat.model, "kv_pools", 2)          # a latent cache has one pool, not K and V
-            found = num_blocks_for_memory(cfg.kv_cache_bytes, layers, kv_heads, head_dim, cfg.block_size,
-                                          self.dtype, pools)
+            shape = (1, cfg.block_size, kv_heads, head_dim)          # one block, on "meta": sizes without memory
+            own = getattr(flat.model, "allocate_kv", None)            # a model with its own cache layout
+            if own is not None:                                       # a latent pool is one tensor, handed out twice
+                unique = {id(t): t for t in own(shape, self.dtype, "meta")}.values()
+                layer_bytes = sum(t.numel() * t.element_size() for t in unique)
+            else:                                                     # K and V (codes and scales when quantized)
+                pair = backend.allocate(shape, self.dtype, "meta")
+                pools = getattr(flat.model, "kv_pools", 2)            # a latent cache keeps one pool, not two
+                layer_bytes = sum(t.numel() * t.element_size() for t in pair) * pools // 2
+            found = cfg.kv_cache_bytes // (layers * layer_bytes)
         if found < 1:
             raise ValueError("the KV pool would hold no block: give more memory or set EngineConfig.num_blocks")
         return found
@@ -148,6 +166,8 @@ class EngineCore:
         except TypeError:
             raise ValueError(f"request {request_id!r}: cache_key must be a tuple of hashable values, "
                              f"got {cache_key!r}") from None
+        extra, keys = self._request_inputs(request_id, prompt, lora, features)
+        cache_key += keys                       # an adapter or an image changes every block's K/V
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
                                          or not math.isfinite(arrival_time)):
             raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds, "
@@ -177,6 +197,7 @@ class EngineCore:
             except ValueError as exc:
                 raise ValueError(f"request {request_id!r}: {exc}") from None
         for request in requests:
+            request.extra.update(extra)
             self.scheduler.check(request)          # pool capacity, budget, duplicate id
         # Generators are made here, before the engine changes: torch may still refuse a seed.
         generators = {r.request_id: self._make_generator(r) for r in requests if r.params.seed is not None}
@@ -234,9 +255,26 @@ class EngineCore:
                              f"vocabulary (0..{self.vocab_size - 1}); {len(bad)} such token(s)")
         return prompt
 
+    def _request_inputs(self, request_id: str, prompt: list[int], lora: object,
+                        features: object) -> tuple[dict[str, Any], tuple]:
+        """Chapter 43: the request.extra entries and block-hash keys of an adapter (lora: a
+        loaded adapter's name) and of images (features: see serve.vision.image_inputs)."""
+        extra: dict[str, Any] = {}
+        keys: tuple = ()
+        if lora is not None:
+            from .lora import adapter_inputs
+            more, key = adapter_inputs(self.runner.flat, request_id, lora)
+            extra, keys = {**extra, **more}, keys + key
+        if features:
+            from .vision import image_inputs
+            more, key = image_inputs(self.runner.flat, request_id, prompt, features)
+            extra, keys = {**extra, **more}, keys + key
+        return extra, keys
+
     def _check_features(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
-        if lora is not None or features:
-            raise ValueError(f"request {request_id!r}: adapters and image features arrive in Chapter 43")
+        if self.drafter is not None:                       # Chapter 37: what speculation cannot verify
+            from .spec_decode import refuse_with_drafter
+            refuse_with_drafter(request_id, params, lora, features)
         if (params.guided_regex is not None or params.guided_json is not None) and (
                 self.guides is None or self.config.sampler != "full" or self.config.async_scheduling):
             raise ValueError(f"request {request_id!r}: guided decoding (Chapter 35) needs the engine's vocab_bytes, "
@@ -268,12 +306,15 @@ class EngineCore:
         """Abort one request (never a group) and drop everything the engine keeps for it."""
         self.runner.swapped.pop(request_id, None)        # host copies of a swapped request
         self.generators.pop(request_id, None)
-        return self.scheduler.abort(request_id)
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            drop_placeholders(request)                   # tokens still in flight are nobody's now
+        return request
 
     @property
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return bool(self.scheduler.has_unfinished)
+        """True while any request waits or runs, or a launched step is unread."""
+        return bool(self.scheduler.has_unfinished) or self.inflight is not None
 
     # --- the two stubs -------------------------------------------------------------------------
 
@@ -316,7 +357,8 @@ class EngineCore:
            it in self.last_plan.
         2. Swaps, before any compute: every runner.swap_out(request, blocks) of plan.swap_out,
            THEN every runner.swap_in(request, blocks) (freed blocks may be reused right away).
-        3. Nothing scheduled -> return [].
+        3. Nothing scheduled -> return []. With self.drafter set (Chapter 37), return
+           self.drafter.step(self, plan): it does steps 4-7 with verification rows.
         4. batch = runner.prepare(plan.scheduled, self.blocks.req_blocks);
            logits = runner.execute(batch): one row per sampled row, in request order.
         5. The requests with a nonzero batch.sample_counts entry get tokens through
@@ -347,6 +389,8 @@ class EngineCore:
             runner.swap_in(resumed, new_blocks)
         if not plan.scheduled:
             return []
+        if self.drafter is not None:
+            return self.drafter.step(self, plan)          # Chapter 37: verify drafts, then update
         batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
         logits = self.runner.execute(batch)
         if batch.prompt_spans:                  # prompt-logprob rows follow the sampling rows (Chapter 34)

@@ -8,7 +8,8 @@ Qwen3Model.forward are only these: rows instead of [B, T], heads on the middle a
 writes and reads the pool through a backend.
 
 The small methods project_qkv, add_norm and mlp are seams: Chapter 33 fuses add + norm,
-Chapter 43 wraps the projections with LoRA, without touching the forward loop.
+Chapter 43 adds LoRA to the projections (through forward hooks) and M-RoPE through the
+rope seam, without touching the forward loop.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class FlatModel(nn.Module):
         self.model = model.eval()
         own_tables = getattr(model, "rope_tables", None)   # models with scaled RoPE bring their own
         self.rope = self.default_rope if own_tables is None else own_tables
-        self.fused = False                           # Chapter 33: fused add + norm
+        self.fused: bool | str = False               # Chapter 33: fused add + norm (serve/fused.py)
 
     def default_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos, sin for N positions, shaped [N, 1, head_dim] to broadcast over [N, H, head_dim]."""
@@ -62,7 +63,13 @@ class FlatModel(nn.Module):
     def add_norm(self, norm: nn.Module, x: torch.Tensor,
                  delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Add a sublayer's output to the residual stream, then normalise a copy for the next
-        sublayer: returns (norm(x + delta), x + delta). delta None: the first layer's input."""
+        sublayer: returns (norm(x + delta), x + delta). delta None: the first layer's input.
+        With self.fused set, one fused add + RMSNorm (Chapter 33) does both."""
+        if self.fused and delta is not None:
+            from .fused import fused_add_norm
+            both = fused_add_norm(norm, x, delta, self.fused)
+            if both is not None:
+                return both
         if delta is not None:
             x = x + delta
         return norm(x), x

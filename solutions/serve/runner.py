@@ -1,10 +1,12 @@
 """Chapter 31: the model runner (pools, swaps, one forward per step) and pool sizing."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..devices import pinned
 from .backends import get_backend, raw_bytes
 from .batch import build_batch
 from .flat_model import FlatModel
@@ -13,8 +15,12 @@ if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
     from .backends import KVCache
     from .batch import Batch
+    from .graphs import GraphRunner
     from .interfaces import AttentionBackend
     from .request import Request
+
+# request.extra entries that give a step inputs (Chapter 43): prepare_features maps them to rows.
+STEP_FEATURES = frozenset({"lora_slot", "image_embeds", "mrope_positions"})
 
 
 def kv_bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
@@ -81,15 +87,17 @@ class ModelRunner:
         layers, kv_heads, head_dim = self.flat.kv_spec()
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)
         place = getattr(self.flat, "layer_device", None)           # layers on several devices (Chapter 40)
-        make = getattr(self.flat.model, "allocate_kv", None) or self.backend.allocate
-        if make is not self.backend.allocate and getattr(self.backend, "quantized", False):
+        own = getattr(self.flat.model, "allocate_kv", None)
+        make = own or self.backend.allocate
+        # Ask about `own`, not `make`: every access to a bound method makes a new object.
+        if own is not None and getattr(self.backend, "quantized", False):
             raise ValueError("this model allocates its own KV pool (latent attention, Chapter 42), which is never "
                              "quantized: use kv_cache_dtype='auto'")
         self.kv_caches: list[KVCache] = [make(shape, self.dtype, place(i) if place else self.device)
                                          for i in range(layers)]
         # request id -> per layer, host copies of its blocks
         self.swapped: dict[str, list[list[torch.Tensor]]] = {}
-        self.graphs = None          # Chapter 33
+        self.graphs: GraphRunner | None = None      # decode steps in static shapes (Chapter 33)
         self.last_hidden: torch.Tensor | None = None     # hidden rows of the last step's logits (Chapter 37's heads)
 
     @property
@@ -99,15 +107,14 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in unique.values())
 
     def swap_out(self, request: Request, blocks: list[int]) -> None:
-        """Copy a preempted request's blocks to host memory (pinned on CUDA)."""
+        """Copy a preempted request's blocks to host memory (pinned on CUDA and XPU)."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        pin = self.device.type == "cuda"
         saved = []
         for layer in self.kv_caches:
             copies = []
             for tensor in layer:
                 host = raw_bytes(tensor).index_select(0, index.to(tensor.device)).cpu()
-                copies.append(host.pin_memory() if pin else host)
+                copies.append(pinned(host, tensor.device))     # page-locked where the device copies faster
             saved.append(copies)
         self.swapped[request.request_id] = saved
 
@@ -122,26 +129,104 @@ class ModelRunner:
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
                 pad_to: int | None = None, previous: object | None = None) -> Batch:
-        """The step's Batch. `previous` (the in-flight step of asynchronous scheduling,
-        Chapter 33) supplies tokens not yet read back; this engine is synchronous."""
+        """The step's Batch; decode steps are padded to a graph bucket when graphs are on.
+        `previous` is not taken: asynchronous scheduling (Chapter 33, serve/overlap.py) fills
+        placeholder tokens on the device queue, after the step that samples them."""
         if previous is not None:
-            raise ValueError("asynchronous scheduling arrives in Chapter 33")
+            raise ValueError("ModelRunner.prepare builds host batches only; serve.overlap fills placeholders")
+        if pad_to is None and self.graphs is not None:
+            pad_to = self.graphs.pad_size(scheduled)
         batch = build_batch(scheduled, block_tables, self.block_size, self.device, pad_to)
-        self.prepare_features(batch, scheduled)
+        return self.add_step_inputs(batch, scheduled)
+
+    def add_step_inputs(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:
+        """prepare_features for a step some of whose requests carry Chapter 43's inputs, and
+        nothing otherwise: the engines of Chapters 31-42 never reach that chapter's stub."""
+        if any(STEP_FEATURES & request.extra.keys() for request, _ in scheduled):
+            self.prepare_features(batch, scheduled)
         return batch
 
+    @torch.inference_mode()
     def prepare_features(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:
-        """Fill batch.extra with per-step inputs of later chapters (adapter slots, image rows,
-        M-RoPE positions: Chapter 43). Chapter 31's requests carry none."""
+        """Give every row of the step its adapter slot, image embedding and 3-axis position.  (Your engine: Chapter 43)
+
+        scheduled [(request, n)] in batch order: request i's n rows start at row
+        batch.meta.query_start_loc_cpu[i] and hold its positions c .. c + n - 1
+        (c = request.num_computed_tokens). Rows past the scheduled ones are padding.
+        Reads request.extra (written by add_request) and sets in batch.extra, on the
+        batch's device:
+        - "lora_ids" [N] int64: each row's request.extra["lora_slot"], 0 for rows of
+          requests without one and for padding. Only when some request has a slot.
+        - "embeds" [N, D] in the model's dtype: the rows of
+          self.flat.backbone.embed_tokens(batch.input_ids), except that a row at position p
+          with p in request.extra["image_positions"] ([M] int64) takes the matching row of
+          request.extra["image_embeds"] ([M, D]). Only when some image row is in this step.
+        - "mrope_positions" [3, N] int64: for a request with extra["mrope_positions"] ([3, P]
+          over its prompt), column p for positions p < P and p + extra["mrope_delta"] on all
+          three axes after the prompt; every other row its batch.positions value on all
+          three axes. Only when some request has M-RoPE positions.
+        Trap: a prefill chunk can cut through an image, so place exactly the image rows whose
+        positions fall in [c, c + n); a request recomputed after preemption gets the same
+        rows again from request.extra. Returns batch.
+        """
+        device = batch.input_ids.device
+        starts = batch.meta.query_start_loc_cpu
+        spans = [(request, start, request.num_computed_tokens, n) for (request, n), start in zip(scheduled, starts)]
+        if any("lora_slot" in request.extra for request, *_ in spans):
+            slots = torch.zeros_like(batch.input_ids, dtype=torch.int64)
+            for request, start, _, n in spans:
+                slots[start:start + n] = request.extra.get("lora_slot", 0)
+            batch.extra["lora_ids"] = slots
+        if any("mrope_positions" in request.extra for request, *_ in spans):
+            axes = batch.positions.to(torch.int64).unsqueeze(0).repeat(3, 1)
+            for request, start, computed, n in spans:
+                table = request.extra.get("mrope_positions")
+                if table is None:
+                    continue
+                prompt_rows = max(0, min(n, table.shape[1] - computed))
+                axes[:, start:start + prompt_rows] = table[:, computed:computed + prompt_rows].to(device)
+                axes[:, start + prompt_rows:start + n] += request.extra["mrope_delta"]
+            batch.extra["mrope_positions"] = axes
+        rows, values = [], []
+        for request, start, computed, n in spans:
+            where = request.extra.get("image_positions")
+            if where is None:
+                continue
+            inside = (where >= computed) & (where < computed + n)
+            rows.append(where[inside] - computed + start)
+            values.append(request.extra["image_embeds"][inside])
+        if rows and sum(len(r) for r in rows):
+            embeds = self.flat.backbone.embed_tokens(batch.input_ids)
+            embeds[torch.cat(rows).to(device)] = torch.cat(values).to(device=device, dtype=embeds.dtype)
+            batch.extra["embeds"] = embeds
         return batch
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> torch.Tensor:
-        """One forward pass; logits [L, vocab] (float32) for batch.logits_indices only."""
-        hidden = self.flat(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
-                           **batch.extra)
+        """One forward pass; logits [L, vocab] (float32) for batch.logits_indices only.
+        Chapter 43's step inputs: lora_ids select each row's adapter, mrope_positions [3, N]
+        replace the positions, embeds the token embeddings."""
+        graphs = self.graphs
+        if graphs is not None and graphs.can_run(batch):  # a padded decode step, no step inputs (Chapter 33)
+            return graphs.run(batch)
+        extra = dict(batch.extra)
+        bank = getattr(self.flat, "adapters", None)
+        lora_ids = extra.pop("lora_ids", None)
+        positions = extra.pop("mrope_positions", batch.positions)
+        with bank.activate(lora_ids) if bank is not None else nullcontext():
+            hidden = self.flat(batch.input_ids, positions, self.kv_caches, batch.meta, self.backend, **extra)
         if batch.logits_indices.numel() == 0:
             self.last_hidden = None
             return torch.empty((0, self.flat.cfg.vocab_size), device=hidden.device)
-        self.last_hidden = hidden.index_select(0, batch.logits_indices)
+        # the last pipeline stage may sit on another device than the batch (Chapter 40)
+        self.last_hidden = hidden.index_select(0, batch.logits_indices.to(hidden.device))
         return self.flat.compute_logits(self.last_hidden)
+
+    def enable_graphs(self, max_batch: int, max_model_len: int, mode: str = "auto") -> None:
+        """Run decode steps through a GraphRunner (Chapter 33): mode "on" captures CUDA graphs,
+        "off" runs the padded static path eagerly, "auto" captures when it can."""
+        from .graphs import GraphRunner
+        capture = {"on": True, "off": False}.get(mode)              # None: the GraphRunner decides
+        widest = min(-(-max_model_len // self.block_size), self.num_blocks)    # no request holds more blocks
+        self.graphs = GraphRunner(self, max_batch, widest, capture)
+        self.graphs.capture()

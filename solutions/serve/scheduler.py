@@ -112,6 +112,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _adapter_waits(self, request: Request) -> bool:
+        """Chapter 43: True when admitting `request` would make more than config.max_loras
+        distinct LoRA adapters run at once (slot 0, no adapter, never counts)."""
+        slot = request.extra.get("lora_slot", 0)
+        if not slot:
+            return False
+        running = {r.extra.get("lora_slot", 0) for r in self.running} - {0}
+        return slot not in running and len(running) >= self.config.max_loras
+
     def _chunk(self, wanted: int, budget: int) -> int:
         cap = self.config.long_prefill_token_threshold
         n = min(wanted, budget)
@@ -152,7 +161,9 @@ class Scheduler:
         budget = config.max_num_batched_tokens; under policy "priority", first sort
         self.running by (priority, arrival_time).
         1. Running requests, in order, while budget is left: n = self._chunk(num_tokens_with_spec
-           - num_computed_tokens, budget); skip n == 0. Until blocks.allocate_slots(request, n)
+           - num_computed_tokens, budget); n = 0 for a request that already has
+           params.max_tokens output tokens (its last one is still being computed: a
+           placeholder, Chapter 33); skip n == 0. Until blocks.allocate_slots(request, n)
            succeeds, preempt the LAST running request (self._preempt); if that victim was
            this request itself, stop the whole pass. Otherwise schedule (request, n), publish
            its blocks at once (blocks.cache_full_blocks(request, computed + n)), spend n.
@@ -165,6 +176,8 @@ class Scheduler:
            self._chunk(remaining, budget); if allocate_slots(request, n, cached) fails, stop
            admitting (never preempt to admit); a request that waits after a lookup calls
            blocks.forget_lookup(request, cached), so the hit rate counts each admission once.
+           A request for which self._adapter_waits(request) holds waits too (Chapter 43's
+           cap on adapters per step), before any lookup.
            Else pop it from waiting; a swapped_out
            request goes to out.swap_in with a copy of its new block list (swapped_out =
            False); computed += cached tokens; on a FIRST admission (status WAITING) record
@@ -182,7 +195,10 @@ class Scheduler:
         i = 0
         while budget > 0 and i < len(self.running):
             request = self.running[i]
-            n = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            # With async scheduling (Chapter 33) the final output token may still be a
+            # placeholder: the request has all its tokens and must not get another row.
+            complete = request.num_output_tokens >= request.params.max_tokens
+            n = 0 if complete else self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -203,6 +219,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < cfg.max_num_seqs):
             request = self.waiting[0]
+            if self._adapter_waits(request):
+                break
             cached = blocks.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             reused = len(cached) * blocks.block_size
             remaining = request.num_tokens - request.num_computed_tokens - reused

@@ -47,10 +47,13 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 @dataclass
 class ServedModel:
     """What the server needs besides the engine: the name clients ask for, the tokenizer and
-    a way to make a fresh incremental detokenizer per choice."""
+    a way to make a fresh incremental detokenizer per choice. `adapters`: names of LoRA
+    adapters loaded in the engine's AdapterBank that clients may ask for as their `model`
+    (Chapter 43, as vLLM serves them)."""
     name: str
     tokenizer: TextTokenizer
     new_detokenizer: DetokenizerFactory
+    adapters: tuple[str, ...] = ()
 
 
 def sse_event(data: dict[str, Any] | str) -> str:
@@ -115,7 +118,8 @@ class Job:
             with contextlib.suppress(RuntimeError):          # the event loop already closed
                 event_loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        self.submission = Submission(request_id, parsed.prompt_ids, parsed.params, deliver)
+        adapter = parsed.model if parsed.model in state.served.adapters else None      # Chapter 43
+        self.submission = Submission(request_id, parsed.prompt_ids, parsed.params, deliver, lora=adapter)
         n = parsed.params.n
         self.index = {engine_id: i for i, engine_id in enumerate(self.submission.engine_ids)}
         self.streams = [TextStream(state.served.new_detokenizer(), parsed.stops) for _ in range(n)]
@@ -298,7 +302,9 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
         body = parse_json_body(await _read_body(request, max_body_bytes), max_body_bytes)
         if not loop.alive:
             raise ApiError(503, "the engine loop is not running", type="server_error")
-        parsed = parse_request(body, chat=chat, model_name=served.name, tokenizer=served.tokenizer,
+        asked = body.get("model")                     # an adapter's name selects it (Chapter 43)
+        model_name = asked if isinstance(asked, str) and asked in served.adapters else served.name
+        parsed = parse_request(body, chat=chat, model_name=model_name, tokenizer=served.tokenizer,
                                max_model_len=loop.snapshot["max_model_len"], sampling_params_class=SamplingParams)
         try:
             admission.try_admit(parsed.params.n)
@@ -339,8 +345,9 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
 
     @app.get("/v1/models", response_model=None)    # send the dict as is: no pydantic model from the annotation
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                            "owned_by": "course", "max_model_len": loop.snapshot["max_model_len"]}]}
+        base = {"object": "model", "created": 0, "owned_by": "course", "max_model_len": loop.snapshot["max_model_len"]}
+        return {"object": "list", "data": [{"id": served.name, **base}]
+                + [{"id": name, **base, "parent": served.name} for name in served.adapters]}
 
     @app.get("/health", response_model=None)
     async def health() -> JSONResponse | dict[str, str]:

@@ -49,6 +49,7 @@ class Submission:
     deliver: Callable[[Delivery], None]
     engine_ids: list[str] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
+    lora: str | None = None             # the LoRA adapter asked for by name (Chapter 43)
 
     def __post_init__(self) -> None:
         n = self.params.n
@@ -128,7 +129,7 @@ class EngineLoop:
         - Every ("add", s, None) and ("abort", s, engine_id) waiting in self.inbox is
           applied, in arrival order, BEFORE the step, so a request aborted during step k
           never runs in step k+1.
-        - add: self.engine.add_request(s.request_id, s.prompt_ids, s.params). A ValueError is
+        - add: self.engine.add_request(s.request_id, s.prompt_ids, s.params, lora=s.lora). A ValueError is
           delivered to that submission (s.deliver(exc)) and nothing else happens; on success
           every id in s.engine_ids routes to s (self.routes) and s.deliver(ACCEPTED).
         - abort: self.engine.abort_request(engine_id). engine_id is s.request_id (the whole
@@ -145,7 +146,8 @@ class EngineLoop:
                 break
             if kind == "add":
                 try:
-                    self.engine.add_request(submission.request_id, submission.prompt_ids, submission.params)
+                    self.engine.add_request(submission.request_id, submission.prompt_ids, submission.params,
+                                            lora=submission.lora)
                 except ValueError as exc:
                     submission.deliver(exc)
                     continue

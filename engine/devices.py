@@ -1,0 +1,327 @@
+"""Chapter 40: the devices an engine runs on, and one model's layers spread over several.
+
+Part one is the handful of questions the engine asks whatever it runs on: which device
+(`pick_device`), has the queued work finished (`synchronize`), how much memory is left
+(`memory_info`), which dtype to load weights in (`default_dtype`), and where host copies
+of swapped K/V should live (`pinned`). Each answer differs between CUDA (and ROCm, which
+PyTorch exposes as `torch.cuda`), Apple's MPS, Intel's XPU and the CPU; the rest of the
+engine asks here instead of testing `device.type` itself.
+
+Part two places contiguous ranges of decoder layers on different devices in one process (a
+simple pipeline): `plan_layers` chooses the ranges from memory, `PlacedFlatModel` moves
+the weights, gives Chapter 31's ModelRunner `layer_device(i)` so each layer's KV pool is
+allocated beside that layer, and hands the residual stream from stage to stage, counting
+every transfer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .profiling import synchronizer
+from .serve.flat_model import FlatModel, RopeTables
+
+if TYPE_CHECKING:
+    from .qwen3 import Qwen3Attention, Qwen3ForCausalLM
+    from .serve.backends import KVCache
+    from .serve.batch import BatchMeta
+    from .serve.interfaces import AttentionBackend
+
+AUTO_ORDER = ("cuda", "mps", "xpu", "cpu")     # what "auto" tries, fastest kind first
+
+
+# --- part one: asking a device ----------------------------------------------------------------
+
+def device_count(kind: str) -> int:
+    """How many devices of `kind` ("cuda", "mps", "xpu", "cpu") this process can use."""
+    if kind == "cuda":
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if kind == "mps":
+        return 1 if torch.backends.mps.is_available() else 0
+    if kind == "xpu":
+        xpu = getattr(torch, "xpu", None)            # builds without Intel support have no torch.xpu
+        return xpu.device_count() if xpu is not None and xpu.is_available() else 0
+    if kind == "cpu":
+        return 1
+    raise ValueError(f"unknown device kind {kind!r}: expected one of {', '.join(AUTO_ORDER)}")
+
+
+def pick_device(choice: str | torch.device | None = "auto") -> torch.device:
+    """The torch.device to run on.  (Your engine: Chapter 40)
+
+    choice: "auto" or None -> the first kind of AUTO_ORDER ("cuda", "mps", "xpu", "cpu")
+    with at least one device (device_count(kind) > 0), as torch.device(kind) without an
+    index; anything else ("cuda", "cuda:1", "mps", "xpu:0", "cpu", or a torch.device) ->
+    that device, unchanged.
+    Raises ValueError naming the choice when it is not a device string torch understands,
+    when its kind is not one of AUTO_ORDER, when no device of that kind is present, or
+    when its index is not below device_count(kind) (the message says how many there are).
+    Trap: "cuda" is also ROCm's name (PyTorch built for HIP answers torch.cuda), so never
+    test for NVIDIA by name; ask device_count.
+    """
+    raise NotImplementedError("Your engine: Chapter 40: pick_device")
+
+
+def visible_devices() -> list[torch.device]:
+    """Every device this process can use: each CUDA and XPU device by index, MPS, the CPU."""
+    found = []
+    for kind in AUTO_ORDER:
+        count = device_count(kind)
+        if kind in ("cuda", "xpu"):
+            found += [torch.device(kind, i) for i in range(count)]
+        elif count:
+            found.append(torch.device(kind))
+    return found
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until every kernel queued on `device` has finished (nothing to wait for on a CPU)."""
+    synchronizer(device)()
+
+
+@dataclass
+class MemoryInfo:
+    """What a device has, in bytes, and where the numbers come from."""
+    free_bytes: int
+    total_bytes: int
+    source: str
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host RAM."""
+    try:
+        import psutil
+    except ImportError:                       # psutil comes with Jupyter; without it, Linux's own table
+        fields = {}
+        with open("/proc/meminfo") as table:
+            for line in table:
+                name, value = line.split(":", 1)
+                fields[name] = int(value.split()[0]) * 1024          # the table counts kiB
+        return fields["MemAvailable"], fields["MemTotal"]
+    memory = psutil.virtual_memory()
+    return int(memory.available), int(memory.total)
+
+
+def memory_info(device: torch.device | str) -> MemoryInfo:
+    """Free and total memory of `device` as its own runtime reports them.
+
+    CUDA/ROCm: the driver's cudaMemGetInfo (other processes' use counts against free).
+    MPS: the GPU shares the Mac's RAM; Metal recommends a working-set size, and what this
+    process's Metal driver holds already is taken from it. XPU: the runtime's own query.
+    CPU: the host's available RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return MemoryInfo(int(free), int(total), "torch.cuda.mem_get_info")
+    if device.type == "mps":
+        total = int(torch.mps.recommended_max_memory())
+        return MemoryInfo(max(0, total - int(torch.mps.driver_allocated_memory())), total,
+                          "torch.mps.recommended_max_memory - driver_allocated_memory")
+    if device.type == "xpu":
+        free, total = torch.xpu.mem_get_info(device)
+        return MemoryInfo(int(free), int(total), "torch.xpu.mem_get_info")
+    if device.type == "cpu":
+        free, total = _host_memory()
+        return MemoryInfo(free, total, "host RAM (available)")
+    raise ValueError(f"memory_info: no memory query for device type {device.type!r}")
+
+
+def supports_bf16(device: torch.device | str) -> bool:
+    """Whether bfloat16 tensors compute on `device` at useful speed (CPU: they work, slowly
+    unless the core has AVX512-BF16 or AMX; we say no and keep float32 there)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        # torch.cuda.is_bf16_supported() also says yes for older GPUs that only emulate it
+        # (slowly), and asks the current device rather than this one.
+        return bool(torch.version.hip) or torch.cuda.get_device_properties(device).major >= 8
+    if device.type == "mps":             # macOS 14 added bfloat16 to Metal; older systems refuse the dtype
+        try:
+            torch.ones(1, dtype=torch.bfloat16, device=device).sum().item()
+        except (RuntimeError, TypeError):
+            return False
+        return True
+    if device.type == "xpu":
+        return bool(torch.xpu.is_bf16_supported())
+    return False
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype to load a real checkpoint in: bfloat16 where the device computes it,
+    float16 on an MPS device without it, float32 on a CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.float32
+    if supports_bf16(device):
+        return torch.bfloat16
+    return torch.float16 if device.type == "mps" else torch.float32
+
+
+def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` (a CPU tensor) in page-locked memory when copies to and from `device` gain
+    from it (CUDA, XPU: the copy engine reads it directly, asynchronously); unchanged for
+    MPS (the GPU already shares the RAM) and the CPU."""
+    device = torch.device(device)
+    if device.type in ("cuda", "xpu") and device_count(device.type) > 0:
+        return host.pin_memory()
+    return host
+
+
+def describe(device: torch.device | str) -> dict[str, Any]:
+    """One JSON-ready line about `device`: name, memory, dtype, and threads on a CPU."""
+    device = torch.device(device)
+    memory = memory_info(device)
+    line: dict[str, Any] = {"device": str(device)}
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        line["name"] = properties.name
+        line["runtime"] = f"hip {torch.version.hip}" if torch.version.hip else f"cuda {torch.version.cuda}"
+    elif device.type == "xpu":
+        line["name"] = torch.xpu.get_device_properties(device).name
+    elif device.type == "mps":
+        line["name"] = "Apple GPU (Metal)"
+    else:
+        line["name"] = "CPU"
+        line["threads"] = torch.get_num_threads()
+        line["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
+    line.update(free_gib=round(memory.free_bytes / 2**30, 2), total_gib=round(memory.total_bytes / 2**30, 2),
+                memory_source=memory.source, bf16=supports_bf16(device),
+                default_dtype=str(default_dtype(device)).removeprefix("torch."),
+                pinned_host_buffers=device.type in ("cuda", "xpu"))
+    return line
+
+
+# --- part two: layers on several devices ------------------------------------------------------
+
+def plan_layers(layer_bytes: Sequence[int], free_bytes: Sequence[int]) -> list[int]:
+    """The stage of each decoder layer, when stage s has free_bytes[s] bytes to give.
+    (Your engine: Chapter 40)
+
+    layer_bytes: L > 0 sizes in bytes (weights plus that layer's share of the KV pool);
+    free_bytes: S > 0 budgets, one per stage, in pipeline order.
+    Returns stage[i] for i in range(L): a list of ints that starts at 0, never decreases,
+    steps by at most 1 and ends at S - 1, so each stage holds one contiguous, non-empty
+    range of layers. Of all such plans it returns one whose fullest stage, measured as
+    (bytes of its layers) / free_bytes[s], is as empty as possible; among equally good
+    plans, the one that gives stage 0 the most layers, then stage 1, and so on.
+    Raises ValueError (state untouched) when L or S is 0, when S > L (a stage with no
+    layer would only relay), when a size is negative or a budget is not positive, and
+    when even the best plan overfills a stage (naming that stage and the bytes missing).
+    Trap: compare fractions exactly (fractions.Fraction), not as floats: two plans with
+    the same peak must tie.
+    """
+    raise NotImplementedError("Your engine: Chapter 40: plan_layers")
+
+
+def layer_bytes(layer: nn.Module, kv_bytes: int = 0) -> int:
+    """Bytes of one decoder layer's weights, plus the KV pool it will own."""
+    return sum(p.numel() * p.element_size() for p in layer.parameters()) + kv_bytes
+
+
+class PlacedFlatModel(FlatModel):
+    """Chapter 31's FlatModel with its decoder layers spread over several devices.
+
+    stage_devices[s] holds the layers with stage_of_layer[i] == s. The embedding and the
+    LM head stay on stage 0 (the "home" device, where the engine's batch, sampler and
+    generators live; tied embeddings need them together); the final norm runs on the last
+    stage. A forward moves the residual stream [N, D] once at each stage boundary
+    (S - 1 transfers), and compute_logits brings only the rows that need logits home
+    ([L, D], one more transfer), not [L, vocab] logits. Two stages on the same device are
+    still two stages: the transfers are counted, and cost nothing.
+    The model's modules move in place (as model.to(device) would)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, stage_devices: Sequence[torch.device | str],
+                 stage_of_layer: Sequence[int] | None = None) -> None:
+        super().__init__(model)
+        self.stage_devices = [torch.device(d) for d in stage_devices]
+        layers = len(self.layers)
+        if stage_of_layer is None:
+            sizes = [layer_bytes(layer) for layer in self.layers]
+            free = {d: memory_info(d).free_bytes for d in set(self.stage_devices)}    # one reading per device
+            stage_of_layer = plan_layers(sizes, [free[d] for d in self.stage_devices])
+        stage_of_layer = list(stage_of_layer)
+        stages = len(self.stage_devices)
+        steps_ok = all(b - a in (0, 1) for a, b in zip(stage_of_layer, stage_of_layer[1:]))
+        if (len(stage_of_layer) != layers or not stage_of_layer or stage_of_layer[0] != 0
+                or stage_of_layer[-1] != stages - 1 or not steps_ok):
+            raise ValueError(f"stage_of_layer {stage_of_layer}: need one stage per layer ({layers}), starting at 0, "
+                             f"ending at {stages - 1}, each stage one contiguous range")
+        self.stage_of_layer = stage_of_layer
+        self.backbone.embed_tokens.to(self.stage_devices[0])
+        self.model.lm_head.to(self.stage_devices[0])
+        for index, layer in enumerate(self.layers):
+            layer.to(self.layer_device(index))
+        self.backbone.norm.to(self.stage_devices[-1])
+        self.transfers = 0              # residual-stream hand-overs between stages
+        self.transfer_bytes = 0
+        self.returns = 0                # rows brought home for the LM head
+        self.return_bytes = 0
+        self._step_inputs: dict[int, tuple[Any, ...]] = {}     # stage -> its copies of this step's inputs
+        # id(input_layernorm of a stage's first layer) -> that stage: where the stream crosses
+        self._openers = {id(self.layers[i].input_layernorm): stage_of_layer[i] for i in range(1, layers)
+                         if stage_of_layer[i] != stage_of_layer[i - 1]}
+
+    def layer_device(self, index: int) -> torch.device:
+        """The device of decoder layer `index` (the ModelRunner puts its KV pool there)."""
+        return self.stage_devices[self.stage_of_layer[index]]
+
+    def hand_over(self, stream: torch.Tensor, stage: int) -> torch.Tensor:
+        """The residual stream moved to stage `stage`'s device.  (Your engine: Chapter 40)
+
+        stream: [N, D] on the previous stage's device, the previous layer's branch already
+        added. Returns the same values on stage_devices[stage] (same dtype, same shape).
+        Counts one transfer in self.transfers and its bytes (N * D * element size) in
+        self.transfer_bytes, EVEN when both stages share a device: the count is the
+        pipeline's plumbing, what a real second device would have to carry.
+        Traps: only a whole [N, D] stream crosses (moving the stream and the unadded branch
+        separately would carry twice the bytes); and a copy TO the CPU must be blocking:
+        with non_blocking=True it returns before the bytes arrive, and the CPU stage would
+        read garbage (copies to an accelerator are queued in order, so they may be
+        asynchronous).
+        """
+        raise NotImplementedError("Your engine: Chapter 40: PlacedFlatModel.hand_over")
+
+    def add_norm(self, norm: nn.Module, x: torch.Tensor,
+                 delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlatModel.add_norm, crossing to the next stage when `norm` opens its first layer."""
+        stage = self._stage_opened_by(norm)
+        if stage is not None and delta is not None:
+            x = self.hand_over(x + delta, stage)
+            delta = None
+        return super().add_norm(norm, x, delta)
+
+    def _stage_opened_by(self, norm: nn.Module) -> int | None:
+        """The stage whose first layer's input_layernorm is `norm` (None for stage 0: the
+        stream starts there; and for every other norm)."""
+        return self._openers.get(id(norm))
+
+    def attention(self, layer: int, attn: Qwen3Attention, h: torch.Tensor, positions: torch.Tensor,
+                  rope: RopeTables, kv: KVCache, meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
+        """FlatModel.attention with the step's positions, RoPE tables and metadata copied
+        to this layer's device (once per stage per step)."""
+        stage = self.stage_of_layer[layer]
+        cached = self._step_inputs.get(stage)
+        if cached is None or cached[0] is not meta:
+            device = self.stage_devices[stage]
+            if positions.device == device:
+                cached = (meta, positions, rope, meta)
+            else:
+                moved = {f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
+                         if isinstance(getattr(meta, f.name), torch.Tensor)}
+                cached = (meta, positions.to(device), (rope[0].to(device), rope[1].to(device)),
+                          dataclasses.replace(meta, **moved))
+            self._step_inputs[stage] = cached
+        _, positions, rope, meta = cached
+        return super().attention(layer, attn, h, positions, rope, kv, meta, backend)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [L, vocab] on the home device for the rows [L, D] that need them."""
+        self.returns += 1
+        self.return_bytes += hidden.numel() * hidden.element_size()
+        return super().compute_logits(hidden.to(self.stage_devices[0]))

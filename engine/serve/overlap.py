@@ -1,0 +1,276 @@
+"""Chapter 33: asynchronous scheduling, the host plans step t+1 while the device runs step t.
+
+The synchronous step is a relay: the host schedules and builds a batch while the device
+waits, then the device computes while the host waits for the sampled tokens. Each engine
+call of this module does, in this order:
+
+    1. schedule step t+1; a request whose token from step t is not read back yet holds a
+       PLACEHOLDER in its token list (num_placeholders counts them), so the scheduler sees
+       the right lengths and gives it its next decode;
+    2. build step t+1's batch on the host and hand its device part (swaps, placeholder
+       inputs filled from step t's sampled tokens, forward, sampling) to the device queue,
+       behind step t: the device never waits for the host;
+    3. only now wait for step t's tokens, write them over the placeholders, apply the stop
+       rules, and report them.
+
+So step t's device work overlaps step t+1's host work. The cost: a request that stops at
+step t (an EOS nobody knew about yet) has already been given a row in step t+1, computed
+for nothing and thrown away; max_tokens is known in advance, so the scheduler never gives
+a request a row past its last token (its last token is "in flight").
+
+The device queue keeps the device part of each step in order:
+    "cuda"    runs it on the host thread, which only enqueues kernels on the current stream,
+              and copies the sampled tokens to pinned host memory behind an event;
+    "thread"  one worker thread runs the steps one after another (CPU: real overlap when
+              the forward pass releases the GIL, as torch's kernels do);
+    "inline"  runs it at once (CPU default): the same code path, no overlap.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..sampling import sample
+from .batch import build_batch
+from .request import PLACEHOLDER, Request, RequestOutput, Status
+from .sampler import SimpleSampler
+
+if TYPE_CHECKING:
+    from .batch import Batch
+    from .engine import EngineCore
+    from .scheduler import SchedulerOutput
+
+QUEUE_MODES = ("cuda", "thread", "inline")
+
+
+@dataclass
+class InflightStep:
+    """A launched step whose tokens the host has not read yet (EngineCore.inflight).
+
+    plan: its SchedulerOutput; sampling: the requests with a sampled row, in row order;
+    row_of: request id -> its row in `tokens`; tokens: int64 [len(sampling)] on the device
+    once the device part ran; handle: what DeviceQueue.wait needs to read them."""
+    plan: SchedulerOutput
+    sampling: list[Request]
+    row_of: dict[str, int]
+    tokens: torch.Tensor | None = None
+    handle: Any = None
+    launched_at: float = field(default_factory=time.perf_counter)
+
+
+class DeviceQueue:
+    """Runs each step's device part in order and gives back its sampled tokens on the host."""
+
+    def __init__(self, mode: str) -> None:
+        if mode not in QUEUE_MODES:
+            raise ValueError(f"device queue mode must be one of {QUEUE_MODES}, got {mode!r}")
+        if mode == "cuda" and not torch.cuda.is_available():
+            raise ValueError("the 'cuda' device queue needs a CUDA device")
+        self.mode = mode
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="device-queue") if mode == "thread" else None
+
+    def submit(self, step: InflightStep, work: Callable[[], torch.Tensor]) -> None:
+        """Queue `work` (returns the step's sampled tokens) behind every earlier step."""
+        def run() -> torch.Tensor:
+            step.tokens = work()
+            return step.tokens
+        if self.worker is not None:
+            step.handle = self.worker.submit(run)
+            return
+        tokens = run()
+        if self.mode == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            step.handle = (host, done)
+
+    def wait(self, step: InflightStep) -> list[int]:
+        """Block until `step`'s tokens exist; return them as Python ints (the one host read)."""
+        if isinstance(step.handle, Future):
+            return step.handle.result().tolist()
+        if self.mode == "cuda":
+            host, done = step.handle
+            done.synchronize()
+            return host.tolist()
+        assert step.tokens is not None
+        return step.tokens.tolist()
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+
+
+def settle_token(request: Request, token: int, check_stop: Callable[[Request, int], Status | None]) -> Status | None:
+    """Write a late-arriving sampled token over the request's oldest placeholder and apply
+    the stop rules to it.  (Your engine: Chapter 33)
+
+    request: a running request with num_placeholders >= 1 trailing PLACEHOLDER entries in
+    request.token_ids (the newest tokens, still being computed); token: the real id of the
+    OLDEST of them; check_stop(request, index) -> Status | None is EngineCore.check_stop
+    (the stop rules of the token at `index`).
+    Afterwards the token sits at index i = num_tokens - num_placeholders (counted before
+    the call) and num_placeholders is one less. Returns check_stop's answer for index i;
+    when it is a finish status, every entry after index i is removed and num_placeholders
+    is 0 (tokens computed past a stop are not output). Raises RuntimeError, changing
+    nothing, when the request has no placeholder there (a token settled twice).
+    Trap: the stop rules must see the token at i, not the newest entry of the list (a
+    placeholder when the request was scheduled again before this token was known).
+    """
+    raise NotImplementedError("Your engine: Chapter 33: settle_token")
+
+
+def drop_placeholders(request: Request) -> None:
+    """Remove a finished request's trailing placeholders: tokens nobody will read."""
+    if request.num_placeholders:
+        del request.token_ids[request.num_tokens - request.num_placeholders:]
+        request.num_placeholders = 0
+
+
+def known_output(request: Request) -> list[int]:
+    """The output tokens whose values are known (placeholders excluded)."""
+    return request.token_ids[request.num_prompt_tokens:request.num_tokens - request.num_placeholders]
+
+
+def sample_on_device(logits: torch.Tensor, requests: list[Request], generators: dict[str, torch.Generator],
+                     default: torch.Generator | None) -> torch.Tensor:
+    """SimpleSampler's choices as an int64 device tensor [L], without reading anything back:
+    greedy rows by one argmax, the others through Chapter 8's `sample` with the same
+    generators in the same order, so the draws equal the synchronous engine's."""
+    tokens = logits.argmax(dim=-1)
+    for row, request in enumerate(requests):
+        p = request.params
+        if not p.greedy:
+            generator = generators.get(request.request_id, default)
+            tokens[row] = sample(logits[row:row + 1], temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                 min_p=p.min_p, generator=generator)[0]
+    return tokens
+
+
+def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: on CUDA through pinned memory
+    (a copy from pageable memory waits for every kernel already queued: no overlap left)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def upload(batch: Batch, device: torch.device) -> Batch:
+    """A batch built on the host, moved to `device` with `move`."""
+    meta = replace(batch.meta, query_start_loc=move(batch.meta.query_start_loc, device),
+                   seq_lens=move(batch.meta.seq_lens, device), block_table=move(batch.meta.block_table, device),
+                   slot_mapping=move(batch.meta.slot_mapping, device))
+    return replace(batch, input_ids=move(batch.input_ids, device), positions=move(batch.positions, device), meta=meta,
+                   logits_indices=move(batch.logits_indices, device))
+
+
+class AsyncStepper:
+    """EngineCore.step when EngineConfig.async_scheduling is on (see the module docstring)."""
+
+    def __init__(self, engine: EngineCore, mode: str | None = None) -> None:
+        if type(engine.sampler) is not SimpleSampler:
+            raise ValueError("asynchronous scheduling samples on the device with SimpleSampler's rules; the full "
+                             "sampler (EngineConfig(sampler='full'), Chapter 34) or a custom sampler needs the "
+                             "synchronous engine")
+        self.engine = engine
+        self.queue = DeviceQueue(mode or ("cuda" if engine.device.type == "cuda" else "inline"))
+        self.host_seconds = 0.0           # time spent scheduling and building batches
+        self.wait_seconds = 0.0           # time spent waiting for tokens
+
+    def step(self) -> list[RequestOutput]:
+        engine = self.engine
+        started = time.perf_counter()
+        plan = engine.last_plan = engine.scheduler.schedule()
+        if engine.checks is not None:
+            engine.checks.check_plan(plan, engine.scheduler, f"async engine step {engine.steps}, the plan")
+        engine.preemptions += len(plan.preempted)
+        launched = self.launch(plan, engine.inflight) if plan.scheduled or plan.swap_out or plan.swap_in else None
+        self.host_seconds += time.perf_counter() - started
+        outputs = self.settle(engine.inflight) if engine.inflight is not None else []
+        engine.inflight = launched if launched is not None and launched.plan.scheduled else None
+        if launched is not None and launched.plan.scheduled:
+            engine.steps += 1
+        if engine.checks is not None:
+            engine.checks.check_scheduler(engine.scheduler, f"after async engine step {engine.steps}")
+        return outputs
+
+    def launch(self, plan: SchedulerOutput, previous: InflightStep | None) -> InflightStep:
+        """Build the plan's batch, queue its device part, and advance the requests as if
+        their tokens were known: num_computed_tokens moves on, sampled rows become
+        placeholders."""
+        engine, runner = self.engine, self.engine.runner
+        scheduled = plan.scheduled
+        batch = None
+        fill_rows: list[int] = []          # rows whose input is a placeholder
+        fill_from: list[int] = []          # ... and the row of `previous.tokens` that holds its value
+        if scheduled:
+            pad_to = runner.graphs.pad_size(scheduled) if runner.graphs is not None else None
+            batch = build_batch(scheduled, engine.blocks.req_blocks, runner.block_size, "cpu", pad_to)
+            runner.add_step_inputs(batch, scheduled)
+            for (request, n), start in zip(scheduled, batch.meta.query_start_loc_cpu):
+                for offset in range(n):
+                    if request.token_ids[request.num_computed_tokens + offset] == PLACEHOLDER:
+                        if previous is None or request.request_id not in previous.row_of:
+                            raise RuntimeError(f"request {request.request_id!r}: a placeholder input with no "
+                                               f"step in flight to fill it")
+                        fill_rows.append(start + offset)
+                        fill_from.append(previous.row_of[request.request_id])
+            batch = upload(batch, runner.device)
+        fill_index = [move(torch.tensor(x, dtype=torch.int64), runner.device) for x in (fill_rows, fill_from)]
+        sampling = [r for (r, _), k in zip(scheduled, batch.sample_counts if batch else []) if k]
+        step = InflightStep(plan, sampling, {r.request_id: i for i, r in enumerate(sampling)})
+        generators = {r.request_id: engine.generators[r.request_id] for r in sampling
+                      if r.request_id in engine.generators}
+        default = getattr(engine.sampler, "generator", None)
+        device = runner.device
+
+        def device_part() -> torch.Tensor:
+            for victim, old_blocks in plan.swap_out:
+                runner.swap_out(victim, old_blocks)
+            for resumed, new_blocks in plan.swap_in:
+                runner.swap_in(resumed, new_blocks)
+            if batch is None:
+                return torch.empty(0, dtype=torch.int64, device=device)
+            if fill_rows:
+                assert previous is not None and previous.tokens is not None
+                batch.input_ids[fill_index[0]] = previous.tokens[fill_index[1]]
+            logits = runner.execute(batch)
+            if not sampling:
+                return torch.empty(0, dtype=torch.int64, device=device)
+            return sample_on_device(logits, sampling, generators, default)
+
+        self.queue.submit(step, device_part)
+        for request, n in scheduled:
+            request.num_computed_tokens += n
+        for request in sampling:
+            request.token_ids.append(PLACEHOLDER)
+            request.num_placeholders += 1
+        for request, _ in scheduled:
+            engine.blocks.cache_full_blocks(request)
+        return step
+
+    def settle(self, step: InflightStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and finish its bookkeeping: real tokens over
+        placeholders, stop rules, outputs."""
+        engine = self.engine
+        waited = time.perf_counter()
+        tokens = self.queue.wait(step)
+        self.wait_seconds += time.perf_counter() - waited
+        outputs, now = [], time.monotonic()
+        for request, token in zip(step.sampling, tokens):
+            if request.status.finished:           # stopped or aborted while this step ran: not its token
+                continue
+            reason = settle_token(request, token, engine.check_stop)
+            engine.blocks.cache_full_blocks(request)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if reason is not None:
+                engine.generators.pop(request.request_id, None)
+                engine.scheduler.finish(request, reason)
+            outputs.append(replace(engine.make_output(request, [token]), output_token_ids=known_output(request)))
+        return outputs

@@ -1,0 +1,494 @@
+"""Chapter 37: speculative decoding inside the engine core.
+
+Chapter 26 drafted and verified one request with contiguous caches. Here every running
+request may carry draft tokens (`Request.spec_token_ids`), and one flattened step verifies
+all of them at once:
+
+    end of step t    a proposer guesses up to k tokens per running request -> spec_token_ids
+    step t + 1       the scheduler budgets num_tokens_with_spec - num_computed_tokens;
+                     the batch builder feeds [last real token, d1 .. dk] and samples every
+                     one of those rows; the verifier keeps a prefix of the drafts plus one
+                     token of the target's own; the K/V of rejected drafts is trimmed
+                     (num_computed_tokens rolled back, BlockManager.trim)
+
+Three proposers share one interface (`propose`): n-gram lookup in the request's own tokens,
+a smaller draft model with a KV pool of its own, and heads on the target's last hidden
+state (Medusa style). `Speculator` is the engine's `drafter` (serve.interfaces.Drafter): it
+takes over the sample-and-update half of EngineCore.step.
+
+Acceptance: a greedy request keeps the drafts that equal the target's argmax (Chapter 26's
+accept_greedy), so its output is exactly the non-speculative engine's. A sampled request
+goes through Chapter 26's rejection rule (accept_sampled) on probabilities warped by the
+request's own temperature, top_k, top_p and min_p, so its output has exactly the
+non-speculative distribution. A proposer that guesses deterministically has a point-mass
+draft distribution (one-hot q); the rule then accepts a draft x with probability p(x) and
+resamples from p with x removed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from ..speculative import accept_greedy, accept_sampled
+from .batch import build_batch
+from .blocks import BlockManager
+from .request import Request, RequestOutput, SamplingParams, Status
+from .runner import ModelRunner
+
+if TYPE_CHECKING:
+    from ..qwen3 import Qwen3ForCausalLM
+    from .engine import EngineCore
+    from .scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+# --- the rules a learner writes -------------------------------------------------------------
+
+def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
+    """Prompt lookup: guess the next tokens by finding the sequence's own tail earlier in it.  (Your engine: Chapter 37)
+
+    token_ids: the request's tokens so far (prompt + output); k >= 0 guesses wanted;
+    1 <= min_n <= max_n. Try n = max_n, then max_n - 1, ..., min_n: the tail is the last
+    n tokens; find its LATEST earlier occurrence (one that starts before the tail itself
+    starts) and return the (up to k) tokens that followed that occurrence. The first n
+    that matches decides. Returns a list of 0..k ints: [] when k == 0, when the sequence
+    is not longer than n for any n, or when no tail recurs. The continuation may run into
+    the tail itself (a repeating pattern continues) but never past the end of token_ids.
+    """
+    raise NotImplementedError("Your engine: Chapter 37: propose_ngram")
+
+
+def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from, one row per logits row.  (Your engine: Chapter 37)
+
+    logits: float [R, V]; params: a sampled request's SamplingParams (temperature at or
+    above GREEDY_BELOW_TEMPERATURE). Returns float64 [R, V] rows that sum to 1: exactly
+    the distribution Chapter 8's `sample(logits, temperature, top_k, top_p, min_p)` draws
+    from (divide by the temperature, keep the top_k highest logits, keep the smallest
+    most-likely set reaching top_p with the most likely token always kept, drop tokens
+    below min_p times the top probability, renormalise). Verification rows of the target
+    and a draft model's rows both go through this one function: rejection sampling only
+    preserves the distribution when target and draft are warped by the same rules. Trap:
+    work in float64, as `sample` does; rows computed in float32 differ from what the
+    non-speculative engine draws from.
+    """
+    raise NotImplementedError("Your engine: Chapter 37: warped_probs")
+
+
+def settle(engine: EngineCore, request: Request, emitted: Sequence[int]) -> tuple[list[int], Status | None]:
+    """Commit a verified step's tokens to a request and give back what the drafts used.  (Your engine: Chapter 37)
+
+    Called after the step's forward, when request.num_computed_tokens already counts every
+    scheduled row (the real token AND the drafts fed behind it). emitted: the accepted
+    drafts followed by the target's own token (1 .. k + 1 ints), in order.
+    - Append them one at a time and apply engine.check_stop after each: the first token
+      that ends the request is kept, every token after it is dropped.
+    - Only the rows of kept tokens hold valid K/V: roll num_computed_tokens back to at
+      most request.num_tokens - 1 (the newest token is never computed, Chapter 31's
+      invariant), then engine.blocks.trim(request, num_computed_tokens) so the blocks that
+      held only rejected drafts return to the pool, unpublished.
+    - Publish the full blocks of accepted tokens: engine.blocks.cache_full_blocks(request).
+      Keys come from request.token_ids only, so a rejected draft is never published.
+    Returns (the tokens appended, the stop status or None). It does not finish the request
+    (the caller does, so it can report the output first); check_stop may raise, and then
+    the tokens appended before the failure stay appended.
+    """
+    raise NotImplementedError("Your engine: Chapter 37: settle")
+
+
+# --- what a proposer provides ---------------------------------------------------------------
+
+@dataclass
+class Draft:
+    """A proposer's guess for one request: the tokens and, when they were sampled from a
+    distribution, that distribution's rows (float64 [len(tokens), V]); None means each
+    token was chosen deterministically (a point mass, for the rejection rule)."""
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    """Where drafts come from. `propose` gets the requests that just gained tokens and are
+    still running, each request's cap on guesses, and the target's hidden row of each
+    request's newest token (heads read it); it returns one Draft per request, in order.
+    `release(request_id)` forgets whatever the proposer keeps for a request that finished
+    or lost its K/V (preemption)."""
+
+    name: str
+
+    def propose(self, engine: EngineCore, requests: Sequence[Request], limits: Sequence[int],
+                hidden: torch.Tensor | None) -> list[Draft]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+@dataclass
+class NgramProposer:
+    """Prompt lookup (propose_ngram): free, and strong wherever outputs copy their input."""
+    max_n: int = 3
+    min_n: int = 1
+    name: str = "ngram"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"NgramProposer needs 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
+
+    def propose(self, engine: EngineCore, requests: Sequence[Request], limits: Sequence[int],
+                hidden: torch.Tensor | None) -> list[Draft]:
+        return [Draft(propose_ngram(r.token_ids, limit, self.max_n, self.min_n)) for r, limit in zip(requests, limits)]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """A smaller causal LM guesses k tokens per request, one batched forward per guess.
+
+    It shares the target's scheduling decisions (it drafts for exactly the requests the
+    target just advanced) but not its memory: it has its own ModelRunner and its own
+    BlockManager (no prefix caching), in which each request has a shadow Request holding
+    the same tokens. Keeping the pools apart means the target's preemption, swapping,
+    prefix sharing and trimming never have to know the draft exists: when a request loses
+    its K/V, or when the draft pool is full, the draft simply recomputes (or skips
+    drafting, which only costs speed). A sampled request's guesses are drawn from the
+    draft's distribution warped by the request's own parameters, with the request's own
+    generator, so seeded requests reproduce.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, draft: Qwen3ForCausalLM, num_blocks: int, block_size: int, backend: str = "reference") -> None:
+        self.runner = ModelRunner(draft, num_blocks, block_size, backend)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.shadows: dict[str, Request] = {}
+
+    @classmethod
+    def for_engine(cls, draft: Qwen3ForCausalLM, engine: EngineCore) -> DraftModelProposer:
+        """A draft pool as large as the engine's (the draft has fewer layers, so fewer bytes)."""
+        if draft.cfg.vocab_size != engine.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
+                             f"({engine.vocab_size}): its guesses would be other tokens")
+        return cls(draft, engine.blocks.num_blocks, engine.config.block_size, engine.config.attention_backend)
+
+    def release(self, request_id: str) -> None:
+        shadow = self.shadows.pop(request_id, None)
+        if shadow is not None:
+            self.blocks.free(shadow)
+
+    def _shadow(self, request: Request) -> Request:
+        shadow = self.shadows.get(request.request_id)
+        if shadow is None:
+            shadow = self.shadows[request.request_id] = Request(request.request_id, list(request.token_ids),
+                                                                request.params)
+        # The draft's K/V are valid for the tokens it computed, as long as the target still
+        # has them: a prefix the target and the draft agree on.
+        agree = 0
+        limit = min(shadow.num_computed_tokens, request.num_tokens - 1)     # feed at least the newest token
+        while agree < limit and shadow.token_ids[agree] == request.token_ids[agree]:
+            agree += 1
+        shadow.token_ids = list(request.token_ids)
+        shadow.spec_token_ids = []
+        shadow.num_computed_tokens = agree
+        return shadow
+
+    @torch.inference_mode()
+    def propose(self, engine: EngineCore, requests: Sequence[Request], limits: Sequence[int],
+                hidden: torch.Tensor | None) -> list[Draft]:
+        work = []                 # (request, shadow, limit) that have room in the draft pool
+        for request, limit in zip(requests, limits):
+            if limit <= 0:
+                continue
+            shadow = self._shadow(request)
+            # Room for the catch-up rows and the limit - 1 guesses fed back (the last is never fed).
+            if self.blocks.allocate_slots(shadow, request.num_tokens - shadow.num_computed_tokens + limit - 1):
+                work.append((request, shadow, limit))
+        guesses: dict[str, list[int]] = {r.request_id: [] for r, _, _ in work}
+        rows: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _, _ in work}
+        active = work
+        while active:
+            scheduled = [(s, s.num_tokens_with_spec - s.num_computed_tokens) for _, s, _ in active]
+            batch = build_batch(scheduled, self.blocks.req_blocks, self.blocks.block_size, self.runner.device)
+            logits = self.runner.execute(batch)
+            for row, (request, shadow, _) in enumerate(active):
+                shadow.num_computed_tokens = shadow.num_tokens_with_spec
+                params = request.params
+                if params.greedy:
+                    token = int(logits[row].argmax())
+                else:
+                    probs = warped_probs(logits[row:row + 1], params)
+                    generator = engine.generators.get(request.request_id, engine.engine_generator)
+                    token = int(torch.multinomial(probs, 1, generator=generator))
+                    rows[request.request_id].append(probs[0])
+                guesses[request.request_id].append(token)
+                shadow.spec_token_ids.append(token)
+            active = [(r, s, limit) for r, s, limit in active if len(guesses[r.request_id]) < limit]
+        drafts = []
+        for request in requests:
+            tokens = guesses.get(request.request_id, [])
+            kept = self.shadows.get(request.request_id)
+            if kept is not None:                       # the guesses' K/V are not the request's (yet)
+                kept.num_computed_tokens = min(kept.num_computed_tokens, kept.num_tokens)
+                kept.spec_token_ids = []
+            drawn = rows.get(request.request_id)
+            drafts.append(Draft(tokens, torch.stack(drawn) if drawn else None))
+        return drafts
+
+
+class DraftHeads(nn.Module):
+    """Heads on the target's last hidden state (Medusa style, with the newest token's
+    embedding as a second input, as multi-token-prediction heads have). For the row that
+    chose token x from hidden state h, head i guesses the token i + 1 places after x:
+
+        logits_i = lm_head(h + SiLU(W_i h + U_i embed(x)))
+
+    The embedding table and the LM head are the target's, frozen and shared; W_i and U_i
+    start at zero, so an untrained head repeats the target's own guess for x's slot."""
+
+    def __init__(self, embed: nn.Module, lm_head: nn.Module, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.embed, self.lm_head = embed, lm_head
+        self.from_hidden = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_heads))
+        self.from_token = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=False) for _ in range(num_heads))
+        for layer in [*self.from_hidden, *self.from_token]:
+            nn.init.zeros_(layer.weight)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.from_hidden)
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [*self.from_hidden.parameters(), *self.from_token.parameters()]
+
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """hidden [R, D], tokens [R] (the token each row chose) -> logits [R, num_heads, V]."""
+        token = self.embed(tokens)
+        return torch.stack([self.lm_head(hidden + nn.functional.silu(w(hidden) + u(token)))
+                            for w, u in zip(self.from_hidden, self.from_token)], dim=1)
+
+
+def train_heads(model: Qwen3ForCausalLM, prompts: Sequence[Sequence[int]], num_heads: int, new_tokens: int = 32,
+                steps: int = 100, lr: float = 1e-2, eos_token_id: int | None = None, seed: int = 0) -> DraftHeads:
+    """Fit DraftHeads to the model's OWN greedy continuations of `prompts`: generate them
+    with the engine core (batched), take the final hidden state and the token it chose at
+    every output position, and train head i by cross-entropy (full batch, Adam) to predict
+    the greedy token i + 1 places after the chosen one. The target is frozen (only W_i and
+    U_i get gradients; the optimizer never sees the target's parameters). On the tiny model, 128 prompts and 100 steps
+    take seconds of CPU; the chapter measures how often the heads are then right."""
+    from .config import EngineConfig
+    from .engine import EngineCore
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts) + new_tokens
+    config = EngineConfig(num_blocks=len(prompts) * -(-longest // 16), block_size=16)
+    finals = EngineCore(model, config, eos_token_id).generate(prompts, SamplingParams(max_tokens=new_tokens))
+    features, chosen, targets = [], [], []
+    with torch.inference_mode():
+        for prompt, final in zip(prompts, finals):
+            sequence = list(prompt) + list(final.output_token_ids)  # type: ignore[union-attr]
+            hidden = model.model(torch.tensor([sequence], device=device))[0]
+            for i in range(len(prompt) - 1, len(sequence) - 1 - num_heads):   # positions whose next token is generated
+                features.append(hidden[i].clone())
+                chosen.append(sequence[i + 1])
+                targets.append(sequence[i + 2:i + 2 + num_heads])
+    if not features:
+        raise ValueError("train_heads: the prompts and new_tokens leave no position to learn from")
+    dtype = model.lm_head.weight.dtype
+    x = torch.stack(features).to(dtype)
+    x_tokens = torch.tensor(chosen, device=device)
+    y = torch.tensor(targets, device=device)
+    heads = DraftHeads(model.model.embed_tokens, model.lm_head, model.cfg.hidden_size, num_heads)
+    for layer in [*heads.from_hidden, *heads.from_token]:   # only the new weights: the target's stay as they are
+        layer.to(device=device, dtype=dtype)
+    optimizer = torch.optim.Adam(heads.trainable(), lr=lr)
+    with torch.enable_grad():
+        for _ in range(steps):
+            logits = heads(x, x_tokens)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return heads.eval()
+
+
+@dataclass
+class HeadProposer:
+    """Guesses read off the target's own last hidden state by trained DraftHeads: no extra
+    forward of any model, one small matmul per head. Guesses are argmaxes (point masses)."""
+    heads: DraftHeads
+    name: str = "heads"
+
+    @torch.inference_mode()
+    def propose(self, engine: EngineCore, requests: Sequence[Request], limits: Sequence[int],
+                hidden: torch.Tensor | None) -> list[Draft]:
+        if hidden is None or not requests:
+            return [Draft([]) for _ in requests]
+        newest = torch.tensor([r.token_ids[-1] for r in requests], device=hidden.device)
+        dtype = next(self.heads.from_hidden.parameters()).dtype
+        guesses = self.heads(hidden.to(dtype), newest).argmax(dim=-1).tolist()
+        return [Draft(row[:limit]) for row, limit in zip(guesses, limits)]
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+# --- the drafter the engine calls -----------------------------------------------------------
+
+@dataclass
+class VerifyStats:
+    """Counters over every step the Speculator ran."""
+    proposed: int = 0          # draft tokens the target verified
+    accepted: int = 0          # of those, kept
+    emitted: int = 0           # tokens appended to requests
+    verify_rows: int = 0       # sampled rows (one per request per step, plus one per draft)
+    verifications: int = 0     # (request, step) pairs that sampled: plain decoding emits 1 token each
+
+    @property
+    def tokens_per_verification(self) -> float:
+        return self.emitted / self.verifications if self.verifications else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+# What the verifier cannot honour: each rule changes the logits of a row depending on the
+# tokens before it, or must see every token as it is produced.
+NOT_WITH_DRAFTS = (
+    ("penalties", lambda p: p.needs_penalties,
+     "they depend on the tokens before each row, and a verification row's history includes unverified drafts"),
+    ("logit_bias", lambda p: bool(p.logit_bias), "the verifier warps only temperature, top_k, top_p and min_p"),
+    ("allowed_token_ids", lambda p: p.allowed_token_ids is not None,
+     "the verifier warps only temperature, top_k, top_p and min_p"),
+    ("min_tokens", lambda p: p.min_tokens > 0, "it masks EOS row by row, and the verifier does not"),
+    ("logprobs", lambda p: p.logprobs is not None or p.prompt_logprobs is not None,
+     "the verifier reports no logprobs"),
+    ("guided decoding", lambda p: p.guided_regex is not None or p.guided_json is not None,
+     "a guide would have to advance over drafts that may be rejected"),
+)
+
+
+def refuse_with_drafter(request_id: str, params: SamplingParams, lora: object, features: object) -> None:
+    """Raise ValueError, naming the request and the rule, for what speculation refuses."""
+    if lora is not None or features:
+        raise ValueError(f"request {request_id!r}: speculative decoding does not take adapter or image requests "
+                         f"(Chapter 43): the drafts would be guessed without them")
+    for name, wanted, why in NOT_WITH_DRAFTS:
+        if wanted(params):
+            raise ValueError(f"request {request_id!r}: {name} cannot be used with speculative decoding: {why}")
+
+
+@dataclass
+class Speculator:
+    """engine.drafter: proposes up to `k` drafts per running request and verifies them.
+
+    Install with `Speculator(proposer, k).attach(engine)` on an engine with no request yet."""
+    proposer: Any
+    k: int = 4
+    stats: VerifyStats = field(default_factory=VerifyStats)
+    draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)   # request id -> q rows of its drafts
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"Speculator: k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
+
+    def attach(self, engine: EngineCore) -> Speculator:
+        if engine.has_unfinished:
+            raise ValueError("attach a drafter before adding requests: those were accepted without its rules")
+        if engine.drafter is not None:
+            raise ValueError("this engine already has a drafter")
+        previous = engine.scheduler.on_finish
+
+        def forget(request: Request) -> None:          # finished or aborted: drop what we keep for it
+            self.forget(request.request_id)
+            if previous is not None:
+                previous(request)
+
+        engine.scheduler.on_finish = forget
+        engine.drafter = self
+        return self
+
+    def forget(self, request_id: str) -> None:
+        self.draft_probs.pop(request_id, None)
+        self.proposer.release(request_id)
+
+    def verify(self, engine: EngineCore, request: Request, logits: torch.Tensor, drafts: list[int],
+               probs: torch.Tensor | None) -> list[int]:
+        """The tokens this step emits for one request: accepted drafts, then one of the target's."""
+        if request.params.greedy:
+            return accept_greedy(logits, drafts)
+        target = warped_probs(logits, request.params)
+        if probs is None:            # deterministic guesses: a point mass on each
+            probs = torch.zeros(len(drafts), target.shape[-1], dtype=target.dtype, device=target.device)
+            probs[range(len(drafts)), drafts] = 1.0
+        generator = engine.generators.get(request.request_id, engine.engine_generator)
+        return accept_sampled(target, probs.to(target), drafts, generator)
+
+    def step(self, engine: EngineCore, plan: SchedulerOutput) -> list[RequestOutput]:
+        for request in plan.preempted:                 # their K/V are gone: so is the draft's
+            self.forget(request.request_id)
+        batch = engine.runner.prepare(plan.scheduled, engine.blocks.req_blocks)
+        logits = engine.runner.execute(batch)
+        hidden = getattr(engine.runner, "last_hidden", None)
+        outputs: list[RequestOutput] = []
+        advanced: list[tuple[Request, int]] = []       # running requests with new tokens, their newest row
+        now, row = time.monotonic(), 0
+        for (request, n), count in zip(plan.scheduled, batch.sample_counts):
+            first, row = row, row + count
+            drafts = request.spec_token_ids[:max(0, count - 1)]     # the budget may have cut some
+            probs = self.draft_probs.pop(request.request_id, None)
+            request.spec_token_ids = []
+            request.num_computed_tokens += n
+            if count == 0:                              # a mid-prompt chunk
+                engine.blocks.cache_full_blocks(request)
+                continue
+            try:
+                emitted = self.verify(engine, request, logits[first:row], drafts,
+                                      None if probs is None else probs[:len(drafts)])
+                new, reason = settle(engine, request, emitted)
+            except Exception as exc:
+                outputs.append(engine._abort_with_error(request, exc, "verifying its draft tokens"))
+                continue
+            self.stats.proposed += len(drafts)
+            self.stats.accepted += len(emitted) - 1
+            self.stats.emitted += len(new)
+            self.stats.verify_rows += count
+            self.stats.verifications += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if reason is not None:
+                engine.generators.pop(request.request_id, None)
+                engine.scheduler.finish(request, reason)
+            else:
+                advanced.append((request, first + len(new) - 1))
+            outputs.append(engine.make_output(request, new))
+        self._propose(engine, advanced, hidden)
+        engine.steps += 1
+        if engine.checks is not None:
+            engine.checks.check_scheduler(engine.scheduler, f"after engine step {engine.steps}")
+        return outputs
+
+    def _propose(self, engine: EngineCore, advanced: list[tuple[Request, int]], hidden: torch.Tensor | None) -> None:
+        """Set next step's spec_token_ids: never more guesses than tokens the request may
+        still emit minus one (the target always adds one), nor past max_model_len."""
+        if not advanced:
+            return
+        requests = [r for r, _ in advanced]
+        limits = [max(0, min(self.k, r.params.max_tokens - r.num_output_tokens - 1,
+                             engine.max_model_len - r.num_tokens - 1)) for r in requests]
+        rows = hidden[[i for _, i in advanced]] if hidden is not None else None
+        for request, draft in zip(requests, self.proposer.propose(engine, requests, limits, rows)):
+            request.spec_token_ids = [int(t) for t in draft.tokens]
+            if draft.probs is not None and draft.tokens:
+                self.draft_probs[request.request_id] = draft.probs
+
+
+__all__ = ["propose_ngram", "warped_probs", "settle", "Draft", "Proposer", "NgramProposer", "DraftModelProposer",
+           "DraftHeads", "train_heads", "HeadProposer", "VerifyStats", "Speculator", "refuse_with_drafter",
+           "NOT_WITH_DRAFTS"]

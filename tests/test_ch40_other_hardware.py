@@ -1,0 +1,192 @@
+"""Chapter 40 milestone: the device module and layers placed on several devices.
+
+Oracles: torch's own device queries (is_available, device_count, get_device_properties,
+is_bf16_supported, is_pinned) and the operating system's (sysconf) for part one; an
+exhaustive search over every contiguous split for the layer plan; and for the placed
+model, the REFERENCE package's solo greedy `generate` (course.oracles.solo) on the same
+weights, one prompt at a time. On a CPU the stages are "cpu" twice (or three times): no
+byte changes device, so the test checks the plumbing: every layer's pool sits on its
+layer's device, the stream is handed over stages - 1 times per forward, one hand-back of
+the sampled rows per step, and the tokens are exactly solo generate's. With a GPU the same
+test runs on cuda:0 + cpu, where a missed transfer is a device-mismatch error.
+"""
+import itertools
+import os
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from course import reference
+from course.models import tiny_qwen3
+from course.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
+
+pytestmark = pytest.mark.chapter(40)
+
+ACCELERATORS = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(),
+                "xpu": hasattr(torch, "xpu") and torch.xpu.is_available()}
+needs_cuda = pytest.mark.skipif(not ACCELERATORS["cuda"], reason="no CUDA (or ROCm) device here")
+PROMPTS = [[10, 20, 30, 40, 50], [7] * 19, [100, 3, 250, 4], list(range(60, 93)), [1, 2]]
+
+
+@pytest.fixture(scope="module")
+def devices(impl):
+    return impl.load("devices")
+
+
+# --- part one: asking a device ------------------------------------------------------------
+
+def test_auto_picks_the_first_present_kind(devices):
+    want = next((kind for kind in ("cuda", "mps", "xpu") if ACCELERATORS[kind]), "cpu")
+    assert devices.pick_device("auto") == torch.device(want), "auto must try cuda, mps, xpu, then cpu"
+    assert devices.pick_device(None) == torch.device(want), "None means auto"
+    assert devices.pick_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("choice", ["tpu", "gpu", "cuda:x", ""])
+def test_unknown_device_names_are_refused(devices, choice):
+    with pytest.raises(ValueError, match=repr(choice).replace("[", r"\[")):
+        devices.pick_device(choice)
+
+
+@pytest.mark.parametrize("kind", ["cuda", "mps", "xpu"])
+def test_absent_or_out_of_range_devices_are_refused(devices, kind):
+    count = {"cuda": torch.cuda.device_count() if ACCELERATORS["cuda"] else 0,
+             "xpu": torch.xpu.device_count() if ACCELERATORS["xpu"] else 0,
+             "mps": 1 if ACCELERATORS["mps"] else 0}[kind]
+    if count == 0:
+        with pytest.raises(ValueError, match=f"no {kind} device"):
+            devices.pick_device(kind)
+    else:
+        assert devices.pick_device(f"{kind}:0") == torch.device(kind, 0)
+    if kind != "mps":
+        with pytest.raises(ValueError, match=kind):
+            devices.pick_device(f"{kind}:{count}")
+
+
+def test_cpu_memory_dtype_and_host_buffers(devices):
+    info = devices.memory_info("cpu")
+    if hasattr(os, "sysconf"):                            # POSIX: the operating system's own count
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        assert info.total_bytes == pytest.approx(physical, rel=0.01), "CPU total memory must be the machine's RAM"
+    assert 0 < info.free_bytes <= info.total_bytes
+    assert devices.default_dtype("cpu") == torch.float32, "a CPU computes in float32 by default"
+    host = torch.arange(6.0)
+    assert devices.pinned(host, "cpu") is host, "a CPU-only engine has nothing to pin"
+    devices.synchronize("cpu")                            # nothing queued: returns at once
+
+
+@needs_cuda
+def test_cuda_answers_match_torch(devices):
+    info = devices.memory_info("cuda:0")
+    assert info.total_bytes == pytest.approx(torch.cuda.get_device_properties(0).total_memory, rel=0.01)
+    assert 0 < info.free_bytes <= info.total_bytes
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert (devices.default_dtype("cuda:0") == torch.bfloat16) == native, "bfloat16 only where the GPU computes it"
+    assert devices.pinned(torch.zeros(4), "cuda").is_pinned(), "CUDA swap buffers must be page-locked"
+
+
+# --- part two: the plan -------------------------------------------------------------------
+
+def best_split(sizes, free):
+    """Exhaustive oracle: every contiguous split, the smallest fullest stage, then the most
+    layers on stage 0, stage 1, ..."""
+    layers, stages = len(sizes), len(free)
+    best = None
+    for cuts in itertools.combinations(range(1, layers), stages - 1):
+        bounds = (0, *cuts, layers)
+        plan = [s for s in range(stages) for _ in range(bounds[s], bounds[s + 1])]
+        peak = max(Fraction(sum(sizes[bounds[s]:bounds[s + 1]]), free[s]) for s in range(stages))
+        key = (peak, [-plan.count(s) for s in range(stages)])
+        if best is None or key < best[0]:
+            best = (key, plan)
+    return best[0][0], best[1]
+
+
+def test_plan_layers_matches_exhaustive_search(devices):
+    assert devices.plan_layers([10] * 4, [100, 100]) == [0, 0, 1, 1]
+    assert devices.plan_layers([10] * 4, [300, 100]) == [0, 0, 0, 1], "a bigger device takes more layers"
+    assert devices.plan_layers([10] * 3, [100, 100]) == [0, 0, 1], "ties go to the earlier stage"
+    rng = random.Random(40)
+    for _ in range(400):
+        layers = rng.randint(1, 7)
+        stages = rng.randint(1, layers)
+        sizes = [rng.randint(0, 5) for _ in range(layers)]
+        free = [rng.randint(1, 12) for _ in range(stages)]
+        peak, want = best_split(sizes, free)
+        if peak > 1:
+            with pytest.raises(ValueError, match="do not fit"):
+                devices.plan_layers(sizes, free)
+        else:
+            assert devices.plan_layers(sizes, free) == want, f"sizes {sizes}, budgets {free}"
+
+
+@pytest.mark.parametrize("sizes, free, rule", [([], [1], "layers and stages"), ([1], [], "layers and stages"),
+                                               ([1, 1], [5, 5, 5], "no layer"), ([1, -1], [5], ">= 0"),
+                                               ([1, 1], [5, 0], "> 0")])
+def test_plan_layers_refuses_bad_input(devices, sizes, free, rule):
+    with pytest.raises(ValueError, match=rule):
+        devices.plan_layers(sizes, free)
+
+
+# --- part two: the placed model in the engine ---------------------------------------------
+
+def params(serve, max_tokens):
+    return serve.request.SamplingParams(max_tokens=max_tokens)
+
+
+def serve_placed(impl, serve, devices, stage_devices, layers, **config):
+    placed = devices.PlacedFlatModel(tiny_qwen3(impl.package, num_hidden_layers=layers), stage_devices)
+    engine = make_engine(serve, placed, **{"block_size": 4, "num_blocks": 64, **config})
+    results = engine.generate(PROMPTS, [params(serve, 10 + i) for i in range(len(PROMPTS))])
+    return placed, engine, [r.output_token_ids for r in results]
+
+
+def check_placed_run(impl, serve, devices, stage_devices, layers, **config):
+    placed, engine, outputs = serve_placed(impl, serve, devices, stage_devices, layers, **config)
+    ref = tiny_qwen3(reference().package, num_hidden_layers=layers)
+    for i, (prompt, got) in enumerate(zip(PROMPTS, outputs)):
+        want = solo(ref, prompt, 10 + i, eos_token_id=TINY_EOS)
+        assert got == want, f"request {i} on stages {stage_devices}: expected {want}, got {got}"
+    for index, layer_pool in enumerate(engine.runner.kv_caches):
+        where = placed.layer_device(index)
+        assert all(t.device.type == where.type for t in layer_pool), \
+            f"layer {index}'s KV pool is on {layer_pool[0].device}, its layer on {where}"
+    stages = len(stage_devices)
+    assert placed.transfers == engine.steps * (stages - 1), \
+        f"{engine.steps} steps over {stages} stages should hand the stream over {engine.steps * (stages - 1)} times, " \
+        f"counted {placed.transfers}"
+    assert placed.returns == engine.steps, "each step brings its sampled rows home once"
+    hidden = placed.cfg.hidden_size * 4                      # float32 bytes of one row
+    assert placed.transfer_bytes % hidden == 0 and placed.return_bytes % hidden == 0
+    assert_engine_idle(engine, f"after serving on {stage_devices}")
+    return placed, engine
+
+
+@pytest.mark.parametrize("stage_devices, layers", [(["cpu", "cpu"], 4), (["cpu", "cpu", "cpu"], 5)])
+def test_layers_on_several_stages_match_solo_generate(impl, serve, devices, stage_devices, layers):
+    placed, _ = check_placed_run(impl, serve, devices, stage_devices, layers)
+    per_stage = [placed.stage_of_layer.count(s) for s in range(len(stage_devices))]
+    assert per_stage == {4: [2, 2], 5: [2, 2, 1]}[layers], "equal devices share the layers evenly"
+
+
+def test_placed_model_survives_preemption_and_swap(impl, serve, devices):
+    _, engine = check_placed_run(impl, serve, devices, ["cpu", "cpu"], 4, num_blocks=12,
+                                 preemption_mode="swap")
+    assert engine.preemptions > 0, "a 12-block pool should preempt on this workload"
+
+
+def test_hand_over_counts_same_device_transfers(impl, devices):
+    placed = devices.PlacedFlatModel(tiny_qwen3(impl.package, num_hidden_layers=2), ["cpu", "cpu"])
+    stream = torch.randn(3, placed.cfg.hidden_size)
+    moved = placed.hand_over(stream, 1)
+    assert torch.equal(moved, stream) and moved.device == torch.device("cpu")
+    assert (placed.transfers, placed.transfer_bytes) == (1, 3 * placed.cfg.hidden_size * 4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", [{}, {"num_blocks": 12, "preemption_mode": "swap"}], ids=["ample", "swapping"])
+def test_layers_on_cuda_and_cpu_match_solo_generate(impl, serve, devices, config):
+    placed, engine = check_placed_run(impl, serve, devices, ["cuda:0", "cpu"], 4, **config)
+    assert engine.runner.kv_caches[0][0].device.type == "cuda" and engine.runner.kv_caches[-1][0].device.type == "cpu"
