@@ -95,6 +95,9 @@ def test_a_request_whose_stop_check_fails_is_aborted_alone(serve, tiny_model, re
         def finished(self):
             raise KeyError("state 17")
 
+        def advance(self, token_id):            # the engine feeds a guide every new token first
+            pass
+
     engine = engine_for(serve, tiny_model)
     engine.add_request("a", PROMPTS["a"], P(serve))
     broken = engine.add_request("guided", PROMPTS["b"], P(serve))

@@ -15,4 +15,5 @@ flattened batch per step, one pool of fixed-size KV blocks shared by every reque
     sampler.py     SimpleSampler: the sampler interface later chapters replace
     engine.py      EngineCore: add, abort, step, generate
     interfaces.py  the Protocols later chapters implement: AttentionBackend, Sampler, Guide, Drafter
+    guided.py      GuideFactory, RegexGuide: constrained decoding's token masks (Chapter 35)
 """

@@ -26,6 +26,7 @@ from .batch import Batch
 from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
+from .guided import GuideFactory
 from .interfaces import AttentionBackend, Drafter, Sampler
 from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .request import Request, RequestOutput, SamplingParams, Status
@@ -90,6 +91,7 @@ class EngineCore:
         self.sampler = sampler
         self.eos_token_id = eos_token_id
         self.vocab_bytes = vocab_bytes
+        self.guides = GuideFactory(vocab_bytes, eos_token_id, flat.cfg.vocab_size) if vocab_bytes is not None else None
         self.vocab_size = flat.cfg.vocab_size
         self.max_model_len = config.max_model_len or getattr(flat.model, "context_limit", None) or (1 << 30)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its own seeded generator
@@ -188,6 +190,12 @@ class EngineCore:
         now = time.monotonic() if arrival_time is None else arrival_time
         requests = [Request(rid, list(prompt), p, self.eos_token_id, priority, now, cache_key)
                     for rid, p in zip(ids, each)]
+        if self.guides is not None and (params.guided_regex is not None or params.guided_json is not None):
+            try:                                  # one guide per sample: each walks its own text
+                for request in requests:
+                    request.extra["guide"] = self.guides(request.params)
+            except ValueError as exc:
+                raise ValueError(f"request {request_id!r}: {exc}") from None
         for request in requests:
             request.extra.update(extra)
             self.scheduler.check(request)          # pool capacity, budget, duplicate id
@@ -267,8 +275,10 @@ class EngineCore:
         if self.drafter is not None:                       # Chapter 37: what speculation cannot verify
             from .spec_decode import refuse_with_drafter
             refuse_with_drafter(request_id, params, lora, features)
-        if params.guided_regex is not None or params.guided_json is not None:
-            raise ValueError(f"request {request_id!r}: guided decoding arrives in Chapter 35")
+        if (params.guided_regex is not None or params.guided_json is not None) and (
+                self.guides is None or self.config.sampler != "full" or self.config.async_scheduling):
+            raise ValueError(f"request {request_id!r}: guided decoding (Chapter 35) needs the engine's vocab_bytes, "
+                             f"EngineConfig(sampler='full') (it applies the masks) and synchronous scheduling")
         wanted = [name for name, on in (("logprobs", params.logprobs is not None),
                                         ("prompt_logprobs", params.prompt_logprobs is not None),
                                         ("penalties", params.needs_penalties),
@@ -357,12 +367,13 @@ class EngineCore:
         6. For every scheduled (request, n): num_computed_tokens += n; append its new tokens;
            self.blocks.cache_full_blocks(request) (generated tokens fill blocks too). A
            request without new tokens (mid-prompt chunk) reports nothing. Otherwise set
-           first_token_time once; if self.check_stop(request) gives a status,
+           first_token_time once; feed each new token to the request's guide, if it has one
+           (request.extra["guide"].advance(token), Chapter 35); if self.check_stop(request) gives a status,
            self.scheduler.finish(request, status) (its blocks return NOW, so the next step
            can admit someone) and drop its generator; report self.make_output(...).
         7. self.steps += 1.
         Isolation: one request's failure is never the step's. A request whose sampling
-        failed, or whose check_stop raises, is finished alone as aborted, the error on its
+        failed, or whose guide or check_stop raises, is finished alone as aborted, the error on its
         output (self._abort_with_error); the others carry on in the same step.
         With self.checks set (EngineConfig.debug_checks), check the plan right after
         scheduling and the scheduler at the end of the step.
@@ -401,6 +412,14 @@ class EngineCore:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
+            guide = request.extra.get("guide")
+            try:                                             # Chapter 35: the guide reads every new token
+                if guide is not None:
+                    for token in new:
+                        guide.advance(token)
+            except Exception as exc:
+                outputs.append(self._abort_with_error(request, exc, "advancing its guide"))
+                continue
             try:
                 reason = self.check_stop(request)
             except Exception as exc:                      # e.g. a guide that breaks on this token

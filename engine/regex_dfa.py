@@ -1,0 +1,513 @@
+"""Chapter 35: a regular-expression engine whose automaton reads BYTES, for constrained decoding.
+
+    parse_regex      a pattern (str) -> a syntax tree of Chars, Concat, Alt and Repeat nodes
+    build_nfa        the tree -> a Thompson NFA whose edges are byte ranges (UTF-8)
+    epsilon_closure  the NFA states reachable through empty moves
+    determinize      subset construction: the NFA -> a DFA over the 256 byte values
+    compile_regex    all of it, plus trimming dead states and minimisation: pattern -> DFA
+
+Language models emit tokens, and a token is a run of bytes that may end in the middle of a
+character, so the automaton reads bytes, not characters: every character class becomes
+the UTF-8 byte sequences of its code points.
+
+The subset: literals; escapes (\\n \\t \\r \\f \\v \\xHH \\uHHHH \\UHHHHHHHH and escaped
+metacharacters); classes [a-z], [^...]; \\d \\w \\s and their negations with their ASCII
+meaning (Python's re.ASCII); "." (any character but newline); groups (...) and (?:...);
+alternation |; the quantifiers * + ? {m} {m,} {m,n} {,n}. The whole text must match
+(re.fullmatch), so anchors are refused, as are backreferences, lookarounds and lazy
+quantifiers (which cannot change what fullmatch accepts, and which we refuse rather
+than silently ignore).
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAX_CODE_POINT = 0x10FFFF
+SURROGATES = (0xD800, 0xDFFF)           # not characters: UTF-8 cannot encode them
+MAX_REPEAT = 1000                       # the largest count {m,n} may name
+MAX_DFA_STATES = 20000                  # a pattern whose DFA grows past this is refused
+
+# A set of characters: sorted, disjoint, non-adjacent inclusive code-point intervals.
+CharSet = tuple[tuple[int, int], ...]
+
+
+def _normalise(intervals: Iterable[tuple[int, int]]) -> CharSet:
+    """Sort and merge intervals; surrogate code points are dropped (they have no UTF-8)."""
+    pieces: list[tuple[int, int]] = []
+    for lo, hi in intervals:
+        for a, b in ((lo, min(hi, SURROGATES[0] - 1)), (max(lo, SURROGATES[1] + 1), hi)):
+            if a <= b:
+                pieces.append((a, b))
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(pieces):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
+
+
+def complement(chars: CharSet) -> CharSet:
+    """Every character not in `chars`."""
+    gaps, start = [], 0
+    for lo, hi in chars:
+        if lo > start:
+            gaps.append((start, lo - 1))
+        start = hi + 1
+    if start <= MAX_CODE_POINT:
+        gaps.append((start, MAX_CODE_POINT))
+    return _normalise(gaps)
+
+
+DIGITS = _normalise([(ord("0"), ord("9"))])
+WORD = _normalise([(ord("a"), ord("z")), (ord("A"), ord("Z")), (ord("0"), ord("9")), (ord("_"), ord("_"))])
+SPACE = _normalise([(ord(c), ord(c)) for c in " \t\n\r\f\v"])
+ANY_BUT_NEWLINE = complement(_normalise([(10, 10)]))
+CLASS_ESCAPES = {"d": DIGITS, "D": complement(DIGITS), "w": WORD, "W": complement(WORD),
+                 "s": SPACE, "S": complement(SPACE)}
+CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
+HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+METACHARACTERS = set(".^$*+?{}[]\\|()")
+
+
+# --- the syntax tree ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Chars:
+    """One character from `chars`."""
+    chars: CharSet
+
+
+@dataclass(frozen=True)
+class Concat:
+    """The parts one after another (no parts: the empty string)."""
+    parts: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Alt:
+    """Any one of the options."""
+    options: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """`node` between `low` and `high` times (high None: no upper bound)."""
+    node: Node
+    low: int
+    high: int | None
+
+
+Node = Chars | Concat | Alt | Repeat
+
+
+class _Parser:
+    """Recursive descent over the pattern: alternation > concatenation > quantified atom."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        self.pos = 0
+
+    def fail(self, rule: str, at: int | None = None) -> ValueError:
+        where = self.pos if at is None else at
+        return ValueError(f"regex {self.pattern!r}, position {where}: {rule}")
+
+    def peek(self, text: str) -> bool:
+        return self.pattern.startswith(text, self.pos)
+
+    def parse(self) -> Node:
+        node = self.alternation()
+        if self.pos < len(self.pattern):         # only an unmatched ")" stops the alternation early
+            raise self.fail("unbalanced parenthesis ')'")
+        return node
+
+    def alternation(self) -> Node:
+        options = [self.concatenation()]
+        while self.peek("|"):
+            self.pos += 1
+            options.append(self.concatenation())
+        return options[0] if len(options) == 1 else Alt(tuple(options))
+
+    def concatenation(self) -> Node:
+        parts: list[Node] = []
+        while self.pos < len(self.pattern) and not self.peek("|") and not self.peek(")"):
+            parts.append(self.quantified(self.atom()))
+        return parts[0] if len(parts) == 1 else Concat(tuple(parts))
+
+    def quantified(self, node: Node) -> Node:
+        """`node` with the quantifier that follows it, if any (one per atom, as in Python)."""
+        if self.pos >= len(self.pattern):
+            return node
+        char = self.pattern[self.pos]
+        if char in "*+?":
+            self.pos += 1
+            low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char]
+        elif char == "{" and (counts := self.counts()) is not None:
+            low, high = counts
+        else:
+            return node
+        if self.peek("?") or self.peek("+"):
+            raise self.fail("lazy and possessive quantifiers are not supported (fullmatch needs neither)")
+        after = self.pos
+        if self.peek("*") or (self.peek("{") and self.counts() is not None):
+            raise self.fail("multiple repeat: put the repeated part in a group first", after)
+        return Repeat(node, low, high)
+
+    def counts(self) -> tuple[int, int | None] | None:
+        """{m} {m,} {m,n} {,n} at self.pos, consumed; None (nothing consumed) when the brace
+        is not a quantifier, in which case it is a literal "{" as in Python's re."""
+        end = self.pattern.find("}", self.pos)
+        if end < 0:
+            return None
+        body = self.pattern[self.pos + 1:end]
+        low_text, comma, high_text = body.partition(",")
+        if not (low_text.isdigit() or (comma and not low_text)) or not (high_text.isdigit() or not high_text):
+            return None
+        if not comma and not low_text:
+            return None
+        low = int(low_text) if low_text else 0
+        high = (int(high_text) if high_text else None) if comma else low
+        if max(low, high or 0) > MAX_REPEAT:
+            raise self.fail(f"repeat counts above {MAX_REPEAT} are refused")
+        if high is not None and high < low:
+            raise self.fail(f"min repeat {low} greater than max repeat {high}")
+        self.pos = end + 1
+        return low, high
+
+    def atom(self) -> Node:
+        char = self.pattern[self.pos]
+        if char == "(":
+            self.pos += 1
+            if self.peek("?:"):
+                self.pos += 2
+            elif self.peek("?"):
+                raise self.fail("only (...) and (?:...) groups are supported")
+            inner = self.alternation()
+            if not self.peek(")"):
+                raise self.fail("missing ), unterminated subpattern")
+            self.pos += 1
+            return inner
+        if char in "*+?":
+            raise self.fail(f"nothing to repeat before {char!r}")
+        if char in "^$":
+            raise self.fail("anchors are not supported: the whole output must match anyway")
+        if char == "[":
+            return Chars(self.char_class())
+        self.pos += 1
+        if char == ".":
+            return Chars(ANY_BUT_NEWLINE)
+        if char == "\\":
+            return Chars(self.escape())
+        return Chars(_normalise([(ord(char), ord(char))]))
+
+    def escape(self) -> CharSet:
+        """The set an escape (self.pos just past the backslash) stands for; consumes it."""
+        if self.pos >= len(self.pattern):
+            raise self.fail("bad escape (end of pattern)")
+        char = self.pattern[self.pos]
+        self.pos += 1
+        if char in CLASS_ESCAPES:
+            return CLASS_ESCAPES[char]
+        if char in CONTROL_ESCAPES:
+            return _normalise([(ord(CONTROL_ESCAPES[char]),) * 2])
+        if char in HEX_ESCAPES:
+            digits = self.pattern[self.pos:self.pos + HEX_ESCAPES[char]]
+            if len(digits) != HEX_ESCAPES[char] or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.fail(f"\\{char} needs {HEX_ESCAPES[char]} hex digits")
+            self.pos += len(digits)
+            code = int(digits, 16)
+            if code > MAX_CODE_POINT:
+                raise self.fail(f"\\{char}{digits} is beyond the last code point")
+            return _normalise([(code, code)])
+        if char.isascii() and char.isalnum():          # \b, \1, \A ...: anchors and backreferences
+            raise self.fail(f"bad escape \\{char} (not in the supported subset)", self.pos - 2)
+        return _normalise([(ord(char), ord(char))])
+
+    def char_class(self) -> CharSet:
+        start = self.pos
+        self.pos += 1                                   # the "["
+        negate = self.peek("^")
+        if negate:
+            self.pos += 1
+        if self.peek("]"):
+            raise self.fail("an empty class or a leading ']' is not supported: write \\] for a literal ]")
+        items: list[tuple[int, int]] = []
+        while not self.peek("]"):
+            if self.pos >= len(self.pattern):
+                raise self.fail("unterminated character set", start)
+            first = self.class_item()
+            if self.peek("-") and not self.pattern.startswith("-]", self.pos):
+                dash = self.pos
+                self.pos += 1
+                last = self.class_item()
+                if len(first) != 1 or first[0][0] != first[0][1] or len(last) != 1 or last[0][0] != last[0][1]:
+                    raise self.fail("bad character range: both ends must be single characters", dash)
+                if last[0][0] < first[0][0]:
+                    raise self.fail("bad character range: the end is before the start", dash)
+                items.append((first[0][0], last[0][0]))
+            else:
+                items.extend(first)
+        self.pos += 1                                   # the "]"
+        chars = _normalise(items)
+        return complement(chars) if negate else chars
+
+    def class_item(self) -> CharSet:
+        if self.pos >= len(self.pattern):
+            raise self.fail("unterminated character set")
+        char = self.pattern[self.pos]
+        self.pos += 1
+        if char == "\\":
+            return self.escape()
+        if char == "[":
+            raise self.fail("a literal '[' inside a class must be escaped (\\[)", self.pos - 1)
+        return _normalise([(ord(char), ord(char))])
+
+
+def parse_regex(pattern: str) -> Node:
+    """The syntax tree of `pattern`; ValueError naming the position and the rule it breaks."""
+    if not isinstance(pattern, str):
+        raise ValueError(f"a regex is a str, got {type(pattern).__name__}")
+    return _Parser(pattern).parse()
+
+
+# --- characters to UTF-8 byte ranges ----------------------------------------------------------
+
+UTF8_LENGTH_LIMITS = (0x7F, 0x7FF, 0xFFFF, MAX_CODE_POINT)     # last code point of 1..4 bytes
+
+
+def utf8_sequences(lo: int, hi: int) -> list[list[tuple[int, int]]]:
+    """The code points lo..hi (no surrogates) as UTF-8: a list of sequences of byte ranges,
+    each sequence matching a contiguous block of code points byte range by byte range."""
+    for limit in UTF8_LENGTH_LIMITS[:-1]:               # one encoded length per piece
+        if lo <= limit < hi:
+            return utf8_sequences(lo, limit) + utf8_sequences(limit + 1, hi)
+    if hi <= 0x7F:
+        return [[(lo, hi)]]
+    length = next(n for n, limit in enumerate(UTF8_LENGTH_LIMITS, 1) if hi <= limit)
+    for i in range(1, length):
+        # Split until every continuation byte after the varying one spans its full 0x80..0xBF.
+        low_bits = (1 << (6 * i)) - 1
+        if lo & ~low_bits != hi & ~low_bits:
+            if lo & low_bits:
+                return utf8_sequences(lo, lo | low_bits) + utf8_sequences((lo | low_bits) + 1, hi)
+            if hi & low_bits != low_bits:
+                return utf8_sequences(lo, (hi & ~low_bits) - 1) + utf8_sequences(hi & ~low_bits, hi)
+    first, last = chr(lo).encode("utf-8"), chr(hi).encode("utf-8")
+    return [list(zip(first, last))]
+
+
+# --- the NFA ------------------------------------------------------------------------------------
+
+@dataclass
+class NFA:
+    """A Thompson NFA over bytes: state i has `edges[i]` (lo, hi, target) byte-range moves
+    and `empty[i]` moves that read nothing; one start, one accepting state."""
+    edges: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    empty: list[list[int]] = field(default_factory=list)
+    start: int = 0
+    accept: int = 0
+
+    def new_state(self) -> int:
+        self.edges.append([])
+        self.empty.append([])
+        return len(self.edges) - 1
+
+
+def build_nfa(tree: Node) -> NFA:
+    """The NFA that accepts exactly the UTF-8 encodings of the strings `tree` matches."""
+    nfa = NFA()
+
+    def fragment(node: Node) -> tuple[int, int]:
+        start, end = nfa.new_state(), nfa.new_state()
+        if isinstance(node, Chars):
+            for lo, hi in node.chars:
+                for sequence in utf8_sequences(lo, hi):
+                    here = start
+                    for k, (byte_lo, byte_hi) in enumerate(sequence):
+                        there = end if k == len(sequence) - 1 else nfa.new_state()
+                        nfa.edges[here].append((byte_lo, byte_hi, there))
+                        here = there
+        elif isinstance(node, Concat):
+            here = start
+            for part in node.parts:
+                part_start, part_end = fragment(part)
+                nfa.empty[here].append(part_start)
+                here = part_end
+            nfa.empty[here].append(end)
+        elif isinstance(node, Alt):
+            for option in node.options:
+                option_start, option_end = fragment(option)
+                nfa.empty[start].append(option_start)
+                nfa.empty[option_end].append(end)
+        else:
+            here = start
+            for _ in range(node.low):                     # the required copies
+                copy_start, copy_end = fragment(node.node)
+                nfa.empty[here].append(copy_start)
+                here = copy_end
+            if node.high is None:                         # then a loop
+                loop_start, loop_end = fragment(node.node)
+                nfa.empty[here].append(loop_start)
+                nfa.empty[loop_end].append(here)
+                nfa.empty[here].append(end)
+            else:                                         # then optional copies, each may stop
+                for _ in range(node.high - node.low):
+                    nfa.empty[here].append(end)
+                    copy_start, copy_end = fragment(node.node)
+                    nfa.empty[here].append(copy_start)
+                    here = copy_end
+                nfa.empty[here].append(end)
+        return start, end
+
+    nfa.start, nfa.accept = fragment(tree)
+    return nfa
+
+
+def epsilon_closure(nfa: NFA, states: Iterable[int]) -> frozenset[int]:
+    """The NFA states reachable from `states` by empty moves alone, `states` included.  (Your engine: Chapter 35)
+
+    nfa: an NFA (nfa.empty[i] lists the targets of state i's empty moves; cycles of empty
+    moves exist, e.g. inside (a*)*). states: any NFA state numbers.
+    Returns a frozenset, so equal closures compare and hash equal (they name DFA states).
+    Must terminate on cycles of empty moves.
+    """
+    raise NotImplementedError("Your engine: Chapter 35: epsilon_closure")
+
+
+def byte_classes(nfa: NFA) -> list[int]:
+    """One representative byte per class of bytes that every NFA edge treats alike: two bytes
+    in one class go to the same states from every state, so the DFA needs one column each."""
+    cuts = {0, 256}
+    for edges in nfa.edges:
+        for lo, hi, _ in edges:
+            cuts.update((lo, hi + 1))
+    return sorted(cuts)[:-1]
+
+
+@dataclass
+class DFA:
+    """A deterministic automaton over bytes.
+
+    transitions: int32 [num_states, 256], the next state for each byte, -1 for "no match
+    can follow"; accepting: bool [num_states]; start: the start state. After compile_regex
+    every state can still reach an accepting state (dead states are trimmed to -1)."""
+    transitions: np.ndarray
+    accepting: np.ndarray
+    start: int
+
+    @property
+    def num_states(self) -> int:
+        return int(self.transitions.shape[0])
+
+    def walk(self, state: int, data: bytes) -> int:
+        """The state after reading `data` from `state`; -1 once no match can follow."""
+        table = self.transitions
+        for byte in data:
+            state = int(table[state, byte])
+            if state < 0:
+                return -1
+        return state
+
+    def fullmatch(self, data: bytes) -> bool:
+        """Does the whole of `data` match?"""
+        end = self.walk(self.start, data)
+        return end >= 0 and bool(self.accepting[end])
+
+
+def determinize(nfa: NFA) -> DFA:
+    """The DFA of `nfa` by subset construction.  (Your engine: Chapter 35)
+
+    Each DFA state stands for the set of NFA states the NFA could be in after the same
+    bytes (an epsilon_closure). Returns a DFA with transitions int32 [S, 256] (-1 where the
+    set would be empty), accepting[s] True exactly when the set holds nfa.accept, and start
+    0 (the closure of nfa.start). It need not be minimal and may keep states from which no
+    accepting state is reachable (compile_regex trims those).
+    Trap: 256 byte columns per state are slow to fill one byte at a time in Python; bytes
+    of one byte_classes() class always move alike, so one move per class is enough.
+    Raises ValueError when more than MAX_DFA_STATES states would be needed.
+    """
+    raise NotImplementedError("Your engine: Chapter 35: determinize")
+
+
+def distinct_columns(table: np.ndarray) -> np.ndarray:
+    """The table with one column per distinct byte behaviour (bytes that move every state
+    alike need one column): [S, 256] -> [S, C] with C usually a few dozen."""
+    _, first = np.unique(table, axis=1, return_index=True)
+    return table[:, np.sort(first)]
+
+
+def breadth_first(columns: np.ndarray, start: int, keep: np.ndarray) -> list[int]:
+    """The states `keep` allows that `start` reaches, in breadth-first order, start first."""
+    order, seen = [start], {start}
+    for state in order:
+        for target in columns[state].tolist():
+            if target >= 0 and keep[target] and target not in seen:
+                seen.add(target)
+                order.append(target)
+    return order
+
+
+def renumbered(dfa: DFA, order: list[int], group: np.ndarray) -> DFA:
+    """The DFA whose state i is dfa's state order[i]; a move to state t goes to the new
+    number of group[t] (states of one group become one state), -1 stays -1."""
+    new_number = np.full(int(group.max()) + 1, -1, dtype=np.int64)
+    new_number[group[order]] = np.arange(len(order))
+    rows = dfa.transitions[order]
+    target_group = np.where(rows >= 0, group[np.maximum(rows, 0)], -1)
+    moved = np.where(target_group >= 0, new_number[np.maximum(target_group, 0)], -1)
+    return DFA(moved.astype(np.int32), dfa.accepting[order].copy(), 0)
+
+
+def trim(dfa: DFA) -> DFA:
+    """Drop the states from which no accepting state can be reached (moves into them become
+    -1) and those the start cannot reach; renumber so the start is state 0."""
+    columns = distinct_columns(dfa.transitions)
+    alive = dfa.accepting.copy()
+    while True:                                      # grow backwards from the accepting states
+        grown = alive | np.where(columns >= 0, alive[np.maximum(columns, 0)], False).any(axis=1)
+        if (grown == alive).all():
+            break
+        alive = grown
+    if not alive[dfa.start]:
+        raise ValueError("the pattern matches no string")
+    order = breadth_first(columns, dfa.start, alive)
+    return renumbered(dfa, order, np.where(alive, np.arange(dfa.num_states), -1))
+
+
+def minimize(dfa: DFA) -> DFA:
+    """The smallest DFA for the same language (Moore's partition refinement): states that
+    accept alike and move to the same blocks on every byte merge. Expects a trimmed DFA."""
+    columns = distinct_columns(dfa.transitions)
+    block = dfa.accepting.astype(np.int64)
+    count = len(np.unique(block))
+    while True:
+        moved = np.where(columns >= 0, block[np.maximum(columns, 0)], -1)
+        signatures = np.concatenate([block[:, None], moved], axis=1).tolist()
+        numbers: dict[tuple[int, ...], int] = {}      # a dict beats np.unique(axis=0) here by 3x
+        block = np.array([numbers.setdefault(tuple(row), len(numbers)) for row in signatures], dtype=np.int64)
+        if len(numbers) == count:
+            break
+        count = len(numbers)
+    # One representative per block, in breadth-first order from the start's block.
+    first_of_block = np.full(count, -1, dtype=np.int64)
+    first_of_block[block[::-1]] = np.arange(dfa.num_states)[::-1]
+    is_first = np.zeros(dfa.num_states, dtype=bool)
+    is_first[first_of_block] = True
+    representative = first_of_block[block]           # every state -> its block's first state
+    reduced = np.where(columns >= 0, representative[np.maximum(columns, 0)], -1)
+    order = breadth_first(reduced, int(representative[dfa.start]), is_first)
+    return renumbered(dfa, order, representative)
+
+
+def compile_regex(pattern: str) -> DFA:
+    """The trimmed, minimal byte DFA of `pattern` (fullmatch semantics)."""
+    return minimize(trim(determinize(build_nfa(parse_regex(pattern)))))
+
+
+def escape(text: str) -> str:
+    """A pattern that matches `text` literally."""
+    return "".join("\\" + c if c in METACHARACTERS or c == "-" else c for c in text)

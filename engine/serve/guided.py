@@ -1,0 +1,210 @@
+"""Chapter 35: token-level guides, the constrained-decoding state the engine keeps per request.
+
+    Vocabulary     every token's bytes, laid out once for walking them all at the same time
+    TokenIndex     one (pattern, vocabulary) pair: the mask of allowed tokens per DFA state,
+                   computed the first time a state is reached and kept
+    RegexGuide     one request's position in its pattern (serve.interfaces.Guide)
+    GuideFactory   SamplingParams.guided_regex / guided_json -> a RegexGuide; compiles each
+                   pattern once and shares its TokenIndex between requests
+
+A token is allowed in a DFA state when reading all of its bytes from there leaves the DFA
+in a live state (one from which a match can still be completed: compile_regex trims the
+others). EOS is allowed exactly in accepting states. A token with no bytes (b"": special
+tokens such as <|im_start|>, ids past the tokenizer's list) is never allowed: it would
+change nothing and could be drawn forever.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..json_regex import schema_to_regex
+from ..regex_dfa import DFA, compile_regex
+from .request import SamplingParams
+
+
+class Vocabulary:
+    """The tokens' bytes as a matrix, longest token first.
+
+    vocab_bytes: token id -> its bytes (b"" for a token that never appears in guided text).
+    eos_token_id: the end-of-sequence id (its bytes are ignored), or None.
+    vocab_size: the width of the model's logits (>= len(vocab_bytes); the ids past the list
+    are never allowed).
+    The matrix is laid out on first use, so an engine that never sees a guided request
+    never pays for it.
+    """
+
+    def __init__(self, vocab_bytes: Sequence[bytes], eos_token_id: int | None, vocab_size: int) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        if len(vocab_bytes) > vocab_size:
+            raise ValueError(f"vocab_bytes has {len(vocab_bytes)} entries for a vocabulary of {vocab_size}")
+        bad = next((i for i, b in enumerate(vocab_bytes) if not isinstance(b, bytes)), None)
+        if bad is not None:
+            raise ValueError(f"vocab_bytes[{bad}] must be bytes, got {type(vocab_bytes[bad]).__name__}")
+        if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+            raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary 0..{vocab_size - 1}")
+        self.vocab_bytes = list(vocab_bytes)
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+
+    @cached_property
+    def token_ids(self) -> np.ndarray:
+        """int64 [n]: the ids of the tokens that have bytes (EOS aside), longest first."""
+        usable = [i for i, b in enumerate(self.vocab_bytes) if b and i != self.eos_token_id]
+        usable.sort(key=lambda i: -len(self.vocab_bytes[i]))
+        return np.array(usable, dtype=np.int64)
+
+    @cached_property
+    def byte_matrix(self) -> np.ndarray:
+        """uint8 [n, longest]: row r holds the bytes of token_ids[r], zero-padded."""
+        rows = [self.vocab_bytes[i] for i in self.token_ids.tolist()]
+        matrix = np.zeros((len(rows), len(rows[0]) if rows else 0), dtype=np.uint8)
+        for row, data in enumerate(rows):
+            matrix[row, :len(data)] = np.frombuffer(data, dtype=np.uint8)
+        return matrix
+
+    @cached_property
+    def longer_than(self) -> list[int]:
+        """longer_than[p]: how many tokens have more than p bytes (they lead the rows)."""
+        lengths = np.array([len(self.vocab_bytes[i]) for i in self.token_ids.tolist()], dtype=np.int64)
+        return [int((lengths > p).sum()) for p in range(self.byte_matrix.shape[1])]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.vocab_bytes[token_id] if 0 <= token_id < len(self.vocab_bytes) else b""
+
+
+class TokenIndex:
+    """The allowed-token masks of one DFA over one vocabulary, one per state, made on demand."""
+
+    def __init__(self, dfa: DFA, vocabulary: Vocabulary) -> None:
+        self.dfa = dfa
+        self.vocabulary = vocabulary
+        self.masks: dict[int, torch.Tensor] = {}
+        self.stuck: set[int] = set()          # states whose mask allows nothing
+        # A state with no live move: the text so far admits no further byte.
+        self.dead_end = np.asarray((dfa.transitions < 0).all(axis=1))
+
+    def mask(self, state: int) -> torch.Tensor:
+        """The cached mask of `state` (computed on first use); shared, so never modify it."""
+        found = self.masks.get(state)
+        if found is None:
+            found = self.masks[state] = self.compute_mask(state)
+            if not bool(found.any()):
+                self.stuck.add(state)
+        return found
+
+    def compute_mask(self, state: int) -> torch.Tensor:
+        """Which tokens may come next in DFA state `state`.  (Your engine: Chapter 35)
+
+        Returns a bool tensor [vocabulary.vocab_size] on the CPU: True for token t exactly
+        when walking all of t's bytes from `state` through self.dfa.transitions (int32
+        [S, 256], -1: no match can follow) never meets -1; True for vocabulary.eos_token_id
+        exactly when self.dfa.accepting[state]; False for every token listed with no bytes
+        and every id past the byte list. The rows of vocabulary.byte_matrix (uint8
+        [n, longest], zero-padded) are the tokens vocabulary.token_ids, longest first, and
+        vocabulary.longer_than[p] of them have more than p bytes.
+        Trap: a Python loop over 49,152 tokens for every new state costs tens of
+        milliseconds per state; walk all tokens one byte position at a time instead.
+        """
+        raise NotImplementedError("Your engine: Chapter 35: TokenIndex.compute_mask")
+
+    def precompute(self) -> int:
+        """Compute every state's mask now (for measuring); returns the number of states."""
+        for state in range(self.dfa.num_states):
+            self.mask(state)
+        return self.dfa.num_states
+
+
+class RegexGuide:
+    """One request's place in its pattern (the serve.interfaces.Guide contract)."""
+
+    def __init__(self, index: TokenIndex) -> None:
+        self.index = index
+        self.state = index.dfa.start
+        self.ended = False                    # EOS was accepted: nothing at all may follow
+
+    @property
+    def finished(self) -> bool:
+        return self.ended or bool(self.index.dead_end[self.state])
+
+    @property
+    def accepting(self) -> bool:
+        """Is the text so far a complete match?"""
+        return bool(self.index.dfa.accepting[self.state])
+
+    def allowed(self) -> torch.Tensor:
+        """bool [vocab_size]: the tokens that may come next (shared with other guides of the
+        same pattern: read it, never write to it). ValueError when the vocabulary cannot
+        spell any continuation (a pattern that needs a byte no token has)."""
+        mask = self.index.mask(self.state)
+        if not self.ended and self.state in self.index.stuck:
+            raise ValueError(f"no token of the vocabulary can continue the pattern from DFA state {self.state}")
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        """Move past one accepted token.  (Your engine: Chapter 35)
+
+        token_id: the token the engine just appended to the request. EOS
+        (vocabulary.eos_token_id) is accepted only in an accepting state and ends the guide
+        (finished becomes True); any other token moves self.state to the DFA state after
+        its bytes (self.index.vocabulary.token_bytes). A token that is not allowed here (its
+        bytes lead to no live state, it has no bytes, it is EOS before a complete match, or
+        anything follows the end) raises ValueError naming the token and its bytes, and
+        leaves the guide unchanged.
+        """
+        raise NotImplementedError("Your engine: Chapter 35: RegexGuide.advance")
+
+
+def token_bytes_of(tokenizer: Any) -> list[bytes]:
+    """The vocab_bytes of a tokenizer: Chapter 36's BPETokenizer (its special tokens get
+    b"", so the guide never allows them) or Chapter 3's ByteTokenizer (ids 0-255 are their
+    byte, the special ids above get b"")."""
+    if hasattr(tokenizer, "special_ids"):
+        return [b"" if i in tokenizer.special_ids else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+    return [bytes([i]) if i < 256 else b"" for i in range(tokenizer.vocab_size)]
+
+
+class GuideFactory:
+    """Makes the guide of a request's SamplingParams (EngineCore keeps one as self.guides).
+
+    Each distinct pattern (a guided_regex, or a guided_json schema compiled to one) is
+    compiled once; its TokenIndex is shared by every request that uses it, so a state's
+    mask is computed once per (pattern, vocabulary). The `max_patterns` most recently used
+    patterns are kept."""
+
+    def __init__(self, vocab_bytes: Sequence[bytes], eos_token_id: int | None, vocab_size: int,
+                 max_patterns: int = 64) -> None:
+        self.vocabulary = Vocabulary(vocab_bytes, eos_token_id, vocab_size)
+        self.max_patterns = max_patterns
+        self.indexes: OrderedDict[str, TokenIndex] = OrderedDict()
+
+    def pattern_of(self, params: SamplingParams) -> str:
+        """The regex a request is guided by (ValueError: neither field is set, or the schema
+        or the pattern is refused)."""
+        if params.guided_regex is not None:
+            if not isinstance(params.guided_regex, str):
+                raise ValueError(f"guided_regex must be a str, got {type(params.guided_regex).__name__}")
+            return params.guided_regex
+        if params.guided_json is not None:
+            return schema_to_regex(params.guided_json)
+        raise ValueError("the request asks for no guide (set guided_regex or guided_json)")
+
+    def index_for(self, pattern: str) -> TokenIndex:
+        index = self.indexes.get(pattern)
+        if index is None:
+            index = TokenIndex(compile_regex(pattern), self.vocabulary)
+            self.indexes[pattern] = index
+            if len(self.indexes) > self.max_patterns:
+                self.indexes.popitem(last=False)
+        self.indexes.move_to_end(pattern)
+        return index
+
+    def __call__(self, params: SamplingParams) -> RegexGuide:
+        return RegexGuide(self.index_for(self.pattern_of(params)))
+
