@@ -40,6 +40,7 @@ def add_arguments(parser):
                         help=f"vocabulary (default {QWEN3_VOCAB_SIZE:,}, Qwen3's)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="model shape (default tiny)")
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per setting (default 5)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
 
@@ -80,14 +81,15 @@ def clock(device):
     return time.perf_counter()
 
 
-def measure(serve, model, device, name, requests, steps, vocab_size):
-    config = serve.config.EngineConfig(num_blocks=requests * 8, block_size=16, max_num_seqs=requests,
-                                       max_num_batched_tokens=max(2048, requests * 33),
+def measure(serve, model, device, name, requests, steps, vocab_size, prompt_len):
+    blocks_each = -(-(prompt_len + steps + 2) // 16)          # the prompt and every token the run samples
+    config = serve.config.EngineConfig(num_blocks=requests * blocks_each, block_size=16, max_num_seqs=requests,
+                                       max_num_batched_tokens=max(2048, requests * (prompt_len + 1)),
                                        sampler="simple" if name == "simple-greedy" else "full")
     engine = serve.engine.EngineCore(model, config, eos_token_id=None)
     rng = random.Random(0)
     for i in range(requests):
-        prompt = [rng.randrange(vocab_size) for _ in range(32)]
+        prompt = [rng.randrange(vocab_size) for _ in range(prompt_len)]
         engine.add_request(f"r{i}", prompt, settings(serve, i)[name])
     engine.step()                                   # every prompt in one step
     engine.step()                                   # one warm-up decode step
@@ -111,5 +113,5 @@ def run(args):
     serve = type("Serve", (), {name: impl.load(f"serve.{name}") for name in ("config", "engine", "request")})
     model = tiny_qwen3(impl.package, device=device, vocab_size=args.vocab_size, **SHAPES[args.shape])
     for name in settings(serve, 0):
-        line = measure(serve, model, device, name, args.requests, args.steps, args.vocab_size)
+        line = measure(serve, model, device, name, args.requests, args.steps, args.vocab_size, args.prompt_len)
         print(json.dumps({"shape": args.shape, "device": str(device), **line}), flush=True)

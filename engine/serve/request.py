@@ -63,9 +63,9 @@ class SamplingParams:
 
     Chapter 31's SimpleSampler honours temperature, top_k, top_p, min_p and seed; the stop
     rules (max_tokens, min_tokens, stop_token_ids, ignore_eos) live in EngineCore.check_stop.
-    The penalty, bias, logprob and guided fields are declared here so every chapter sees
-    one parameter object; the engine refuses them until Chapter 34 (the full sampler) and
-    Chapter 35 (constrained decoding) exist.
+    The penalty, bias, allowed/bad token, min_tokens and logprob fields need Chapter 34's
+    full sampler (EngineConfig(sampler="full"), serve/sampler.py states their semantics);
+    the engine refuses them with the simple one. The guided fields wait for Chapter 35.
     """
     n: int = 1
     max_tokens: int = 16
