@@ -299,3 +299,18 @@ def test_seeded_output_survives_chunking_preemption_and_neighbours(serve, tiny_m
         assert outs[-1].output_token_ids == alone, f"with {config} (preemptions: {engine.preemptions}) the seeded " \
                                                   f"request drew {outs[-1].output_token_ids}, alone {alone}"
         assert_engine_idle(engine)
+
+
+def test_extreme_parameters_stay_numbers_or_are_refused(serve, sampler):
+    """A repetition penalty far below 1 overflows a positive logit to +inf in float32; the
+    draw must still pick a real token. Out-of-range penalties and biases are refused."""
+    logits = torch.full((1, VOCAB), -1.0)
+    logits[0, 7] = 30.0
+    tiny = make_request(serve, "tiny-penalty", [7], temperature=0.5, repetition_penalty=1e-38, seed=1)
+    tokens, _ = sampler.Sampler()(logits, [tiny], {"tiny-penalty": torch.Generator().manual_seed(1)})
+    assert tokens == [[7]], f"an overflowing logit must stay the favourite, got {tokens}"
+    refused = ((dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency"),
+               (dict(logit_bias={3: 1e9}), r"logit_bias\[3\]"), (dict(bad_words_token_ids=((),)), "bad_words"))
+    for fields, words in refused:
+        with pytest.raises(ValueError, match=words):
+            serve.request.SamplingParams(**fields)

@@ -368,6 +368,10 @@ class Sampler:
         tokens = processed.argmax(dim=-1)
         if not all(r.params.greedy for r in requests):
             processed.div_(params.temperature.unsqueeze(1))
+            if any(r.params.repetition_penalty < 1 for r in requests):
+                # Dividing a large logit by a tiny penalty (or temperature) can overflow to +inf,
+                # whose softmax is NaN; the largest float keeps it the favourite instead.
+                processed.clamp_(max=torch.finfo(processed.dtype).max)
             if any(r.params.min_p > 0 for r in requests):
                 apply_min_p(processed, params.min_p)
             if any(0 < r.params.top_k < vocab or r.params.top_p < 1 for r in requests):
