@@ -7,7 +7,9 @@ MinNewTokensLengthLogitsProcessor, and the MinP -> TopK -> TopP warpers in vLLM'
 the REFERENCE model's own logits for logprobs; a chi-square test with a fixed seed for the
 sampled path (significance 0.001; the seed was checked by hand over 200 seeds, see
 test_draws_follow_the_filtered_distribution). The engine test of seeded requests was run
-by hand for request seeds 0..59 in all three configurations: identical every time.
+by hand for request seeds 0..59 in all three configurations: identical tokens and prompt
+logprobs every time (the seeded request is the one preempted: 4 times by recompute, once
+by swap, with seed 2024).
 """
 import math
 
@@ -288,8 +290,9 @@ def test_logprobs_are_the_raw_model_distribution(serve, tiny_model, ref_model):
 
 def test_seeded_output_survives_chunking_preemption_and_neighbours(serve, tiny_model):
     prompt = list(range(30, 52))
-    wanted = params(serve, 12, temperature=1.0, top_p=0.95, seed=2024, repetition_penalty=1.1)
-    alone = full_engine(serve, tiny_model).generate([prompt], wanted)[0].output_token_ids
+    wanted = params(serve, 12, temperature=1.0, top_p=0.95, seed=2024, repetition_penalty=1.1, prompt_logprobs=2)
+    alone_output = full_engine(serve, tiny_model).generate([prompt], wanted)[0]
+    alone = alone_output.output_token_ids
     crowd = [list(range(60, 90)), [5, 6, 7], list(range(100, 124))]
     others = [params(serve, 14, temperature=1.0), params(serve, 9, temperature=0.7, seed=3), params(serve, 12)]
     for config in (dict(max_num_batched_tokens=8), dict(num_blocks=14, max_num_batched_tokens=16),
@@ -298,6 +301,13 @@ def test_seeded_output_survives_chunking_preemption_and_neighbours(serve, tiny_m
         outs = engine.generate(crowd + [prompt], others + [wanted])
         assert outs[-1].output_token_ids == alone, f"with {config} (preemptions: {engine.preemptions}) the seeded " \
                                                   f"request drew {outs[-1].output_token_ids}, alone {alone}"
+        got = outs[-1].prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None, \
+            f"with {config}: {len(got)} prompt logprobs for {len(prompt)} prompt tokens (a recomputed prompt " \
+            f"counts once)"
+        for position, (mine, lone) in enumerate(zip(got[1:], alone_output.prompt_logprobs[1:]), start=1):
+            assert (mine.token_id, mine.top_token_ids) == (lone.token_id, lone.top_token_ids) and \
+                math.isclose(mine.logprob, lone.logprob, abs_tol=1e-4), f"with {config}: prompt position {position}"
         assert_engine_idle(engine)
 
 
