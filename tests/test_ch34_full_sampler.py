@@ -7,7 +7,9 @@ MinNewTokensLengthLogitsProcessor, and the MinP -> TopK -> TopP warpers in vLLM'
 the REFERENCE model's own logits for logprobs; a chi-square test with a fixed seed for the
 sampled path (significance 0.001; the seed was checked by hand over 200 seeds, see
 test_draws_follow_the_filtered_distribution). The engine test of seeded requests was run
-by hand for request seeds 0..59 in all three configurations: identical every time.
+by hand for request seeds 0..59 in all three configurations: identical tokens and prompt
+logprobs every time (the seeded request is the one preempted: 4 times by recompute, once
+by swap, with seed 2024).
 """
 import math
 
@@ -71,14 +73,18 @@ def test_top_k_top_p_min_p_match_transformers_warpers(serve, sampler):
     transformers = pytest.importorskip("transformers")
     gen = torch.Generator().manual_seed(1)
     settings = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.8, 0.0), (7, 0.6, 0.0), (0, 1.0, 0.1), (10, 0.9, 0.05),
-                (1, 0.5, 0.0), (64, 1e-9, 0.0)]
+                (1, 0.5, 0.0), (64, 1e-9, 0.0), (3, 0.9, 0.0), (2, 1.0, 0.0)]
     logits = torch.randn(len(settings), 64, generator=gen) * 2
-    logits[0, :4] = logits[0, 10]                 # ties at a top-k edge stay together
-    logits[1, [3, 9, 20]] = logits[1].max() - 0.5
+    logits[1, [3, 9, 20]] = logits[1].max() - 0.5          # ties at the 2nd-4th place, top_k 5
+    logits[8, [1, 2, 30, 40, 50, 60]] = logits[8].max() + 1    # six tokens tied at the top, top_k 3: all stay
+    logits[9, [4, 5, 6]] = logits[9].max() + 1               # a tie across the k-th place, top_k 2: all stay
     top_k = torch.tensor([k if k else 64 for k, _, _ in settings])
     top_p = torch.tensor([p for _, p, _ in settings])
     min_p = torch.tensor([m for _, _, m in settings])
     got = sampler.apply_top_k_top_p(sampler.apply_min_p(logits.clone(), min_p), top_k, top_p)
+    # The full sampler's way: candidates from one topk where top_k bounds a row, the whole row otherwise.
+    fast = sampler.filter_top_k_top_p(sampler.apply_min_p(logits.clone(), min_p), top_k.tolist(), top_p.tolist())
+    assert torch.equal(fast, got), "filter_top_k_top_p must keep exactly what apply_top_k_top_p keeps"
     for row, (k, p, m) in enumerate(settings):
         want = logits[row:row + 1].clone()
         if m:
@@ -188,8 +194,9 @@ def filtered_distribution(logits, temperature, top_k, top_p, min_p):
 
 def test_draws_follow_the_filtered_distribution(serve, sampler):
     """4,000 draws in one batched call against the float64 distribution, significance 0.001.
-    Seed 0 gives p = 0.066. Checked by hand over seeds 0..199: no p-value fell below 0.001
-    and 12 fell below 0.05, as p-values of a correct sampler should (uniform)."""
+    Seed 0 gives p = 0.83. Checked by hand over seeds 0..199: no p-value fell below 0.001
+    (the smallest was 0.0075) and 10 fell below 0.05, as p-values of a correct sampler
+    should (uniform)."""
     logits = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.3, 0.0, -0.5, -3.0, 0.9, 1.1])
     draws = 4000
     params = dict(temperature=0.8, top_k=7, top_p=0.95, min_p=0.05)
@@ -283,8 +290,9 @@ def test_logprobs_are_the_raw_model_distribution(serve, tiny_model, ref_model):
 
 def test_seeded_output_survives_chunking_preemption_and_neighbours(serve, tiny_model):
     prompt = list(range(30, 52))
-    wanted = params(serve, 12, temperature=1.0, top_p=0.95, seed=2024, repetition_penalty=1.1)
-    alone = full_engine(serve, tiny_model).generate([prompt], wanted)[0].output_token_ids
+    wanted = params(serve, 12, temperature=1.0, top_p=0.95, seed=2024, repetition_penalty=1.1, prompt_logprobs=2)
+    alone_output = full_engine(serve, tiny_model).generate([prompt], wanted)[0]
+    alone = alone_output.output_token_ids
     crowd = [list(range(60, 90)), [5, 6, 7], list(range(100, 124))]
     others = [params(serve, 14, temperature=1.0), params(serve, 9, temperature=0.7, seed=3), params(serve, 12)]
     for config in (dict(max_num_batched_tokens=8), dict(num_blocks=14, max_num_batched_tokens=16),
@@ -293,4 +301,26 @@ def test_seeded_output_survives_chunking_preemption_and_neighbours(serve, tiny_m
         outs = engine.generate(crowd + [prompt], others + [wanted])
         assert outs[-1].output_token_ids == alone, f"with {config} (preemptions: {engine.preemptions}) the seeded " \
                                                   f"request drew {outs[-1].output_token_ids}, alone {alone}"
+        got = outs[-1].prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None, \
+            f"with {config}: {len(got)} prompt logprobs for {len(prompt)} prompt tokens (a recomputed prompt " \
+            f"counts once)"
+        for position, (mine, lone) in enumerate(zip(got[1:], alone_output.prompt_logprobs[1:]), start=1):
+            assert (mine.token_id, mine.top_token_ids) == (lone.token_id, lone.top_token_ids) and \
+                math.isclose(mine.logprob, lone.logprob, abs_tol=1e-4), f"with {config}: prompt position {position}"
         assert_engine_idle(engine)
+
+
+def test_extreme_parameters_stay_numbers_or_are_refused(serve, sampler):
+    """A repetition penalty far below 1 overflows a positive logit to +inf in float32; the
+    draw must still pick a real token. Out-of-range penalties and biases are refused."""
+    logits = torch.full((1, VOCAB), -1.0)
+    logits[0, 7] = 30.0
+    tiny = make_request(serve, "tiny-penalty", [7], temperature=0.5, repetition_penalty=1e-38, seed=1)
+    tokens, _ = sampler.Sampler()(logits, [tiny], {"tiny-penalty": torch.Generator().manual_seed(1)})
+    assert tokens == [[7]], f"an overflowing logit must stay the favourite, got {tokens}"
+    refused = ((dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency"),
+               (dict(logit_bias={3: 1e9}), r"logit_bias\[3\]"), (dict(bad_words_token_ids=((),)), "bad_words"))
+    for fields, words in refused:
+        with pytest.raises(ValueError, match=words):
+            serve.request.SamplingParams(**fields)

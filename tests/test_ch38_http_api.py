@@ -443,9 +443,15 @@ BAD_REQUESTS = [
      "stop"),
     ("negative seed", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": -1}, 400, "seed"),
     ("stream not a boolean", "/v1/completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
-    ("logprobs unsupported", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 2}, 400, "logprobs"),
-    ("penalty unsupported", "/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 0.5}, 400,
+    ("logprobs above 5", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 6}, 400, "logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("penalty out of range", "/v1/completions", {"model": MODEL, "prompt": "a", "presence_penalty": 2.5}, 400,
      "presence_penalty"),
+    ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"x": 1}},
+     400, "logit_bias"),
+    ("prompt_logprobs unsupported", "/v1/completions", {"model": MODEL, "prompt": "a", "prompt_logprobs": 1}, 400,
+     "prompt_logprobs"),
     ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "a", "max_token": 4}, 400, "max_token"),
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("unknown role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
@@ -472,6 +478,46 @@ def test_bad_input_gets_an_openai_error_and_leaves_the_engine_alone(server, clie
     after = client.post("/v1/completions", json=completion([5, 6, 7], 3))
     assert after.status_code == 200 and after.json()["choices"][0]["token_ids"] == solo(ref, [5, 6, 7], 3), \
         f"after {name}, a normal request must be served"
+
+
+def test_logprobs_in_the_openai_shape_with_the_full_sampler(impl, device, ref, client):
+    """Chapter 34's full sampler behind the API: completions' and chat's logprobs objects carry
+    the raw model's log-probabilities (oracle: the reference model's logits, float64)."""
+    refused = client.post("/v1/completions", json=completion([5, 6, 7], 3, logprobs=1))
+    assert refused.status_code == 400 and "sampler='full'" in refused.json()["error"]["message"], \
+        "an engine with the simple sampler must refuse logprobs with a 400 that names the full sampler"
+    app, engine = _served(impl, device, sampler="full")
+    prompt = [72, 101, 108, 108, 111]
+    with impl.load("server.app").serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as full:
+        plain = full.post("/v1/completions", json=completion(prompt, 5, logprobs=3)).json()["choices"][0]
+        chat = full.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "stream": True})
+        events = read_sse(chat.text.splitlines())
+        biased = full.post("/v1/completions", json=completion(prompt, 3, logit_bias={"65": 100})).json()
+    ids = plain["token_ids"]
+    assert ids == solo(ref, prompt, 5), "greedy tokens must not change with logprobs on"
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + ids], device=next(ref.parameters()).device))[0].double().cpu()
+    expected = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    lp = plain["logprobs"]
+    assert lp["tokens"] == [bytes([t]).decode("utf-8", "replace") if t < 256 else lp["tokens"][i]
+                            for i, t in enumerate(ids)]
+    for i, token in enumerate(ids):
+        assert abs(lp["token_logprobs"][i] - float(expected[i, token])) < 1e-4, f"completions logprob {i}"
+        assert len(lp["top_logprobs"][i]) == 3 and max(lp["top_logprobs"][i].values()) == \
+            pytest.approx(float(expected[i].max()), abs=1e-4), f"completions top_logprobs {i}"
+    assert lp["text_offset"][0] == 0
+    streamed_ids, content = [], []
+    for event in events:
+        for choice in event["choices"]:
+            streamed_ids += choice.get("token_ids", [])
+            if choice["logprobs"] is not None:
+                content += choice["logprobs"]["content"]
+    assert len(content) == len(streamed_ids) > 0, "chat streams one logprobs entry per token"
+    assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 for entry in content)
+    assert biased["choices"][0]["token_ids"] == [65, 65, 65], "logit_bias +100 on token 65 must make it win"
+    wait_idle(engine)
 
 
 def test_unknown_route_is_an_openai_error(client):

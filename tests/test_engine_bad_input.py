@@ -91,7 +91,7 @@ REQUEST_CASES = {
     "fractional stop token": (lambda e, s: P(s, stop_token_ids=[1.5]), r"stop_token_ids must be .*integer token ids"),
     "bool stop token": (lambda e, s: P(s, stop_token_ids=[True]),
                         r"stop_token_ids must be integer token ids, got \[True\]"),
-    "logprobs before Chapter 34": (lambda e, s: e.add_request("lp", [1, 2], P(s, logprobs=2)), r"Chapter 34"),
+    "logprobs with the simple sampler": (lambda e, s: e.add_request("lp", [1, 2], P(s, logprobs=2)), r"Chapter 34"),
     "abort with a non-string id": (lambda e, s: e.abort_request(["run0"]), r"non-empty strings"),
 }
 

@@ -5,8 +5,13 @@ pool just large enough for the biggest request so that preemption happens, recom
 swap, chunk sizes and budgets, prefix caching and chunked prefill on or off, FCFS or
 priority, max_num_seqs) and 2-8 requests (prompts sharing heads, max_tokens, stop tokens
 taken from the request's own solo output so that they bite, priorities, n > 1, arrivals
-and aborts at random steps). It runs step by step with the scheduler's invariants
-(course.engine_checks) checked after every step, then:
+and aborts at random steps). About half the workloads run Chapter 34's full sampler, and
+about half of their requests carry token rules that leave the greedy answer alone only
+when they reach the right row: allowed_token_ids (the solo output plus others), bad
+words and negative logit_bias on tokens the solo output never uses, min_tokens up to the
+last token. A rule applied to a neighbour's row changes that neighbour's tokens. It runs
+step by step with the scheduler's invariants (course.engine_checks) checked after every
+step, then:
 
 - every request that was not aborted produced exactly what the REFERENCE package's solo
   greedy `generate` produces on the reference tiny model (every sample of an n > 1
@@ -35,7 +40,8 @@ STRESS_SEEDS = 1000
 FAST_SEEDS = [46, 84, 150, 275, 333, 402, 406, 542, 592, 670, 706, 717, 744, 753, 759]
 FEATURES = ("whole_block_prompt_hit", "preempt_recompute", "preempt_swap", "prefix_hits", "aborted",
             "stopped_by_stop_token",
-            "n_samples", "priority", "chunked_off", "caching_off", "chunk_cap", "late_arrival")
+            "n_samples", "priority", "chunked_off", "caching_off", "chunk_cap", "late_arrival",
+            "full_sampler_rules")
 
 
 def pytest_generate_tests(metafunc):
@@ -76,7 +82,25 @@ def make_workload(seed, ref_model):
                   enable_chunked_prefill=chunked, enable_prefix_caching=rng.random() < 0.8,
                   long_prefill_token_threshold=rng.choice([0, 0, 0, 4, 8]),
                   policy=rng.choice(["fcfs", "priority"]), preemption_mode=rng.choice(["recompute", "swap"]))
+    # The sampler dimension draws from its own generator, so the seeds above keep their workloads.
+    rules = random.Random(seed * 7919 + 34)
+    if rules.random() < 0.5:
+        config["sampler"] = "full"
+        for spec in requests:
+            if rules.random() < 0.5:
+                spec["rules"] = token_rules(rules, solo(ref_model, spec["prompt"], spec["max_tokens"],
+                                                        stop_token_ids=tuple(spec["stops"])))
     return config, requests
+
+
+def token_rules(rng, want):
+    """Chapter 34's token rules that leave greedy output `want` unchanged: every token of
+    `want` stays allowed, unbiased and unbanned, and min_tokens never hides its last token."""
+    unused = [t for t in range(256) if t not in want]
+    return dict(allowed_token_ids=tuple(sorted(set(want) | set(rng.sample(unused, 20)))),
+                bad_words_token_ids=((rng.choice(unused),), (want[0], rng.choice(unused))),
+                logit_bias={t: -rng.uniform(1, 5) for t in rng.sample(unused, 3)},
+                min_tokens=len(want) - 1)
 
 
 def run_workload(serve, model, ref_model, seed, speculate=None):
@@ -89,6 +113,8 @@ def run_workload(serve, model, ref_model, seed, speculate=None):
     engine = make_engine(serve, model, debug_checks=True, **config)
     if speculate is not None:
         speculate(engine)
+        for spec in requests:           # a drafter refuses Chapter 34's token rules (it verifies plain sampling)
+            spec.pop("rules", None)
     sched = engine.scheduler
     got, finished, aborted, children, admitted = {}, {}, set(), {}, []
     seen = Counter()
@@ -97,7 +123,7 @@ def run_workload(serve, model, ref_model, seed, speculate=None):
         for spec in [r for r in arrivals if r["arrive"] <= step]:
             arrivals.remove(spec)
             params = serve.request.SamplingParams(max_tokens=spec["max_tokens"], stop_token_ids=spec["stops"],
-                                                  n=spec["n"])
+                                                  n=spec["n"], **spec.get("rules", {}))
             added = engine.add_request(spec["request_id"], spec["prompt"], params, priority=spec["priority"])
             added = added if isinstance(added, list) else [added]
             children[spec["request_id"]] = [r.request_id for r in added]
@@ -156,6 +182,7 @@ def run_workload(serve, model, ref_model, seed, speculate=None):
     seen["chunked_off"] += not config["enable_chunked_prefill"]
     seen["caching_off"] += not config["enable_prefix_caching"]
     seen["chunk_cap"] += bool(config["long_prefill_token_threshold"])
+    seen["full_sampler_rules"] += any("rules" in spec for spec in requests)
     return {k: v for k, v in seen.items() if v}, step
 
 

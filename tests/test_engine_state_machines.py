@@ -320,12 +320,13 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 20), block_size=st.sampled_from([4, 2, 3]),
                 budget=st.integers(1, 32), max_num_seqs=st.integers(1, 4), chunked=st.booleans(),
                 threshold=st.sampled_from([0, 0, 1, 3, 8]), policy=st.sampled_from(["fcfs", "priority"]),
-                mode=st.sampled_from(["recompute", "swap"]), caching=st.sampled_from([True, True, False]))
-    def make(self, num_blocks, block_size, budget, max_num_seqs, chunked, threshold, policy, mode, caching):
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.sampled_from([True, True, False]),
+                sampler=st.sampled_from(["simple", "full"]))
+    def make(self, num_blocks, block_size, budget, max_num_seqs, chunked, threshold, policy, mode, caching, sampler):
         config = dict(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
                       max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
                       long_prefill_token_threshold=threshold, policy=policy, preemption_mode=mode,
-                      enable_prefix_caching=caching, debug_checks=True)
+                      enable_prefix_caching=caching, debug_checks=True, sampler=sampler)
         self.engine = make_engine(self.serve, self.model, eos_token_id=None, **config)
         self.pool = FakePool(block_size)
         runner = ScriptedRunner.install(self.serve, self.engine, next_token)

@@ -67,7 +67,8 @@ def build(args):
     app_module = impl.load("server.app")
     try:
         config = serve_config.EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
-                                           max_num_seqs=args.max_num_seqs, attention_backend=args.backend)
+                                           max_num_seqs=args.max_num_seqs, attention_backend=args.backend,
+                                           sampler="full")
         engine = serve_engine.EngineCore(model, config, eos_token_id=tokenizer.eos_token_id)
         app = app_module.build_app(engine, app_module.ServedModel(args.model, tokenizer, new_detokenizer),
                                    max_waiting=args.max_waiting)

@@ -65,7 +65,8 @@ class EngineCore:
 
     model: a loaded Qwen3ForCausalLM (or Qwen3Moe), or a FlatModel around one.
     eos_token_id: the token that ends a request (None: only the other stop rules apply).
-    sampler: anything with the sampler interface of serve.sampler (default SimpleSampler).
+    sampler: anything with the sampler interface of serve.sampler (default: SimpleSampler, or
+             Chapter 34's full Sampler with EngineConfig(sampler="full")).
     vocab_bytes: each token's bytes, for constrained decoding (Chapter 35).
     """
 

@@ -63,9 +63,9 @@ class SamplingParams:
 
     Chapter 31's SimpleSampler honours temperature, top_k, top_p, min_p and seed; the stop
     rules (max_tokens, min_tokens, stop_token_ids, ignore_eos) live in EngineCore.check_stop.
-    The penalty, bias, logprob and guided fields are declared here so every chapter sees
-    one parameter object; the engine refuses them until Chapter 34 (the full sampler) and
-    Chapter 35 (constrained decoding) exist.
+    The penalty, bias, allowed/bad token, min_tokens and logprob fields need Chapter 34's
+    full sampler (EngineConfig(sampler="full"), serve/sampler.py states their semantics);
+    the engine refuses them with the simple one. The guided fields wait for Chapter 35.
     """
     n: int = 1
     max_tokens: int = 16
@@ -118,8 +118,8 @@ class SamplingParams:
         _check(0 < real("top_p") <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0 <= real("min_p") <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(real("repetition_penalty") > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        real("presence_penalty")
-        real("frequency_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):       # vLLM's range
+            _check(-2 <= real(name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.seed is not None:
             whole("seed", 0)
             # torch seeds are 64-bit, and sample i of an n > 1 request is seeded seed + i.
@@ -132,8 +132,9 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
                    f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
-            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias),
-                   f"logit_bias[{token}] must be a finite number, got {bias!r}")
+            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+                   and -100 <= bias <= 100, f"logit_bias[{token}] must be a number in [-100, 100] (OpenAI's "
+                                            f"range), got {bias!r}")
         _check(all(word for word in self.bad_words_token_ids),
                f"bad_words_token_ids must be non-empty token sequences, got {self.bad_words_token_ids}")
         _check(self.guided_regex is None or self.guided_json is None,

@@ -34,11 +34,21 @@ from starlette.types import Receive, Scope, Send
 from ..serve.request import SamplingParams
 from .loop import ACCEPTED, AdmissionControl, Delivery, EngineLoop, QueueFull, Submission
 from .page import CHAT_PAGE
-from .protocol import ApiError, ParsedRequest, choice_object, envelope, parse_json_body, parse_request, usage_object
+from .protocol import (
+    ApiError,
+    ParsedRequest,
+    choice_object,
+    envelope,
+    logprobs_object,
+    parse_json_body,
+    parse_request,
+    usage_object,
+)
 from .text import DetokenizerFactory, TextStream, TextTokenizer
 
 if TYPE_CHECKING:
     from ..serve.engine import EngineCore
+    from ..serve.sampler import TokenLogprobs
 
 RETRY_AFTER_S = 1
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -152,8 +162,9 @@ class Job:
                     self._finish(i, "abort")
         self.state.admission.release(self.parsed.params.n)
 
-    async def pieces(self) -> AsyncIterator[tuple[int, str, list[int], str | None]]:
-        """(choice index, new text, new token ids, finish reason or None), step by step."""
+    async def pieces(self) -> AsyncIterator[tuple[int, str, list[int], str | None, list[TokenLogprobs]]]:
+        """(choice index, new text, new token ids, finish reason or None, the new tokens'
+        logprobs: Chapter 34), step by step."""
         while not all(self.finish):
             item = await self.queue.get()
             if isinstance(item, Exception):
@@ -175,7 +186,8 @@ class Job:
                 assert item.finish_reason is not None, "a finished output names why it finished"
                 text += stream.flush()
                 self._finish(i, item.finish_reason)
-            yield i, text, list(item.new_token_ids), self.finish[i]
+            new = len(item.new_token_ids)        # RequestOutput.logprobs covers every output token so far
+            yield i, text, list(item.new_token_ids), self.finish[i], list(item.logprobs or [])[-new:] if new else []
 
     def _finish(self, i: int, reason: str) -> None:
         self.finish[i] = reason
@@ -189,12 +201,20 @@ class Job:
     def usage(self) -> dict[str, int]:
         return usage_object(len(self.parsed.prompt_ids), sum(len(ids) for ids in self.token_ids))
 
+    def logprobs(self, entries: list[TokenLogprobs], text_offset: int = 0) -> dict[str, Any] | None:
+        """The OpenAI "logprobs" object of these tokens, or None when the request asked for none."""
+        if self.parsed.params.logprobs is None:
+            return None
+        return logprobs_object(self.parsed.chat, entries, self.state.served.tokenizer.decode, text_offset)
+
     async def collect(self) -> dict[str, Any]:
         texts = [""] * len(self.finish)
-        async for i, text, _, _ in self.pieces():
+        entries: list[list[TokenLogprobs]] = [[] for _ in self.finish]
+        async for i, text, _, _, found in self.pieces():
             texts[i] += text
-        choices = [choice_object(self.parsed, i, texts[i], self.finish[i], self.token_ids[i], delta=False)
-                   for i in range(len(texts))]
+            entries[i] += found
+        choices = [choice_object(self.parsed, i, texts[i], self.finish[i], self.token_ids[i], delta=False,
+                                 logprobs=self.logprobs(entries[i])) for i in range(len(texts))]
         return envelope(self.parsed, self.submission.request_id, int(time.time()), choices, chunk=False,
                         usage=self.usage())
 
@@ -208,8 +228,12 @@ class Job:
             if parsed.chat:                # OpenAI opens each chat choice with its role
                 yield chunk([choice_object(parsed, i, "", None, [], delta=True, first=True)
                              for i in range(len(self.finish))])
-            async for i, text, ids, finish in self.pieces():
-                yield chunk([choice_object(parsed, i, text, finish, ids, delta=True)])
+            offsets = [0] * len(self.finish)
+            async for i, text, ids, finish, found in self.pieces():
+                logprobs = self.logprobs(found, offsets[i])
+                if logprobs is not None and not parsed.chat:
+                    offsets[i] += sum(len(token) for token in logprobs["tokens"])
+                yield chunk([choice_object(parsed, i, text, finish, ids, delta=True, logprobs=logprobs)])
             if parsed.include_usage:
                 yield chunk([], usage=self.usage())
         except ApiError as exc:            # headers are gone: the error travels as an event

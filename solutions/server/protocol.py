@@ -8,7 +8,11 @@ offending field. The policy for fields:
   max_completion_tokens), n, temperature, top_p, top_k, min_p, seed, stop, stream,
   stream_options.include_usage, user (accepted, unused), and three extensions vLLM also
   has: stop_token_ids, ignore_eos, return_token_ids (each choice carries its token ids).
-- OpenAI fields this engine cannot honour (logprobs, penalties, logit_bias, tools, ...):
+  With Chapter 34's full sampler: logprobs (completions: how many top tokens, 0..5; chat:
+  true/false with top_logprobs 0..20), presence_penalty and frequency_penalty (-2..2),
+  logit_bias (token id -> -100..100) and vLLM's repetition_penalty (> 0). An engine with
+  Chapter 31's simple sampler refuses those requests itself (a 400 naming the sampler).
+- OpenAI fields this engine cannot honour (prompt logprobs, echo, tools, ...):
   accepted only at their neutral value (null, false, 0); anything else is a 400 that
   names the field and says why. A field silently ignored is a wrong answer nobody notices.
 - any other field: a 400 naming it (a typo such as "max_token" must not fall back to a
@@ -18,11 +22,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from ..serve.request import SamplingParams
+    from ..serve.sampler import TokenLogprobs
     from .text import TextTokenizer
 
 MAX_N = 16
@@ -33,25 +39,22 @@ DEFAULT_MAX_TOKENS = 16         # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256   # chat default: this many, or what the context has left
 CHAT_ROLES = ("system", "user", "assistant")
 
-COMMON_FIELDS = {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                 "stream_options", "user", "stop_token_ids", "ignore_eos", "return_token_ids"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+MAX_LOGPROBS = 5                # OpenAI's limit for /v1/completions' logprobs
+MAX_TOP_LOGPROBS = 20           # and for chat's top_logprobs
+MAX_LOGIT_BIAS = 100.0          # OpenAI's range for a logit_bias value: -100..100
 
-_NO_LOGPROBS = "the engine's sampler returns no log-probabilities (Chapter 34's full sampler does)"
-_NO_PENALTIES = "penalties need Chapter 34's full sampler"
+COMMON_FIELDS = {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
+                 "stream_options", "user", "stop_token_ids", "ignore_eos", "return_token_ids", "logprobs",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+
 # Known OpenAI fields: the values that mean "off", and why anything else is refused.
 UNSUPPORTED_FIELDS = {
-    "logprobs": ((None, False, 0), _NO_LOGPROBS),
-    "top_logprobs": ((None, 0), _NO_LOGPROBS),
-    "prompt_logprobs": ((None,), _NO_LOGPROBS),
+    "prompt_logprobs": ((None,), "this server does not return prompt log-probabilities"),
     "echo": ((None, False), "echoing the prompt is not implemented"),
     "suffix": ((None, ""), "insertion (suffix) needs a fill-in-the-middle model"),
     "best_of": ((None, 1), "best_of needs per-sample log-probabilities"),
-    "presence_penalty": ((None, 0), _NO_PENALTIES),
-    "frequency_penalty": ((None, 0), _NO_PENALTIES),
-    "repetition_penalty": ((None, 1), _NO_PENALTIES),
-    "logit_bias": ((None,), "logit_bias needs Chapter 34's full sampler"),
     "response_format": ((None,), "structured output needs Chapter 35's constrained decoding"),
     "tools": ((None,), "tool calls are not implemented"),
     "tool_choice": ((None, "none"), "tool calls are not implemented"),
@@ -181,6 +184,45 @@ def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top tokens each output position lists, or None for no log-probabilities.
+    Completions: logprobs is that number (0..5). Chat: logprobs is true/false and
+    top_logprobs (0..20, only with logprobs: true) the number."""
+    if not chat:
+        return _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    wanted = _flag(body, "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object from token ids (as strings) to numbers in -100..100."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise bad("logit_bias", f"logit_bias must be an object from token ids to numbers, got {json.dumps(bias)}")
+    cleaned = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise bad("logit_bias", f"logit_bias keys must be token ids, got {json.dumps(key)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"logit_bias[{key}] must be a number between -{MAX_LOGIT_BIAS:g} and "
+                                    f"{MAX_LOGIT_BIAS:g}, got {json.dumps(value)}")
+        cleaned[int(key)] = float(value)
+    return cleaned
+
+
+def _penalty(body: dict[str, Any], name: str) -> float:
+    value = _number(body, name, 0.0)
+    if not -2 <= value <= 2:
+        raise bad(name, f"{name} must be between -2 and 2, got {value}")
+    return value
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -288,29 +330,77 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", f"user must be a string, got {json.dumps(user)}")
+    repetition = _number(body, "repetition_penalty", 1.0)
+    if repetition <= 0:
+        raise bad("repetition_penalty", f"repetition_penalty must be > 0, got {repetition}")
     params = sampling_params_class(
         n=_integer(body, "n", 1, 1, MAX_N), max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=max(top_k, 0), min_p=min_p, seed=_integer(body, "seed", None, 0),
-        stop_token_ids=_stop_token_ids(body), ignore_eos=_flag(body, "ignore_eos"))
+        stop_token_ids=_stop_token_ids(body), ignore_eos=_flag(body, "ignore_eos"),
+        logprobs=_logprobs(body, chat), presence_penalty=_penalty(body, "presence_penalty"),
+        frequency_penalty=_penalty(body, "frequency_penalty"), repetition_penalty=repetition,
+        logit_bias=_logit_bias(body))
     return ParsedRequest(chat, model, list(prompt_ids), params, _stop_strings(body), stream, include_usage,
                          _flag(body, "return_token_ids"))
 
 
 # --- answers ---------------------------------------------------------------------------------------
 
+def logprobs_object(chat: bool, entries: Sequence[TokenLogprobs], decode: Callable[[Sequence[int]], str],
+                    text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's "logprobs" of a choice (or of one streamed piece) from the engine's
+    per-token entries (Chapter 34's TokenLogprobs): chat's {"content": [{token, logprob,
+    bytes, top_logprobs}]}, or completions' {tokens, token_logprobs, top_logprobs,
+    text_offset}. Token strings are each token decoded alone; a token that is part of a
+    multi-byte character decodes to U+FFFD, which is what "bytes" is for in chat. The
+    completions' top_logprobs dicts are keyed by token string, so a token whose string is
+    empty, unreadable or already a key there is keyed "token_id:<id>" (vLLM's spelling)
+    rather than silently overwriting another."""
+    def piece(token_id: int) -> str:
+        return decode([token_id])
+
+    if chat:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            token = piece(token_id)
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [{**item(e.token_id, e.logprob),
+                             "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
+                            for e in entries]}
+    tokens = [piece(e.token_id) for e in entries]
+    offsets, at = [], text_offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+
+    def top(entry: TokenLogprobs) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
+            key = piece(token_id)
+            if not key or "\ufffd" in key or key in found:
+                key = f"token_id:{token_id}"
+            found[key] = logprob
+        return found
+
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [top(e) for e in entries], "text_offset": offsets}
+
+
 def choice_object(parsed: ParsedRequest, index: int, text: str | None, finish_reason: str | None,
-                  token_ids: list[int] | None, *, delta: bool, first: bool = False) -> dict[str, Any]:
-    """One entry of "choices": a whole answer, or (delta=True) one streamed piece of it."""
+                  token_ids: list[int] | None, *, delta: bool, first: bool = False,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One entry of "choices": a whole answer, or (delta=True) one streamed piece of it;
+    `logprobs` is logprobs_object's answer for its tokens (None: not asked for)."""
     if parsed.chat:
         if delta:
             content = {"role": "assistant", "content": text or ""} if first else (
                 {"content": text} if text else {})
-            choice = {"index": index, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if parsed.return_token_ids:
         choice["token_ids"] = list(token_ids or [])
     return choice
@@ -333,5 +423,5 @@ def usage_object(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-__all__ = ["ApiError", "ParsedRequest", "parse_json_body", "parse_request", "choice_object", "envelope",
-           "usage_object", "MAX_N", "UNSUPPORTED_FIELDS"]
+__all__ = ["ApiError", "ParsedRequest", "parse_json_body", "parse_request", "choice_object", "logprobs_object",
+           "envelope", "usage_object", "MAX_N", "UNSUPPORTED_FIELDS"]
