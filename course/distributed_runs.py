@@ -61,10 +61,11 @@ def _engine(impl: Impl, model: Any, config: dict[str, Any]) -> Any:
                                                 eos_token_id=TINY_EOS)
 
 
-def tensor_parallel(impl: Impl, rank: int, world: int, prompts: list[list[int]], max_new: int,
-                    config: dict[str, Any]) -> dict[str, Any]:
+def tensor_parallel(impl: Impl, rank: int, world: int, device: torch.device, prompts: list[list[int]],
+                    max_new: int, config: dict[str, Any]) -> dict[str, Any]:
     """Every rank serves the same prompts with its shard of the model."""
-    engine = _engine(impl, impl.load("parallel.tp").shard_model(tiny_qwen3(impl.package), rank, world), config)
+    model = impl.load("parallel.tp").shard_model(tiny_qwen3(impl.package, device=device), rank, world)
+    engine = _engine(impl, model, config)
     counter = CollectiveCounter()
     try:
         outputs = engine.generate(prompts, impl.load("serve.request").SamplingParams(max_tokens=max_new))
@@ -74,22 +75,22 @@ def tensor_parallel(impl: Impl, rank: int, world: int, prompts: list[list[int]],
             "collectives": counter.counts, "pool_shape": list(engine.runner.kv_caches[0][0].shape)}
 
 
-def pipeline_parallel(impl: Impl, rank: int, world: int, prompts: list[list[int]], max_new: int,
-                      config: dict[str, Any]) -> dict[str, Any]:
+def pipeline_parallel(impl: Impl, rank: int, world: int, device: torch.device, prompts: list[list[int]],
+                      max_new: int, config: dict[str, Any]) -> dict[str, Any]:
     """Rank r is pipeline stage r."""
     engine = impl.load("parallel.pp").pipeline_engine(
-        tiny_qwen3(impl.package), impl.load("serve.config").EngineConfig(**config), rank, world,
+        tiny_qwen3(impl.package, device=device), impl.load("serve.config").EngineConfig(**config), rank, world,
         eos_token_id=TINY_EOS, micro_batches=2)
     outputs = engine.generate(prompts, impl.load("serve.request").SamplingParams(max_tokens=max_new))
     return {"outputs": [o.output_token_ids for o in outputs], "steps": engine.steps,
             "layers_held": len(engine.runner.kv_caches)}
 
 
-def disaggregated(impl: Impl, rank: int, world: int, prompts: list[list[int]], max_new: int,
-                  config: dict[str, Any]) -> dict[str, Any]:
+def disaggregated(impl: Impl, rank: int, world: int, device: torch.device, prompts: list[list[int]],
+                  max_new: int, config: dict[str, Any]) -> dict[str, Any]:
     """Rank 0 prefills and ships, rank 1 adopts and decodes."""
     disagg = impl.load("parallel.disagg")
-    engine = _engine(impl, tiny_qwen3(impl.package), config)
+    engine = _engine(impl, tiny_qwen3(impl.package, device=device), config)
     ids = [f"r{i}" for i in range(len(prompts))]
     if rank == 0:
         shipped = disagg.run_prefill(engine, [(rid, list(p), max_new) for rid, p in zip(ids, prompts)], 1)
@@ -101,11 +102,12 @@ def disaggregated(impl: Impl, rank: int, world: int, prompts: list[list[int]], m
 
 
 def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list[list[int]], max_new: int,
-                 config: dict[str, Any], out_dir: str, parts: tuple[str, ...] = PARTS) -> None:
+                 config: dict[str, Any], out_dir: str, parts: tuple[str, ...] = PARTS,
+                 device: str = "cpu") -> None:
     """Run `parts` in order on this rank, writing the results after each one (a later
     failure keeps the earlier results)."""
     impl = load(impl_spec)
-    impl.load("parallel.launch").init_group(rank, world, port, timeout_s=20)
+    place = impl.load("parallel.launch").init_group(rank, world, port, device, timeout_s=20)
     results: dict[str, Any] = {}
     path = Path(out_dir, f"rank{rank}.json")
     runs = {"tp": tensor_parallel, "pp": pipeline_parallel, "disagg": disaggregated}
@@ -115,12 +117,12 @@ def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list
             if rank == 1:
                 os._exit(3)
             try:
-                dist.all_reduce(torch.ones(4))
+                dist.all_reduce(torch.ones(4, device=place))
                 results["death"] = {"error": None}
             except Exception as exc:
                 results["death"] = {"error": f"{type(exc).__name__}: {exc}"}
                 path.write_text(json.dumps(results))
                 raise
         else:
-            results[part] = runs[part](impl, rank, world, prompts, max_new, config)
+            results[part] = runs[part](impl, rank, world, place, prompts, max_new, config)
         path.write_text(json.dumps(results))

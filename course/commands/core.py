@@ -49,6 +49,10 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
     parser.add_argument("--check", action="store_true", help="also compare outputs with solo generate")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks, one process each (Chapter 41; default 1: no split)")
+    parser.add_argument("--tp-timeout", type=float, default=300.0,
+                        help="seconds the ranks of --tp may run before they are stopped (default 300)")
 
 
 def _sync(device):
@@ -120,6 +124,9 @@ def run(args):
     set_threads(device, args.threads)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
+    if args.tp > 1:                            # Chapter 41: the core's model split over processes
+        from course.commands._tensor_parallel_core import run_tensor_parallel
+        return run_tensor_parallel(args)
 
     class Serve:
         engine = impl.load("serve.engine")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing.connection
 import os
+import runpy
 import socket
 import tempfile
 import time
@@ -23,6 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+RANK_RUN_NAME = "__rank__"          # __name__ of this file when a rank's process runs it
 
 
 class RankFailure(RuntimeError):
@@ -82,8 +86,11 @@ def launch(entry: Callable[..., None], world_size: int, *args: Any, timeout_s: f
     context = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as errors:
-        ranks = [context.Process(target=_rank_main, args=(entry, rank, world_size, port, errors, args),
-                                 daemon=True)
+        # A rank runs this very file by path, not this module by name: the package may be
+        # loaded under a name only this process knows (a gated copy), the entry may not.
+        ranks = [context.Process(target=runpy.run_path, args=(__file__,), daemon=True,
+                                 kwargs={"run_name": RANK_RUN_NAME,
+                                         "init_globals": {"RANK_CALL": (entry, rank, world_size, port, errors, args)}})
                  for rank in range(world_size)]
         for process in ranks:
             process.start()
@@ -114,3 +121,7 @@ def launch(entry: Callable[..., None], world_size: int, *args: Any, timeout_s: f
         problems.insert(0, f"the ranks ran past the {timeout_s:g} s deadline")
     if problems:
         raise RankFailure("; ".join(problems))
+
+
+if __name__ == RANK_RUN_NAME:
+    _rank_main(*globals()["RANK_CALL"])
