@@ -51,8 +51,8 @@ def session(impl, device):
 
 @pytest.fixture(scope="module")
 def expected(impl):
-    from course.models import tiny_qwen3
     from course import reference
+    from course.models import tiny_qwen3
     model = tiny_qwen3(reference().package)
     return [solo(model, p, MAX_NEW, eos_token_id=TINY_EOS) for p in PROMPTS]
 
@@ -199,7 +199,8 @@ def test_disaggregated_prefill_matches_solo(session, expected):
     prefill, decode = _part(session, 0, "disagg"), _part(session, 1, "disagg")
     _compare(decode["outputs"], expected, "disaggregated prefill")
     full = sum(len(p) // CONFIG["block_size"] for p in PROMPTS)
-    assert prefill["shipped"] == full, f"the prefill engine shipped {prefill['shipped']} blocks, not the {full} full ones"
+    assert prefill["shipped"] == full, \
+        f"the prefill engine shipped {prefill['shipped']} blocks, not the {full} full ones"
     assert decode["adopted"] == full, f"the decode engine adopted {decode['adopted']} of {full} blocks"
     assert decode["prefix_hits"] == full * CONFIG["block_size"], \
         "the decode engine recomputed prompt tokens it had received"

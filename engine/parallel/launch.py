@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 RANK_RUN_NAME = "__rank__"          # __name__ of this file when a rank's process runs it
 
 

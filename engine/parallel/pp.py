@@ -13,7 +13,7 @@ instead: 4 bytes a request rather than a vocabulary row).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from ..serve.flat_model import FlatModel
 from ..serve.runner import ModelRunner, num_blocks_for_memory
 
 if TYPE_CHECKING:
-    from ..qwen3 import Qwen3ForCausalLM
+    from ..qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
     from ..serve.backends import KVCache
     from ..serve.batch import Batch, BatchMeta
     from ..serve.config import EngineConfig
@@ -82,9 +82,10 @@ class StageModel(FlatModel):
         _, kv_heads, head_dim = super().kv_spec()
         return len(self.own), kv_heads, head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: BatchMeta,
-                backend: AttentionBackend, embeds: torch.Tensor | None = None,
-                **features: Any) -> torch.Tensor | None:
+    # None on every stage but the last: the seam Chapter 31's runner leaves for pipelines.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                kv_caches: list[KVCache], meta: BatchMeta, backend: AttentionBackend,
+                embeds: torch.Tensor | None = None, **features: Any) -> torch.Tensor | None:
         if features:
             raise ValueError(f"StageModel got step features {sorted(features)}: not with pipeline parallelism")
         if self.is_first:
@@ -95,8 +96,9 @@ class StageModel(FlatModel):
             dist.recv(stream, src=self.stage - 1)
         tables = self.rope(positions, stream.dtype)
         branch = None
+        layers = cast("list[Qwen3DecoderLayer]", self.layers)
         for local, index in enumerate(self.own):
-            block = self.layers[index]
+            block = layers[index]
             normed, stream = self.add_norm(block.input_layernorm, stream, branch)
             branch = self.attention(index, block.self_attn, normed, positions, tables, kv_caches[local], meta,
                                     backend)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -150,7 +150,7 @@ def shard_model(model: Qwen3ForCausalLM, rank: int, world: int,
     heads = even_slice(cfg.num_attention_heads * dim, rank, world, "the query heads' features")
     kv_rows = slice(kv_heads.start * dim, kv_heads.stop * dim)
     vocab = even_slice(cfg.vocab_size, rank, world, "the vocabulary")
-    sharded = copy.deepcopy(model)
+    sharded: Any = copy.deepcopy(model)          # its modules are replaced by other types below
     for layer in sharded.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
@@ -168,4 +168,4 @@ def shard_model(model: Qwen3ForCausalLM, rank: int, world: int,
     sharded.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, group)
     sharded.cfg = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
                                       num_key_value_heads=len(kv_heads))
-    return sharded
+    return cast("Qwen3ForCausalLM", sharded)
