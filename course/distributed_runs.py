@@ -104,13 +104,15 @@ def disaggregated(impl: Impl, rank: int, world: int, device: torch.device, promp
 def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list[list[int]], max_new: int,
                  config: dict[str, Any], out_dir: str, parts: tuple[str, ...] = PARTS,
                  device: str = "cpu") -> None:
-    """Run `parts` in order on this rank, writing the results after each one (a later
-    failure keeps the earlier results)."""
+    """Run `parts` in order on this rank, writing the results after each one. A part that
+    raises is recorded as {"error": ...} and the next part still runs (a learner may finish
+    the disaggregation stub before the tensor-parallel ones); the rank then fails at the end."""
     impl = load(impl_spec)
     place = impl.load("parallel.launch").init_group(rank, world, port, device, timeout_s=20)
     results: dict[str, Any] = {}
     path = Path(out_dir, f"rank{rank}.json")
     runs = {"tp": tensor_parallel, "pp": pipeline_parallel, "disagg": disaggregated}
+    failed = []
     for part in parts:
         if part == "death":
             dist.barrier()              # every earlier result is written before anyone dies
@@ -118,11 +120,19 @@ def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list
                 os._exit(3)
             try:
                 dist.all_reduce(torch.ones(4, device=place))
+                if place.type == "cuda":            # NCCL returns at once: the wait is here
+                    torch.cuda.synchronize(place)
                 results["death"] = {"error": None}
             except Exception as exc:
                 results["death"] = {"error": f"{type(exc).__name__}: {exc}"}
                 path.write_text(json.dumps(results))
                 raise
         else:
-            results[part] = runs[part](impl, rank, world, place, prompts, max_new, config)
+            try:
+                results[part] = runs[part](impl, rank, world, place, prompts, max_new, config)
+            except Exception as exc:
+                results[part] = {"error": f"{type(exc).__name__}: {exc}"}
+                failed.append(part)
         path.write_text(json.dumps(results))
+    if failed:
+        raise RuntimeError(f"rank {rank}: {', '.join(failed)} failed: {results[failed[0]]['error']}")

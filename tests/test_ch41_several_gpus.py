@@ -46,7 +46,7 @@ def session(impl, device):
         except launch.RankFailure as exc:
             failure = str(exc)
         ranks = distributed_runs.read_results(out, 2)
-    return {"ranks": ranks, "failure": failure, "seconds": time.monotonic() - start}
+    return {"ranks": ranks, "failure": failure, "seconds": time.monotonic() - start, "place": place}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,8 @@ def _part(session, rank, part):
     found = session["ranks"][rank].get(part)
     if found is None:
         pytest.fail(f"rank {rank} wrote no result for {part!r}; the launcher said: {session['failure']}")
+    if part != "death" and "error" in found:
+        pytest.fail(f"rank {rank} failed in {part!r}: {found['error']}")
     return found
 
 
@@ -210,6 +212,7 @@ def test_disaggregated_prefill_matches_solo(session, expected):
 def test_a_dead_rank_ends_the_other_with_an_error(session):
     assert session["failure"] is not None, "rank 1 exited, yet the launcher reported success"
     assert "rank 1: exited with status 3" in session["failure"], session["failure"]
-    death = _part(session, 0, "death")
-    assert death["error"], "rank 0's all-reduce with a dead peer returned instead of failing"
+    if session["place"] == "cpu":        # gloo raises at once; NCCL's watchdog may end the process instead
+        death = _part(session, 0, "death")
+        assert death["error"], "rank 0's all-reduce with a dead peer returned instead of failing"
     assert session["seconds"] < 60, f"the launch took {session['seconds']:.0f} s: someone waited on a dead peer"
