@@ -136,3 +136,22 @@ def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list
         path.write_text(json.dumps(results))
     if failed:
         raise RuntimeError(f"rank {rank}: {', '.join(failed)} failed: {results[failed[0]]['error']}")
+
+
+
+def smollm2_tensor_parallel_rank(rank: int, world: int, port: int, impl_spec: str, prompt: list[int], max_new: int,
+                                 eos_token_id: int, out_dir: str) -> None:
+    """SmolLM2-135M (the reference's loader: Chapter 42's family) split over `world` ranks
+    by the implementation under test, served by its engine; writes the greedy tokens."""
+    from . import reference
+    from .smollm2 import smollm2_gguf_path
+    impl = load(impl_spec)
+    impl.load("parallel.launch").init_group(rank, world, port, timeout_s=120)
+    model = reference().checkpoint.load_model(smollm2_gguf_path(quiet=True)).eval()
+    sharded = impl.load("parallel.tp").shard_model(model, rank, world)
+    del model
+    engine = impl.load("serve.engine").EngineCore(
+        sharded, impl.load("serve.config").EngineConfig(num_blocks=32, block_size=16), eos_token_id=eos_token_id)
+    out = engine.generate([prompt], impl.load("serve.request").SamplingParams(max_tokens=max_new))[0]
+    found = {"outputs": [out.output_token_ids], "kv_heads": engine.runner.kv_caches[0][0].shape[2]}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"tp": found}))

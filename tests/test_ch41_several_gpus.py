@@ -216,3 +216,28 @@ def test_a_dead_rank_ends_the_other_with_an_error(session):
         death = _part(session, 0, "death")
         assert death["error"], "rank 0's all-reduce with a dead peer returned instead of failing"
     assert session["seconds"] < 60, f"the launch took {session['seconds']:.0f} s: someone waited on a dead peer"
+
+
+@pytest.mark.timeout(600)
+def test_smollm2_splits_over_three_ranks(impl, request):
+    """SmolLM2-135M's 9 query heads and 3 KV heads over 3 ranks (three processes; slow on
+    a small CPU machine, so only with --stress): the greedy tokens of solo generate."""
+    if not request.config.getoption("stress"):
+        pytest.skip("three processes loading SmolLM2: run with --stress")
+    from course.real_model import smollm2
+    from course.smollm2 import SmolLM2Unavailable
+    try:
+        model, tokenizer = smollm2()
+    except SmolLM2Unavailable as missing:
+        pytest.skip(str(missing))
+    prompt = tokenizer.encode("The capital of France is")
+    want = solo(model, prompt, 8, eos_token_id=tokenizer.eos_token_id)
+    launch = impl.load("parallel.launch")
+    with tempfile.TemporaryDirectory(prefix="ch41-smollm2-") as out:
+        launch.launch(distributed_runs.smollm2_tensor_parallel_rank, 3, impl.spec.text, prompt, 8,
+                      tokenizer.eos_token_id, out, timeout_s=240)
+        ranks = distributed_runs.read_results(out, 3)
+    for rank, found in enumerate(ranks):
+        assert found["tp"]["kv_heads"] == 1, \
+            f"rank {rank} of 3 holds {found['tp']['kv_heads']} of SmolLM2's 3 KV heads"
+        _compare(found["tp"]["outputs"], [want], f"SmolLM2, TP=3, rank {rank}")
