@@ -21,6 +21,9 @@ Each engine is warmed up on the first two requests, then the three are timed in 
 cache is not timed); each engine's best run is reported: other processes on a small
 machine only ever make a run slower, and interleaving spreads a busy moment over all
 three. By default torch uses one thread on a CPU (--threads), for steadier timings.
+
+--tp N (Chapter 41) splits the core's model over N processes by tensor parallelism and
+prints the single-process core's line beside the split ones (course/commands/_tensor_parallel_core.py).
 """
 import json
 import time
