@@ -241,3 +241,23 @@ def test_smollm2_splits_over_three_ranks(impl, request):
         assert found["tp"]["kv_heads"] == 1, \
             f"rank {rank} of 3 holds {found['tp']['kv_heads']} of SmolLM2's 3 KV heads"
         _compare(found["tp"]["outputs"], [want], f"SmolLM2, TP=3, rank {rank}")
+
+
+def test_run_py_core_tp2(impl, device, capsys, request):
+    """`python run.py core --tp 2`, shortened: the split engine's lines, same steps and
+    outputs as the single-process core (three processes' worth of start-up: --stress only)."""
+    if not request.config.getoption("stress"):
+        pytest.skip("two ranks serving run.py core's workload: run with --stress")
+    import json
+
+    from course import cli
+    status = cli.main(["core", "--tp", "2", "--impl", impl.spec.text, "--device", str(device), "--requests", "3",
+                       "--repeat", "1", "--vocab-size", "320"])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py core --tp 2 failed:\n{out}{err}"
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    engines = {line["engine"]: line for line in lines if "engine" in line}
+    assert list(engines) == ["ch31 core, ample pool", "ch31 core, ample pool, tp=2", "ch31 core, 24-block pool, tp=2"]
+    assert engines["ch31 core, ample pool"]["steps"] == engines["ch31 core, ample pool, tp=2"]["steps"], \
+        "the split engine ran a different schedule from the single-process one"
+    assert lines[-1]["outputs_identical"] is True
