@@ -11,6 +11,10 @@ a process that imports torch costs seconds on a small machine. The ranks run ten
 parallel, pipeline parallel and disaggregated prefill in turn; last, rank 1 exits while
 rank 0 waits for it in an all-reduce. gloo on a CPU; NCCL when --device cuda and two
 GPUs exist. Every wait has a deadline: nothing here can hang.
+
+The tiny model's greedy margins make the parity deterministic: checked once by hand over
+48 random prompts (4 seeds x 12 prompts of 1-39 tokens, 12 new tokens each) for TP on
+both ranks, PP and disaggregated prefill, every output equal to solo generate.
 """
 import tempfile
 import time
