@@ -43,6 +43,8 @@ The modules, in the order the book builds them (chapters in brackets):
                                   template), IncrementalDetokenizer, StopStringMatcher
     server/            [38]       the OpenAI-compatible HTTP server: protocol, engine loop, app
     gguf.py            [39]       GGUFFile reader, dequantization (F16, Q8_0, Q4_0, Q4_1), GGUFLinear
+    parallel/          [41]       several processes, one device each: tensor and pipeline
+                                  parallelism, disaggregated prefill (torch.distributed)
     families.py        [42]       the model-family registry: Llama, Qwen2, Mistral, scaled RoPE
                                   (checkpoint.load_model picks the family from a config or GGUF)
     mla.py             [42]       DeepSeek-V2's latent attention: one small cached vector per

@@ -21,6 +21,9 @@ Each engine is warmed up on the first two requests, then the three are timed in 
 cache is not timed); each engine's best run is reported: other processes on a small
 machine only ever make a run slower, and interleaving spreads a busy moment over all
 three. By default torch uses one thread on a CPU (--threads), for steadier timings.
+
+--tp N (Chapter 41) splits the core's model over N processes by tensor parallelism and
+prints the single-process core's line beside the split ones (course/commands/_tensor_parallel_core.py).
 """
 import json
 import time
@@ -49,6 +52,10 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
     parser.add_argument("--check", action="store_true", help="also compare outputs with solo generate")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks, one process each (Chapter 41; default 1: no split)")
+    parser.add_argument("--tp-timeout", type=float, default=300.0,
+                        help="seconds the ranks of --tp may run before they are stopped (default 300)")
 
 
 def _sync(device):
@@ -119,6 +126,9 @@ def run(args):
     set_threads(device, args.threads)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
+    if args.tp > 1:                            # Chapter 41: the core's model split over processes
+        from course.commands._tensor_parallel_core import run_tensor_parallel
+        return run_tensor_parallel(args)
 
     class Serve:
         engine = impl.load("serve.engine")
