@@ -31,16 +31,18 @@ MAX_BODY = 64 << 10
 
 # --- fixtures ------------------------------------------------------------------------------------
 
-def _served(impl, device, **config):
-    """(app, engine) for the tiny model with the implementation's server."""
+def _served(impl, device, guided=False, **config):
+    """(app, engine) for the tiny model with the implementation's server; guided: the engine
+    gets the vocabulary's bytes, so it can build Chapter 35's guides."""
     text = impl.load("server.text")
     app_module = impl.load("server.app")
     model = tiny_qwen3(impl.package, device=device)
     tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer(model.cfg.vocab_size))
     max_waiting = config.pop("max_waiting", 64)
     config = {"block_size": 16, "num_blocks": 128, "max_num_seqs": 8, **config}
+    vocab_bytes = impl.load("serve.guided").token_bytes_of(tokenizer) if guided else None
     engine = impl.load("serve.engine").EngineCore(model, impl.load("serve.config").EngineConfig(**config),
-                                                  eos_token_id=EOS)
+                                                  eos_token_id=EOS, vocab_bytes=vocab_bytes)
     served = app_module.ServedModel(MODEL, tokenizer, lambda: text.DiffDetokenizer(tokenizer))
     return app_module.build_app(engine, served, max_waiting=max_waiting, max_body_bytes=MAX_BODY), engine
 
@@ -517,6 +519,35 @@ def test_logprobs_in_the_openai_shape_with_the_full_sampler(impl, device, ref, c
     assert len(content) == len(streamed_ids) > 0, "chat streams one logprobs entry per token"
     assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 for entry in content)
     assert biased["choices"][0]["token_ids"] == [65, 65, 65], "logit_bias +100 on token 65 must make it win"
+    wait_idle(engine)
+
+
+def test_structured_output_follows_the_schema_and_the_pattern(impl, device):
+    """Chapter 35's guides behind the API: OpenAI's response_format json_schema (chat) and
+    vLLM's guided_regex (completions). Oracles: jsonschema and Python's re on the answers;
+    what cannot be honoured is a 400 naming the field."""
+    import re
+
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
+              "required": ["ok", "colour"]}
+    app, engine = _served(impl, device, guided=True, sampler="full")
+    with impl.load("server.app").serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        chat = client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Answer in JSON"}], "max_tokens": 48,
+            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+        plain = client.post("/v1/completions", json=completion([72, 105], 24, guided_regex=r"[0-9]{3}-[a-z]{2}"))
+        broken = client.post("/v1/completions", json=completion([72, 105], 8, guided_regex="(unclosed"))
+        anything = client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_object"}})
+    assert chat.status_code == 200, chat.text
+    answer = chat.json()["choices"][0]
+    jsonschema.validate(json.loads(answer["message"]["content"]), schema)
+    assert answer["finish_reason"] == "stop", "a guide that admits no more bytes ends the reply"
+    assert plain.status_code == 200, plain.text
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", plain.json()["choices"][0]["text"]), plain.json()
+    assert broken.status_code == 400, "a pattern the engine cannot compile is the client's error"
+    assert anything.status_code == 400 and anything.json()["error"]["param"] == "response_format"
     wait_idle(engine)
 
 

@@ -69,7 +69,9 @@ def build(args):
         config = serve_config.EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
                                            max_num_seqs=args.max_num_seqs, attention_backend=args.backend,
                                            sampler="full")
-        engine = serve_engine.EngineCore(model, config, eos_token_id=tokenizer.eos_token_id)
+        # Each token's bytes let the engine build Chapter 35's guides (response_format, guided_regex).
+        vocab_bytes = impl.load("serve.guided").token_bytes_of(tokenizer)
+        engine = serve_engine.EngineCore(model, config, eos_token_id=tokenizer.eos_token_id, vocab_bytes=vocab_bytes)
         app = app_module.build_app(engine, app_module.ServedModel(args.model, tokenizer, new_detokenizer),
                                    max_waiting=args.max_waiting)
     except ValueError as exc:

@@ -45,7 +45,8 @@ MAX_LOGIT_BIAS = 100.0          # OpenAI's range for a logit_bias value: -100..1
 
 COMMON_FIELDS = {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                  "stream_options", "user", "stop_token_ids", "ignore_eos", "return_token_ids", "logprobs",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"}
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
+                 "guided_regex", "guided_json"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -55,7 +56,6 @@ UNSUPPORTED_FIELDS = {
     "echo": ((None, False), "echoing the prompt is not implemented"),
     "suffix": ((None, ""), "insertion (suffix) needs a fill-in-the-middle model"),
     "best_of": ((None, 1), "best_of needs per-sample log-probabilities"),
-    "response_format": ((None,), "structured output needs Chapter 35's constrained decoding"),
     "tools": ((None,), "tool calls are not implemented"),
     "tool_choice": ((None, "none"), "tool calls are not implemented"),
     "functions": ((None,), "tool calls are not implemented"),
@@ -216,6 +216,42 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float] | None:
     return cleaned
 
 
+def _guided(body: dict[str, Any]) -> tuple[str | None, Any]:
+    """(guided_regex, guided_json) for Chapter 35's guides, from OpenAI's response_format
+    ({"type": "json_schema", "json_schema": {"schema": {...}}} or {"type": "text"}) or from
+    vLLM's own fields guided_regex (a pattern) and guided_json (a schema, or its JSON text).
+    Whether a pattern or schema can be compiled is the engine's check (a 400 all the same)."""
+    regex, schema = body.get("guided_regex"), body.get("guided_json")
+    if regex is not None and not isinstance(regex, str):
+        raise bad("guided_regex", f"guided_regex must be a string (a regular expression), got {json.dumps(regex)}")
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            raise bad("guided_json", "guided_json must be a JSON schema (an object, or its JSON text)") from None
+    if schema is not None and not isinstance(schema, dict):
+        raise bad("guided_json", f"guided_json must be a JSON schema object, got {json.dumps(schema)[:80]}")
+    wanted = body.get("response_format")
+    if wanted is not None:
+        kind = wanted.get("type") if isinstance(wanted, dict) else None
+        if kind == "json_schema":
+            inner = wanted.get("json_schema")
+            if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
+                raise bad("response_format", 'response_format json_schema needs {"json_schema": {"schema": {...}}}')
+            if schema is not None:
+                raise bad("response_format", "give the schema once: response_format or guided_json, not both")
+            schema = inner["schema"]
+        elif kind == "json_object":
+            raise bad("response_format", 'response_format {"type": "json_object"} (any JSON) needs a grammar that '
+                                         'nests without limit; give a json_schema instead', code="unsupported_field")
+        elif kind != "text":
+            raise bad("response_format", f'response_format type must be "text" or "json_schema", '
+                                         f"got {json.dumps(wanted)[:80]}")
+    if regex is not None and schema is not None:
+        raise bad("guided_regex", "a request is guided by a regular expression or a JSON schema, not both")
+    return regex, schema
+
+
 def _penalty(body: dict[str, Any], name: str) -> float:
     value = _number(body, name, 0.0)
     if not -2 <= value <= 2:
@@ -333,13 +369,14 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
     repetition = _number(body, "repetition_penalty", 1.0)
     if repetition <= 0:
         raise bad("repetition_penalty", f"repetition_penalty must be > 0, got {repetition}")
+    regex, schema = _guided(body)
     params = sampling_params_class(
         n=_integer(body, "n", 1, 1, MAX_N), max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=max(top_k, 0), min_p=min_p, seed=_integer(body, "seed", None, 0),
         stop_token_ids=_stop_token_ids(body), ignore_eos=_flag(body, "ignore_eos"),
         logprobs=_logprobs(body, chat), presence_penalty=_penalty(body, "presence_penalty"),
         frequency_penalty=_penalty(body, "frequency_penalty"), repetition_penalty=repetition,
-        logit_bias=_logit_bias(body))
+        logit_bias=_logit_bias(body), guided_regex=regex, guided_json=schema)
     return ParsedRequest(chat, model, list(prompt_ids), params, _stop_strings(body), stream, include_usage,
                          _flag(body, "return_token_ids"))
 
