@@ -535,11 +535,13 @@ def test_structured_output_follows_the_schema_and_the_pattern(impl, device):
     with impl.load("server.app").serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
         chat = client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "Answer in JSON"}], "max_tokens": 48,
-            "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
         plain = client.post("/v1/completions", json=completion([72, 105], 24, guided_regex=r"[0-9]{3}-[a-z]{2}"))
         broken = client.post("/v1/completions", json=completion([72, 105], 8, guided_regex="(unclosed"))
         anything = client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "response_format": {"type": "json_object"}})
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+            "response_format": {"type": "json_object"}})
     assert chat.status_code == 200, chat.text
     answer = chat.json()["choices"][0]
     jsonschema.validate(json.loads(answer["message"]["content"]), schema)
