@@ -453,3 +453,25 @@ def test_a_guide_that_fails_aborts_only_its_request(serve, tiny_model, ref_model
         f"a guide that raises must abort its own request with the reason, got {outputs['broken'].error!r}")
     assert outputs["fine"].output_token_ids == solo(ref_model, [3, 14, 15], 6), "the other request goes on"
     assert_engine_idle(engine)
+
+
+# --- the engine's random workloads, some requests guided --------------------------------------------
+
+STRESS_WORKLOADS = 300
+
+
+def pytest_generate_tests(metafunc):
+    if "workload_seed" in metafunc.fixturenames:
+        from test_engine_random_workloads import FAST_SEEDS
+        stress = metafunc.config.getoption("stress")
+        metafunc.parametrize("workload_seed", list(range(STRESS_WORKLOADS)) if stress else FAST_SEEDS[:6])
+
+
+def test_random_workloads_with_guided_requests(serve, tiny_model, ref_model, workload_seed):
+    """Chapter 31's random workloads (preemption in both modes, aborts, n > 1, priorities,
+    chunking, small budgets) with some requests guided by a pattern: those spell it and end
+    by their guide (oracle: Python's re), every other request still equals solo generate,
+    and the engine ends idle-clean."""
+    from test_engine_random_workloads import run_workload
+    features, _ = run_workload(serve, tiny_model, ref_model, workload_seed, guided=True)
+    assert features.get("guided"), "the workload guided no request: the test lost its point"

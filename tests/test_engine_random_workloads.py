@@ -18,6 +18,9 @@ step, then:
   request too); an aborted request produced a prefix of it;
 - the engine ends idle with every block free, nothing registered, nothing swapped.
 
+Chapter 35's milestone runs the same workloads with some requests guided by a pattern
+(guided=True: they must spell it and end by their guide), Chapter 37's with a drafter.
+
 The default run takes FAST_SEEDS, chosen to cover every feature above; `--stress` runs
 seeds 0..STRESS_SEEDS-1. The tiny model's greedy margins are wide (course.models), so
 greedy parity is deterministic: the stress sweep covers 1,000 seeds, all passing.
@@ -28,7 +31,7 @@ from collections import Counter
 import pytest
 
 from course.engine_checks import check_scheduler
-from course.oracles import assert_engine_idle, make_engine, solo
+from course.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
 
 pytestmark = pytest.mark.chapter(31)
 
@@ -103,14 +106,44 @@ def token_rules(rng, want):
                 min_tokens=len(want) - 1)
 
 
-def run_workload(serve, model, ref_model, seed, speculate=None):
+# Chapter 35's milestone guides some requests of these workloads with this pattern: four
+# lowercase letters, so a guided request always finishes within its max_tokens.
+GUIDED_PATTERN = "[a-z]{4}"
+
+
+def guide_some(seed, config, requests):
+    """Chapter 35's dimension: about half the requests (never all) follow GUIDED_PATTERN
+    instead of their greedy answer; they keep no stop tokens or token rules (those would
+    fight the pattern) and room for more than its four tokens, so the guide, not the length
+    rule, ends them. The engine runs the full sampler."""
+    rng = random.Random(seed * 104729 + 35)
+    config["sampler"] = "full"
+    picked = [spec for spec in requests[1:] if rng.random() < 0.6] or requests[-1:]
+    for spec in picked:
+        spec.update(guided=GUIDED_PATTERN, stops=(), max_tokens=max(spec["max_tokens"], 6))
+        spec.pop("rules", None)
+    block = config["block_size"]                 # the longer requests must still fit the pool alone
+    biggest = max(-(-(len(r["prompt"]) + r["max_tokens"]) // block) for r in requests)
+    config["num_blocks"] = max(config["num_blocks"], biggest)
+
+
+def run_workload(serve, model, ref_model, seed, speculate=None, guided=False):
     """Run workload `seed`; fail with the request, step and tokens on any difference.
     Returns the features it exercised and its step count. `speculate(engine)`, when given,
-    installs a drafter first (Chapter 37's milestone runs these workloads speculatively)."""
+    installs a drafter first (Chapter 37's milestone runs these workloads speculatively);
+    guided=True guides some requests with GUIDED_PATTERN (Chapter 35's milestone)."""
     config, requests = make_workload(seed, ref_model)
+    if guided:
+        guide_some(seed, config, requests)
     label = f"[workload {seed}: {config}]"
     # debug_checks: the plan and the scheduler's invariants are checked inside every step.
-    engine = make_engine(serve, model, debug_checks=True, **config)
+    if guided:                          # the guides need each token's bytes: the tiny model's ids 0-255 are bytes
+        vocab = model.cfg.vocab_size
+        engine = serve.engine.EngineCore(model, serve.config.EngineConfig(debug_checks=True, **config),
+                                         eos_token_id=TINY_EOS,
+                                         vocab_bytes=[bytes([i]) if i < 256 else b"" for i in range(vocab)])
+    else:
+        engine = make_engine(serve, model, debug_checks=True, **config)
     if speculate is not None:
         speculate(engine)
         for spec in requests:           # a drafter refuses Chapter 34's token rules (it verifies plain sampling)
@@ -123,7 +156,8 @@ def run_workload(serve, model, ref_model, seed, speculate=None):
         for spec in [r for r in arrivals if r["arrive"] <= step]:
             arrivals.remove(spec)
             params = serve.request.SamplingParams(max_tokens=spec["max_tokens"], stop_token_ids=spec["stops"],
-                                                  n=spec["n"], **spec.get("rules", {}))
+                                                  n=spec["n"], guided_regex=spec.get("guided"),
+                                                  **spec.get("rules", {}))
             added = engine.add_request(spec["request_id"], spec["prompt"], params, priority=spec["priority"])
             added = added if isinstance(added, list) else [added]
             children[spec["request_id"]] = [r.request_id for r in added]
@@ -157,6 +191,10 @@ def run_workload(serve, model, ref_model, seed, speculate=None):
     assert_engine_idle(engine, label)
 
     for spec in requests:
+        if "guided" in spec:
+            check_guided(label, spec, children[spec["request_id"]], got, finished, aborted)
+            seen["guided"] += 1
+            continue
         want = solo(ref_model, spec["prompt"], spec["max_tokens"], stop_token_ids=tuple(spec["stops"]))
         for rid in children[spec["request_id"]]:
             out = got.get(rid, [])
@@ -184,6 +222,21 @@ def run_workload(serve, model, ref_model, seed, speculate=None):
     seen["chunk_cap"] += bool(config["long_prefill_token_threshold"])
     seen["full_sampler_rules"] += any("rules" in spec for spec in requests)
     return {k: v for k, v in seen.items() if v}, step
+
+
+def check_guided(label, spec, request_ids, got, finished, aborted):
+    """A guided request's samples spell GUIDED_PATTERN (oracle: Python's re), ended by the
+    guide; an aborted one spelled a prefix of some match."""
+    import re
+    for rid in request_ids:
+        text = bytes(t for t in got.get(rid, []) if t < 256).decode("latin-1")
+        if rid in aborted:
+            assert re.fullmatch("[a-z]{0,4}", text), f"{label} aborted guided request {rid} produced {text!r}"
+            continue
+        out = finished[rid]
+        assert re.fullmatch(GUIDED_PATTERN, text) and len(out.output_token_ids) == 4, (
+            f"{label} guided request {rid} produced {out.output_token_ids} ({text!r}), not {GUIDED_PATTERN}")
+        assert out.stop_reason == "guided", f"{label} {rid} ended by {out.stop_reason!r}, not by its guide"
 
 
 SWEEP = {}
