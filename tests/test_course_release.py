@@ -1,0 +1,42 @@
+"""`python run.py release DIR`: the learner's edition has no solutions/ and still works."""
+import pytest
+
+from course import release
+from course.manifest import ROOT
+
+
+def test_the_edition_leaves_out_the_answers_and_keeps_what_a_learner_needs(tmp_path):
+    dest = tmp_path / "edition"
+    files = {str(f) for f in release.write_release(dest)}
+    assert not (dest / "solutions").exists() and not any(f.startswith("solutions/") for f in files)
+    for needed in ("run.py", "book.toml", "README.md", "requirements.txt", "pytest.ini", "pyproject.toml",
+                   "engine/__init__.py", "course/__init__.py", "tests/conftest.py"):
+        assert (dest / needed).is_file(), f"the edition lacks {needed}"
+    assert any(f.startswith("chapters/") and f.endswith(".ipynb") for f in files)
+    # The edition's own course/ answers its imports, not this repository's.
+    collected = release._pytest(dest, "--collect-only", "-q", "tests/test_ch01_the_engine_you_will_build.py",
+                                timeout=120)
+    assert collected.returncode == 0, collected.stdout[-2000:]
+    assert "tests collected" in collected.stdout or "test_count_matches_transformers" in collected.stdout
+
+
+def test_refuses_a_folder_that_is_not_empty_or_inside_the_repository(tmp_path):
+    (tmp_path / "old.txt").write_text("learner's work")
+    with pytest.raises(release.ReleaseError, match="not empty"):
+        release.write_release(tmp_path)
+    with pytest.raises(release.ReleaseError, match="inside the repository"):
+        release.write_release(ROOT / "build" / "edition")
+
+
+def test_an_unwritten_stub_fails_as_not_implemented_yet(pytester):
+    pytester.makepyfile(test_stub="""
+        def count():
+            raise NotImplementedError("Your engine: Chapter 1: count_parameters")
+
+        def test_count():
+            assert count() == 3
+    """)
+    result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*not implemented yet: Your engine: Chapter 1: count_parameters*"])
+    assert "Traceback" not in result.stdout.str() and "raise NotImplementedError" not in result.stdout.str()
