@@ -174,8 +174,12 @@ def pytest_runtest_makereport(item, call):
     _point_at_sources(report.longrepr, item.config.invocation_params.dir)
     if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError) \
             and str(call.excinfo.value).startswith("Your engine: Chapter"):
-        # An unwritten stub is the learner's to-do, not a crash: one line, no traceback.
-        report.longrepr = f"not implemented yet: {call.excinfo.value}"
+        # An unwritten stub is the learner's to-do, not a crash: where it is, no traceback.
+        stub = call.excinfo.traceback[-1]
+        where = Path(_source_path(str(stub.path), item.config.invocation_params.dir))
+        if where.is_relative_to(item.config.invocation_params.dir):
+            where = where.relative_to(item.config.invocation_params.dir)
+        report.longrepr = f"not implemented yet: {call.excinfo.value} (the stub: {where}:{stub.lineno + 1})"
     return report
 
 

@@ -38,5 +38,6 @@ def test_an_unwritten_stub_fails_as_not_implemented_yet(pytester):
     """)
     result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*not implemented yet: Your engine: Chapter 1: count_parameters*"])
+    result.stdout.fnmatch_lines(["*not implemented yet: Your engine: Chapter 1: count_parameters"
+                                 " (the stub: test_stub.py:2)*"])
     assert "Traceback" not in result.stdout.str() and "raise NotImplementedError" not in result.stdout.str()
