@@ -41,3 +41,17 @@ def test_an_unwritten_stub_fails_as_not_implemented_yet(pytester):
     result.stdout.fnmatch_lines(["*not implemented yet: Your engine: Chapter 1: count_parameters"
                                  " (the stub: test_stub.py:2)*"])
     assert "Traceback" not in result.stdout.str() and "raise NotImplementedError" not in result.stdout.str()
+
+
+def test_without_the_reference_an_oracle_says_so_in_one_line(pytester, monkeypatch, tmp_path):
+    from course import impl as impl_module
+    monkeypatch.setitem(impl_module.NAMED, "solutions", tmp_path / "no-solutions")
+    pytester.makepyfile(test_oracle="""
+        import course
+
+        def test_against_the_reference():
+            course.reference()
+    """)
+    result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["cannot run here: this oracle compares with the reference engine (solutions/)*"])
