@@ -5,11 +5,13 @@ chapters, the tests, course/, run.py, requirements, README, book.toml, the Class
 configuration) and leaves out solutions/ and the maintainer's own tooling.
 `check_release(dest)` then proves, in a subprocess that imports only the edition, that the
 tests collect and that Chapter 1's milestone fails with "not implemented yet" for the
-stubs rather than with an import or collection error.
+stubs rather than with an import or collection error, and that `run.py progress` counts
+the stubs from engine/'s markers.
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,11 +56,16 @@ def write_release(dest: Path, root: Path = ROOT) -> list[Path]:
     return files
 
 
-def _pytest(dest: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+def _edition_env(dest: Path) -> dict[str, str]:
     # Only the edition on the path: the maintainer's editable install must not answer
     # `import course` or `import solutions` for it.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COURSE_IMPL")}
     env["PYTHONPATH"] = str(dest)
+    return env
+
+
+def _pytest(dest: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = _edition_env(dest)
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:nbval",
                            "-o", "addopts=-p course.pytest_plugin", *args],
                           cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
@@ -75,6 +82,11 @@ def check_release(dest: Path, timeout: float = 300.0) -> list[str]:
     collected = _pytest(dest, "--collect-only", "-q", "tests", timeout=timeout)
     if collected.returncode != 0:
         problems.append("the tests do not collect:\n" + "\n".join(collected.stdout.splitlines()[-15:]))
+    shown = subprocess.run([sys.executable, "run.py", "progress", "--impl", "engine"], cwd=dest,
+                           env=_edition_env(dest), capture_output=True, text=True, timeout=timeout)
+    if shown.returncode != 0 or not re.search(r"\s0/\d+\s", shown.stdout):
+        problems.append("`run.py progress` does not count engine/'s stubs:\n"
+                        + shown.stdout[-1500:] + shown.stderr[-500:])
     milestones = sorted(str(p.relative_to(dest)) for p in (dest / "tests").glob("test_ch01_*.py"))
     if not milestones:
         problems.append("no Chapter 1 milestone in tests/")

@@ -4,6 +4,8 @@ import pytest
 from course import release
 from course.manifest import ROOT
 
+from conftest import write_tree
+
 
 def test_the_edition_leaves_out_the_answers_and_keeps_what_a_learner_needs(tmp_path):
     dest = tmp_path / "edition"
@@ -55,3 +57,20 @@ def test_without_the_reference_an_oracle_says_so_in_one_line(pytester, monkeypat
     result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["cannot run here: this oracle compares with the reference engine (solutions/)*"])
+
+
+def test_progress_without_the_reference_reads_the_markers_in_engine(tmp_path, monkeypatch):
+    from course import progress
+    write_tree(tmp_path, {"engine/__init__.py": "", "engine/ops.py": '''
+        def add(a, b):
+            """(Your engine: Chapter 1)"""
+            return a + b
+
+
+        def mul(a, b):
+            """(Your engine: Chapter 2)"""
+            raise NotImplementedError("Your engine: Chapter 2: mul")
+    '''})
+    monkeypatch.setattr(progress, "ROOT", tmp_path)
+    states = {s.qualname: s.done for s in progress.stub_states(tmp_path / "engine")}
+    assert states == {"add": True, "mul": False}
