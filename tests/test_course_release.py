@@ -74,3 +74,12 @@ def test_progress_without_the_reference_reads_the_markers_in_engine(tmp_path, mo
     monkeypatch.setattr(progress, "ROOT", tmp_path)
     states = {s.qualname: s.done for s in progress.stub_states(tmp_path / "engine")}
     assert states == {"add": True, "mul": False}
+
+
+def test_a_check_cell_without_the_reference_reports_that_it_ran(monkeypatch, tmp_path):
+    from course import impl as impl_module
+    from course.notebook import check
+    monkeypatch.setitem(impl_module.NAMED, "solutions", tmp_path / "no-solutions")
+    result = check(lambda impl: 2 + 3, impl=impl_module.load("engine"), name="add")
+    assert result.status == "unchecked" and not result and result.value == 5
+    assert repr(result).startswith("[RAN] add: no reference here")
