@@ -66,12 +66,14 @@ class LogitParity:
 def compare_logits(model_a: nn.Module, model_b: nn.Module, prompts: Sequence[Sequence[int]]) -> LogitParity:
     """Logit parity of two models on a list of prompts.  (Your engine: Chapter 13)
 
-    prompts: list of lists of token ids (any lengths; each runs alone, so no padding).
-    For each prompt take logits_of both models ([T, vocab], float64) and their absolute
-    difference. Returns LogitParity: max and mean |a - b| over every prompt, position and
-    vocabulary entry (the mean weighs every logit equally, so long prompts count more);
-    the fraction of positions (over all prompts) where the two argmaxes agree; per prompt
-    the list of per-position maxima (the curve to plot); and where the maximum sits.
+    model_a, model_b: two models over the same vocabulary; prompts: lists of token ids (any
+    lengths; each runs alone, so no padding). Logits come from logits_of ([T, vocab]
+    float64 per prompt). Returns a LogitParity:
+      max_abs, mean_abs: the max and the mean of |a - b| over every prompt, position and
+        vocabulary entry (the mean weighs every logit equally, so long prompts count more);
+      argmax_agreement: the fraction of positions, over all prompts, where the argmaxes agree;
+      per_position: per prompt, the list of per-position maxima of |a - b| (the curve to plot);
+      worst: (prompt index, position) of the largest difference.
     """
     per_position, total, count, agree, positions = [], 0.0, 0, 0, 0
     best, worst = -1.0, (0, 0)
