@@ -262,4 +262,7 @@ def source_of(path: str | Path) -> Path | None:
 
 def reference() -> Impl:
     """The full reference package (`solutions`), for oracles such as solo generate."""
+    if not (NAMED["solutions"] / "__init__.py").is_file():
+        raise ImplError("this oracle compares with the reference engine (solutions/), which this checkout "
+                        "does not have (a learner's edition leaves it out)")
     return load("solutions")

@@ -45,8 +45,12 @@ class ChapterProgress:
 
 
 def stub_states(source: Path, reference: Path | None = None) -> list[StubState]:
-    """The state of every stub of `reference` (default solutions/) in the package at `source`."""
-    reference = Path(reference or ROOT / "solutions")
+    """The state of every stub of `reference` (default solutions/) in the package at `source`.
+    Without solutions/ (a learner's edition) the stub markers in engine/'s docstrings, which
+    stay when a stub is filled, say which stubs exist."""
+    if reference is None:
+        reference = ROOT / "solutions" if (ROOT / "solutions").is_dir() else ROOT / "engine"
+    reference = Path(reference)
     source = Path(source)
     states = []
     for rel, stubs in skeleton.stubs_of_tree(reference).items():

@@ -172,6 +172,16 @@ def pytest_runtest_makereport(item, call):
     read-only, regenerated on every load, and keeps the source's line numbers."""
     report = yield
     _point_at_sources(report.longrepr, item.config.invocation_params.dir)
+    if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError) \
+            and str(call.excinfo.value).startswith("Your engine: Chapter"):
+        # An unwritten stub is the learner's to-do, not a crash: where it is, no traceback.
+        stub = call.excinfo.traceback[-1]
+        where = Path(_source_path(str(stub.path), item.config.invocation_params.dir))
+        if where.is_relative_to(item.config.invocation_params.dir):
+            where = where.relative_to(item.config.invocation_params.dir)
+        report.longrepr = f"not implemented yet: {call.excinfo.value} (the stub: {where}:{stub.lineno + 1})"
+    elif call.excinfo is not None and call.excinfo.errisinstance(impl_module.ImplError):
+        report.longrepr = f"cannot run here: {call.excinfo.value}"    # a setup problem, said in one line
     return report
 
 
@@ -227,8 +237,11 @@ def chapter(request) -> int | None:
 
 @pytest.fixture(scope="module")
 def impl(request, chapter):
-    """The implementation under test: --impl if given, else `solutions@N` for Chapter N."""
+    """The implementation under test: --impl if given, else `solutions@N` for Chapter N (`engine`
+    in a learner's edition, which has no solutions/)."""
     spec = request.config.getoption("impl")
+    if spec is None and not (impl_module.NAMED["solutions"] / "__init__.py").is_file():
+        spec = "engine"                 # a learner's edition: no reference, so the learner's engine
     if spec is None:
         spec = f"solutions@{chapter}" if chapter is not None else "solutions"
     return impl_module.load(spec)

@@ -40,13 +40,16 @@ def prefill_chunked(model: Qwen3ForCausalLM, cache: KVCache, prompt_ids: Sequenc
     """Feed prompt_ids (list of ints) into `cache` with one model call per chunk.
     (Your engine: Chapter 23)
 
-    Call the model on [1, c] tokens at a time, c <= chunk_size, in order, each call with
-    cache=cache (the model continues positions from cache.length, so the chunks need no
-    positions of their own, and a cache that already holds a prefix simply continues).
-    Returns the logits of the prompt's last position, shape [vocab]; with keep_logits=True
-    the logits of every prompt position, [len(prompt_ids), vocab], which must match a
-    one-shot model(prompt) to float tolerance. Only the final chunk's last row is needed
-    for generation; keeping every chunk's logits costs memory a real engine never spends.
+    model; cache: a KVCache with room for the prompt after what it already holds (a cache
+    that holds a prefix simply continues it); prompt_ids: a non-empty list of ints;
+    chunk_size >= 1. Calls the model ceil(len(prompt_ids) / chunk_size) times, on
+    consecutive pieces of at most chunk_size tokens, in order.
+    Afterwards the cache holds the prompt after its earlier contents (cache.length grew by
+    len(prompt_ids)), exactly as a one-shot model(prompt) through the same cache leaves it.
+    Returns the logits of the prompt's last position, [vocab] float32; with
+    keep_logits=True those of every prompt position, [len(prompt_ids), vocab], equal to a
+    one-shot call's to float tolerance. Only the last row is needed for generation; keeping
+    the others costs memory a real engine never spends.
     """
     raise NotImplementedError("Your engine: Chapter 23: prefill_chunked")
 
@@ -59,10 +62,13 @@ def generate_chunked(model: Qwen3ForCausalLM, prompt_ids: Sequence[int], max_new
     """Chapter 17's generate with the prompt prefilled in chunks of chunk_size tokens.
     (Your engine: Chapter 23)
 
-    Same contract and stop rules as generate (max_new_tokens; eos_token_id or a stop
-    token, included in the output; the model's context_limit), and for greedy decoding the
-    same tokens, whatever chunk_size is. Size a KVCache for prompt plus output (capped at
-    the context limit), prefill with prefill_chunked, then decode one token per call.
+    Same arguments (plus chunk_size >= 1), result, contract and stop rules as generate
+    (max_new_tokens; eos_token_id or a stop token, included in the output; the model's
+    context_limit), and for greedy decoding the same tokens, whatever chunk_size is.
+    Cost contract: the prompt goes in ceil(len(prompt) / chunk_size) calls through
+    prefill_chunked, then one call per new token; one KVCache, never larger than prompt plus
+    output (nor the context limit).
+    Errors: ValueError for an empty prompt.
     """
     raise NotImplementedError("Your engine: Chapter 23: generate_chunked")
 

@@ -94,19 +94,18 @@ class SlotRows:
         """Store each row's new keys/values at that row's own length and return every row's
         keys/values so far.  (Your engine: Chapter 24)
 
-        k, v: [B, kv_heads, T, head_dim], row b belonging to slot slot_ids[b] whose filled
-        length (before this step) is self._starts[b]; its T new entries go to cache positions
-        starts[b] .. starts[b] + T - 1 of that slot, in layer `layer` of cache.k / cache.v.
-        Return (keys, values), each [B, kv_heads, Tk, head_dim] with Tk = max(starts) + T:
-        row b holds slot slot_ids[b]'s positions 0 .. Tk - 1. Positions past a row's own end
-        hold stale data from earlier requests; that is fine, because causal attention masks
-        every key whose slot lies beyond the query's slot. Raise ValueError naming the slot
-        if a row would overflow slot_len. Do not move the lengths: advance() does that once
-        every layer has written.
-        Hint: with one row, write and return slices of the cache (no copy). With several,
-        an advanced-indexing assignment cache.k[layer][slots, :, positions] = ... writes all
-        rows at once (slots [B, 1] and positions [B, T] broadcast), and index_select on
-        dim 0 gathers the rows back.
+        layer: the layer index; k, v: [B, kv_heads, T, head_dim] in the cache's dtype, row b
+        belonging to slot slot_ids[b], whose filled length before this step is self._starts[b].
+        Afterwards: in layer `layer` of cache.k / cache.v, slot slot_ids[b] holds row b's T new
+        entries at positions starts[b] .. starts[b] + T - 1; nothing else in the cache changed;
+        cache.lengths are NOT moved (advance() does that once every layer has written).
+        Returns (keys, values), each [B, kv_heads, Tk, head_dim] with Tk = max(starts) + T: row b
+        holds slot slot_ids[b]'s positions 0 .. Tk - 1. Positions past a row's own end hold
+        stale data from earlier requests; that is allowed, because causal attention hides every
+        key whose slot lies beyond the query's slot.
+        Errors: ValueError naming the slot when a row would overflow slot_len, raised before
+        anything is written.
+        Cost: a single-row call (the usual prefill) should not copy the slot's history.
         """
         raise NotImplementedError("Your engine: Chapter 24: SlotRows.update")
 
@@ -231,14 +230,15 @@ class ContinuousBatchingEngine:
         """Run the next chunk of one request's prompt through the model on its own slot.
         (Your engine: Chapter 24)
 
-        The chunk is prompt_ids[num_prefilled : num_prefilled + chunk_size] (the whole rest
-        of the prompt when chunk_size is None), fed as a [1, T] batch with
-        self._forward(rows, [request.slot]); the slot's cache length says where the chunk
-        starts, so its keys land after the earlier chunks' and its RoPE positions continue
-        from them. Add T to num_prefilled. If this chunk completes the prompt, the logits
-        of its last position give the request's first output token: return it (greedy,
-        self._pick). Otherwise return None: a mid-prompt chunk's logits predict a token
-        the prompt already contains.
+        request: a SlotRequest holding a slot, with num_prefilled < len(prompt_ids) prompt tokens
+        already in that slot's cache. The chunk is the next min(chunk_size, rest) prompt tokens
+        (the whole rest when chunk_size is None), run in one model call through
+        self._forward on the request's slot.
+        Afterwards: the slot's cache holds the chunk's keys and values after the earlier ones
+        (its length grew by the chunk's length) and request.num_prefilled grew by the same.
+        Returns the request's first output token (an int, the greedy choice self._pick makes)
+        when this chunk completes the prompt, else None (a mid-prompt chunk's logits predict a
+        token the prompt already contains, so they are not used).
         """
         raise NotImplementedError("Your engine: Chapter 24: ContinuousBatchingEngine._prefill_chunk")
 
@@ -246,12 +246,11 @@ class ContinuousBatchingEngine:
         """One forward call for all decoding requests; returns one new token per request.
         (Your engine: Chapter 24)
 
-        Every request here has its prompt in its slot and at least one output token whose
-        K/V are not yet stored: its newest token output_ids[-1]. Feed those as a
-        [len(requests), 1] batch over the requests' slots (self._forward with their slot
-        ids, in the same order), and return the greedy choice for each row, in order.
-        There is no padding: each row's cache length places its token (and its RoPE
-        position) at the end of its own sequence.
+        requests: SlotRequests whose prompts are in their slots and whose newest output token
+        output_ids[-1] is not yet in the cache. Runs exactly one model call (self._forward over
+        the requests' slots) and returns a list of ints, the greedy next token of each request,
+        in the order given. Afterwards each request's slot holds its newest token's keys and
+        values (its cache length grew by 1); the requests themselves are unchanged.
         """
         raise NotImplementedError("Your engine: Chapter 24: ContinuousBatchingEngine._decode")
 

@@ -51,13 +51,13 @@ def decode_step_seconds(model: Qwen3ForCausalLM, batch: int, context: int, *, re
     """Median seconds of ONE decode step: `batch` sequences, each with `context` tokens
     already in its cache, feed one new token each.  (Your engine: Chapter 18)
 
-    Build a KVCache for `batch` rows and context + 1 slots and mark `context` slots as
-    filled with cache.advance(context): what the cached keys contain does not change how
-    long the step takes, so there is no need to run a prefill. Each timed call runs
-    model(ids [batch, 1], cache=cache) and then truncates the cache back to `context`, so
-    every repeat measures the same step (without the truncate, each repeat would see one
-    more key, and the last would not fit). Time with Chapter 14's time_it on the model's
-    device (warm-up calls untimed, synchronised, median of `repeats`).
+    model: a Qwen3ForCausalLM (on any device); batch >= 1; context >= 0; repeats, warmup: as
+    for Chapter 14's time_it (warm-up calls untimed, device synchronised, median reported).
+    Returns a float in seconds: the median over `repeats` of one model call on ids
+    [batch, 1] against a KVCache holding `context` tokens per row.
+    Invariant that makes it a measurement: every timed call sees exactly the same state
+    (context tokens cached, one fed), so the repeats measure the same step. The contents of
+    the cached keys do not affect the time, so no prefill is needed to get there.
     """
     raise NotImplementedError("Your engine: Chapter 18: decode_step_seconds")
 
@@ -68,12 +68,13 @@ def launch_overhead(device: torch.device | str = "cpu", *, num_ops: int = 200, r
     """Seconds of fixed cost per operation, measured on a chain of tiny operations.
     (Your engine: Chapter 18)
 
-    Make a one-element tensor on `device` and time (with time_it) a function that applies
-    num_ops dependent elementwise operations to it (x = x + 1, num_ops times). The data
-    is a single number, so the arithmetic is free: what remains is the price every
-    operation pays to be dispatched and, on a GPU, launched. Return median / num_ops.
-    Each operation must depend on the previous one's result, or the chain measures nothing
-    a model would do.
+    device: where the operations run; num_ops >= 1: the length of the chain; repeats,
+    warmup: as for time_it. Returns a float: time_it's median for one chain of num_ops
+    dependent elementwise operations on a one-element tensor on `device`, divided by
+    num_ops. The data is a single number, so the arithmetic costs nothing and what is
+    measured is the price every operation pays to be dispatched (and, on a GPU, launched).
+    Trap: each operation must consume the previous one's result; independent operations
+    measure nothing a model does.
     """
     raise NotImplementedError("Your engine: Chapter 18: launch_overhead")
 

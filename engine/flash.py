@@ -21,14 +21,16 @@ def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, s
                           v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold one tile of scores into the running softmax state.  (Your engine: Chapter 29)
 
-    m, l: [..., Tq] running max and running sum of exp(score - m) (start: -inf and 0);
-    acc: [..., Tq, D] running sum of exp(score - m) * v (start: 0).
-    scores: [..., Tq, Tk] float32 for this tile, -inf where masked; v: [..., Tk, D].
-    New max m' = max(m, tile max); rescale the old state by alpha = exp(m - m') and add
-    this tile's exp(scores - m') (to l) and exp(scores - m') @ v (to acc).
-    Trap: a row that has seen only masked scores has m' = -inf, and -inf - -inf is NaN.
-    Use 0 in place of m' for such rows when exponentiating (their exp terms are all 0).
-    Returns the new (m, l, acc).
+    The state of a query row after some tiles: m [..., Tq] the largest score seen so far
+    (-inf before any), l [..., Tq] the sum of exp(score - m) over the scores seen, acc
+    [..., Tq, D] the sum of exp(score - m) * v over them (0 before any). Inputs:
+    scores [..., Tq, Tk] float32, -inf where a key is masked; v [..., Tk, D] the tile's
+    values. Returns the state (m, l, acc) of the same shapes and dtypes after this tile
+    too, so that at any point acc / l is the softmax-weighted sum of every value seen so
+    far, whatever order and size the tiles came in.
+    Trap (part of the contract): a row whose scores have all been -inf so far must come
+    out with m = -inf, l = 0, acc = 0 and no NaN anywhere, because whole tiles of a row
+    are often masked.
     """
     raise NotImplementedError("Your engine: Chapter 29: online_softmax_update")
 
@@ -46,14 +48,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     """causal_attention computed tile by tile with an online softmax.  (Your engine: Chapter 29)
 
     Same arguments and result as Chapter 5's causal_attention: q [B, H, Tq, D], k and v
-    [B, Hkv, Tk, D] (grouped-query: view q as [B, Hkv, H // Hkv, Tq, D]), q_pos [Tq] or
-    [B, Tq], k_pos [Tk] or [B, Tk], optional `allowed` broadcastable to [B, 1, Tq, Tk].
-    For each block of block_q queries: start m = -inf, l = 0, acc = 0; for each block of
-    block_k keys, skip the tile when tile_is_visible says no key is visible (count it in
-    stats["skipped"]); otherwise compute its float32 scores * scale, mask with the position
-    rule (and `allowed`), fold it in with online_softmax_update (stats["computed"]). At the
-    end of the key loop, out = acc / l; rows with l == 0 (no visible key) are zeros.
-    Result: q's dtype, [B, H, Tq, D]. stats: an optional dict whose counters are increased.
+    [B, Hkv, Tk, D] with H a multiple of Hkv (grouped-query), q_pos [Tq] or [B, Tq], k_pos
+    [Tk] or [B, Tk], optional bool `allowed` broadcastable to [B, 1, Tq, Tk], scale
+    (default 1 / sqrt(D)). Returns [B, H, Tq, D] in q's dtype, equal to causal_attention's
+    result to float32 rounding; a query that may see no key gets zeros, not NaN.
+    Never materialises more than one [block_q, block_k] tile of scores per head.
+    Tiles: queries in blocks of block_q, keys in blocks of block_k (the last of each may
+    be shorter). stats: an optional dict of counters, increased (not reset): each tile
+    for which tile_is_visible(its q_pos, its k_pos) is false adds 1 to stats["skipped"] and
+    costs no arithmetic; every other tile adds 1 to stats["computed"].
     """
     raise NotImplementedError("Your engine: Chapter 29: flash_attention")
 

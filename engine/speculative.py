@@ -72,14 +72,17 @@ def propose(draft: Qwen3ForCausalLM, cache: KVCache, feed: Sequence[int], k: int
             generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
     """Let the draft guess the next k tokens.  (Your engine: Chapter 26)
 
-    feed: the committed tokens the draft's cache has not seen yet (at least one: the last
-    token emitted). Run the draft on `feed`, take the token after it, then feed each guess
-    back one at a time until k guesses exist. That is k forwards; the k-th guess is never
-    fed, so on return the cache holds everything before the guesses plus guesses 1..k-1.
-    Greedy (temperature 0): each guess is the argmax. Otherwise draw each guess from
-    softmax(logits / temperature) with torch.multinomial(..., generator=generator).
-    Returns (tokens: list of k ints, probs: [k, vocab] float32 rows the guesses came from,
-    or None when greedy; the sampled acceptance rule needs them).
+    draft: the draft model; cache: its KVCache, holding the committed tokens before `feed`;
+    feed: the committed tokens that cache has not seen yet (a non-empty list of ints, ending
+    with the last token emitted); k >= 1; temperature >= 0; generator: the torch.Generator
+    every draw uses.
+    Returns (tokens, probs): tokens, a list of k ints, guess i being what the draft would
+    generate after feed and guesses 0 .. i-1 (greedy at temperature 0: exactly
+    sampling.generate(draft, ...)'s tokens); probs, [k, vocab] float32, row i the
+    distribution softmax(logits / temperature) that guess i was drawn from (one
+    torch.multinomial draw per guess, in order), or None at temperature 0.
+    Afterwards: the cache holds feed and guesses 0 .. k-2 (the last guess has not been fed),
+    cache.length grew by len(feed) + k - 1; the draft ran exactly k forward calls.
     """
     raise NotImplementedError("Your engine: Chapter 26: propose")
 
@@ -88,12 +91,12 @@ def accept_greedy(target_logits: torch.Tensor, draft_tokens: Sequence[int]) -> l
     """Which guesses the target agrees with, and the token it adds.  (Your engine: Chapter 26)
 
     target_logits: [k + 1, vocab], the target's logits after feeding the last committed
-    token followed by the k draft tokens: row i predicts the token that follows draft
-    token i (row 0 predicts the first draft token's slot). draft_tokens: k ints.
-    Keep draft tokens from the front while each equals the target's argmax for its slot;
-    at the first mismatch, the target's own argmax replaces it; if all k match, the last
-    row gives a bonus token. Returns the emitted tokens: accepted guesses + one target
-    token (length 1 .. k + 1). Every token returned is the target's greedy choice.
+    token followed by the k draft tokens: row i scores the slot of draft token i (row k the
+    slot after the last guess). draft_tokens: k ints (k may be 0).
+    Returns the emitted tokens, a list of 1 .. k + 1 ints: the longest prefix of the guesses
+    that agrees with the target's greedy choice for its slot, then one token of the target's
+    own. Every token returned is the target's argmax for its slot, so greedy output never
+    depends on the draft.
     """
     raise NotImplementedError("Your engine: Chapter 26: accept_greedy")
 
@@ -102,15 +105,17 @@ def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_
                    generator: torch.Generator | None = None) -> list[int]:
     """Speculative sampling: accept or resample so the output follows the target.  (Your engine: Chapter 26)
 
-    target_probs: [k + 1, vocab] (rows as in accept_greedy, after temperature);
-    draft_probs: [k, vocab], the distributions the guesses were drawn from.
-    For guess i = x: accept with probability min(1, p(x) / q(x)), drawing
-    u = torch.rand((), generator=generator) for each guess in order. At the first rejection,
-    draw the replacement from the leftover mass max(p - q, 0), renormalised, and stop. If
-    all k are accepted, draw a bonus token from the last target row. Every draw uses
-    `generator`, so a seeded run repeats. Each emitted token is then distributed exactly
-    as the target alone would have sampled it (the chapter proves why).
-    Returns the emitted tokens (length 1 .. k + 1).
+    target_probs: [k + 1, vocab] float, rows as in accept_greedy, already softmaxed at the
+    temperature; draft_probs: [k, vocab], the distributions the guesses were drawn from
+    (draft_tokens[i] was drawn from row i); draft_tokens: k ints; generator: every random
+    draw uses it.
+    Returns the emitted tokens (1 .. k + 1 ints): the accepted guesses, then one more token.
+    Guess i = x is accepted with probability min(1, p_i(x) / q_i(x)); the first rejection ends
+    the list with one token drawn from the target's leftover distribution; if every guess
+    is accepted, the extra token comes from the last target row. The contract the milestone
+    measures: each emitted token is distributed exactly as the target alone would sample it.
+    Draw order is part of the contract (a seeded run repeats): for each guess in order one
+    torch.rand((), generator=generator), then at most one torch.multinomial draw.
     """
     raise NotImplementedError("Your engine: Chapter 26: accept_sampled")
 
@@ -129,15 +134,18 @@ def speculative_generate(target: Qwen3ForCausalLM, draft: Qwen3ForCausalLM, prom
                          generator: torch.Generator | None = None, stats: SpecStats | None = None) -> list[int]:
     """Generate with draft-and-verify; same contract as sampling.generate.  (Your engine: Chapter 26)
 
-    Both models keep their own KVCache (size: prompt + max_new_tokens + k + 1). Prefill
-    the target on the prompt and take its first token. Then repeat: the draft catches up
-    on the committed tokens it has not seen and proposes k guesses (fewer near the end:
-    never more than the tokens still wanted minus one); the target runs ONE forward on
-    [last committed token] + guesses; accept_greedy (temperature 0) or accept_sampled
-    decides what is emitted; truncate both caches to the committed length (the target
-    keeps the last committed token and the accepted guesses, the draft never more than the
-    target). Stop at max_new_tokens or at a stop token (included), cutting anything after.
-    `stats` (a SpecStats), when given, accumulates the counters.
-    Greedy output equals generate(target, ...) token for token.
+    target, draft: models sharing a vocabulary; prompt_ids: list of ints; max_new_tokens >= 1;
+    k >= 1: guesses per round; eos_token_id / stop_token_ids: a stop token ends the output and
+    is included; temperature 0 (greedy) or > 0 with `generator` for every draw.
+    Returns the new tokens (list of ints), at most max_new_tokens. At temperature 0 it equals
+    generate(target, prompt_ids, max_new_tokens, ...) token for token, whatever the draft.
+    Cost contract (SpecStats counts it; `stats`, when given, is increased, not reset): one
+    target forward for the prompt, then one target forward per round that checks all of that
+    round's guesses at once; a round proposes min(k, tokens still wanted - 1) guesses, so no
+    guess is proposed for a token that could not be emitted. stats.proposed / accepted /
+    emitted / target_forwards / draft_forwards count guesses offered, guesses kept, tokens
+    returned and forward calls.
+    Each model keeps its own KVCache; after every round neither cache may hold a token that
+    was not committed (a rejected guess's keys would poison the next round).
     """
     raise NotImplementedError("Your engine: Chapter 26: speculative_generate")

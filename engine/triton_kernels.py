@@ -42,10 +42,13 @@ def interpreting() -> bool:
 def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     """out[i] = x[i] + y[i] for the BLOCK elements of this program.  (Your engine: Chapter 30)
 
-    Program p (tl.program_id(0)) owns elements p * BLOCK .. p * BLOCK + BLOCK - 1. Build
-    those offsets with tl.arange(0, BLOCK), mask off the ones >= n_elements (the last
-    program usually hangs over the end), tl.load x and y with the mask, and tl.store the sum
-    with the same mask. Pointer + offsets addresses elements, not bytes.
+    x_ptr, y_ptr, out_ptr: pointers to contiguous 1-D tensors of n_elements elements of one
+    dtype; BLOCK: a compile-time power of two. The launch grid is cdiv(n_elements, BLOCK)
+    programs along axis 0, and program p is responsible for elements
+    p * BLOCK .. p * BLOCK + BLOCK - 1. Afterwards out[i] == x[i] + y[i] for every i of this
+    program below n_elements. Trap: the last program usually hangs over the end, and it may
+    neither read nor write a lane at or past n_elements (pointer arithmetic counts
+    elements, not bytes).
     """
     raise NotImplementedError("Your engine: Chapter 30: add_kernel")
 
@@ -55,12 +58,14 @@ def softmax_kernel(x_ptr, out_ptr, n_cols, x_row_stride, out_row_stride,  # type
                    BLOCK: tl.constexpr):
     """Softmax of one row per program.  (Your engine: Chapter 30)
 
-    Program r reads row r: it starts at x_ptr + r * x_row_stride and has n_cols elements;
-    BLOCK is a power of two >= n_cols, so one tl.arange(0, BLOCK) covers the row. Load with
-    a mask and other=-float("inf") so padding lanes vanish from the max and from the sum,
-    and compute in float32 (.to(tl.float32): tl.exp takes no 16-bit floats). Subtract the
-    row max before tl.exp (exp of a large logit overflows), divide by the sum, and store
-    the n_cols valid lanes at out_ptr + r * out_row_stride (the store casts back).
+    x_ptr, out_ptr: 2-D tensors of the same shape [rows, n_cols] whose rows start
+    x_row_stride and out_row_stride elements apart (columns contiguous); float32, float16 or
+    bfloat16. BLOCK: a compile-time power of two >= n_cols. The grid has one program per
+    row; program r writes softmax(x[r]) over its n_cols columns into out[r] (in out's dtype),
+    and touches no element outside them.
+    Numerics that are part of the contract: arithmetic in float32 whatever the input dtype,
+    and no overflow for large logits (a row of 1000s gives a proper distribution, not NaN);
+    each written row sums to 1 within float32 rounding.
     """
     raise NotImplementedError("Your engine: Chapter 30: softmax_kernel")
 

@@ -163,15 +163,17 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> Qwen3ForCausalLM:
     """A Hugging Face Qwen3 directory -> Qwen3ForCausalLM in eval mode.  (Your engine: Chapter 11)
 
-    dtype: the parameter dtype (None: the config's "dtype"/"torch_dtype", else the file's);
-    device: where the parameters live (None: cpu). Steps: read_config; build the model on
-    the "meta" device inside skip_init() (shapes only: no memory, no random draws);
-    tensor_locations and
-    match_names; then for each file, open it once with safe_open, and for each of its
-    tensors check the shape against the parameter's (CheckpointError naming the tensor,
-    the file, both shapes), cast, move and install it as the parameter. Re-tie lm_head to
-    the embedding when the config says tie_word_embeddings (installing a new embedding
-    Parameter breaks the tie made in __init__). No parameter may stay on "meta".
+    path: a directory with config.json and model.safetensors (or a sharded index and its
+    shards); dtype: the parameters' dtype (None: the config's "dtype"/"torch_dtype", else
+    the file's); device: where they live (None: cpu).
+    Returns the model with every parameter loaded from the files (requires_grad False, in
+    `dtype`, on `device`); with tie_word_embeddings, lm_head.weight IS the embedding tensor
+    (the same object, as after __init__). No parameter is left on the "meta" device.
+    Costs: memory for one copy of the weights (no random initialisation first, no second
+    copy); each safetensors file opened once.
+    Errors (all CheckpointError, with the message naming the tensor and the file):
+    what tensor_locations and match_names raise; a tensor whose shape differs from the
+    parameter's (both shapes in the message); a parameter that was never loaded.
     """
     cfg, raw = read_config(path)
     with torch.device("meta"), skip_init():

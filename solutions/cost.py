@@ -65,16 +65,15 @@ def head_dim_of(cfg: ModelShape) -> int:
 def count_parameters(cfg: ModelShape, embeddings: bool = True) -> int:
     """The number of parameters of a Qwen3ForCausalLM with this config.  (Your engine: Chapter 1)
 
-    Count by formula from the config; do not build the model. Per decoder layer: the q, k,
-    v and o projections (q and o are num_attention_heads * head_dim wide, k and v only
-    num_key_value_heads * head_dim: grouped-query attention), a bias on each of the four
-    when cfg.attention_bias is true, q_norm and k_norm (head_dim each), the two layer norms
-    (hidden_size each) and the three MLP matrices (gate, up, down). Around the layers: the
-    embedding table (vocab_size x hidden_size), the final norm, and the LM head, which is a
-    second vocab_size x hidden_size matrix unless cfg.tie_word_embeddings shares the table.
-    With embeddings=False leave out the embedding table and an untied LM head (the
-    "non-embedding" figure that model cards quote).
-    Must equal sum(p.numel() for p in model.parameters()), which counts a tied matrix once.
+    cfg: a Qwen3Config; embeddings: whether to count the embedding table and an untied LM
+    head. Returns an int, computed from the config alone (building the model is not allowed:
+    Qwen3-32B's would need 130 GB).
+    With embeddings=True it equals sum(p.numel() for p in Qwen3ForCausalLM(cfg).parameters()),
+    which counts a tied matrix once, for every config: grouped-query attention
+    (num_key_value_heads < num_attention_heads), head_dim other than hidden_size /
+    num_attention_heads, attention_bias, tied or untied embeddings. With embeddings=False
+    it is the "non-embedding" figure model cards quote: the same count without the
+    vocab_size x hidden_size embedding table and without an untied LM head.
     """
     hidden, layers, head_dim = cfg.hidden_size, cfg.num_hidden_layers, head_dim_of(cfg)
     q_width = cfg.num_attention_heads * head_dim

@@ -52,14 +52,16 @@ class StaticKVCache(KVCache):
         and return the WHOLE buffers k[layer], v[layer] ([batch, kv_heads, max_len, head_dim]).
         (Your engine: Chapter 19)
 
-        Everything must stay on the device: no int(self.length), no .item(), no Python slice
-        that depends on the length (a slice bakes one length into a CUDA graph, and reading
-        the tensor on the host forces a synchronisation). Build the destination slots from
-        self.length and self.offsets and write with an indexed scatter along the slot axis.
-        Returning the full max_len buffers keeps the shape static; the slots not written yet
-        are never seen, because the model's causal mask allows key slot j only when
-        j <= the query's slot. Do not move `length` here: the model calls advance() after
-        the last layer. Bounds are the caller's job (FastDecoder keeps a host-side count).
+        layer: the layer index; k, v in the cache's dtype and device. Afterwards row b of layer
+        `layer` holds the new entries at slots length[b] .. length[b] + T - 1; nothing else
+        changed; `length` has NOT moved (the model calls advance() after the last layer).
+        Returns the full max_len buffers (static shapes); the slots not written yet are never
+        seen, because the model's causal mask allows key slot j only when j <= the query's slot.
+        Traps that are the contract (a CUDA graph records this function): everything stays on
+        the device: no int(self.length), no .item(), no Python slice whose bounds depend on the
+        length (a slice bakes one length into the recorded graph, and reading the tensor on the
+        host forces a synchronisation). Bounds are the caller's job (FastDecoder keeps a
+        host-side count).
         """
         new = k.shape[2]
         slots = self.length[:, None] + self.offsets[:new]             # [batch, T]

@@ -70,12 +70,14 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Choose top_k experts per row and their mixing weights.  (Your engine: Chapter 27)
 
-        x: [N, hidden] rows. Router logits = self.gate(x): [N, E]. Softmax over the E
-        experts IN FLOAT32 (a bfloat16 softmax rounds close probabilities together and
-        changes which experts win), then keep the top_k per row. With norm_topk_prob the
-        kept probabilities are divided by their sum so they add up to 1; without it they
-        stay as they are (a row's weights then sum to less than 1). Returns
-        (weights [N, top_k] in x's dtype, experts [N, top_k] int64), highest weight first.
+        x: [N, hidden] rows. Returns (weights [N, top_k] in x's dtype, experts [N, top_k] int64):
+        row n's top_k experts by router probability (softmax of self.gate(x) over the E experts),
+        highest weight first, with those probabilities as weights. With self.norm_topk_prob
+        each row's weights are rescaled to sum to 1; without it they are the raw probabilities
+        (a row then sums to less than 1).
+        Trap (part of the contract): the softmax runs in float32 whatever x's dtype; in bfloat16
+        close probabilities round together and change which experts win, and the milestone
+        compares the chosen experts with transformers'.
         """
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -85,14 +87,14 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Sparse MoE on x [..., hidden] -> same shape.  (Your engine: Chapter 27)
+        """Sparse MoE on x [..., hidden] -> same shape and dtype.  (Your engine: Chapter 27)
 
-        Flatten to rows [N, hidden]; route them; then for each expert that at least one row
-        chose, gather exactly those rows, run the expert once on them, scale each output row
-        by its routing weight, and add it into the output at the rows it came from
-        (index_add_: a row that chose two experts receives two contributions). Experts
-        nobody chose cost nothing. Restore the input's shape at the end. Loop over experts,
-        never over tokens: the work per expert is one matmul of all its rows.
+        Each row (a token) gets sum over its top_k experts e of weight_e * expert_e(row), with
+        experts and weights from self.route; equal to transformers' Qwen3MoeSparseMoeBlock on
+        the same weights within float tolerance.
+        Cost contract: every expert chosen by at least one row runs exactly once, on exactly the
+        rows that chose it (one batched call per expert, never a loop over tokens); an expert no
+        row chose does not run at all. A row that chose two experts receives both contributions.
         """
         shape = x.shape
         rows = x.reshape(-1, shape[-1])

@@ -34,13 +34,13 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 def ulp(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The spacing of `dtype`'s number grid at each element of x.  (Your engine: Chapter 12)
 
+    x: a float tensor of any shape; dtype: the format whose grid is meant (default x.dtype).
     Returns a float64 tensor shaped like x: the distance from |x| to the next larger
-    representable magnitude in `dtype` (default x.dtype). Write |x| = m * 2**e with m in
-    [0.5, 1) (torch.frexp); a format with p significant bits spaces the numbers of that
-    binade 2**(e - p) apart, which is eps * 2**(e - 1) since eps = 2**(1 - p). Below the
-    smallest normal number (torch.finfo(dtype).tiny) the spacing stays at its smallest
-    value, eps * tiny (subnormals); zero gets that smallest spacing too. Compute in
-    float64 (2**(e - p) underflows in bfloat16). inf and nan give nan.
+    representable magnitude in `dtype`. For a normal number in [2**k, 2**(k+1)) that is
+    finfo(dtype).eps * 2**k; below the smallest normal number (finfo(dtype).tiny), and at
+    zero, it is the smallest spacing, eps * tiny (subnormals); inf and nan give nan.
+    Trap: the spacing itself may not be representable in `dtype` (in bfloat16 2**(e - p)
+    underflows), so the result is computed in float64.
     """
     dtype = x.dtype if dtype is None else dtype
     info = torch.finfo(dtype)

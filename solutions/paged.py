@@ -104,12 +104,15 @@ class PagedKVCache:
     def reserve(self, seq_id: Hashable, num_tokens: int) -> None:
         """Make room for num_tokens more positions of seq_id.  (Your engine: Chapter 25)
 
-        After the call the sequence's table has exactly blocks_for(seq_lens[seq_id] +
-        num_tokens) blocks: take each missing block from the FRONT of free_blocks (popleft)
-        and set its ref_count to 1. Reserving never moves seq_lens (advance does, once the
-        K/V are written). All or nothing: if the free list is too short, raise OutOfBlocks
-        (saying how many blocks are needed and how many are free) and change nothing, so
-        the caller can evict or preempt and try again.
+        seq_id: a sequence already in block_tables; num_tokens >= 0: positions about to be
+        written after its seq_lens[seq_id] stored ones.
+        Afterwards the sequence's table has exactly blocks_for(seq_lens[seq_id] + num_tokens)
+        blocks (never fewer than before: reserving less than is held adds nothing); each added
+        block came off the FRONT of free_blocks, in order, and has ref_count 1; seq_lens is
+        unchanged (advance moves it once the K/V are written).
+        Errors: OutOfBlocks, saying how many blocks are needed and how many are free, when the
+        free list is too short; then nothing has changed (all or nothing), so the caller can
+        evict or preempt and try again.
         """
         table = self.block_tables[seq_id]
         missing = self.blocks_for(self.seq_lens[seq_id] + num_tokens) - len(table)
@@ -144,11 +147,14 @@ class PagedKVCache:
         """The keys and values of positions 0 .. length - 1 of seq_id, contiguous.
         (Your engine: Chapter 25)
 
-        Returns (k, v), each [kv_heads, length, head_dim], in position order (length defaults
-        to seq_lens[seq_id]). Read the first blocks_for(length) entries of the block table,
-        index the layer's pool with them ([n, kv_heads, block_size, head_dim]), put the block
-        axis next to the offset axis and flatten the two into one position axis, then cut
-        at length: the tail of the last block holds garbage from whoever used it before.
+        layer: which layer's pool (self.k[layer], self.v[layer], each [num_blocks, kv_heads,
+        block_size, head_dim]); seq_id: a sequence in block_tables; length: how many positions
+        (default seq_lens[seq_id]; at most its table's blocks * block_size).
+        Returns (k, v), each [kv_heads, length, head_dim] in the pool's dtype and device, column
+        p holding position p of the sequence (block table entry p // block_size, offset
+        p % block_size). Reads only; the pool and the tables are unchanged. Trap: the slots of
+        the last block past `length` hold another request's leftovers and must not appear in
+        the result.
         """
         length = self.seq_lens[seq_id] if length is None else length
         table = self.block_tables[seq_id][:self.blocks_for(length)]
@@ -241,14 +247,17 @@ class PrefixCache:
         """The cached blocks that hold the longest cached prefix of tokens.
         (Your engine: Chapter 25)
 
-        Walk the full blocks of tokens in order (block i covers tokens[i*bs:(i+1)*bs]) and
-        stop at the first whose key is not in entries; never go past max_tokens tokens
-        (default len(tokens)): the engine passes len(prompt) - 1, because the last prompt
-        token must be computed to produce logits. Return the block ids found, in order.
-        Count queries (full blocks looked at, up to the first miss inclusive) and hits, and
-        mark what was found as recently used so that a prefix stays at least as recent as
-        its extensions: move the found keys to the end of entries DEEPEST FIRST
-        (the longest key first, the first block's key last).
+        tokens: a sequence of ints; max_tokens: consider only tokens[:max_tokens] (default all;
+        the engine passes len(prompt) - 1, because the last prompt token must be computed to
+        produce logits). Only full blocks count: block i covers tokens[i*bs:(i+1)*bs] and is
+        found when its key (self._key(tokens, i), the whole prefix ending with it) is in entries.
+        Returns the block ids of blocks 0, 1, ... up to the first one not found, in order (a
+        list of ints, possibly empty). No references are taken here.
+        Afterwards: self.queries grew by the number of full blocks looked at (the first miss
+        included, nothing after it) and self.hits by the number found; the found keys are the
+        most recently used entries, ordered so that every prefix is at least as recent as its
+        extensions (the first block's key last in entries), which is what lets evict remove
+        leaves before their parents.
         """
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         found = []
@@ -289,10 +298,13 @@ class PrefixCache:
         """Free up to num_blocks cached blocks (all that can be freed when None); returns how
         many were freed.  (Your engine: Chapter 25)
 
-        Go through entries from least to most recently used. An entry whose block is still
-        in some block table (ref_count > 1) stays: evicting it would free nothing. Any other
-        entry is removed and its block loses the cache's reference (kv.decref), which puts
-        it back on the free list. Stop once num_blocks have been freed.
+        num_blocks: an int >= 0 or None. Returns the number of blocks put back on the free list
+        (an int, <= num_blocks).
+        Which: entries are considered from least to most recently used; an entry whose block
+        only the cache references (ref_count == 1) is removed and its reference dropped
+        (kv.decref, which returns the block to the free list); an entry whose block some
+        sequence still uses stays, since removing it would free nothing. Stops as soon as
+        num_blocks have been freed. The order of the surviving entries is unchanged.
         """
         freed = 0
         for key in list(self.entries):

@@ -66,12 +66,14 @@ class LogitParity:
 def compare_logits(model_a: nn.Module, model_b: nn.Module, prompts: Sequence[Sequence[int]]) -> LogitParity:
     """Logit parity of two models on a list of prompts.  (Your engine: Chapter 13)
 
-    prompts: list of lists of token ids (any lengths; each runs alone, so no padding).
-    For each prompt take logits_of both models ([T, vocab], float64) and their absolute
-    difference. Returns LogitParity: max and mean |a - b| over every prompt, position and
-    vocabulary entry (the mean weighs every logit equally, so long prompts count more);
-    the fraction of positions (over all prompts) where the two argmaxes agree; per prompt
-    the list of per-position maxima (the curve to plot); and where the maximum sits.
+    model_a, model_b: two models over the same vocabulary; prompts: lists of token ids (any
+    lengths; each runs alone, so no padding). Logits come from logits_of ([T, vocab]
+    float64 per prompt). Returns a LogitParity:
+      max_abs, mean_abs: the max and the mean of |a - b| over every prompt, position and
+        vocabulary entry (the mean weighs every logit equally, so long prompts count more);
+      argmax_agreement: the fraction of positions, over all prompts, where the argmaxes agree;
+      per_position: per prompt, the list of per-position maxima of |a - b| (the curve to plot);
+      worst: (prompt index, position) of the largest difference.
     """
     per_position, total, count, agree, positions = [], 0.0, 0, 0, 0
     best, worst = -1.0, (0, 0)
@@ -120,13 +122,18 @@ def greedy_parity(model_a: nn.Module, model_b: nn.Module, prompts: Sequence[Sequ
                   generate_a: GenerateFn | None = None, generate_b: GenerateFn | None = None) -> list[Divergence]:
     """Greedy-generate from both models and report every prompt where they part.  (Your engine: Chapter 13)
 
-    generate_a / generate_b: functions (model, prompt_ids, max_new_tokens) -> new token ids;
-    default greedy_tokens (full recompute through logits_of). For each prompt, find the
-    first step where the two outputs differ (first_difference). There, the context is the
-    prompt plus the tokens both produced before that step; re-run both models on that
-    context with logits_of and record the margins: in a, logit[a's token] - logit[b's
-    token]; in b, logit[b's token] - logit[a's token]. Returns a list of Divergence, one
-    per prompt that diverged, in prompt order; empty means token-for-token parity.
+    model_a, model_b: two models over the same vocabulary; prompts: lists of ints;
+    max_new_tokens >= 1; generate_a / generate_b: functions (model, prompt_ids,
+    max_new_tokens) -> new token ids, default greedy_tokens (full recompute, no stop token).
+    Returns a list of Divergence, one per prompt whose two outputs differ, in prompt order
+    (empty: token-for-token parity). A Divergence names the prompt, the first step where the
+    outputs differ (as first_difference counts), a's token (expected) and b's (got), the
+    context both models saw before that step (the prompt plus the tokens they agreed on), and
+    how sure each model was at that context, measured with logits_of:
+    margin_a = a's logit of expected minus a's logit of got, margin_b = b's logit of got
+    minus b's logit of expected (both positive when each model clearly preferred its own).
+    Errors: ValueError naming the prompt when one output simply stops before the other
+    (a different stopping rule is not a numerical divergence).
     """
     generate_a = generate_a or greedy_tokens
     generate_b = generate_b or greedy_tokens

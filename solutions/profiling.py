@@ -64,14 +64,15 @@ def time_it(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10, device
             sync: Callable[[], Any] | None = None) -> Timing:
     """Time fn() like a benchmark should; returns a Timing.  (Your engine: Chapter 14)
 
-    Call fn `warmup` times untimed (first calls pay for allocation, caching, compilation),
-    then `repeats` times, timing each call separately with time.perf_counter. `sync` (default:
-    synchronizer(device)) waits for queued device work; call it so that each sample covers
-    exactly one call's work: once before starting the clock (nothing left over from earlier
-    calls, including the warm-up) and once before stopping it (the call's own kernels have
-    finished, not merely been queued). Without the second sync a CUDA timer measures only
-    how long it took to *launch* the kernels.
-    Returns Timing(samples) with `repeats` durations in seconds, in call order.
+    fn: the work, called with no arguments; warmup >= 0 untimed calls first (first calls pay
+    for allocation, caching, compilation); repeats >= 1 timed calls; device and sync:
+    sync (default synchronizer(device)) waits until the device has finished all queued work.
+    Returns Timing(samples): `repeats` durations in seconds (floats, time.perf_counter), in
+    call order, sample i covering exactly the i-th timed call's own work: none of it still
+    queued when its clock stops, none of an earlier call's (warm-up included) still running
+    when it starts. fn is called exactly warmup + repeats times.
+    Trap: a CUDA call returns once its kernels are queued, not finished; a timer that does
+    not wait measures launch time, not work.
     """
     sync = synchronizer(device) if sync is None else sync
     for _ in range(warmup):

@@ -81,12 +81,14 @@ class Int8Linear(nn.Module):
         """y = x W^T + b for x [..., in] in x's own dtype, W the dequantized weight.
         (Your engine: Chapter 20)
 
-        Rebuild W = qweight * scale (per row) in x.dtype and use F.linear (the bias, if
-        any, cast to x.dtype too, so one quantized layer serves any activation dtype). Do not fold the
-        scale in after the matmul in float16: x @ qweight^T sums hundreds of products as
-        large as 127 |x| and can overflow float16's 65,504 before the scale shrinks it.
-        (A real int8 kernel dequantizes tiles in registers and never writes W to memory;
-        this reference materialises W, so it saves memory but not time.)
+        x: [..., in_features] in any float dtype. Returns [..., out_features] in x's dtype:
+        x @ (qweight * scale[:, None])^T + bias, with W and the bias in x.dtype, so one quantized
+        layer serves any activation dtype; equal to a float nn.Linear holding the dequantized
+        weight. The module is unchanged.
+        Trap (part of the contract): in float16, multiplying by the int8 codes first and applying
+        the scale afterwards overflows: each output sums hundreds of products as large as
+        127 |x|, past float16's 65,504. (A real int8 kernel dequantizes tiles in registers and
+        never writes W to memory; this reference materialises W, saving memory, not time.)
         """
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, dequantize(self.qweight, self.scale, x.dtype), bias)
@@ -99,13 +101,14 @@ def quantize_model(model: nn.Module, skip: Iterable[str] = ()) -> nn.Module:
     """Swap every nn.Linear inside `model` for Int8Linear.from_linear(it), in place; returns model.
     (Your engine: Chapter 20)
 
-    Walk the module tree (named_modules / named_children) and replace each nn.Linear child
-    on its parent with setattr, so module names, and therefore state_dict keys like
-    model.layers.0.mlp.up_proj.qweight, stay where they were. A module whose qualified name
-    (e.g. "lm_head") is in `skip` stays float. Collect the replacements first and apply
-    them after the walk: changing a module's children while iterating over them is a bug.
-    Embedding tables are not nn.Linear and stay float; a tied LM head becomes an int8 copy
-    while the embedding keeps the float original.
+    model: any nn.Module (a Qwen3ForCausalLM in the chapter); skip: qualified module names
+    (as named_modules gives them, e.g. "lm_head") that stay float.
+    Afterwards: every nn.Linear not in skip has been replaced, at the same place in the
+    module tree, by the Int8Linear built from it, so module names and therefore state_dict
+    keys stay where they were (model.layers.0.mlp.up_proj.qweight, ...); nothing else
+    changed: embedding tables are not nn.Linear and stay float, and a tied LM head becomes an
+    int8 copy while the embedding keeps the float original. Returns the same model object.
+    Trap: modifying a module's children while iterating over them is a bug.
     """
     skip = set(skip)
     targets = [(name, module) for name, module in model.named_modules()

@@ -172,13 +172,18 @@ class Qwen3Model(nn.Module):
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> final hidden states [B, T, hidden].  (Your engine: Chapter 10)
 
-        The T tokens occupy cache slots start .. start + T - 1, where start is
-        cache.length (0 without a cache; a tensor [B] of per-row lengths gives per-row slots
-        [B, T]); positions for RoPE default to those slots (a padded batch, Chapter 21,
-        passes its own [B, T] positions). Compute the rotary
-        tables once and share them across layers; after the last layer, apply the final
-        norm and, with a cache, advance it by T with cache.advance(T). Get the tables from
-        self.rope_tables (families with scaled RoPE, Chapter 42, replace it).
+        input_ids: int64 [B, T]; positions: optional [T] or [B, T] RoPE positions (a padded
+        batch, Chapter 21, passes its own); cache: optional ModelCache (Chapter 16) whose
+        `length` is an int or a [B] tensor of per-row lengths (Chapter 24); allowed: optional
+        bool mask passed to every layer's attention.
+        The T tokens occupy cache slots start .. start + T - 1 with start = cache.length (0
+        without a cache; per row for a [B] length); positions default to those slots.
+        Returns the final-norm output [B, T, hidden] in the model's dtype.
+        Afterwards, with a cache: every layer has stored its keys and values at those slots and
+        the cache has advanced by exactly T, once (after the last layer, so that every layer
+        writes at the same slots).
+        Interface for later chapters: the rotary tables come from self.rope_tables(positions,
+        dtype) (families with scaled RoPE, Chapter 42, replace it) and are shared by all layers.
         """
         start = cache.length if cache is not None else 0
         slots = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -20,19 +20,26 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
            min_p: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token id per row of logits [B, V] (or [V]).  (Your engine: Chapter 8)
 
-    temperature < GREEDY_BELOW_TEMPERATURE (0 included): greedy, the argmax (the lowest id
-    among exact ties); the filters and the generator are ignored. Otherwise divide by the
-    temperature, then filter, then draw from the renormalised softmax with
-    torch.multinomial(..., generator=generator) so a seeded generator reproduces a draw:
-      top_k > 0  keeps the k highest logits;
-      top_p < 1  keeps the smallest highest-probability set whose mass reaches top_p
-                 (the most likely token always survives);
-      min_p > 0  keeps tokens whose probability is at least min_p times the top one's.
-    Numerically robust for every valid setting: no finite logits, temperature >= the
-    threshold, top_p in (0, 1] or min_p in [0, 1] may produce NaN, an empty set or an
-    error. Trap: float32 loses tiny values (a top_p of 1e-39 is below its smallest normal
-    number and may read as 0), so do the sampled path's arithmetic in float64.
+    logits: float [B, V] or [V]; temperature >= 0; top_k >= 0 (0: off); top_p in (0, 1];
+    min_p in [0, 1]; generator: the torch.Generator every random draw uses.
     Returns int64 ids of shape [B] (a scalar tensor for a [V] input).
+    temperature < GREEDY_BELOW_TEMPERATURE (0 included): greedy, the argmax, the lowest id
+    among exact ties; the filters and the generator are ignored. Otherwise each row's id is
+    drawn from softmax(logits / temperature) restricted to the tokens every active filter
+    keeps, renormalised:
+      top_k > 0  the k highest logits;
+      top_p < 1  the smallest highest-probability set whose mass reaches top_p (the most
+                 likely token always survives);
+      min_p > 0  the tokens whose probability is at least min_p times the top one's;
+    applied after the temperature, in this order, each to what the previous one kept.
+    Traps that are the contract:
+      - the draw is ONE torch.multinomial(probs, 1, generator=generator) over the [B, V]
+        probabilities in vocabulary order (not sorted order): Chapters 17 and 31 compare
+        seeded draws token for token with this one, so the same seed must give the same ids;
+      - numerically robust for every valid setting: no finite logits, temperature at or above
+        the threshold, top_p in (0, 1] or min_p in [0, 1] may produce NaN, an empty set or an
+        error; float32 loses tiny values (a top_p of 1e-39 is below its smallest normal
+        number and may read as 0), so the sampled path's arithmetic is float64.
     """
     squeeze = logits.dim() == 1
     rows = logits.reshape(-1, logits.shape[-1])
@@ -95,10 +102,12 @@ def generate_cached(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
                     stop_token_ids: Sequence[int] = (), **options: Any) -> list[int]:
     """Generate with a KV cache: one prefill, then one token per step.  (Your engine: Chapter 16)
 
-    Same contract and same stopping rules as generate_recompute. Size a KVCache for the
-    prompt plus max_new_tokens (capped at the context limit), prefill the whole prompt in
-    one call, then feed only the newest token each step; the model continues positions from
-    the cache. Greedy output must equal generate_recompute's token for token.
+    Same arguments, result and stopping rules as generate_recompute (new tokens only, a stop
+    token included; max_new_tokens; the model's context_limit). Greedy output must equal
+    generate_recompute's token for token.
+    Cost contract: the prompt goes through the model in ONE call; every later call feeds
+    exactly one token, the newest. The KVCache holds at most the prompt plus
+    max_new_tokens tokens (never more than the context limit).
     """
     device = next(model.parameters()).device
     limit = getattr(model, "context_limit", 1 << 30)

@@ -95,15 +95,17 @@ def generate_batch(model: Qwen3ForCausalLM, prompts: Sequence[Sequence[int]], ma
     """Generate for every prompt at once; returns one list of new tokens per prompt.
     (Your engine: Chapter 21)
 
-    Left-pad with left_pad, prefill all rows in ONE forward call through a KVCache of
-    batch B sized L + max_new_tokens, then decode with one call per step for all rows.
-    Every call passes the rows' own positions ([B, T]) and allowed=padding_mask(...) over
-    the slots filled so far (the prompt columns plus the new ones). Per row, the same stop
-    rules as solo generate: max_new_tokens, eos_token_id or a stop token (kept in the
-    output), or the row's own sequence (its prompt plus output, not the padded width)
-    reaching the model's context_limit. A finished row keeps riding along (feed it any
-    token, e.g. pad_id) but gets no more output; stop as soon as every row has finished.
-    Greedy output per row must equal generate(model, prompt, ...) alone.
+    prompts: B non-empty lists of ints, of any lengths; max_new_tokens; eos_token_id,
+    stop_token_ids, the sampling options and generator as for sampling.generate; pad_id: the
+    id fed in pad columns and for finished rows (its value never changes a real row).
+    Returns B lists of ints, list b being prompt b's new tokens.
+    Per row, the same stop rules as solo generate: max_new_tokens, eos_token_id or a stop token
+    (kept in the output), or the row's own sequence (its prompt plus output, not the padded
+    width) reaching the model's context_limit; a finished row gets no more output.
+    Cost contract: ONE model call for the prefill of all rows, then one call per decode step
+    for all rows, stopping as soon as every row has finished.
+    Equality contract: with greedy decoding each row equals generate(model, prompt, ...) alone,
+    token for token, whatever the other prompts are.
     """
     device = next(model.parameters()).device
     options: dict[str, Any] = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

@@ -86,12 +86,13 @@ def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
     """Arrival times of n requests from a Poisson process of `rate` requests per second.
     (Your engine: Chapter 22)
 
-    In a Poisson process the gaps between consecutive arrivals are independent and
-    exponentially distributed with mean 1 / rate. Draw each gap by inverse-transform
-    sampling from one `random.Random(seed)`: for u uniform in [0, 1), -ln(1 - u) / rate is
-    exponential (use 1 - u, not u: random() can return 0.0 and ln(0) is -inf). Return the
-    running sums, a list of n non-decreasing floats; the first arrival is one gap after 0,
-    not at 0. Same (rate, n, seed), same list. rate must be positive.
+    rate > 0 (requests per second); n >= 0; seed: an int. Returns a list of n
+    non-decreasing floats (seconds): the running sums of n independent gaps, each
+    exponentially distributed with mean 1 / rate, so the first arrival is one gap after 0,
+    not at 0. All randomness comes from one random.Random(seed): the same (rate, n, seed)
+    gives the same list, and nothing else's random state is touched.
+    Errors: ValueError naming the rate when rate <= 0.
+    Trap: a uniform draw can be exactly 0.0; no arrival may be inf or NaN.
     """
     if rate <= 0:
         raise ValueError(f"arrival rate must be positive, got {rate}")
@@ -222,11 +223,10 @@ def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0 <= q <= 100) of a non-empty list of numbers, interpolating
     linearly between the two nearest order statistics.  (Your engine: Chapter 22)
 
-    Sort the values; the percentile sits at fractional rank r = q / 100 * (n - 1) (rank 0
-    is the smallest value, rank n - 1 the largest), between sorted[floor(r)] and
-    sorted[ceil(r)], weighted by the fractional part of r. This is numpy.percentile's
-    default ("linear") method, so p50 of [1, 2, 3, 4] is 2.5, p0 the minimum, p100 the
-    maximum. Raise ValueError on an empty list or q outside [0, 100].
+    values: a non-empty sequence of floats, in any order (not modified); q: a float in
+    [0, 100]. Returns a float equal to numpy.percentile(values, q) with its default
+    ("linear") method: p0 is the minimum, p100 the maximum, p50 of [1, 2, 3, 4] is 2.5.
+    Errors: ValueError on an empty list, or on q outside [0, 100] (naming q).
     """
     if not values:
         raise ValueError("percentile of an empty list")

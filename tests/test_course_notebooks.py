@@ -25,6 +25,15 @@ def test_written_chapters_have_notebook_milestone_and_stubs():
     assert not problems, "\n".join(problems)
 
 
+def test_notebooks_import_the_installed_repository_not_a_sys_path_hack():
+    """Kernels find course/, solutions/ and engine/ through the editable install (a learner's
+    `jupyter lab`) or PYTHONPATH (the pytest plugin sets it for nbval), and the chapter's own
+    helper modules because a kernel's path includes its working folder, the chapter's."""
+    offenders = [str(md.relative_to(manifest.ROOT)) for md in sorted(manifest.ROOT.glob("chapters/*/*.md"))
+                 if "sys.path.insert" in md.read_text(encoding="utf-8")]
+    assert not offenders, f"these notebooks edit sys.path; import through the installed package: {offenders}"
+
+
 # --- the checks themselves, on a made-up chapter --------------------------------------------
 
 MD = """\
