@@ -475,3 +475,60 @@ def test_random_workloads_with_guided_requests(serve, tiny_model, ref_model, wor
     from test_engine_random_workloads import run_workload
     features, _ = run_workload(serve, tiny_model, ref_model, workload_seed, guided=True)
     assert features.get("guided"), "the workload guided no request: the test lost its point"
+
+
+# --- the engine's state machine, with guided requests --------------------------------------------------
+
+GUIDED = "[a-z]{3}"
+
+
+def test_engine_state_machine_with_guided_requests(serve, tiny_model, request):
+    """Chapter 31's engine state machine (scripted model, arrivals, aborts, preemption in both
+    modes, chunking, prefix caching, every scheduler invariant checked each step) with one
+    more rule: a request guided by three lowercase letters. The scripted model prefers other
+    tokens, so only the guide's mask makes it spell the pattern (oracle: re), and it must end
+    by its guide. With the simple sampler the guided request is refused and nothing changes."""
+    import re
+
+    import test_engine_state_machines as machines
+    from hypothesis.stateful import precondition, rule, run_state_machine_as_test
+
+    class GuidedMachine(machines.EngineMachine):
+        def build_engine(self, config):
+            vocab = self.model.cfg.vocab_size
+            return self.serve.engine.EngineCore(self.model, self.serve.config.EngineConfig(**config),
+                                                eos_token_id=None,
+                                                vocab_bytes=[bytes([i]) if i < 256 else b"" for i in range(vocab)])
+
+        @precondition(lambda self: self.ready and len(self.engine.scheduler.requests) < 8)
+        @rule(prompt=machines.prompts, max_tokens=st.integers(4, 10))
+        def add_guided(self, prompt, max_tokens):
+            self.counter += 1
+            rid, engine = f"g{self.counter}", self.engine
+            tokens = machines.prompt_tokens(prompt)
+            cfg, before = engine.config, machines.engine_state(engine)
+            fits = len(tokens) + max_tokens <= cfg.num_blocks * cfg.block_size and (
+                cfg.enable_chunked_prefill or len(tokens) <= cfg.max_num_batched_tokens)
+            params = self.serve.request.SamplingParams(max_tokens=max_tokens, guided_regex=GUIDED)
+            try:
+                engine.add_request(rid, tokens, params, arrival_time=float(self.counter))
+            except ValueError as exc:
+                self.log.append(f"add guided {rid} rejected: {exc}")
+                assert machines.engine_state(engine) == before, f"rejecting {rid} changed the engine"
+                assert cfg.sampler != "full" or not fits, f"guided {rid} fits, yet was rejected: {exc}"
+                return
+            assert cfg.sampler == "full" and fits, f"guided {rid} was accepted by {cfg}"
+            self.log.append(f"add guided {rid}: {tokens} max_tokens={max_tokens}")
+
+        def check_output(self, request, out):
+            if "guide" not in request.extra:
+                return super().check_output(request, out)
+            text = bytes(out.output_token_ids).decode("latin-1")
+            assert re.fullmatch("[a-z]{1,3}", text), f"{self.where()}: guided {out.request_id} spelled {text!r}"
+            if out.finished:
+                assert re.fullmatch(GUIDED, text) and out.stop_reason == "guided", (
+                    f"{self.where()}: guided {out.request_id} ended with {text!r} by {out.stop_reason!r}")
+
+    GuidedMachine.serve, GuidedMachine.model = serve, tiny_model
+    run_state_machine_as_test(GuidedMachine, settings=machines.machine_settings(
+        request, 40, 40, stress_examples=1000, stress_steps=80))

@@ -327,13 +327,18 @@ class EngineMachine(RuleBasedStateMachine):
                       max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
                       long_prefill_token_threshold=threshold, policy=policy, preemption_mode=mode,
                       enable_prefix_caching=caching, debug_checks=True, sampler=sampler)
-        self.engine = make_engine(self.serve, self.model, eos_token_id=None, **config)
+        self.engine = self.build_engine(config)
         self.pool = FakePool(block_size)
         runner = ScriptedRunner.install(self.serve, self.engine, next_token)
         runner.on_swap_out = lambda request, blocks: self.pool.swap_out(request.request_id, blocks)
         runner.on_swap_in = lambda request, blocks: self.pool.swap_in(request.request_id, blocks)
         runner.on_execute = self.forward
         self.log.append(f"EngineConfig({config})")
+
+    def build_engine(self, config):
+        """The engine under test (later chapters' machines give it more: Chapter 35's the
+        vocabulary's bytes)."""
+        return make_engine(self.serve, self.model, eos_token_id=None, **config)
 
     @property
     def ready(self):
@@ -392,16 +397,22 @@ class EngineMachine(RuleBasedStateMachine):
         for out in outputs:
             request = next(r for r, _ in plan.scheduled if r.request_id == out.request_id)
             assert out.error is None, f"{self.where()}: {out.request_id} failed: {out.error}"
-            assert out.new_token_ids == [next_token(request.token_ids[:-1])], (
-                f"{self.where()}: {out.request_id} got {out.new_token_ids}, the scripted model says "
-                f"{next_token(request.token_ids[:-1])}")
+            self.check_output(request, out)
             if out.finished:
-                params = request.params
-                stopped = out.output_token_ids[-1] in params.stop_token_ids
-                assert stopped or len(out.output_token_ids) == params.max_tokens, (
-                    f"{self.where()}: {out.request_id} finished ({out.finish_reason}) after "
-                    f"{len(out.output_token_ids)} of {params.max_tokens} tokens without a stop token")
                 self.gone.append(out.request_id)
+
+    def check_output(self, request, out):
+        """A step's output for one request: the scripted model's greedy token, and a finish
+        only by a stop token or max_tokens."""
+        assert out.new_token_ids == [next_token(request.token_ids[:-1])], (
+            f"{self.where()}: {out.request_id} got {out.new_token_ids}, the scripted model says "
+            f"{next_token(request.token_ids[:-1])}")
+        if out.finished:
+            params = request.params
+            stopped = out.output_token_ids[-1] in params.stop_token_ids
+            assert stopped or len(out.output_token_ids) == params.max_tokens, (
+                f"{self.where()}: {out.request_id} finished ({out.finish_reason}) after "
+                f"{len(out.output_token_ids)} of {params.max_tokens} tokens without a stop token")
 
     @precondition(lambda self: self.ready and self.engine.has_unfinished)
     @rule(count=st.integers(1, 6))
