@@ -23,6 +23,7 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis.stateful import run_state_machine_as_test
 from test_engine_random_workloads import FAST_SEEDS, run_workload
 
 import course
@@ -403,3 +404,38 @@ def test_random_workloads_match_solo_generate_while_speculating(serve, spec, imp
     def speculate(engine):
         spec.Speculator(proposer(kind, spec, impl, engine, None), k=1 + workload_seed % 4).attach(engine)
     run_workload(serve, tiny_model, ref_model, workload_seed, speculate)
+
+
+# --- the engine's state machine, speculating ---------------------------------------------------------
+
+def test_engine_state_machine_while_speculating(serve, spec, tiny_model, request):
+    """Chapter 31's engine state machine (scripted model, arrivals, aborts, preemption in both
+    modes, chunking, prefix caching, every scheduler invariant checked each step, the fake
+    pool checking what each request attends to and what each published block holds) with an
+    n-gram drafter installed: every accepted token is the scripted model's next token, and
+    the rejected drafts' K/V is never read or published."""
+    import test_engine_state_machines as machines
+
+    class DraftingMachine(machines.EngineMachine):
+        def build_engine(self, config):
+            engine = super().build_engine(config)
+            spec.Speculator(spec.NgramProposer(), k=3).attach(engine)
+            return engine
+
+        def check_output(self, request, out):
+            tokens = list(request.token_ids)
+            first = len(tokens) - len(out.new_token_ids)
+            for i, token in enumerate(out.new_token_ids):
+                assert token == machines.next_token(tokens[:first + i]), (
+                    f"{self.where()}: {out.request_id}'s token {first + i} is {token}, the scripted model says "
+                    f"{machines.next_token(tokens[:first + i])}")
+            if out.finished:
+                params = request.params
+                assert out.output_token_ids[-1] in params.stop_token_ids or \
+                    len(out.output_token_ids) == params.max_tokens, (
+                        f"{self.where()}: {out.request_id} finished after {len(out.output_token_ids)} of "
+                        f"{params.max_tokens} tokens without a stop token")
+
+    DraftingMachine.serve, DraftingMachine.model = serve, tiny_model
+    run_state_machine_as_test(DraftingMachine, settings=machines.machine_settings(
+        request, 40, 40, stress_examples=1000, stress_steps=80))

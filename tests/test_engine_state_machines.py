@@ -79,7 +79,9 @@ class FakePool:
 
     @staticmethod
     def identity(request, position):
-        return tuple(request.cache_key), tuple(request.token_ids[:position + 1])
+        # Draft tokens being verified (Chapter 37) sit after the request's own tokens.
+        tokens = list(request.token_ids) + list(getattr(request, "spec_token_ids", ()))
+        return tuple(request.cache_key), tuple(tokens[:position + 1])
 
     def slot(self, table, position):
         return table[position // self.block_size] * self.block_size + position % self.block_size
