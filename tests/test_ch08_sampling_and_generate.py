@@ -123,6 +123,23 @@ def test_seeded_generator_reproduces_draws(impl, device):
     assert draw(8, 0) != first, "a different seed should give different draws (is the generator passed to multinomial?)"
 
 
+def test_the_draw_is_one_multinomial_in_vocabulary_order(impl, device):
+    """The draw contract later chapters compare against token for token (Chapters 17 and
+    31): one torch.multinomial over the [B, V] probabilities in vocabulary order. Oracle:
+    that call, on float64 softmax probabilities, with a generator of the same seed."""
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(4)).to(device)
+    for seed in range(10):
+        got = impl.sampling.sample(logits, temperature=0.8,
+                                   generator=torch.Generator(device=device).manual_seed(seed))
+        probs = torch.softmax(logits.double() / 0.8, dim=-1)
+        want = torch.multinomial(probs / probs.sum(dim=-1, keepdim=True), 1,
+                                 generator=torch.Generator(device=device).manual_seed(seed))[:, 0]
+        differ = (got.cpu() != want.cpu()).nonzero().flatten().tolist()
+        assert not differ, (f"seed {seed}: rows {differ[:5]} drew other tokens than one multinomial over the "
+                            f"probabilities in vocabulary order (a draw in sorted order breaks the seeded "
+                            f"comparisons of Chapters 17 and 31)")
+
+
 class ScriptedModel(nn.Module):
     """Logits that always make (last token + 1) % vocab the argmax; records every input."""
 

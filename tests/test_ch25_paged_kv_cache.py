@@ -136,6 +136,25 @@ def test_prefix_cache_matches_whole_prefixes_only(impl):
         "after the sequence ends its published blocks stay, held by the cache alone")
 
 
+def test_match_counts_the_blocks_it_looked_at(impl):
+    """The counters behind the chapter's hit rate: each match adds to `queries` the full
+    blocks it looked at (the first miss included, nothing after it) and to `hits` the ones it
+    found; max_tokens limits both."""
+    kv = make_cache(impl, num_blocks=16, block_size=4)
+    cache = impl.paged.PrefixCache(kv)
+    tokens = list(range(10, 24))                          # 14 tokens: 3 full blocks + 2
+    publish_sequence(impl, kv, cache, "a", tokens)
+    cases = [(tokens, None, 3, 3), (tokens[:5] + [0] + tokens[6:], None, 2, 1), ([0] + tokens[1:], None, 1, 0),
+             (tokens, 11, 2, 2), (tokens[:3], None, 0, 0), (tokens + list(range(50, 60)), None, 4, 3)]
+    for probe, limit, queries, hits in cases:
+        before = cache.queries, cache.hits
+        cache.match(probe, max_tokens=limit)
+        grew = cache.queries - before[0], cache.hits - before[1]
+        assert grew == (queries, hits), (
+            f"match of {len(probe)} tokens (max_tokens {limit}) against 3 cached blocks: queries +{grew[0]}, "
+            f"hits +{grew[1]}; expected +{queries}, +{hits} (the first miss is a query; nothing after it is)")
+
+
 def test_evict_frees_only_unreferenced_blocks_in_lru_order(impl):
     kv = make_cache(impl, num_blocks=16, block_size=4)
     cache = impl.paged.PrefixCache(kv)
