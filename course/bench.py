@@ -166,6 +166,7 @@ class Contender:
     make: Callable
     serve: Callable
     streams: bool = True
+    subset: int | None = None                         # serves only the first `subset` requests
     best: dict = field(default_factory=dict)          # workload name -> (seconds, outputs, records, steps)
 
 
@@ -243,9 +244,11 @@ def transformers_model(model):
     return theirs.eval()
 
 
-def hf_contender(model, static: bool, batch: int | None = None) -> Contender:
+def hf_contender(model, static: bool, batch: int | None = None, subset: int | None = None) -> Contender:
     """transformers' batched greedy generate: left-padded batches of `batch` requests (all at
-    once when None), each running to its longest request's max_tokens."""
+    once when None), each running to its longest request's max_tokens. With `subset`, only
+    the workload's first `subset` requests are served and timed: the contender's tok/s is
+    their rate, which stands for the whole workload's (its JSON line says so)."""
     hf = transformers_model(model)
     eos = getattr(model.cfg, "eos_token_id", None)
     pad = 0
@@ -253,6 +256,7 @@ def hf_contender(model, static: bool, batch: int | None = None) -> Contender:
     @torch.inference_mode()
     def serve(engine, items):
         outputs = {}
+        items = items[:subset] if subset else items
         size = batch or len(items)
         for first in range(0, len(items), size):
             group = items[first:first + size]
@@ -268,8 +272,11 @@ def hf_contender(model, static: bool, batch: int | None = None) -> Contender:
                 outputs[it.request_id] = out[row, width:].tolist()
         return outputs, None
 
-    label = "hf " + ("static" if static else "default") + (f", batches of {batch}" if batch else "")
-    return Contender(label, lambda workload: None, serve, streams=False)
+    if batch == 1:
+        label = "hf one at a time" + (f", first {subset}" if subset else "")
+    else:
+        label = "hf " + ("static" if static else "default") + (f", batches of {batch}" if batch else "")
+    return Contender(label, lambda workload: None, serve, streams=False, subset=subset)
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -298,14 +305,16 @@ def report(contender: Contender, workload: Workload, eos: int | None, workloads,
     items = {it.request_id: it for it in workload.items}
     outputs = {rid: cut(tokens, items[rid].max_tokens, eos) for rid, tokens in outputs.items()}
     tokens = sum(len(v) for v in outputs.values())
-    line = {"workload": workload.name, "contender": contender.label, "requests": len(items),
+    line = {"workload": workload.name, "contender": contender.label, "requests": len(outputs),
             "output_tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+    if len(outputs) < len(items):
+        line["rate_of_first_requests"] = f"{len(outputs)} of {len(items)}"
     if steps is not None:
         line["steps"] = steps
     if records is not None:
         line.update(latency_summary(workloads, records))
     if reference_outputs is not None:
-        differ = [rid for rid in items if outputs[rid] != reference_outputs[rid]]
+        differ = [rid for rid in outputs if outputs[rid] != reference_outputs[rid]]
         line["identical"] = not differ
         if differ:
             line["differing_requests"] = differ[:8]
@@ -443,6 +452,9 @@ def summarise(workload: Workload, lines: list) -> dict:
             out[f"{backend}_vs_hf_static"] = ratio(tok[label], hf_static)
         if "hf default" in tok:
             out[f"{backend}_vs_hf_default"] = ratio(tok[label], tok["hf default"])
+        alone = next((v for k, v in tok.items() if k.startswith("hf one at a time")), None)
+        if alone:
+            out[f"{backend}_vs_hf_one_at_a_time"] = ratio(tok[label], alone)
     tpot = {line["contender"]: line.get("tpot_p99_ms") for line in lines if line.get("tpot_p99_ms")}
     for label in (k for k in tpot if k.startswith("core/")):
         if "ch24 slots" in tpot:

@@ -288,7 +288,8 @@ def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
     assert status == 0, f"run.py bench failed:\n{out}{err}"
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     runs = {line["contender"]: line for line in lines if "contender" in line}
-    assert {"core/reference", "core/vectorised", "ch24 slots", "hf default", "hf static"} <= set(runs), out
+    assert {"core/reference", "core/vectorised", "ch24 slots", "hf default", "hf static",
+            "hf one at a time, first 8"} <= set(runs), out
     assert all(line["tok_s"] > 0 and line["requests"] == 2 for line in runs.values()), out
     assert len({line["output_tokens"] for line in runs.values()}) == 1, "contenders counted different tokens"
     assert all(line.get("identical", True) for line in runs.values()), out

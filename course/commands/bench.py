@@ -7,6 +7,9 @@ interleaved round by round (a busy moment on a shared machine slows every conten
   hf default       transformers' generate (its class of the model's family) on the whole batch, left-padded
   hf static        the same with cache_implementation="static" (preallocated KV), the
                    whole batch and, when there are more than 16 requests, batches of 16
+  hf one at a time transformers' generate on one request after another, as a naive server
+                   would: the first 8 requests are timed and their rate stands for the
+                   workload's (the line's rate_of_first_requests says so)
 transformers' generate runs every request of a batch to the batch's longest max_tokens and
 cannot take requests that arrive later, so it is left out of the Poisson workload; its
 extra tokens are cut off before comparing and are not counted as throughput.
@@ -35,6 +38,7 @@ from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 from course.smollm2 import SmolLM2Unavailable
 
 WORKLOADS = ("seed", "serving", "long", "poisson", "chat")
+ONE_AT_A_TIME_SUBSET = 8       # requests transformers serves one by one; their rate stands for all
 
 
 def add_arguments(parser):
@@ -145,6 +149,8 @@ def _contenders(impl, bench, workload, device, backends, args):
         contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True)]
         if len(workload.items) > 16:
             contenders.append(bench.hf_contender(model, static=True, batch=16))
+        # How a naive server runs transformers: one request after another (a subset, timed).
+        contenders.append(bench.hf_contender(model, static=False, batch=1, subset=ONE_AT_A_TIME_SUBSET))
     return contenders
 
 
