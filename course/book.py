@@ -245,8 +245,9 @@ def intro_page(manifest: Manifest, pages: tuple[tuple[str, str], ...] | list[tup
             "maintainer's.\n\n"
             "## The chapters\n\n"
             f"Start with [Chapter {first.number}: {first.title}]({first.notebook_ipynb}). "
-            f"{written} of {len(manifest.chapters)} chapters are written; the others are listed "
-            "as planned, each with a synopsis of what it will teach.\n\n"
+            + (f"All {written} chapters are written.\n\n" if written == len(manifest.chapters) else
+               f"{written} of {len(manifest.chapters)} chapters are written; the others are listed "
+               "as planned, each with a synopsis of what it will teach.\n\n")
             + chapter_table(manifest, link=lambda c: c.notebook_ipynb) + "\n"
             + (f"\nAlso in this book: {reference}.\n" if pages else ""))
 
