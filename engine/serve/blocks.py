@@ -32,7 +32,8 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], extra: Iterable[Hash
     tenant's salt). Returns 16 bytes: the BLAKE2b digest (digest_size=16) of, in this order,
     the parent key (ROOT_PARENT when parent is None), the tokens as native signed 64-bit
     integers (array("q", ...)), and, only when extra is non-empty, repr(tuple(extra)) in
-    UTF-8. The exact bytes are part of the contract (the milestone compares keys).
+    UTF-8. The exact bytes are part of the contract (the notebook checks them against
+    the reference's).
     Because the parent is part of the input, equal keys mean equal whole prefixes, not just
     equal blocks. Pure: same inputs, same key, in every process. Never Python's hash() or any
     non-cryptographic hash: a forged collision would let one user read another's K/V.
@@ -136,10 +137,11 @@ class BlockManager:
 
         cached_blocks: block ids from find_cached_prefix, adopted before the new tokens. On
         success (returns True) the request owns, in self.req_blocks[id] and in logical order, its
-        old blocks, then cached_blocks, then fresh blocks from the free queue (self._pop_free), in
-        all exactly enough for num_computed_tokens + len(cached_blocks) * block_size +
-        num_new_tokens tokens. Every adopted block gains one reference, leaves the free queue if
-        it was cached-free, and keeps its key; when any were adopted,
+        old blocks, then cached_blocks, then just as many fresh blocks from the free queue
+        (self._pop_free) as are still missing to hold num_computed_tokens +
+        len(cached_blocks) * block_size + num_new_tokens tokens (none if it holds enough).
+        Every adopted block gains one reference, leaves the free queue if it was cached-free,
+        and keeps its key; when any were adopted,
         self.num_registered[id] == len(cached_blocks) (they are already published).
         When the free queue cannot cover it, returns False and changes NOTHING (not even an empty
         entry for a request that held no block). Trap: an adopted cached-free block leaves the

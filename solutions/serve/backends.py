@@ -138,7 +138,7 @@ class ReferenceBackend:
         self.dequantize, so a quantized pool (Chapter 32) reads the same way.
         Sizes come from the host lists meta.query_start_loc_cpu and meta.seq_lens_cpu: no device
         reads. A padding request (seq_len 0, or no rows) contributes nothing: its output rows are
-        zero. Must agree with causal_attention on the same keys (the milestone compares).
+        zero. Each request's rows equal causal_attention on its gathered keys and values.
         """
         out = torch.zeros_like(q)
         bounds = meta.query_start_loc_cpu
