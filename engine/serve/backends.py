@@ -39,12 +39,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values in the pool.  (Your engine: Chapter 31)
 
-    k_cache, v_cache: [num_blocks + 1, block_size, Hkv, D]; k, v: [N, Hkv, D] (cast them to
-    the pool's dtype); slot_mapping: int64 [N] flat slots. Row i goes to flat slot
-    slot_mapping[i] of cache.view(-1, Hkv, D): one index_copy_ per pool, in place.
-    Slot -1 (a padding row) must not be dropped on the host side, which would need to know
-    how many rows are real (a device sync a CUDA graph cannot contain): send it to the
-    pool's very last slot instead, inside the scratch block no request owns.
+    k_cache, v_cache: one layer's pools, [num_blocks + 1, block_size, Hkv, D], written in
+    place (nothing is returned). k, v: [N, Hkv, D], any float dtype; they are stored in the
+    pool's dtype. slot_mapping: int64 [N]; entry i is the flat slot (block * block_size +
+    offset, counting across the whole pool) that receives row i of k and of v.
+    Afterwards slot slot_mapping[i] of each pool holds row i; no other slot of a request's
+    blocks changes. Padding rows carry slot -1: they must land in the pool's very last slot,
+    inside the scratch block no request owns, and never be filtered out on the host (that
+    would need the number of real rows, a device sync a CUDA graph cannot hold). The write
+    must be a device-side scatter, with no host reads of slot_mapping.
     """
     raise NotImplementedError("Your engine: Chapter 31: write_kv")
 
@@ -117,16 +120,19 @@ class ReferenceBackend:
                 window: int = 0) -> torch.Tensor:
         """Attention of this step's queries against the pool.  (Your engine: Chapter 31)
 
-        q: [N, H, D]; cache: (k_cache, v_cache, ...) already holding this step's keys;
-        returns [N, H, D] in q's dtype. Loop over requests using the HOST lists
-        meta.query_start_loc_cpu and meta.seq_lens_cpu (no device reads). Request r owns
-        rows s = query_start_loc[r] .. e = query_start_loc[r + 1]. Those t = e - s rows are
-        the newest t tokens of a context of seq_len tokens: their positions run from
-        seq_len - t to seq_len - 1, and the keys cover 0 .. seq_len - 1 (gather_context through
-        meta.block_table[r], then self.dequantize). Call causal_attention on
-        [1, H, t, D] / [1, Hkv, seq_len, D] with those positions; with window > 0 (sliding
-        window, Chapter 42) also pass allowed = key position > query position - window.
-        Skip padding requests (seq_len 0 or no rows): their output rows stay zero.
+        q: [N, H, D], the step's query rows (already rotated); cache: the layer's pool tuple
+        (k_cache, v_cache[, k_scales, v_scales]) already holding this step's keys and values;
+        meta: the step's BatchMeta; scale: the softmax scale (None: 1 / sqrt(D)); window: a
+        sliding window in tokens (0: none, Chapter 42). Returns [N, H, D] in q's dtype.
+        Request r owns rows query_start_loc[r] .. query_start_loc[r + 1] - 1; they are the newest
+        tokens of its seq_lens[r]-token context, whose keys it reads through block_table[r]
+        (the Hkv key heads are shared by H // Hkv query heads each). Each row attends causally to
+        the keys at or before its own position and, with window > 0, only to keys less than
+        `window` positions behind it. Values come out of the pool as float through
+        self.dequantize, so a quantized pool (Chapter 32) reads the same way.
+        Sizes come from the host lists meta.query_start_loc_cpu and meta.seq_lens_cpu: no device
+        reads. A padding request (seq_len 0, or no rows) contributes nothing: its output rows are
+        zero. Each request's rows equal causal_attention on its gathered keys and values.
         """
         raise NotImplementedError("Your engine: Chapter 31: ReferenceBackend.forward")
 

@@ -322,15 +322,19 @@ class EngineCore:
     def check_stop(self, request: Request, index: int = -1) -> Status | None:
         """Why the request ends after its token at `index` (the newest by default), or None.  (Your engine: Chapter 31)
 
-        produced = how many OUTPUT tokens exist up to and including that token.
-        - Only once produced >= params.min_tokens: a token in params.stop_token_ids ->
-          FINISHED_STOPPED with request.stop_reason = that token; the request's eos_token_id
-          (unless params.ignore_eos) -> FINISHED_STOPPED.
-        - produced >= params.max_tokens, or prompt + produced >= self.max_model_len (no
-          position left) -> FINISHED_LENGTH.
-        - A constrained-decoding guide that is finished (request.extra["guide"], Chapter 35)
-          -> FINISHED_STOPPED with stop_reason "guided".
-        Stop tokens win over the length rule when both hold.
+        index: a position in request.token_ids (negative counts from the end). Let produced be
+        the number of output tokens up to and including that token. Returns:
+          Status.FINISHED_STOPPED, with request.stop_reason = the token, when it is in
+            params.stop_token_ids; FINISHED_STOPPED when it is the request's eos_token_id and
+            params.ignore_eos is off; neither applies while produced < params.min_tokens;
+          Status.FINISHED_LENGTH when produced >= params.max_tokens, or when the prompt plus
+            produced reaches self.max_model_len (no position left);
+          Status.FINISHED_STOPPED with stop_reason "guided" when the request's constrained-
+            decoding guide, request.extra["guide"] (Chapter 35), reports `guide.finished`
+            (a bool property: no token may follow);
+          None otherwise.
+        When a stop token and the length rule both hold, the stop token wins. Changes nothing
+        but stop_reason. May raise whatever the guide raises; step() isolates that.
         """
         raise NotImplementedError("Your engine: Chapter 31: EngineCore.check_stop")
 
@@ -338,30 +342,31 @@ class EngineCore:
         """One engine iteration; returns a RequestOutput per request that gained a token or
         finished this step.  (Your engine: Chapter 31)
 
-        1. plan = self.scheduler.schedule(); count plan.preempted into self.preemptions; keep
-           it in self.last_plan.
-        2. Swaps, before any compute: every runner.swap_out(request, blocks) of plan.swap_out,
-           THEN every runner.swap_in(request, blocks) (freed blocks may be reused right away).
-        3. Nothing scheduled -> return []. With self.drafter set (Chapter 37), return
-           self.drafter.step(self, plan): it does steps 4-7 with verification rows.
-        4. batch = runner.prepare(plan.scheduled, self.blocks.req_blocks);
-           logits = runner.execute(batch): one row per sampled row, in request order.
-        5. The requests with a nonzero batch.sample_counts entry get tokens through
-           self._sample(logits, those requests, {id: count}), which calls self.sampler and
-           also reports the requests whose own sampling failed.
-        6. For every scheduled (request, n): num_computed_tokens += n; append its new tokens;
-           self.blocks.cache_full_blocks(request) (generated tokens fill blocks too). A
-           request without new tokens (mid-prompt chunk) reports nothing. Otherwise set
-           first_token_time once; feed each new token to the request's guide, if it has one
-           (request.extra["guide"].advance(token), Chapter 35); if self.check_stop(request) gives a status,
-           self.scheduler.finish(request, status) (its blocks return NOW, so the next step
-           can admit someone) and drop its generator; report self.make_output(...).
-        7. self.steps += 1.
-        Isolation: one request's failure is never the step's. A request whose sampling
-        failed, or whose guide or check_stop raises, is finished alone as aborted, the error on its
-        output (self._abort_with_error); the others carry on in the same step.
-        With self.checks set (EngineConfig.debug_checks), check the plan right after
-        scheduling and the scheduler at the end of the step.
+        Plans with self.scheduler.schedule() (kept in self.last_plan; len(plan.preempted) added to
+        self.preemptions), carries out the plan's swaps with self.runner.swap_out(request, blocks)
+        and self.runner.swap_in(request, blocks), then runs the scheduled rows:
+        self.runner.prepare(plan.scheduled, self.blocks.req_blocks) -> Batch and
+        self.runner.execute(batch) -> float32 logits [L, vocab], rows in logits_indices order
+        (prompt-logprob rows after the sampling rows, handed to self._record_prompt_logprobs,
+        Chapter 34). Tokens come from self._sample(logits, requests, {id: rows}) -> (tokens by
+        id, logprobs by id, errors by id), over the requests with sampled rows.
+        Afterwards, for every scheduled (request, n): num_computed_tokens grew by n, its new
+        tokens are appended and its full blocks published (generated tokens fill blocks too);
+        a request that gained tokens has first_token_time set once, its guide advanced by each
+        token (request.extra["guide"].advance(token), Chapter 35), check_stop applied and, on a
+        status, self.scheduler.finish(request, status) called at once (its blocks are free for
+        the next step) and its generator dropped; it gets one self.make_output(request, new
+        tokens, logprobs) entry. A mid-prompt chunk reports nothing. self.steps grows by one.
+        Returns [] when nothing is scheduled (swaps still happen). With self.drafter set
+        (Chapter 37) it returns self.drafter.step(self, plan), which runs and updates the
+        scheduled requests with verification rows itself.
+        Ordering: every swap-out before any swap-in (a block freed by one may be reused by the
+        other), both before any compute.
+        Isolation: one request's failure is never the step's. A request whose sampling fails, or
+        whose guide or check_stop raises, is finished alone as aborted with the error on its
+        output (self._abort_with_error(request, exc, what)); the others carry on in this step.
+        With self.checks set (EngineConfig.debug_checks): checks.check_plan(plan, scheduler,
+        where) after scheduling, checks.check_scheduler(scheduler, where) at the end.
         """
         raise NotImplementedError("Your engine: Chapter 31: EngineCore.step")
 

@@ -85,15 +85,18 @@ class FlatModel(nn.Module):
                   rope: RopeTables, kv: KVCache, meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor:
         """One attention sublayer on flat rows.  (Your engine: Chapter 31)
 
-        h [N, D] (already normalised) -> [N, D]. The same steps as Qwen3Attention.forward in
-        another layout: project (self.project_qkv), view as q [N, H, Dh], k and v
-        [N, Hkv, Dh]; QK-norm each head (attn.q_norm / attn.k_norm: RMSNorm over the last
-        axis works on any layout) BEFORE rotating; rotate q and k with rope = (cos, sin) of
-        shape [N, 1, Dh]; store k, v with backend.write(kv, k, v, meta) BEFORE attending, so
-        this step's queries see their own keys; attend with backend.forward(q, kv, meta,
-        window=getattr(attn, "sliding_window", 0)); o_proj the [N, H * Dh] result.
-        `layer` is the layer index (unused here; backends with per-layer state use it).
-        A module with its own `paged_forward` (latent attention, Chapter 42) is called instead.
+        layer: the layer index (for backends with per-layer state); attn: the layer's
+        Qwen3Attention (q/k/v/o projections, q_norm, k_norm, optional sliding_window); h: [N, D]
+        rows, already normalised; positions: int64 [N]; rope: (cos, sin), each [N, 1, Dh], from
+        self.rope; kv: this layer's pool tuple; meta: the step's BatchMeta; backend: an
+        AttentionBackend with write(kv, k, v, meta) -> None and forward(q, kv, meta, window=...)
+        -> [N, H, Dh]. Returns [N, D] in h's dtype.
+        Computes what Qwen3Attention.forward computes, row for row: projections
+        (self.project_qkv), per-head QK-norm applied before RoPE, GQA attention, o_proj. Trap:
+        this step's K/V must be in the pool before attention reads it, so each row sees its own
+        key. The window passed on is attn.sliding_window when the module has one (else 0).
+        A module with its own paged_forward(h, positions, rope, kv, meta, backend) -> [N, D]
+        (latent attention, Chapter 42) is called instead, with those arguments.
         """
         raise NotImplementedError("Your engine: Chapter 31: FlatModel.attention")
 
@@ -101,16 +104,18 @@ class FlatModel(nn.Module):
                 backend: AttentionBackend, embeds: torch.Tensor | None = None, **features: Any) -> torch.Tensor:
         """Token ids [N] -> final hidden states [N, D] (before the LM head).  (Your engine: Chapter 31)
 
-        The residual stream starts as the token embeddings (self.backbone.embed_tokens), or
-        as `embeds` when given (image rows, Chapter 43). Build the RoPE tables ONCE per step,
-        self.rope(positions, dtype), and hand the same pair to every layer. Each decoder
-        layer has two residual branches, attention (behind input_layernorm) and the MLP
-        (behind post_attention_layernorm); write both through the seams: add_norm adds the
-        previous branch's output to the stream and normalises a copy for the next branch
-        (the very first call has nothing to add), self.attention(i, ...) gets layer i's
-        pool kv_caches[i], self.mlp runs the feed-forward block. The backbone's final norm
-        closes the stream, again through add_norm. `features` are per-step inputs of later
-        chapters (LoRA ids, M-RoPE positions): Chapter 31 receives none, so refuse any.
+        input_ids, positions: int64 [N]; kv_caches: one pool tuple per layer; meta: the step's
+        BatchMeta; backend: the AttentionBackend; embeds: [N, D] rows to use instead of the token
+        embeddings (image rows, Chapter 43). Returns [N, D] in the model's dtype, equal (to
+        float tolerance) to the reference model's final-norm output at those positions.
+        The decoder layers run through the seams later chapters override: self.add_norm(norm,
+        stream, branch) -> (normed, stream) adds a branch's output to the residual stream (None:
+        nothing to add yet) and normalises a copy; self.attention(i, layer.self_attn, normed,
+        positions, rope, kv_caches[i], meta, backend); self.mlp(layer.mlp, normed); the
+        backbone's final norm also closes through add_norm. RoPE tables: self.rope(positions,
+        dtype), built once per step and shared by every layer.
+        `features` are per-step inputs that later chapters add (LoRA slots, M-RoPE positions,
+        Chapter 43): Chapter 31 accepts none and raises ValueError naming any it is given.
         """
         raise NotImplementedError("Your engine: Chapter 31: FlatModel.forward")
 

@@ -92,24 +92,30 @@ def build_batch(scheduled: Sequence[tuple[Request, int]], block_tables: Mapping[
                 device: torch.device | str = "cpu", pad_to: int | None = None) -> Batch:
     """Flatten [(request, n), ...] into one Batch.  (Your engine: Chapter 31)
 
-    For each scheduled (request, n), with c = request.num_computed_tokens:
-      - its new tokens are (request.token_ids + request.spec_token_ids)[c : c + n], at
-        positions c .. c + n - 1; raise ValueError (naming the request) if fewer exist;
-      - position p is stored in slot block_tables[request_id][p // block_size] * block_size
-        + p % block_size (get a block boundary wrong and a neighbour's K/V is overwritten);
-      - its rows are one contiguous range: query_start_loc grows by n, seq_lens gets c + n;
-      - logits rows: a row is sampled when the token after it is not known yet, i.e. rows at
-        positions >= num_tokens - 1. A decode gives its one row, the chunk that ends a
-        prompt gives its last row, a mid-prompt chunk gives NONE (sample_counts gets 0).
-        With draft tokens (Chapter 37) the rows from the last real token on are all sampled.
-      - with params.prompt_logprobs set (Chapter 34), rows whose next token is a prompt
-        token go after all sampling rows in logits_indices, and prompt_spans records
-        (request, c, the prompt tokens those rows predict).
-    pad_to (Chapter 33's CUDA graphs): append dummy requests of one row each (token 0,
-    position 0, slot -1, seq_len 0, empty block table) until there are pad_to requests.
-    block_table is an int32 [R, W] tensor padded with zeros (W >= 1); slot_mapping is int64;
-    input_ids, positions and logits_indices are int64. Build Python lists first and make
-    each tensor once: this runs every step.
+    scheduled: (request, n) pairs, in order; request r computes its next n tokens, those at
+    positions c .. c + n - 1 with c = request.num_computed_tokens, taken from token_ids
+    followed by spec_token_ids (draft tokens, Chapter 37). block_tables: request id -> its
+    physical block ids in logical order. pad_to (Chapter 33's CUDA graphs): pad with one-row
+    dummy requests (token 0, position 0, slot -1, seq_len 0, empty block table) up to pad_to
+    requests. Returns a Batch, all tensors on `device`:
+      input_ids, positions: int64 [N], N = sum of n (plus dummies), request by request;
+      meta.query_start_loc: int32 [R + 1], 0 first, request r's rows between entries r, r + 1;
+      meta.seq_lens: int32 [R], c + n (the context length after this step);
+      meta.block_table: int32 [R, W], each row zero-padded, W >= 1;
+      meta.slot_mapping: int64 [N], block_tables[id][p // block_size] * block_size +
+        p % block_size for the token at position p (-1 for dummies);
+      meta.query_start_loc_cpu / seq_lens_cpu: the same as host lists; max_query_len,
+        max_seq_len their maxima;
+      logits_indices: int64 [L], the rows whose logits are needed: first every sampling row,
+        then every prompt-logprob row; sample_counts: one int per request (how many of its
+        rows are sampled); request_ids; prompt_spans: (request, c, the prompt tokens those
+        rows predict) per request with params.prompt_logprobs set (Chapter 34).
+    A row is sampled exactly when the token after it is not known yet (position >=
+    num_tokens - 1): one row for a decode, the last row of the chunk that ends a prompt, none
+    for a chunk in the middle of a prompt, and every row from the last real token on when
+    draft tokens are scheduled. Prompt-logprob rows are the rows whose next token is a prompt
+    token. Raises ValueError naming the request when fewer than n tokens exist from c.
+    Runs every step: build host lists, then make each tensor once.
     """
     ids: list[int] = []
     positions: list[int] = []

@@ -27,13 +27,16 @@ ROOT_PARENT = b"\x00chain-root"
 def hash_block(parent: bytes | None, tokens: Sequence[int], extra: Iterable[Hashable] = ()) -> bytes:
     """The prefix-cache key of one full block.  (Your engine: Chapter 31)
 
-    parent: the previous block's key (bytes) or None for a sequence's first block;
-    tokens: the block's token ids; extra: anything else that changes its K/V (adapter,
-    image hashes, a tenant's salt). Returns a 16-byte digest: BLAKE2b with digest_size=16,
-    fed the parent key (or a fixed root marker), the tokens packed as 64-bit integers
-    (array("q", tokens).tobytes()) and, when extra is non-empty, repr(tuple(extra)).
-    Because the parent key is hashed in, equal keys mean equal WHOLE prefixes.
-    Never Python's hash(): a user who can forge a collision could read another user's K/V.
+    parent: the key of the block before it, or None for a sequence's first block; tokens: the
+    block's token ids; extra: anything else that changes its K/V (an adapter, image hashes, a
+    tenant's salt). Returns 16 bytes: the BLAKE2b digest (digest_size=16) of, in this order,
+    the parent key (ROOT_PARENT when parent is None), the tokens as native signed 64-bit
+    integers (array("q", ...)), and, only when extra is non-empty, repr(tuple(extra)) in
+    UTF-8. The exact bytes are part of the contract (the notebook checks them against
+    the reference's).
+    Because the parent is part of the input, equal keys mean equal whole prefixes, not just
+    equal blocks. Pure: same inputs, same key, in every process. Never Python's hash() or any
+    non-cryptographic hash: a forged collision would let one user read another's K/V.
     """
     digest = hashlib.blake2b(digest_size=16)
     digest.update(ROOT_PARENT if parent is None else parent)
@@ -119,15 +122,18 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The blocks of the longest cached run at the start of request.  (Your engine: Chapter 31)
 
-        Returns a list of block ids (possibly cached-free: do not touch their state here).
-        Walk request's block keys (self.update_hashes) from the first and stop at the first
-        key missing from self.cached. Trap: never match the block holding the LAST token:
-        its logits choose the first output token, so at least one token must be computed.
-        Only keys of blocks that end before the last token count: (num_tokens - 1) //
-        block_size of them (a 32-token prompt with 16-token blocks reuses at most one).
-        Returns [] with prefix caching off, or when params.prompt_logprobs is set (every prompt
-        position must then run). Statistics: stats["queries"] += num_tokens,
-        stats["hits"] += tokens found.
+        Returns the block ids (list[int], logical order) whose keys (self.update_hashes(request))
+        are published in self.cached for the request's first blocks, stopping at the first block
+        that is not. Read-only for the blocks: some may be cached-free (ref_count 0, in the free
+        queue); adopting them is allocate_slots' job.
+        Trap: the block that holds the request's LAST token is never matched, since its logits
+        choose the next token and at least one token must be computed; only the (num_tokens - 1)
+        // block_size blocks that end before it are candidates (a 32-token prompt in 16-token
+        blocks reuses at most one). Returns [] with prefix caching off or when
+        params.prompt_logprobs is set (every prompt position must run then).
+        Statistics: every call adds num_tokens to stats["queries"] and the number of tokens found
+        (block_size per block) to stats["hits"], even when it finds nothing (the scheduler undoes
+        a lookup that did not lead to admission with forget_lookup).
         """
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return []
@@ -143,14 +149,17 @@ class BlockManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         """Give request room for num_new_tokens more tokens.  (Your engine: Chapter 31)
 
-        The request will then hold num_computed_tokens + len(cached_blocks) * block_size +
-        num_new_tokens tokens: first adopt cached_blocks (from find_cached_prefix, appended
-        to self.req_blocks[id] in order, ref_count + 1, taken out of the free queue if they
-        were cached-free, KEEPING their hash), then pop fresh blocks (self._pop_free) for
-        whatever is still missing. Returns True, or False with NOTHING changed when the free
-        blocks do not suffice. Trap: an adopted cached-free block leaves the free queue too,
-        so it uses up one of the free blocks you counted. When blocks were adopted, record
-        that they are published: self.num_registered[id] = len(cached_blocks).
+        cached_blocks: block ids from find_cached_prefix, adopted before the new tokens. On
+        success (returns True) the request owns, in self.req_blocks[id] and in logical order, its
+        old blocks, then cached_blocks, then just as many fresh blocks from the free queue
+        (self._pop_free) as are still missing to hold num_computed_tokens +
+        len(cached_blocks) * block_size + num_new_tokens tokens (none if it holds enough).
+        Every adopted block gains one reference, leaves the free queue if it was cached-free,
+        and keeps its key; when any were adopted,
+        self.num_registered[id] == len(cached_blocks) (they are already published).
+        When the free queue cannot cover it, returns False and changes NOTHING (not even an empty
+        entry for a request that held no block). Trap: an adopted cached-free block leaves the
+        free queue too, so it costs one of the free blocks counted for the fresh ones.
         """
         owned = self.req_blocks.setdefault(request.request_id, [])
         tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
@@ -173,16 +182,17 @@ class BlockManager:
     def cache_full_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Publish request's full blocks under their keys.  (Your engine: Chapter 31)
 
-        Covers the full blocks among its first num_tokens tokens (default:
-        num_computed_tokens), also limited by how many blocks and keys it has. Start after the
-        self.num_registered[id] blocks already published, and record the new count. Publish
-        block b under key k (self.block_hash[b] = k, self.cached[k] = b) only when b has no
-        key yet and k is not taken: the FIRST block published under a key wins, and a
-        duplicate computed by another request stays private (no key).
-        Publishing happens at allocation time, before the forward pass computes the block:
-        safe, because in one flattened step every layer writes all K/V before any attention
-        reads them, so a request adopting the block in the same step reads it written.
-        Does nothing with prefix caching off.
+        num_tokens: how many leading tokens count as written (None: num_computed_tokens). The
+        blocks considered are the request's full blocks among those tokens (also limited by the
+        blocks it owns and the keys it has), after the self.num_registered[id] it already
+        published; afterwards num_registered[id] is that full count. A block is published
+        (self.block_hash[b] = key, self.cached[key] = b) only if it has no key yet and its key is
+        not already taken: the first block published under a key keeps it, and a duplicate
+        computed by another request stays private. Idempotent; does nothing with prefix caching
+        off.
+        Blocks are published as soon as they are allocated, before the forward pass writes them:
+        safe, because within one flattened step every layer writes all K/V before any attention
+        reads, so a request that adopts such a block in the same step reads it written.
         """
         if not self.enable_prefix_caching:
             return
@@ -203,11 +213,12 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Drop request's hold on all its blocks.  (Your engine: Chapter 31)
 
-        Pop its list from self.req_blocks and its self.num_registered entry; decrement each
-        block's ref_count, and a block that reaches 0 goes to the BACK of the free queue
-        keeping its hash (cached-free). Order matters: release the blocks in REVERSE logical
-        order, so the request's tail (unique to it) is reused before its head (a shared
-        system prompt, most likely to be hit again). A count below 0 is a bug: raise
+        Afterwards the request has no entry in self.req_blocks or self.num_registered; each of
+        its blocks has one reference less, and a block left with none joins the BACK of the free
+        queue keeping its key (cached-free, reusable by a later lookup until evicted). Blocks are
+        released in reverse logical order, so the request's tail (unique to it) is reused before
+        its head (a shared system prompt, the likeliest to be hit again). Freeing a request that
+        holds nothing is a no-op. A reference count going below zero is a bug elsewhere: raise
         RuntimeError naming the block.
         """
         for block in reversed(self.req_blocks.pop(request.request_id, [])):

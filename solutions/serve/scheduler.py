@@ -131,15 +131,17 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the device.  (Your engine: Chapter 31)
 
-        Remove it from self.running, clear its spec_token_ids (drafts are for the next step
-        only), then by self.config.preemption_mode:
-          "recompute": num_computed_tokens = 0; it will prefill prompt + output again, and
-                       will probably find its own blocks still in the prefix cache;
-          "swap":      record (request, a COPY of its block list) in out.swap_out BEFORE
-                       freeing, set swapped_out = True, keep num_computed_tokens.
-        Then free its blocks, set status PREEMPTED, count num_preemptions, add it to
-        out.preempted, and put it back at the FRONT of the waiting queue (self._enqueue(...,
+        request: one of self.running; out: this step's SchedulerOutput. Afterwards the request is
+        not running, holds no blocks (self.blocks.free), has no draft tokens (spec_token_ids
+        empty: drafts are for one step), has status PREEMPTED and num_preemptions one higher, is
+        listed in out.preempted, and is at the FRONT of the waiting queue (self._enqueue(request,
         front=True)): it was admitted before everyone still waiting.
+        By self.config.preemption_mode:
+          "recompute": num_computed_tokens == 0 (it prefills prompt and output again; its own
+            blocks are probably still in the prefix cache);
+          "swap": out.swap_out holds (request, a copy of the block list it held, taken before
+            freeing) so the runner can copy those blocks out; swapped_out is True and
+            num_computed_tokens is kept.
         """
         self.running.remove(request)
         request.spec_token_ids = []
@@ -158,33 +160,34 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step within the token budget.  (Your engine: Chapter 31)
 
-        budget = config.max_num_batched_tokens; under policy "priority", first sort
-        self.running by (priority, arrival_time).
-        1. Running requests, in order, while budget is left: n = self._chunk(num_tokens_with_spec
-           - num_computed_tokens, budget); n = 0 for a request that already has
-           params.max_tokens output tokens (its last one is still being computed: a
-           placeholder, Chapter 33); skip n == 0. Until blocks.allocate_slots(request, n)
-           succeeds, preempt the LAST running request (self._preempt); if that victim was
-           this request itself, stop the whole pass. Otherwise schedule (request, n), publish
-           its blocks at once (blocks.cache_full_blocks(request, computed + n)), spend n.
-        2. Then waiting requests from the front, while budget is left, fewer than
-           max_num_seqs run, and NOTHING was preempted this step (memory is evidently full):
-           cached = find_cached_prefix(request) unless it already has computed tokens (a
-           swapped request); remaining = num_tokens - computed - cached tokens. With chunked
-           prefill off, a remaining that does not fit the budget left waits (unless it
-           exceeds even a full budget: a long resumed request is chunked anyway). n =
-           self._chunk(remaining, budget); if allocate_slots(request, n, cached) fails, stop
-           admitting (never preempt to admit); a request that waits after a lookup calls
-           blocks.forget_lookup(request, cached), so the hit rate counts each admission once.
-           A request for which self._adapter_waits(request) holds waits too (Chapter 43's
-           cap on adapters per step), before any lookup.
-           Else pop it from waiting; a swapped_out
-           request goes to out.swap_in with a copy of its new block list (swapped_out =
-           False); computed += cached tokens; on a FIRST admission (status WAITING) record
-           num_cached_tokens; status RUNNING; append to running; schedule (request, n);
-           publish its blocks at once so a request admitted after it in this same step can
-           adopt them; spend n.
-        Returns a SchedulerOutput.
+        Returns a SchedulerOutput: scheduled, (request, n) pairs with n >= 1, running requests
+        first, then newly admitted ones; preempted; swap_out and swap_in, (request, block ids)
+        pairs for the runner. Invariants of the plan:
+          - sum of n <= config.max_num_batched_tokens; each n <= self._chunk's cap; no more than
+            config.max_num_seqs requests run;
+          - every scheduled request holds blocks for num_computed_tokens + n tokens
+            (blocks.allocate_slots) and has them published at once (blocks.cache_full_blocks(
+            request, computed + n)), so a request admitted later in the same step can adopt them;
+          - running requests are served in order (sorted by (priority, arrival_time) under policy
+            "priority"); one that already has params.max_tokens output tokens gets no row (its
+            last token may still be a placeholder, Chapter 33). When blocks run short, the LAST
+            running request is preempted (self._preempt), repeatedly, and if that is the request
+            being served, the running pass ends;
+          - waiting requests are admitted from the front, never by preempting, and not at all in a
+            step that preempted; the first that cannot be admitted stops admission (no skipping);
+            a request for which self._adapter_waits(request) holds (Chapter 43) waits before any
+            lookup;
+          - a fresh request (no computed tokens) adopts its cached prefix (blocks.
+            find_cached_prefix), which counts as computed; a swapped-out request keeps its tokens,
+            gets fresh blocks, goes to out.swap_in with a copy of its new block list and is no
+            longer swapped_out;
+          - with chunked prefill off, a request whose remaining tokens do not fit the budget left
+            waits, unless they exceed a whole budget (then it is chunked anyway);
+          - a request that looked up and still waits is passed to blocks.forget_lookup(request,
+            cached), so the hit rate counts each admission once. Trap: a swapped request never
+            looked up, and must NOT be forgotten;
+          - an admitted request is RUNNING and appended to self.running; on its first admission
+            (status WAITING) num_cached_tokens records the tokens its prefix supplied.
         """
         out = SchedulerOutput()
         cfg, blocks = self.config, self.blocks
