@@ -26,6 +26,12 @@ from .engine_checks import check_engine_idle
 
 TINY_EOS = 257          # the tiny model's eos_token_id (course.models.tiny_config)
 
+
+def byte_vocabulary(vocab_size: int) -> list[bytes]:
+    """The vocab_bytes of Chapter 3's ByteTokenizer (constrained decoding, Chapter 35): ids
+    0-255 are their byte, the special ids above have none."""
+    return [bytes([i]) if i < 256 else b"" for i in range(vocab_size)]
+
 # key -> (the model, its output): holding the model keeps its id from being reused by another.
 _SOLO: dict[tuple, tuple[object, list[int]]] = {}
 

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from course.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
+from course.oracles import TINY_EOS, assert_engine_idle, byte_vocabulary, make_engine, solo
 
 pytestmark = pytest.mark.chapter(35)
 
@@ -337,11 +337,6 @@ def test_masks_are_computed_once_per_pattern_and_vocabulary(guided):
 
 # --- the engine: guided and free requests in the same steps ------------------------------------
 
-def byte_vocabulary(vocab_size):
-    """The tiny model's ByteTokenizer: ids 0-255 are bytes, the specials above have none."""
-    return [bytes([i]) if i < 256 else b"" for i in range(vocab_size)]
-
-
 def guided_engine(serve, model, **config):
     engine = serve.engine.EngineCore(
         model, serve.config.EngineConfig(**{"block_size": 16, "num_blocks": 64, "sampler": "full", **config}),
@@ -495,10 +490,9 @@ def test_engine_state_machine_with_guided_requests(serve, tiny_model, request):
 
     class GuidedMachine(machines.EngineMachine):
         def build_engine(self, config):
-            vocab = self.model.cfg.vocab_size
+            vocab_bytes = byte_vocabulary(self.model.cfg.vocab_size)
             return self.serve.engine.EngineCore(self.model, self.serve.config.EngineConfig(**config),
-                                                eos_token_id=None,
-                                                vocab_bytes=[bytes([i]) if i < 256 else b"" for i in range(vocab)])
+                                                eos_token_id=None, vocab_bytes=vocab_bytes)
 
         @precondition(lambda self: self.ready and len(self.engine.scheduler.requests) < 8)
         @rule(prompt=machines.prompts, max_tokens=st.integers(4, 10))

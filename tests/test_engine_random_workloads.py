@@ -31,7 +31,7 @@ from collections import Counter
 import pytest
 
 from course.engine_checks import check_scheduler
-from course.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
+from course.oracles import TINY_EOS, assert_engine_idle, byte_vocabulary, make_engine, solo
 
 pytestmark = pytest.mark.chapter(31)
 
@@ -137,11 +137,9 @@ def run_workload(serve, model, ref_model, seed, speculate=None, guided=False):
         guide_some(seed, config, requests)
     label = f"[workload {seed}: {config}]"
     # debug_checks: the plan and the scheduler's invariants are checked inside every step.
-    if guided:                          # the guides need each token's bytes: the tiny model's ids 0-255 are bytes
-        vocab = model.cfg.vocab_size
+    if guided:                          # the guides need each token's bytes
         engine = serve.engine.EngineCore(model, serve.config.EngineConfig(debug_checks=True, **config),
-                                         eos_token_id=TINY_EOS,
-                                         vocab_bytes=[bytes([i]) if i < 256 else b"" for i in range(vocab)])
+                                         eos_token_id=TINY_EOS, vocab_bytes=byte_vocabulary(model.cfg.vocab_size))
     else:
         engine = make_engine(serve, model, debug_checks=True, **config)
     if speculate is not None:

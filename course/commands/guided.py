@@ -63,7 +63,8 @@ def vocabularies(guided, which):
     """(name, vocab_bytes, eos_token_id) for the byte vocabulary and/or, if available, SmolLM2's."""
     from course import bpe_oracle, reference, smollm2
     from course.models import TINY_VOCAB_SIZE
-    byte_vocab = [bytes([i]) if i < 256 else b"" for i in range(TINY_VOCAB_SIZE)]
+    from course.oracles import byte_vocabulary
+    byte_vocab = byte_vocabulary(TINY_VOCAB_SIZE)
     found = [("bytes", byte_vocab, 257)] if which in ("bytes", "all") else []
     if which == "bytes":
         return found
@@ -141,11 +142,11 @@ def engine_runs(impl, guided, args):
     """Yield one result per (model, run): free, guided cold, guided warm."""
     from course import smollm2
     from course.models import tiny_qwen3
-    from course.oracles import TINY_EOS
+    from course.oracles import TINY_EOS, byte_vocabulary
     from course.real_model import smollm2 as load_smollm2
     engine_module, config, request = (impl.load(f"serve.{name}") for name in ("engine", "config", "request"))
     tiny = tiny_qwen3(impl.package)
-    models = [("tiny", tiny, [bytes([i]) if i < 256 else b"" for i in range(tiny.cfg.vocab_size)], TINY_EOS,
+    models = [("tiny", tiny, byte_vocabulary(tiny.cfg.vocab_size), TINY_EOS,
                [[1 + i, 2, 3] for i in range(args.requests)])]
     if args.vocabulary != "bytes":
         try:
