@@ -74,13 +74,7 @@ class MLAConfig(Qwen3Config):
         if rope_type(values) != "default":
             raise ValueError(f"rope_type {rope_type(values)!r} with latent attention is not built here "
                              "(DeepSeek's YaRN also rescales the softmax); use an unscaled config")
-        rope = values.get("qk_rope_head_dim", cls.qk_rope_head_dim)
-        plain = {k: v for k, v in values.items() if k not in ("rope_scaling", "rope_parameters")}
-        for nested in ("rope_parameters", "rope_scaling"):          # newer files keep rope_theta in there
-            theta = (values.get(nested) or {}).get("rope_theta")
-            if theta is not None and "rope_theta" not in plain:
-                plain["rope_theta"] = theta
-        return super().from_dict({**plain, "head_dim": rope})
+        return super().from_dict({**values, "head_dim": values.get("qk_rope_head_dim", cls.qk_rope_head_dim)})
 
 
 def pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
