@@ -349,7 +349,9 @@ def jupyter_book_command() -> list[str]:
 
 def build(out: Path = DEFAULT_OUT, manifest: Manifest | None = None, quiet: bool = True) -> Path:
     """Build the HTML book under `out`; returns the folder holding index.html."""
-    out = Path(out)
+    # Absolute, because jupyter-book runs with `out` as its working directory: a relative
+    # source path (the default, build/book) would be looked up inside itself.
+    out = Path(out).resolve()
     source = build_source(out / "src", manifest)
     copy_mathjax(source / EXTRA_DIR / MATHJAX_DIR)
     command = jupyter_book_command() + ["build", str(source), "--path-output", str(out), "--builder", "html"]
