@@ -131,7 +131,10 @@ def _pytest_command(spec: str, milestone: Path, test_timeout: float, skip: list[
             "-c", str(ROOT / "pytest.ini"), "--rootdir", str(ROOT),
             "-o", "addopts=",               # no notebooks, no xdist: just this file
             "-p", "course.pytest_plugin", "-p", "course.grade_recorder",
-            "-p", "no:cacheprovider", "-p", "no:nbval",   # nbval's imports cost seconds per run
+            # Plugins no milestone needs, whose imports cost more than pytest's own start-up:
+            # nbval (seconds), hypothesis's (its whole package, at the end of every run: @given
+            # works without it) and anyio's (trio).
+            "-p", "no:cacheprovider", "-p", "no:nbval", "-p", "no:hypothesispytest", "-p", "no:anyio",
             "-q", "--impl", spec, f"--timeout={test_timeout:g}",
             *[f"--deselect={nodeid}" for nodeid in skip]]
 

@@ -182,7 +182,9 @@ def test_a_whole_suite_run_spreads_over_the_cores(pytester, monkeypatch):
     monkeypatch.delenv("COURSE_SERIAL", raising=False)      # the inner runs inherit the environment
     pytester.makeini("[pytest]\ntestpaths = .\n")
     pytester.makepyfile(test_a="def test_a(): pass", test_b="def test_b(): pass")
-    plugins = ("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
+    # Each run starts pytest in one process per worker and one more: no plugin it does not need.
+    plugins = ("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider",
+               "-p", "no:hypothesispytest", "-p", "no:anyio")
     parallel = pytester.runpytest_subprocess(*plugins)
     parallel.assert_outcomes(passed=2)
     parallel.stdout.fnmatch_lines(["*created: * workers*"])
