@@ -320,6 +320,31 @@ class PlacedFlatModel(FlatModel):
         """The device of decoder layer `index` (the ModelRunner puts its KV pool there)."""
         return self.stage_devices[self.stage_of_layer[index]]
 
+    def pool_blocks(self, block_bytes: int, cpu_pool_bytes: int, utilization: float) -> int:
+        """How many blocks the engine's pool may have (EngineConfig.num_blocks None): every
+        layer's pool holds them all, on its layer's device, so the count is the smallest
+        that fits on any device, given the layers each one holds.
+
+        block_bytes: one block of one layer's pool. An accelerator gives what memory_info
+        reports free now (the weights are already placed) less the (1 - utilization) share
+        of its total that the engine leaves alone; those layers' pools split it. The CPU
+        gives its layers their share of cpu_pool_bytes (EngineConfig.kv_cache_bytes, the
+        whole pool's budget off CUDA), as an unplaced CPU engine does: all-CPU stages size
+        the pool exactly as one CPU would. Activations are not profiled per device here:
+        the (1 - utilization) share is their room."""
+        if block_bytes < 1:
+            raise ValueError(f"pool_blocks: a block takes at least one byte, got {block_bytes}")
+        fits = []
+        for device in dict.fromkeys(self.stage_devices):
+            layers_here = sum(self.layer_device(i) == device for i in range(len(self.layers)))
+            if device.type == "cpu":
+                budget = cpu_pool_bytes * layers_here // len(self.layers)
+            else:
+                memory = memory_info(device)
+                budget = int(memory.free_bytes - (1 - utilization) * memory.total_bytes)
+            fits.append(max(0, budget) // (layers_here * block_bytes))
+        return min(fits)
+
     def hand_over(self, stream: torch.Tensor, stage: int) -> torch.Tensor:
         """The residual stream moved to stage `stage`'s device.  (Your engine: Chapter 40)
 
