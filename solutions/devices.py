@@ -96,6 +96,22 @@ def visible_devices() -> list[torch.device]:
     return found
 
 
+def require_device(device: torch.device | str, asker: str) -> torch.device:
+    """`device` as a torch.device, when this process has it. For a device that is absent
+    (or numbered past the last one) torch's own queries fail with an AssertionError or a
+    RuntimeError that does not say which device was asked for; this says it, as a
+    ValueError. Kinds outside AUTO_ORDER ("meta") are left to the caller."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{asker}: {device!r} is not a device torch understands") from None
+    if found.type in AUTO_ORDER:
+        count = device_count(found.type)
+        if count == 0 or (found.index is not None and found.index >= count):
+            raise ValueError(f"{asker}: torch sees {count} {found.type} device(s) here, so no {str(found)!r}")
+    return found
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait until every kernel queued on `device` has finished (nothing to wait for on a CPU)."""
     synchronizer(device)()
@@ -130,8 +146,8 @@ def memory_info(device: torch.device | str) -> MemoryInfo:
     CUDA/ROCm: the driver's cudaMemGetInfo (other processes' use counts against free).
     MPS: the GPU shares the Mac's RAM; Metal recommends a working-set size, and what this
     process's Metal driver holds already is taken from it. XPU: the runtime's own query.
-    CPU: the host's available RAM."""
-    device = torch.device(device)
+    CPU: the host's available RAM. ValueError for a device this process does not have."""
+    device = require_device(device, "memory_info")
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return MemoryInfo(int(free), int(total), "torch.cuda.mem_get_info")
@@ -150,8 +166,9 @@ def memory_info(device: torch.device | str) -> MemoryInfo:
 
 def supports_bf16(device: torch.device | str) -> bool:
     """Whether bfloat16 tensors compute on `device` at useful speed (CPU: they work, slowly
-    unless the core has AVX512-BF16 or AMX; we say no and keep float32 there)."""
-    device = torch.device(device)
+    unless the core has AVX512-BF16 or AMX; we say no and keep float32 there). ValueError
+    for a device this process does not have."""
+    device = require_device(device, "supports_bf16")
     if device.type == "cuda":
         # torch.cuda.is_bf16_supported() also says yes for older GPUs that only emulate it
         # (slowly), and asks the current device rather than this one.
@@ -169,8 +186,9 @@ def supports_bf16(device: torch.device | str) -> bool:
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """The dtype to load a real checkpoint in: bfloat16 where the device computes it,
-    float16 on an MPS device without it, float32 on a CPU."""
-    device = torch.device(device)
+    float16 on an MPS device without it, float32 on a CPU. ValueError for a device this
+    process does not have (its dtype would be a guess)."""
+    device = require_device(device, "default_dtype")
     if device.type == "cpu":
         return torch.float32
     if supports_bf16(device):

@@ -58,11 +58,22 @@ def test_absent_or_out_of_range_devices_are_refused(devices, kind):
     if count == 0:
         with pytest.raises(ValueError, match=f"no {kind} device"):
             devices.pick_device(kind)
+        for ask in (devices.memory_info, devices.default_dtype):     # torch's own answer is an AssertionError
+            with pytest.raises(ValueError, match=kind):
+                ask(kind)
     else:
         assert devices.pick_device(f"{kind}:0") == torch.device(kind, 0)
     if kind != "mps":
         with pytest.raises(ValueError, match=kind):
             devices.pick_device(f"{kind}:{count}")
+        with pytest.raises(ValueError, match=f"{kind}:{count}"):
+            devices.memory_info(f"{kind}:{count}")
+
+
+def test_device_questions_refuse_what_torch_does_not_know(devices):
+    for ask in (devices.memory_info, devices.default_dtype):
+        with pytest.raises(ValueError, match="'gpu'"):
+            ask("gpu")
 
 
 def test_cpu_memory_dtype_and_host_buffers(devices):
