@@ -36,10 +36,10 @@ CONFIG = {"num_blocks": 64, "block_size": 4}
 LAYERS = 2                           # the tiny model's
 # The tensor-parallel part sizes each rank's pool itself, from a different budget per rank
 # (as two GPUs with different free memory would): 10 and 40 blocks of this rank's K and V
-# (2 layers x K and V x 4 slots x 1 KV head x 16 dims x 4 bytes). In 10 blocks the three
-# prompts cannot all run at once, in 40 they can: pools of different sizes would schedule
-# different batches and the ranks' collectives would not match.
-TP_POOL_BLOCKS = (10, 40)
+# (2 layers x K and V x 4 slots x 1 KV head x 16 dims x 4 bytes). 16 blocks preempt once
+# (10 steps), 40 do not (8 steps): pools of different sizes would schedule different
+# batches and the ranks' collectives would not match.
+TP_POOL_BLOCKS = (16, 40)
 TP_BUDGETS = [blocks * LAYERS * 2 * 4 * 1 * 16 * 4 for blocks in TP_POOL_BLOCKS]
 _SESSIONS: dict[str, dict] = {}
 
