@@ -24,6 +24,7 @@ from .models import tiny_qwen3
 from .oracles import TINY_EOS
 
 PARTS = ("tp", "pp", "disagg", "death")
+TP_POOL_BYTES = "tp_kv_cache_bytes"     # a session config's per-rank pool budgets, for the "tp" part only
 
 
 def read_results(out_dir: str | Path, world: int) -> list[dict[str, Any]]:
@@ -63,7 +64,14 @@ def _engine(impl: Impl, model: Any, config: dict[str, Any]) -> Any:
 
 def tensor_parallel(impl: Impl, rank: int, world: int, device: torch.device, prompts: list[list[int]],
                     max_new: int, config: dict[str, Any]) -> dict[str, Any]:
-    """Every rank serves the same prompts with its shard of the model."""
+    """Every rank serves the same prompts with its shard of the model. With
+    config[TP_POOL_BYTES] (one budget per rank) each rank sizes its own pool from its entry
+    instead of num_blocks, as GPUs with different free memory would."""
+    config = dict(config)
+    budgets = config.pop(TP_POOL_BYTES, None)
+    if budgets is not None:
+        config.pop("num_blocks", None)
+        config["kv_cache_bytes"] = budgets[rank]
     model = impl.load("parallel.tp").shard_model(tiny_qwen3(impl.package, device=device), rank, world)
     engine = _engine(impl, model, config)
     counter = CollectiveCounter()
@@ -72,7 +80,8 @@ def tensor_parallel(impl: Impl, rank: int, world: int, device: torch.device, pro
     finally:
         counter.remove()
     return {"outputs": [o.output_token_ids for o in outputs], "steps": engine.steps,
-            "collectives": counter.counts, "pool_shape": list(engine.runner.kv_caches[0][0].shape)}
+            "collectives": counter.counts, "pool_shape": list(engine.runner.kv_caches[0][0].shape),
+            "num_blocks": engine.blocks.num_blocks}
 
 
 def pipeline_parallel(impl: Impl, rank: int, world: int, device: torch.device, prompts: list[list[int]],
@@ -129,7 +138,8 @@ def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list
                 raise
         else:
             try:
-                results[part] = runs[part](impl, rank, world, place, prompts, max_new, config)
+                own = config if part == "tp" else {k: v for k, v in config.items() if k != TP_POOL_BYTES}
+                results[part] = runs[part](impl, rank, world, place, prompts, max_new, own)
             except Exception as exc:
                 results[part] = {"error": f"{type(exc).__name__}: {exc}"}
                 failed.append(part)

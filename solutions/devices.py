@@ -96,6 +96,22 @@ def visible_devices() -> list[torch.device]:
     return found
 
 
+def require_device(device: torch.device | str, asker: str) -> torch.device:
+    """`device` as a torch.device, when this process has it. For a device that is absent
+    (or numbered past the last one) torch's own queries fail with an AssertionError or a
+    RuntimeError that does not say which device was asked for; this says it, as a
+    ValueError. Kinds outside AUTO_ORDER ("meta") are left to the caller."""
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{asker}: {device!r} is not a device torch understands") from None
+    if found.type in AUTO_ORDER:
+        count = device_count(found.type)
+        if count == 0 or (found.index is not None and found.index >= count):
+            raise ValueError(f"{asker}: torch sees {count} {found.type} device(s) here, so no {str(found)!r}")
+    return found
+
+
 def synchronize(device: torch.device | str) -> None:
     """Wait until every kernel queued on `device` has finished (nothing to wait for on a CPU)."""
     synchronizer(device)()
@@ -130,8 +146,8 @@ def memory_info(device: torch.device | str) -> MemoryInfo:
     CUDA/ROCm: the driver's cudaMemGetInfo (other processes' use counts against free).
     MPS: the GPU shares the Mac's RAM; Metal recommends a working-set size, and what this
     process's Metal driver holds already is taken from it. XPU: the runtime's own query.
-    CPU: the host's available RAM."""
-    device = torch.device(device)
+    CPU: the host's available RAM. ValueError for a device this process does not have."""
+    device = require_device(device, "memory_info")
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return MemoryInfo(int(free), int(total), "torch.cuda.mem_get_info")
@@ -150,8 +166,9 @@ def memory_info(device: torch.device | str) -> MemoryInfo:
 
 def supports_bf16(device: torch.device | str) -> bool:
     """Whether bfloat16 tensors compute on `device` at useful speed (CPU: they work, slowly
-    unless the core has AVX512-BF16 or AMX; we say no and keep float32 there)."""
-    device = torch.device(device)
+    unless the core has AVX512-BF16 or AMX; we say no and keep float32 there). ValueError
+    for a device this process does not have."""
+    device = require_device(device, "supports_bf16")
     if device.type == "cuda":
         # torch.cuda.is_bf16_supported() also says yes for older GPUs that only emulate it
         # (slowly), and asks the current device rather than this one.
@@ -169,8 +186,9 @@ def supports_bf16(device: torch.device | str) -> bool:
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """The dtype to load a real checkpoint in: bfloat16 where the device computes it,
-    float16 on an MPS device without it, float32 on a CPU."""
-    device = torch.device(device)
+    float16 on an MPS device without it, float32 on a CPU. ValueError for a device this
+    process does not have (its dtype would be a guess)."""
+    device = require_device(device, "default_dtype")
     if device.type == "cpu":
         return torch.float32
     if supports_bf16(device):
@@ -319,6 +337,31 @@ class PlacedFlatModel(FlatModel):
     def layer_device(self, index: int) -> torch.device:
         """The device of decoder layer `index` (the ModelRunner puts its KV pool there)."""
         return self.stage_devices[self.stage_of_layer[index]]
+
+    def pool_blocks(self, block_bytes: int, cpu_pool_bytes: int, utilization: float) -> int:
+        """How many blocks the engine's pool may have (EngineConfig.num_blocks None): every
+        layer's pool holds them all, on its layer's device, so the count is the smallest
+        that fits on any device, given the layers each one holds.
+
+        block_bytes: one block of one layer's pool. An accelerator gives what memory_info
+        reports free now (the weights are already placed) less the (1 - utilization) share
+        of its total that the engine leaves alone; those layers' pools split it. The CPU
+        gives its layers their share of cpu_pool_bytes (EngineConfig.kv_cache_bytes, the
+        whole pool's budget off CUDA), as an unplaced CPU engine does: all-CPU stages size
+        the pool exactly as one CPU would. Activations are not profiled per device here:
+        the (1 - utilization) share is their room."""
+        if block_bytes < 1:
+            raise ValueError(f"pool_blocks: a block takes at least one byte, got {block_bytes}")
+        fits = []
+        for device in dict.fromkeys(self.stage_devices):
+            layers_here = sum(self.layer_device(i) == device for i in range(len(self.layers)))
+            if device.type == "cpu":
+                budget = cpu_pool_bytes * layers_here // len(self.layers)
+            else:
+                memory = memory_info(device)
+                budget = int(memory.free_bytes - (1 - utilization) * memory.total_bytes)
+            fits.append(max(0, budget) // (layers_here * block_bytes))
+        return min(fits)
 
     def hand_over(self, stream: torch.Tensor, stage: int) -> torch.Tensor:
         """The residual stream moved to stage `stage`'s device.  (Your engine: Chapter 40)

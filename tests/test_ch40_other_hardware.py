@@ -58,11 +58,22 @@ def test_absent_or_out_of_range_devices_are_refused(devices, kind):
     if count == 0:
         with pytest.raises(ValueError, match=f"no {kind} device"):
             devices.pick_device(kind)
+        for ask in (devices.memory_info, devices.default_dtype):     # torch's own answer is an AssertionError
+            with pytest.raises(ValueError, match=kind):
+                ask(kind)
     else:
         assert devices.pick_device(f"{kind}:0") == torch.device(kind, 0)
     if kind != "mps":
         with pytest.raises(ValueError, match=kind):
             devices.pick_device(f"{kind}:{count}")
+        with pytest.raises(ValueError, match=f"{kind}:{count}"):
+            devices.memory_info(f"{kind}:{count}")
+
+
+def test_device_questions_refuse_what_torch_does_not_know(devices):
+    for ask in (devices.memory_info, devices.default_dtype):
+        with pytest.raises(ValueError, match="'gpu'"):
+            ask("gpu")
 
 
 def test_cpu_memory_dtype_and_host_buffers(devices):
@@ -185,8 +196,34 @@ def test_hand_over_counts_same_device_transfers(impl, devices):
     assert (placed.transfers, placed.transfer_bytes) == (1, 3 * placed.cfg.hidden_size * 4)
 
 
+def test_placed_pool_is_what_fits_on_every_device(impl, serve, devices, monkeypatch):
+    """EngineConfig.num_blocks None: every layer's pool holds all the blocks, on its own
+    device, so the count is the smallest any device can hold for the layers it has. The
+    GPUs' memory answers are faked (only the arithmetic runs: no tensor moves there)."""
+    placed = devices.PlacedFlatModel(tiny_qwen3(impl.package, num_hidden_layers=4), ["cpu", "cpu"], [0, 0, 0, 1])
+    block, mib = 1024, 1 << 20
+    unplaced_rule = 4 * mib // (4 * block)                    # an all-CPU pool: kv_cache_bytes over every layer
+    assert placed.pool_blocks(block, 4 * mib, 0.9) == unplaced_rule, \
+        "stages that are all CPUs must size the pool as one CPU does, from kv_cache_bytes"
+    answers = {"cuda:0": (300 * mib, 1000 * mib), "cuda:1": (150 * mib, 500 * mib)}     # (free, total)
+    monkeypatch.setattr(devices, "memory_info",
+                        lambda device: devices.MemoryInfo(*answers[str(torch.device(device))], "faked"))
+    placed.stage_devices = [torch.device("cuda:0"), torch.device("cuda:1")]
+    # cuda:0 gives 300 - 10% of 1000 = 200 MiB to 3 layers, cuda:1 150 - 50 = 100 MiB to 1
+    assert placed.pool_blocks(block, 4 * mib, 0.9) == min(200 * mib // (3 * block), 100 * mib // block), \
+        "the pool must fit on the device with the least room per layer (a GPU keeps 1 - utilization of its total)"
+    placed.stage_devices = [torch.device("cuda:0"), torch.device("cpu")]
+    assert placed.pool_blocks(block, 4 * mib, 0.9) == (4 * mib // 4) // block, \
+        "a CPU stage gets its layers' share of kv_cache_bytes, here the tighter limit"
+    placed.stage_devices = [torch.device("cpu"), torch.device("cpu")]
+    engine = make_engine(serve, placed, block_size=4, kv_cache_bytes=4 * mib)
+    assert engine.blocks.num_blocks == 4 * mib // (4 * 2 * 4 * 2 * 16 * 4), \
+        "a self-sized engine on CPU stages: kv_cache_bytes over 4 layers x K and V x 4 slots x 2 heads x 16 dims"
+
+
 @needs_cuda
-@pytest.mark.parametrize("config", [{}, {"num_blocks": 12, "preemption_mode": "swap"}], ids=["ample", "swapping"])
+@pytest.mark.parametrize("config", [{}, {"num_blocks": 12, "preemption_mode": "swap"}, {"num_blocks": None}],
+                         ids=["ample", "swapping", "self-sized"])
 def test_layers_on_cuda_and_cpu_match_solo_generate(impl, serve, devices, config):
     placed, engine = check_placed_run(impl, serve, devices, ["cuda:0", "cpu"], 4, **config)
     assert engine.runner.kv_caches[0][0].device.type == "cuda" and engine.runner.kv_caches[-1][0].device.type == "cpu"

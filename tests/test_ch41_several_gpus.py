@@ -34,6 +34,13 @@ PROMPTS = [list(range(1, 21)), [5, 6, 7], [9] * 19 + [1, 2]]
 MAX_NEW = 8
 CONFIG = {"num_blocks": 64, "block_size": 4}
 LAYERS = 2                           # the tiny model's
+# The tensor-parallel part sizes each rank's pool itself, from a different budget per rank
+# (as two GPUs with different free memory would): 10 and 40 blocks of this rank's K and V
+# (2 layers x K and V x 4 slots x 1 KV head x 16 dims x 4 bytes). 16 blocks preempt once
+# (10 steps), 40 do not (8 steps): pools of different sizes would schedule different
+# batches and the ranks' collectives would not match.
+TP_POOL_BLOCKS = (16, 40)
+TP_BUDGETS = [blocks * LAYERS * 2 * 4 * 1 * 16 * 4 for blocks in TP_POOL_BLOCKS]
 _SESSIONS: dict[str, dict] = {}
 
 
@@ -45,8 +52,9 @@ def session(impl, device):
     with tempfile.TemporaryDirectory(prefix="ch41-") as out:
         start, failure = time.monotonic(), None
         try:
-            launch.launch(distributed_runs.session_rank, 2, impl.spec.text, PROMPTS, MAX_NEW, CONFIG, out,
-                          distributed_runs.PARTS, place, timeout_s=90)
+            launch.launch(distributed_runs.session_rank, 2, impl.spec.text, PROMPTS, MAX_NEW,
+                          {**CONFIG, distributed_runs.TP_POOL_BYTES: TP_BUDGETS}, out, distributed_runs.PARTS,
+                          place, timeout_s=90)
         except launch.RankFailure as exc:
             failure = str(exc)
         ranks = distributed_runs.read_results(out, 2)
@@ -172,6 +180,49 @@ def test_adopted_blocks_serve_the_prefix(impl, serve, ref_model):
     assert_engine_idle(decode, "after decoding on adopted blocks")
 
 
+def _chain(serve, count):
+    keys = []
+    for i in range(count):
+        keys.append(serve.blocks.hash_block(keys[-1] if keys else None, [i] * 4))
+    return keys
+
+
+def _pool_state(manager):
+    return (list(manager.free_queue), dict(manager.cached), list(manager.block_hash), list(manager.ref_count))
+
+
+def test_prepare_store_refuses_bad_keys_and_changes_nothing(serve):
+    manager = serve.blocks.BlockManager(6, 4)
+    keys = _chain(serve, 3)
+    manager.prepare_store(keys[:1])
+    before = _pool_state(manager)
+    for bad, rule in (([keys[1], "k"], "bytes"), ([keys[1], keys[2], keys[1]], "repeat")):
+        with pytest.raises(ValueError, match=rule):
+            manager.prepare_store(bad)
+        assert _pool_state(manager) == before, f"a refused prepare_store({rule} rule) changed the pool"
+    with pytest.raises(ValueError, match="prefix caching"):
+        serve.blocks.BlockManager(6, 4, enable_prefix_caching=False).prepare_store(keys)
+
+
+def test_prepare_store_keeps_the_chain_it_extends(serve):
+    """Storing a chain whose head is cached already, in a pool with room for four blocks:
+    the head's cached-free block must not be the one evicted to make room (the lookup of
+    the stored chain would then find nothing), and the run stops where the pool is full."""
+    manager = serve.blocks.BlockManager(4, 4)
+    keys = _chain(serve, 5)
+    head = manager.prepare_store(keys[:1])
+    assert list(head) == [0] and manager.cached[keys[0]] == head[0]
+    stored = manager.prepare_store(keys)
+    assert list(stored) == [1, 2, 3], \
+        f"4 free blocks, the head cached: keys 1-3 need data, key 4 does not fit; got rows for keys {list(stored)}"
+    assert [manager.cached.get(key) for key in keys[:4]] == [head[0], *stored.values()], \
+        "the head of the chain lost its block while room was made for its tail"
+    assert keys[4] not in manager.cached and manager.num_free == 4, "stored blocks are cached-FREE"
+    assert list(manager.free_queue) == [manager.cached[key] for key in reversed(keys[:4])], \
+        "a stored chain joins the back of the free queue tail first, as a freed request does"
+    assert manager.prepare_store(keys[:4]) == {}, "keys cached already need no data"
+
+
 # --- two processes ---------------------------------------------------------------------------
 
 def test_tensor_parallel_matches_solo(session, expected):
@@ -186,6 +237,15 @@ def test_tensor_parallel_collectives_per_step(session):
         assert tp["collectives"] == {"all_reduce": steps * (1 + 2 * LAYERS), "all_gather": steps}, \
             (f"rank {rank}: {tp['collectives']} in {steps} steps; each step is one all-reduce for the embedding, "
              f"two per layer (after o_proj and after down_proj) and one all-gather for the LM head")
+
+
+def test_tensor_parallel_ranks_agree_on_the_pool_size(session):
+    found = [_part(session, rank, "tp")["num_blocks"] for rank in range(2)]
+    assert found[0] == found[1], \
+        f"the ranks sized their pools {found[0]} and {found[1]} blocks: their schedulers would part ways"
+    if session["place"] == "cpu":        # on GPUs the pool is measured, not taken from the budgets
+        assert found[0] == min(TP_POOL_BLOCKS), \
+            f"the ranks agreed on {found[0]} blocks; only {min(TP_POOL_BLOCKS)} fit on both"
 
 
 def test_tensor_parallel_pool_holds_own_heads(session):

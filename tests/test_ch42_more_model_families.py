@@ -19,6 +19,7 @@ tokenizer from the same GGUF and SmolLM2's chat template (building that tokenize
 longer than the whole test).
 """
 import dataclasses
+import types
 
 import httpx
 import pytest
@@ -169,6 +170,30 @@ def test_latent_pool_holds_one_small_vector_per_token(impl, serve, tmp_path_fact
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         serve.engine.EngineCore(ours, serve.config.EngineConfig(num_blocks=8, block_size=8, kv_cache_dtype="int8"),
                                 eos_token_id=EOS)
+
+
+def test_latent_pool_swaps_through_one_host_copy(impl, serve, tmp_path_factory):
+    """Swapping a request out copies each layer's latent pool to the host ONCE (it is one
+    tensor, handed out twice), and swapping in puts the same numbers in the new blocks."""
+    _, ours = loaded(impl, "deepseek v2 latent attention", tmp_path_factory)
+    runner = serve.runner.ModelRunner(ours, 6, 8)
+    generator = torch.Generator().manual_seed(42)
+    for layer in runner.kv_caches:
+        layer[0].copy_(torch.randn(layer[0].shape, generator=generator))
+    old_blocks = [[layer[0][b].clone() for b in (1, 4)] for layer in runner.kv_caches]
+    victim = types.SimpleNamespace(request_id="victim")
+    runner.swap_out(victim, [1, 4])
+    one_block = runner.kv_caches[0][0][0].numel() * runner.kv_caches[0][0].element_size()
+    for index, copies in enumerate(runner.swapped["victim"]):
+        held = sum(t.numel() * t.element_size() for t in copies)
+        assert held == 2 * one_block, (f"layer {index}: two latent blocks take {2 * one_block} bytes on the host, "
+                                       f"the swap holds {held} (the one pool tensor copied as both K and V?)")
+    for layer in runner.kv_caches:
+        layer[0].zero_()
+    runner.swap_in(victim, [2, 5])
+    for index, (layer, saved) in enumerate(zip(runner.kv_caches, old_blocks)):
+        assert torch.equal(layer[0][2], saved[0]) and torch.equal(layer[0][5], saved[1]), \
+            f"layer {index}: swapped-in blocks 2 and 5 do not hold what blocks 1 and 4 held"
 
 
 def test_latent_attention_refuses_what_it_does_not_build(impl):

@@ -22,6 +22,7 @@ from ..serve.batch import build_batch
 from ..serve.engine import EngineCore
 from ..serve.flat_model import FlatModel
 from ..serve.runner import ModelRunner, num_blocks_for_memory
+from .tp import smallest_over_group
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM
@@ -165,9 +166,7 @@ def pipeline_engine(model: Qwen3ForCausalLM, config: EngineConfig, stage: int, s
     weight = next(flat.parameters())
     mine = config.num_blocks if config.num_blocks is not None else \
         num_blocks_for_memory(config.kv_cache_bytes, layers, kv_heads, head_dim, config.block_size, weight.dtype)
-    agreed = torch.tensor([mine], dtype=torch.int64, device=weight.device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    config = dataclasses.replace(config, num_blocks=int(agreed))
+    config = dataclasses.replace(config, num_blocks=smallest_over_group(mine))
     engine = EngineCore(flat, config, eos_token_id=eos_token_id)
     engine.runner = PipelineRunner(flat, config.num_blocks or 0, config.block_size, engine.runner.backend,
                                    micro_batches)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -136,12 +137,28 @@ def all_reduces_per_step(num_layers: int) -> int:
     return 1 + 2 * num_layers
 
 
+def smallest_over_group(count: int, group: dist.ProcessGroup | None = None) -> int:
+    """The smallest `count` any rank of `group` passes in, on every rank (one all-reduce).
+
+    The engine sizes its pool from this process's memory, and GPUs of one machine rarely
+    report the same free bytes; but every rank runs its own copy of the scheduler on the
+    same requests, and two pools of different sizes would preempt at different steps and
+    then wait forever in collectives of different shapes. So the ranks agree on the pool
+    that fits on all of them (gloo reduces CPU tensors; NCCL, tensors on this rank's GPU)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    agreed = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return int(agreed.item())
+
+
 def shard_model(model: Qwen3ForCausalLM, rank: int, world: int,
                 group: dist.ProcessGroup | None = None) -> Qwen3ForCausalLM:
     """A copy of `model` holding rank's shard of every layer (the original is untouched).
 
     Its config counts this rank's query and KV heads, so the engine's pool for it holds
-    rank's KV heads only. Raises ValueError when a size does not split over `world`."""
+    rank's KV heads only; its agree_num_blocks (smallest_over_group) makes an engine that
+    sizes its own pool take the size every rank can hold. Raises ValueError when a size
+    does not split over `world`."""
     cfg = model.cfg
     if world == 1:
         return model
@@ -168,4 +185,5 @@ def shard_model(model: Qwen3ForCausalLM, rank: int, world: int,
     sharded.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, group)
     sharded.cfg = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
                                       num_key_value_heads=len(kv_heads))
+    sharded.agree_num_blocks = functools.partial(smallest_over_group, group=group)
     return cast("Qwen3ForCausalLM", sharded)

@@ -198,6 +198,61 @@ class BlockManager:
         if self.num_registered.get(request.request_id, 0) > keep:
             self.num_registered[request.request_id] = keep
 
+    def prepare_store(self, keys: Sequence[bytes]) -> dict[int, int]:
+        """Make room for K/V computed somewhere else (another engine's prefill, Chapter 41)
+        under their prefix-cache keys; returns {i: block} for every keys[i] whose contents
+        the caller must now write into row `block` of each layer's pool (before the next step).
+
+        keys: one sequence's chain of block keys (hash_block's), its first block first.
+        Afterwards the longest leading run of keys that fits is cached here: each key k of
+        the run has a block b with self.cached[k] == b and self.block_hash[b] == k, so a
+        request whose prompt starts with those tokens finds them with find_cached_prefix. A
+        key already cached keeps its block (nothing to write); the others get blocks taken
+        from the free queue (evicting whatever those held), cached-free (ref_count 0). The
+        run's cached-free blocks then sit at the BACK of the free queue, tail first, as
+        free() leaves a finished request's: reused last, the head of the chain after its tail.
+        Fitting: a lookup stops at the first missing key, so only a leading run is worth
+        storing. The run ends before the first key that would need more free blocks than
+        the queue holds, counting the run's cached-free blocks too: making room never
+        evicts a block of the run itself.
+        Raises ValueError, changing nothing, with prefix caching off (no lookup would find
+        the blocks), when a key is not bytes, or when a key appears twice (a chain never
+        repeats a key). vLLM V1's CPU offloading manager calls this step prepare_store too.
+        """
+        if not self.enable_prefix_caching:
+            raise ValueError("prepare_store: prefix caching is off, so no lookup would ever find stored blocks")
+        for i, key in enumerate(keys):
+            if not isinstance(key, bytes):
+                raise ValueError(f"prepare_store: key {i} is a {type(key).__name__}, not the bytes hash_block gives")
+        if len(set(keys)) != len(keys):
+            first = next(i for i, key in enumerate(keys) if key in keys[:i])
+            raise ValueError(f"prepare_store: key {first} repeats an earlier key; a chain of block keys never does")
+        run, room = 0, self.num_free
+        for key in keys:
+            block = self.cached.get(key)
+            if block is None or self.ref_count[block] == 0:    # a new block, or a free one to keep
+                if room == 0:
+                    break
+                room -= 1
+            run += 1
+        kept = [self.cached[key] for key in keys[:run] if key in self.cached]
+        idle = [block for block in kept if self.ref_count[block] == 0]
+        for block in idle:                                     # out of reach while new blocks are taken
+            del self.free_queue[block]
+        stored = {}
+        for i, key in enumerate(keys[:run]):
+            if key not in self.cached:
+                block = self._pop_free()
+                self.ref_count[block] = 0
+                self.block_hash[block] = key
+                self.cached[key] = block
+                stored[i] = block
+        for key in reversed(keys[:run]):                       # back of the queue, tail first
+            block = self.cached[key]
+            if self.ref_count[block] == 0:
+                self.free_queue[block] = None
+        return stored
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block (new weights make old K/V wrong). Blocks in use keep
         their keys: their owners still rely on them."""

@@ -117,23 +117,31 @@ class EngineCore:
     def _size_pool(self, flat: FlatModel, backend: AttentionBackend) -> int:
         """Blocks for the pool when the config gives no number: measured on CUDA, else from
         kv_cache_bytes and the bytes one block of THIS pool takes (a quantized pool stores
-        one-byte codes and per-token scales, not the model's dtype)."""
+        one-byte codes and per-token scales, not the model's dtype). Layers placed on several
+        devices (Chapter 40) take what fits on every device; the ranks of a split model
+        (Chapter 41) agree on the smallest count, or their schedulers would part ways."""
         cfg = self.config
-        if self.device.type == "cuda":
+        layers, kv_heads, head_dim = flat.kv_spec()
+        shape = (1, cfg.block_size, kv_heads, head_dim)          # one block, on "meta": sizes without memory
+        own = getattr(flat.model, "allocate_kv", None)            # a model with its own cache layout
+        if own is not None:                                       # a latent pool is one tensor, handed out twice
+            unique = {id(t): t for t in own(shape, self.dtype, "meta")}.values()
+            layer_bytes = sum(t.numel() * t.element_size() for t in unique)
+        else:                                                     # K and V (codes and scales when quantized)
+            pair = backend.allocate(shape, self.dtype, "meta")
+            pools = getattr(flat.model, "kv_pools", 2)            # a latent cache keeps one pool, not two
+            layer_bytes = sum(t.numel() * t.element_size() for t in pair) * pools // 2
+        placed = getattr(flat, "pool_blocks", None)               # layers on several devices
+        if placed is not None:
+            found = placed(layer_bytes, cfg.kv_cache_bytes, cfg.gpu_memory_utilization)
+        elif self.device.type == "cuda":
             found = profile_num_blocks(flat, backend, cfg.block_size, self.dtype, self.device,
                                        cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
         else:
-            layers, kv_heads, head_dim = flat.kv_spec()
-            shape = (1, cfg.block_size, kv_heads, head_dim)          # one block, on "meta": sizes without memory
-            own = getattr(flat.model, "allocate_kv", None)            # a model with its own cache layout
-            if own is not None:                                       # a latent pool is one tensor, handed out twice
-                unique = {id(t): t for t in own(shape, self.dtype, "meta")}.values()
-                layer_bytes = sum(t.numel() * t.element_size() for t in unique)
-            else:                                                     # K and V (codes and scales when quantized)
-                pair = backend.allocate(shape, self.dtype, "meta")
-                pools = getattr(flat.model, "kv_pools", 2)            # a latent cache keeps one pool, not two
-                layer_bytes = sum(t.numel() * t.element_size() for t in pair) * pools // 2
             found = cfg.kv_cache_bytes // (layers * layer_bytes)
+        agree = getattr(flat.model, "agree_num_blocks", None)     # every rank must hold the same pool
+        if agree is not None:
+            found = agree(found)
         if found < 1:
             raise ValueError("the KV pool would hold no block: give more memory or set EngineConfig.num_blocks")
         return found

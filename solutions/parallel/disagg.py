@@ -5,8 +5,9 @@ a request finishes there, the scheduler's on_finish hook runs (its blocks are st
 valid) and ships the request to the decode process: a header (id, tokens, the block
 hashes, how many tokens it still wants), then the contents of its full blocks, layer by
 layer. The decode engine adopts the blocks into its own pool as cached-free blocks under
-those hashes, then queues the request: its prefix-cache lookup finds them, and only the
-tokens of the last, partly filled block are computed again (fewer than a block).
+those hashes (BlockManager.prepare_store says which rows to fill), then queues the
+request: its prefix-cache lookup finds them, and only the tokens of the last, partly
+filled block are computed again (fewer than a block).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from ..serve.backends import raw_bytes
 from ..serve.engine import EngineCore
 from ..serve.request import Request, SamplingParams, Status
+from ..serve.runner import distinct_pools
 
 
 def full_blocks_computed(engine: EngineCore, request: Request) -> int:
@@ -41,18 +43,18 @@ def send_request(engine: EngineCore, request: Request, max_tokens: int, dst: int
         index = torch.tensor(engine.blocks.req_blocks[request.request_id][:count], dtype=torch.int64,
                              device=engine.runner.device)
         for layer in engine.runner.kv_caches:
-            for pool in layer:
+            for pool in distinct_pools(layer):          # a latent pool is one tensor: sent once
                 dist.send(raw_bytes(pool).index_select(0, index.to(pool.device)).contiguous(), dst=dst)
     return count
 
 
 def receive_blocks(engine: EngineCore, count: int, src: int) -> list[list[torch.Tensor]]:
-    """The contents `send_request` sends for `count` blocks: per layer, per pool tensor,
-    [count, *one block's shape] in the pool's storage dtype."""
+    """The contents `send_request` sends for `count` blocks: per layer, per distinct pool
+    tensor, [count, *one block's shape] in the pool's storage dtype."""
     contents = []
     for layer in engine.runner.kv_caches:
         tensors = []
-        for pool in layer:
+        for pool in distinct_pools(layer):
             store = raw_bytes(pool)
             tensors.append(torch.empty((count, *store.shape[1:]), dtype=store.dtype, device=store.device))
             dist.recv(tensors[-1], src=src)
@@ -63,37 +65,30 @@ def receive_blocks(engine: EngineCore, count: int, src: int) -> list[list[torch.
 def adopt_blocks(engine: EngineCore, keys: Sequence[bytes], contents: list[list[torch.Tensor]]) -> int:
     """Put shipped blocks into this engine's pool as cached-free blocks.  (Your engine: Chapter 41)
 
-    keys[i] (bytes) is the prefix-cache key of shipped block i; contents[layer][j] holds
-    block i's data at [i] for every pool tensor j of that layer (the layout of
-    engine.runner.kv_caches, storage dtype as raw_bytes gives it).
-    Afterwards, for each adopted block b with key k: its data is in every layer's pools at
-    row b; engine.blocks.block_hash[b] == k, engine.blocks.cached[k] == b, ref_count 0, and
-    b sits at the BACK of the free queue (most recently freed), so that a request whose
-    prompt starts with those tokens finds them with find_cached_prefix.
-    Returns how many blocks were adopted.
-    Traps: a key already cached here is skipped (one block per key); adopt at most as many
-    blocks as were free when the call began, so adopting never evicts a block adopted by
-    the same call; a block taken from the free queue leaves the prefix cache under its old
-    key first (engine.blocks._pop_free does that bookkeeping).
+    keys[i] (bytes) is the prefix-cache key of shipped block i, keys[0] the sequence's first
+    block; contents[layer][j][i] is block i's data for the j-th distinct pool tensor of that
+    layer (distinct_pools(engine.runner.kv_caches[layer]); a shipment that lists a latent
+    pool twice is fine too), in the storage dtype raw_bytes gives.
+    engine.blocks.prepare_store(keys) does the bookkeeping: it publishes the leading keys
+    that fit as cached-free blocks and returns {i: block} for the ones that need data.
+    Afterwards block i's data is at row `block` of every layer's pool tensors, so a
+    request whose prompt starts with those tokens finds them with find_cached_prefix
+    and reads the shipped K/V. Returns how many blocks were filled (0 when every key was
+    cached here already). Bad keys raise prepare_store's ValueError, pool untouched.
+    Trap: the rows to fill are the returned blocks, not 0..n-1 and not the sender's ids,
+    and contents[...][i] belongs to keys[i] even when earlier keys needed no data.
     """
-    manager, adopted = engine.blocks, 0
-    room = manager.num_free
-    for i, key in enumerate(keys):
-        if key in manager.cached:
-            continue
-        if adopted == room:
-            break
-        block = manager._pop_free()
-        index = torch.tensor([block], dtype=torch.int64)
-        for layer, shipped in zip(engine.runner.kv_caches, contents):
-            for pool, data in zip(layer, shipped):
-                raw_bytes(pool).index_copy_(0, index.to(pool.device), data[i:i + 1].to(pool.device))
-        manager.ref_count[block] = 0
-        manager.block_hash[block] = key
-        manager.cached[key] = block
-        manager.free_queue[block] = None
-        adopted += 1
-    return adopted
+    targets = engine.blocks.prepare_store(keys)
+    if not targets:
+        return 0
+    shipped_rows = torch.tensor(list(targets), dtype=torch.int64)
+    pool_rows = torch.tensor(list(targets.values()), dtype=torch.int64)
+    for layer, shipped in zip(engine.runner.kv_caches, contents):
+        for pool, data in zip(distinct_pools(layer), shipped):
+            store = raw_bytes(pool)
+            store.index_copy_(0, pool_rows.to(pool.device),
+                              data.index_select(0, shipped_rows.to(data.device)).to(pool.device))
+    return len(targets)
 
 
 def run_prefill(engine: EngineCore, requests: Sequence[tuple[str, list[int], int]], decode_rank: int) -> int:

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 STEP_FEATURES = frozenset({"lora_slot", "image_embeds", "mrope_positions"})
 
 
+def distinct_pools(layer: KVCache) -> list[torch.Tensor]:
+    """One layer's pool tensors, each once: a latent pool (Chapter 42) hands ONE tensor out as
+    both k_cache and v_cache, and copying it twice would move its bytes twice."""
+    return list({id(tensor): tensor for tensor in layer}.values())
+
+
 def kv_bytes_per_block(layers: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                        pools: int = 2) -> int:
     """Bytes one block occupies across every layer: K and V (pools=2; a latent cache, one)."""
@@ -107,12 +113,13 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in unique.values())
 
     def swap_out(self, request: Request, blocks: list[int]) -> None:
-        """Copy a preempted request's blocks to host memory (pinned on CUDA and XPU)."""
+        """Copy a preempted request's blocks to host memory (pinned on CUDA and XPU): per layer,
+        one host copy of each distinct pool tensor."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         saved = []
         for layer in self.kv_caches:
             copies = []
-            for tensor in layer:
+            for tensor in distinct_pools(layer):
                 host = raw_bytes(tensor).index_select(0, index.to(tensor.device)).cpu()
                 copies.append(pinned(host, tensor.device))     # page-locked where the device copies faster
             saved.append(copies)
@@ -124,7 +131,7 @@ class ModelRunner:
         num_saved = len(saved[0][0])                   # the new list may be longer: room for new tokens
         index = torch.tensor(blocks[:num_saved], dtype=torch.int64, device=self.device)
         for layer, copies in zip(self.kv_caches, saved):
-            for tensor, host in zip(layer, copies):
+            for tensor, host in zip(distinct_pools(layer), copies):
                 raw_bytes(tensor).index_copy_(0, index.to(tensor.device), host.to(tensor.device, non_blocking=True))
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
