@@ -3,10 +3,13 @@
 Oracles: `peft` applying ONE adapter at a time to transformers' Qwen3ForCausalLM with the
 tiny model's weights (greedy by full recompute), for the engine that serves several adapters
 and the base model in one flattened batch; torch's own matmuls, row by row, for the batched
-shrink and expand; transformers' Qwen3-VL (`Qwen3VLModel.get_rope_index` for the three-axis
-positions, `Qwen3VLTextModel` given `inputs_embeds` and those positions for the logits) for
-image requests. The adapters are random (peft's `init_lora_weights=False`) and saved with
-`save_pretrained`, so the engine reads exactly what a learner's trained adapter would look like.
+shrink and expand; for image requests, a tiny random Qwen3VLForConditionalGeneration whose
+state dict the implementation loads into its vision encoder and Qwen3 (`load_qwen3_vl`):
+its patch order, `get_rope_index`, rotary tables and `get_image_features` (same
+`pixel_values`, made by transformers' Qwen2-VL image processor), and its whole forward
+(logits at every prompt position, greedy tokens of each request alone). The adapters are
+random (peft's `init_lora_weights=False`) and saved with `save_pretrained`, so the engine
+reads exactly what a learner's trained adapter would look like.
 """
 import dataclasses
 
