@@ -66,6 +66,9 @@ class VisionConfig:
         if values.get("deepstack_visual_indexes"):
             raise ValueError(f"deepstack_visual_indexes={list(values['deepstack_visual_indexes'])}: this encoder "
                              f"has no DeepStack mergers; only checkpoints without them load")
+        if values.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_act={values['hidden_act']!r}: the encoder's MLP is GELU (tanh form), "
+                             f"as in every Qwen3-VL checkpoint")
         known = {field.name for field in dataclasses.fields(cls)}
         picked = {name: value for name, value in values.items() if name in known}
         theta = (values.get("rope_parameters") or {}).get("rope_theta")
