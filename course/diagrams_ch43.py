@@ -89,3 +89,53 @@ def _token(ax, x: float, y: float, cell: float, position: tuple[int, int, int], 
             color="white" if colour != MUTED else INK)
     ax.text(x + cell / 2, y + cell * 0.3, "{},{},{}".format(*position), ha="center", va="center", fontsize=8.5,
             weight="bold", color="white" if colour != MUTED else INK)
+
+
+def vision_tower(rows: int = 4, cols: int = 4, merge: int = 2) -> Figure:
+    """Qwen3-VL's vision tower on a rows x cols grid of patches: patches numbered in the order
+    the encoder reads them (square by square), the stages they go through, and the merged
+    grid of image tokens, each coloured like the square of patches it came from."""
+    cell = 0.9
+    width, height = 17.0, rows * cell + 3.0
+    fig, ax = _canvas(width, height, COLUMN_INCHES * height / width)
+    base_y = 1.1
+    squares_per_row = cols // merge
+    for row in range(rows):
+        for col in range(cols):
+            square = (row // merge) * squares_per_row + col // merge
+            order = square * merge * merge + (row % merge) * merge + col % merge
+            y = base_y + (rows - 1 - row) * cell
+            ax.add_patch(patches.Rectangle((0.3 + col * cell, y), cell - 0.06, cell - 0.06, lw=1.5,
+                                           facecolor=REQUEST_COLOURS[square % len(REQUEST_COLOURS)],
+                                           edgecolor="white"))
+            ax.text(0.3 + (col + 0.47) * cell, y + 0.47 * cell, str(order), ha="center", va="center",
+                    fontsize=9, color="white", weight="bold")
+    ax.text(0.3 + cols * cell / 2, height - 0.7, f"{rows} x {cols} patches,\nnumbered in reading order",
+            ha="center", fontsize=9)
+    stages = ["patch embed: Linear on C x T x p x p pixels\n+ learned positions, resampled to the grid",
+              "blocks: LayerNorm, attention rotated by\n(row, col) (2-D RoPE), LayerNorm, MLP",
+              f"merger: each run of {merge * merge} patches (one square)\nLayerNorm, side by side, MLP"]
+    left, box_w, box_h = 0.3 + cols * cell + 0.9, 6.6, 0.95
+    for index, text in enumerate(stages):
+        y = base_y + rows * cell - (index + 1) * (box_h + 0.35) + 0.3
+        _box(ax, left, y, box_w, box_h, text, size=8.5)
+        if index:
+            _arrow(ax, (left + box_w / 2, y + box_h + 0.35), (left + box_w / 2, y + box_h))
+    _arrow(ax, (0.3 + cols * cell + 0.1, base_y + rows * cell / 2), (left, base_y + rows * cell / 2))
+    token_left = left + box_w + 1.2
+    _arrow(ax, (left + box_w, base_y + rows * cell / 2), (token_left, base_y + rows * cell / 2))
+    big = cell * merge * 0.75
+    for row in range(rows // merge):
+        for col in range(squares_per_row):
+            square = row * squares_per_row + col
+            y = base_y + rows * cell / 2 + ((rows // merge) / 2 - 1 - row) * big
+            ax.add_patch(patches.Rectangle((token_left + col * big, y), big - 0.06, big - 0.06, lw=1.5,
+                                           facecolor=REQUEST_COLOURS[square % len(REQUEST_COLOURS)],
+                                           edgecolor="white"))
+            ax.text(token_left + (col + 0.5) * big, y + 0.5 * big, f"token {square}", ha="center", va="center",
+                    fontsize=8.5, color="white")
+    ax.text(token_left + squares_per_row * big / 2, height - 0.7,
+            f"{rows // merge} x {squares_per_row} image tokens,\nlanguage model's width", ha="center", fontsize=9)
+    ax.text(width / 2, 0.4, "the order makes merging a reshape: patches 0-3 are one square, 4-7 the next, ...",
+            ha="center", fontsize=9, color="#505050")
+    return fig

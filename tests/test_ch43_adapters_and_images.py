@@ -3,10 +3,13 @@
 Oracles: `peft` applying ONE adapter at a time to transformers' Qwen3ForCausalLM with the
 tiny model's weights (greedy by full recompute), for the engine that serves several adapters
 and the base model in one flattened batch; torch's own matmuls, row by row, for the batched
-shrink and expand; transformers' Qwen3-VL (`Qwen3VLModel.get_rope_index` for the three-axis
-positions, `Qwen3VLTextModel` given `inputs_embeds` and those positions for the logits) for
-image requests. The adapters are random (peft's `init_lora_weights=False`) and saved with
-`save_pretrained`, so the engine reads exactly what a learner's trained adapter would look like.
+shrink and expand; for image requests, a tiny random Qwen3VLForConditionalGeneration whose
+state dict the implementation loads into its vision encoder and Qwen3 (`load_qwen3_vl`):
+its patch order, `get_rope_index`, rotary tables and `get_image_features` (same
+`pixel_values`, made by transformers' Qwen2-VL image processor), and its whole forward
+(logits at every prompt position, greedy tokens of each request alone). The adapters are
+random (peft's `init_lora_weights=False`) and saved with `save_pretrained`, so the engine
+reads exactly what a learner's trained adapter would look like.
 """
 import dataclasses
 
@@ -245,36 +248,67 @@ def test_the_http_server_selects_an_adapter_by_model_name(impl, tiny_model, adap
 IMAGE = 300                  # the placeholder id (the tiny vocabulary's prompts use ids below 256)
 SECTIONS = (4, 2, 2)         # frequency pairs of the T, H, W axes (head_dim 16: 8 pairs)
 MERGE = 2                    # the encoder merges 2 x 2 patches into one image token
+PATCH = 4                    # pixels per patch side: an image token covers 8 x 8 pixels
+VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": PATCH,
+          "spatial_merge_size": MERGE, "temporal_patch_size": 2, "num_position_embeddings": 16,
+          "deepstack_visual_indexes": []}
 
 
 @pytest.fixture(scope="module")
 def qwen3_vl():
-    """transformers' Qwen3-VL: the whole model for get_rope_index, and its text model with the
-    tiny Qwen3's weights (Qwen3-VL's language model is Qwen3 with three-axis RoPE)."""
-    model = models.tiny_qwen3(__import__("course").reference().package)
-    text = dict(vocab_size=model.cfg.vocab_size, hidden_size=model.cfg.hidden_size,
-                intermediate_size=model.cfg.intermediate_size, num_hidden_layers=model.cfg.num_hidden_layers,
-                num_attention_heads=model.cfg.num_attention_heads,
-                num_key_value_heads=model.cfg.num_key_value_heads, head_dim=model.cfg.head_dim,
-                rms_norm_eps=model.cfg.rms_norm_eps, max_position_embeddings=1024,
-                rope_parameters={"rope_type": "default", "rope_theta": model.cfg.rope_theta,
+    """transformers' Qwen3VLForConditionalGeneration (eager attention, no DeepStack) whose language
+    model holds the tiny Qwen3's weights (clear greedy margins) and whose vision tower holds
+    deterministic weights of unit-scale activations (transformers' own 0.02 initialisation
+    would make every image look alike); and an image processor that patchifies without resizing."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    tiny = models.tiny_qwen3(__import__("course").reference().package)
+    cfg = tiny.cfg
+    text = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                max_position_embeddings=1024, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
                                  "mrope_section": list(SECTIONS), "mrope_interleaved": True})
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 4,
-              "out_hidden_size": model.cfg.hidden_size, "spatial_merge_size": MERGE, "temporal_patch_size": 1,
-              "num_position_embeddings": 16, "deepstack_visual_indexes": []}
-    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE)
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config={**VISION, "out_hidden_size": cfg.hidden_size},
+                                        image_token_id=IMAGE, tie_word_embeddings=False)
     config.text_config._attn_implementation = "eager"
-    whole = transformers.Qwen3VLModel(config).eval()
-    weights = {k[len("model."):]: v for k, v in model.state_dict().items() if k.startswith("model.")}
-    whole.language_model.load_state_dict(weights)
-    return whole, model.lm_head.weight.detach()
+    config.vision_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    weights = {f"model.language_model.{k[len('model.'):]}": v for k, v in tiny.state_dict().items()
+               if k.startswith("model.")}
+    weights["lm_head.weight"] = tiny.lm_head.weight
+    with torch.no_grad():
+        for name, param in model.model.visual.named_parameters():
+            weights[f"model.visual.{name}"] = models.deterministic_tensor(f"visual.{name}", tuple(param.shape))
+    model.load_state_dict(weights)
+    processor = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
+                                         do_resize=False, do_rescale=False, do_normalize=False)
+    return model, processor
 
 
-def rope_index(whole, prompt, grids):
+def pixel_values(qwen3_vl, pictures):
+    """The image processor's flattened patches [N, C * 2 * 4 * 4] and grids [(1, h, w)] in patches."""
+    out = qwen3_vl[1](images=list(pictures), return_tensors="pt", input_data_format="channels_first")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def our_vl_model(impl, qwen3_vl, device="cpu"):
+    """The implementation's VisionEncoder and Qwen3ForCausalLM, built with other random weights,
+    then filled from transformers' state dict by load_qwen3_vl."""
+    vision = impl.load("serve.vision")
+    hf_model = qwen3_vl[0]
+    encoder = vision.VisionEncoder(vision.VisionConfig.from_dict(hf_model.config.vision_config.to_dict()))
+    model = models.tiny_qwen3(impl.package, seed=7)
+    vision.load_qwen3_vl(hf_model.state_dict(), encoder, model)
+    return encoder.eval().to(device), model.to(device)
+
+
+def rope_index(hf_model, prompt, grids):
     """transformers' positions [3, T] and delta for one prompt; grids are in image tokens."""
     ids = torch.tensor([prompt])
     thw = torch.tensor([[1, rows * MERGE, cols * MERGE] for rows, cols in grids])
-    positions, delta = whole.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=thw)
+    positions, delta = hf_model.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=thw)
     return positions[:, 0], int(delta)
 
 
@@ -300,20 +334,11 @@ def test_mrope_positions_match_qwen3_vl(impl, qwen3_vl, case):
 def test_mrope_tables_match_qwen3_vl_rotary(impl, qwen3_vl):
     vision = impl.load("serve.vision")
     positions, _ = rope_index(qwen3_vl[0], *PROMPTS["wide image, text last"])
-    rotary = qwen3_vl[0].language_model.rotary_emb
+    rotary = qwen3_vl[0].model.language_model.rotary_emb
     cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[:, None])
     ours_cos, ours_sin = vision.mrope_cos_sin(positions, 16, 10000.0, SECTIONS, torch.float32)
     torch.testing.assert_close(ours_cos[:, 0], cos[0], msg="M-RoPE cos tables differ from Qwen3-VL's")
     torch.testing.assert_close(ours_sin[:, 0], sin[0], msg="M-RoPE sin tables differ from Qwen3-VL's")
-
-
-def vision_engine(impl, serve, model, **config):
-    vision = impl.load("serve.vision")
-    engine = make_engine(serve, model, **{"block_size": BLOCK, "num_blocks": 96, **config})
-    torch.manual_seed(0)
-    encoder = vision.VisionEncoder(vision.VisionConfig(out_hidden_size=model.cfg.hidden_size, merge_size=MERGE))
-    vision.attach_vision(engine.runner.flat, encoder.eval(), IMAGE, SECTIONS)
-    return engine, encoder
 
 
 def images(seed, *sizes):
@@ -321,59 +346,157 @@ def images(seed, *sizes):
     return [torch.rand(3, h, w, generator=g) for h, w in sizes]
 
 
+@pytest.mark.parametrize("rows, cols", [(2, 2), (4, 6), (6, 2), (8, 8)])
+def test_patch_order_matches_transformers(impl, rows, cols):
+    """The patches of a rows x cols grid come square by square, as Qwen-VL's processor lays them out."""
+    from transformers.vision_utils import get_vision_position_ids
+    vision = impl.load("serve.vision")
+    got = vision.patch_positions(rows, cols, MERGE)
+    expected = get_vision_position_ids(torch.tensor([[1, rows, cols]]), MERGE)
+    assert torch.equal(got, expected), (f"patch_positions({rows}, {cols}, {MERGE}) starts {got[:6].tolist()}, "
+                                        f"transformers' order starts {expected[:6].tolist()}")
+
+
+def test_encoder_matches_qwen3_vl_image_features(impl, qwen3_vl):
+    """Same weights, same pixel_values: our encoder's image tokens equal transformers'
+    get_image_features, for grids smaller than, equal to and larger than the 4 x 4 position table."""
+    encoder, _ = our_vl_model(impl, qwen3_vl)
+    pictures = images(4, (16, 16), (32, 32), (16, 48), (40, 24))
+    values, grids = pixel_values(qwen3_vl, pictures)
+    with torch.inference_mode():
+        expected = qwen3_vl[0].model.get_image_features(values, grids).pooler_output
+    start = 0
+    for picture, (_, rows, cols), want in zip(pictures, grids.tolist(), expected):
+        patches = values[start:start + rows * cols]
+        start += rows * cols
+        assert torch.equal(encoder.patchify(picture), patches), (
+            f"patchify of a {tuple(picture.shape)} image differs from the image processor's pixel_values")
+        got = encoder(patches, rows, cols)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5,
+                                   msg=lambda m, r=rows, c=cols: f"image tokens of a {r} x {c} patch grid: {m}")
+
+
+def test_loading_refuses_weights_that_do_not_fit(impl, qwen3_vl):
+    vision = impl.load("serve.vision")
+    encoder, model = our_vl_model(impl, qwen3_vl)
+    weights = dict(qwen3_vl[0].state_dict())
+    del weights["model.visual.merger.linear_fc1.bias"]
+    with pytest.raises(ValueError, match="merger.linear_fc1.bias"):
+        vision.load_qwen3_vl(weights, encoder, model)
+    with pytest.raises(ValueError, match="deepstack"):
+        vision.VisionConfig.from_dict({**VISION, "out_hidden_size": 64, "deepstack_visual_indexes": [0]})
+
+
+def vision_engine(impl, serve, qwen3_vl, device="cpu", **config):
+    vision = impl.load("serve.vision")
+    encoder, model = our_vl_model(impl, qwen3_vl, device)
+    engine = make_engine(serve, model, **{"block_size": BLOCK, "num_blocks": 96, **config})
+    vision.attach_vision(engine.runner.flat, encoder, IMAGE, SECTIONS)
+    return engine
+
+
 @torch.inference_mode()
-def qwen3_vl_greedy(qwen3_vl, encoder, prompt, grids, pictures, max_new):
-    """Greedy tokens by full recompute in transformers' text model: embeddings with the image
-    rows put in, positions from get_rope_index, generated tokens at q + delta on all axes."""
-    whole, lm_head = qwen3_vl
-    table, delta = rope_index(whole, prompt, grids)
-    rows = torch.cat([encoder(p) for p in pictures]) if pictures else None
+def qwen3_vl_logits(qwen3_vl, tokens, pictures):
+    """Qwen3VLForConditionalGeneration's logits [T, vocab] for a sequence with its images."""
+    ids = torch.tensor([tokens])
+    inputs = {"mm_token_type_ids": (ids == IMAGE).int()}
+    if pictures:
+        inputs["pixel_values"], inputs["image_grid_thw"] = pixel_values(qwen3_vl, pictures)
+    return qwen3_vl[0](input_ids=ids, **inputs).logits[0]
+
+
+_QWEN3_VL_RUNS: dict = {}
+
+
+def qwen3_vl_greedy(qwen3_vl, prompt, pictures, max_new):
+    """Greedy tokens by full recompute through transformers' whole model (positions from its
+    own get_rope_index), stopping at the tiny model's EOS. Cached: three tests ask the same.
+    transformers cannot continue a sequence whose generated token is the placeholder id (it
+    takes it for an image token): these weights never generate it, but about one vision seed
+    in nine does, so keep the seed when changing the vision weights."""
+    key = (id(qwen3_vl[0]), tuple(prompt), tuple(image_key(p) for p in pictures), max_new)
+    if key not in _QWEN3_VL_RUNS:
+        _QWEN3_VL_RUNS[key] = qwen3_vl[0], _qwen3_vl_greedy(qwen3_vl, prompt, pictures, max_new)
+    return list(_QWEN3_VL_RUNS[key][1])
+
+
+def image_key(picture):
+    return tuple(picture.shape), picture.numpy().tobytes()
+
+
+def _qwen3_vl_greedy(qwen3_vl, prompt, pictures, max_new):
     tokens = list(prompt)
-    text = whole.language_model
     for _ in range(max_new):
-        embeds = text.embed_tokens(torch.tensor([tokens]))
-        if rows is not None:
-            embeds[0, torch.tensor(tokens) == IMAGE] = rows
-        later = (torch.arange(len(prompt), len(tokens)) + delta).expand(3, -1)
-        positions = torch.cat([table, later], dim=1)[:, None]
-        hidden = text(inputs_embeds=embeds, position_ids=positions).last_hidden_state[0, -1]
-        tokens.append(int((hidden @ lm_head.T).argmax()))
+        tokens.append(int(qwen3_vl_logits(qwen3_vl, tokens, pictures)[-1].argmax()))
         if tokens[-1] == TINY_EOS:
             break
     return tokens[len(prompt):]
 
 
+REQUESTS = {    # request id -> (prompt case, images); two shapes beyond the 4 x 4 position table
+    "middle": ("image in the middle", ((24, 16),)),
+    "text": ("no image", ()),
+    "two": ("two images", ((16, 16), (8, 8))),
+    "wide": ("wide image, text last", ((16, 32),)),
+}
+
+
+def add_image_requests(serve, engine, **params):
+    for seed, (rid, (case, sizes)) in enumerate(REQUESTS.items()):
+        pictures = images(seed, *sizes)
+        engine.add_request(rid, PROMPTS[case][0], serve.request.SamplingParams(**params),
+                           features={"images": pictures} if pictures else None)
+
+
+def test_prompt_logits_match_qwen3_vl(impl, serve, qwen3_vl, device):
+    """Image and text prompts prefilled together in 5-token chunks: the log-probabilities the
+    engine reports at every prompt position equal Qwen3VLForConditionalGeneration's forward
+    with the same pixels."""
+    engine = vision_engine(impl, serve, qwen3_vl, device, max_num_batched_tokens=5, sampler="full")
+    add_image_requests(serve, engine, max_tokens=1, prompt_logprobs=3)
+    outputs = {}
+    while engine.has_unfinished:
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    for seed, (rid, (case, sizes)) in enumerate(REQUESTS.items()):
+        prompt = PROMPTS[case][0]
+        expected = torch.log_softmax(qwen3_vl_logits(qwen3_vl, prompt, images(seed, *sizes)), dim=-1)
+        for position, got in enumerate(outputs[rid].prompt_logprobs[1:], start=1):
+            ids = [got.token_id, *got.top_token_ids]
+            want = expected[position - 1, ids]
+            mine = torch.tensor([got.logprob, *got.top_logprobs])
+            assert torch.allclose(mine, want, atol=1e-4), (
+                f"request {rid!r}, prompt position {position}: engine logprobs {mine.tolist()} of tokens {ids}, "
+                f"Qwen3-VL {want.tolist()}")
+    case, sizes = REQUESTS["middle"]
+    other = qwen3_vl_logits(qwen3_vl, PROMPTS[case][0], images(99, *sizes))[-1]
+    same = qwen3_vl_logits(qwen3_vl, PROMPTS[case][0], images(0, *sizes))[-1]
+    assert (other - same).abs().max() > 0.1, "another picture hardly changes the logits: the test proves little"
+    assert_engine_idle(engine)
+
+
 @pytest.mark.parametrize("squeeze", ["chunks through images", "preempted, recomputed", "preempted, swapped"])
-def test_image_and_text_requests_in_one_batch_match_qwen3_vl(impl, serve, tiny_model, qwen3_vl, squeeze):
+def test_image_and_text_requests_in_one_batch_match_qwen3_vl(impl, serve, qwen3_vl, device, squeeze):
     """Image and text requests share steps; a small token budget makes prefill chunks cut
     through images, a small pool preempts requests (their image rows must come back). Every
-    request's greedy tokens equal transformers' run alone."""
+    request's greedy tokens equal transformers' whole Qwen3-VL run alone."""
     config = {"chunks through images": {"max_num_batched_tokens": 7},
               "preempted, recomputed": {"num_blocks": 7},
               "preempted, swapped": {"num_blocks": 7, "preemption_mode": "swap"}}[squeeze]
-    engine, encoder = vision_engine(impl, serve, tiny_model, **config)
-    requests = {
-        "middle": (PROMPTS["image in the middle"], images(1, (24, 16))),
-        "text": (PROMPTS["no image"], []),
-        "two": (PROMPTS["two images"], images(2, (16, 16), (8, 8))),
-        "wide": (PROMPTS["wide image, text last"], images(3, (16, 32))),
-    }
-    params = serve.request.SamplingParams(max_tokens=8)
-    for rid, ((prompt, _), pictures) in requests.items():
-        engine.add_request(rid, prompt, params, features={"images": pictures} if pictures else None)
+    engine = vision_engine(impl, serve, qwen3_vl, device, **config)
+    add_image_requests(serve, engine, max_tokens=8)
     outputs = {}
     while engine.has_unfinished:
         outputs.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
     if "preempted" in squeeze:
         assert engine.preemptions, f"{squeeze}: the 7-block pool was meant to force a preemption"
-    for rid, ((prompt, grids), pictures) in requests.items():
-        expected = qwen3_vl_greedy(qwen3_vl, encoder, prompt, grids, pictures, 8)
+    for seed, (rid, (case, sizes)) in enumerate(REQUESTS.items()):
+        expected = qwen3_vl_greedy(qwen3_vl, PROMPTS[case][0], images(seed, *sizes), 8)
         assert outputs[rid] == expected, f"request {rid!r}: engine {outputs[rid]}, Qwen3-VL alone {expected}"
     assert_engine_idle(engine)
 
 
-def test_images_are_part_of_the_block_hash(impl, serve, tiny_model):
-    engine, _ = vision_engine(impl, serve, tiny_model)
+def test_images_are_part_of_the_block_hash(impl, serve, qwen3_vl):
+    engine = vision_engine(impl, serve, qwen3_vl)
     prompt = [IMAGE] * 4 + list(range(20, 20 + 3 * BLOCK))
     params = serve.request.SamplingParams(max_tokens=2)
     cached = {}
@@ -386,8 +509,8 @@ def test_images_are_part_of_the_block_hash(impl, serve, tiny_model):
     assert cached["cat again"] == full, f"the same image should reuse {full} tokens, reused {cached['cat again']}"
 
 
-def test_bad_image_requests_are_refused_and_change_nothing(impl, serve, tiny_model):
-    engine, _ = vision_engine(impl, serve, tiny_model)
+def test_bad_image_requests_are_refused_and_change_nothing(impl, serve, qwen3_vl):
+    engine = vision_engine(impl, serve, qwen3_vl)
     cases = {"too few placeholders": ([IMAGE] * 3 + [1], images(0, (16, 16)), "runs"),
              "side not a multiple of 8": ([IMAGE] * 4, images(0, (16, 12)), "multiple"),
              "no images": ([1, 2], [], "empty")}
