@@ -345,6 +345,28 @@ def test_quantized_pools_read_alike_in_both_backends(serve, fmt):
         f"{fmt} pool", outputs["vectorised"], outputs["reference"], meta)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_triton_kernel_reads_quantized_pools_like_the_reference(serve, kernels, where, fmt):
+    """The Triton backend reads a quantized pool's codes and per-token-per-head scales in
+    place; ReferenceBackend reads the same pool through its dequantize. Both compute in
+    float32 from the same dequantized values, so they agree to rounding: atol 1e-5."""
+    block_size, num_blocks, heads, kv_heads, dim = 16, 6, 4, 2, 16
+    requests = random_requests(random.Random(fmt), [(21, 3), (9, 1), (0, 1)], block_size, num_blocks)
+    meta, cpu_meta = make_meta(serve, requests, block_size, device=where), make_meta(serve, requests, block_size)
+    gen = torch.Generator().manual_seed(11)
+    full = make_meta(serve, [(n, n, t) for n, _, t in requests], block_size)      # every position written once
+    k_all, v_all = (torch.randn(full.query_start_loc_cpu[-1], kv_heads, dim, generator=gen) for _ in "kv")
+    q = torch.randn(meta.query_start_loc_cpu[-1], heads, dim, generator=gen)
+    reference_backend = serve.backends.get_backend("reference", kv_cache_dtype=fmt)
+    cache = reference_backend.allocate((num_blocks + 1, block_size, kv_heads, dim), torch.float32, "cpu")
+    reference_backend.write(cache, k_all, v_all, full)
+    triton_backend = serve.backends.get_backend("triton", kv_cache_dtype=fmt)
+    got = triton_backend.forward(q.to(where), tuple(t.to(where) for t in cache), meta).cpu()
+    want = reference_backend.forward(q, cache, cpu_meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch(f"triton, {fmt} pool", got, want,
+                                                                              cpu_meta)
+
+
 @pytest.mark.parametrize("fmt, bound", [("int8", 0.02), ("fp8", 0.08)])
 def test_quantized_pool_logit_error_is_bounded(serve, tiny_model, fmt, bound):
     """Four prompts prefilled through ModelRunner with a float pool and with a quantized
