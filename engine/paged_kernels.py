@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .serve.backends import ReferenceBackend
+from .serve.backends import ReferenceBackend, upload_indices
 from .triton_kernels import interpreting  # noqa: F401  (imported first: it chooses the interpreter before triton loads)
 
 # isort: split
@@ -122,6 +122,11 @@ def query_tiles(meta: BatchMeta, block_m: int) -> tuple[list[int], list[int]]:
     raise NotImplementedError("Your engine: Chapter 32: query_tiles")
 
 
+def tile_tensors(meta: BatchMeta, block_m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """query_tiles as two int32 tensors on `device`, moved there in one copy."""
+    return tuple(t.to(torch.int32) for t in upload_indices(query_tiles(meta, block_m), device))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                     scale: float | None = None, window: int = 0, block_m: int = 16,
                     tiles: tuple[torch.Tensor, ...] | None = None,
@@ -134,7 +139,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_rows, heads, dim = q.shape
     out = torch.zeros_like(q)
     if tiles is None:
-        tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device) for x in query_tiles(meta, block_m))
+        tiles = tile_tensors(meta, block_m, q.device)
     if tiles[0].numel() == 0:
         return out
     block_size = k_cache.shape[1]
@@ -180,8 +185,7 @@ class TritonBackend(ReferenceBackend):
     def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:
         if self._tiles_for is not meta:
-            self._tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device)
-                                for x in query_tiles(meta, self.block_m))
+            self._tiles = tile_tensors(meta, self.block_m, q.device)
             self._tiles_for = meta
         scales = (cache[2], cache[3]) if len(cache) > 2 else None
         return paged_attention(q, cache[0], cache[1], meta, scale, window, self.block_m, self._tiles, scales)

@@ -137,6 +137,29 @@ def test_plan_is_built_once_per_step(serve, monkeypatch):
     assert [g.rows.tolist() for g in groups] == [[3, 8], [0, 1, 2, 4, 5, 6, 7, 9, 10, 11, 12, 13]]
 
 
+def test_a_step_reads_nothing_back_and_copies_its_indices_once(serve, monkeypatch):
+    """On a GPU every read of a device value (.item(), .tolist(), bool()) and every small
+    torch.tensor(..., device=...) is the host waiting for the device. A step's plans are
+    made from the batch's host lists, and each group's index tensors cross in one copy."""
+    backend = serve.backends.get_backend("vectorised")
+    meta = make_meta(serve, random_requests(random.Random(2), SCENARIOS["padding requests"] + [(9, 4)], 8, 24), 8)
+    k_pool, v_pool, q = pools_and_queries(4, 2, 16, 8, 24, meta.query_start_loc_cpu[-1], seed=0)
+    want = reference_forward(q, (k_pool, v_pool), meta)
+    made = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real_tensor(*a, **k))
+
+    def host_read(self, *args):
+        raise AssertionError("the backend read a tensor's value on the host during a step")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    got = backend.forward(q, (k_pool, v_pool), meta)
+    monkeypatch.undo()
+    groups = len(backend.plan_for(meta, torch.device("cpu")))
+    assert len(made) <= groups, f"{len(made)} torch.tensor calls for {groups} groups: one copy per group"
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("no host reads", got, want, meta)
+
+
 def test_gather_blocks_reads_every_table_at_once(serve):
     pool = torch.arange(5 * 4 * 2, dtype=torch.float32).reshape(5, 4, 2)
     table = torch.tensor([[3, 0], [1, 2]])

@@ -18,6 +18,7 @@ read the blocks in place).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -242,6 +243,19 @@ class VectorisedBackend(ReferenceBackend):
         return rows.transpose(1, 2)
 
 
+def upload_indices(parts: Sequence[Sequence[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """Several int64 index lists made on the host, on `device` after ONE copy: one host
+    tensor, pinned and copied without blocking on CUDA, then split on the device (views).
+    Made one by one with torch.tensor(..., device="cuda"), each small tensor would be its
+    own blocking copy, a hidden wait for the device in every step."""
+    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(flat.split([len(part) for part in parts]))
+
+
 def plan_step(meta: BatchMeta, device: torch.device | str) -> list[StepPlan]:
     """The plans of one step: its decodes in one group, its longer chunks in another.
 
@@ -262,8 +276,9 @@ def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device
 
     meta: the step's BatchMeta; requests: indices of the group's requests in increasing
     order, or None for all of them. Read sizes from the HOST lists meta.query_start_loc_cpu
-    and meta.seq_lens_cpu and build each index tensor with ONE torch call (no tensor per
-    request). With R = the group's requests, t_r their row counts, N = the sum of t_r, the
+    and meta.seq_lens_cpu, make the index lists on the host and move them to `device` in
+    ONE copy (upload_indices; never a tensor per request, never a read of a device value).
+    With R = the group's requests, t_r their row counts, N = the sum of t_r, the
     fields hold (K = num_blocks * block_size):
       - rows: int64 [N], the step's row numbers of the group's rows, request by request,
         or None when requests is None;
