@@ -160,6 +160,22 @@ def test_a_step_reads_nothing_back_and_copies_its_indices_once(serve, monkeypatc
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("no host reads", got, want, meta)
 
 
+def test_decodes_of_far_apart_contexts_are_gathered_in_separate_groups(serve):
+    """A short context is not gathered out to the longest: decodes split where a context
+    is at most half its group's longest (groups under 256 tokens stay whole), chunks apart."""
+    assert serve.backends.context_groups([0, 1, 2, 3, 5], [300, 40, 700, 290, 9, 100]) == [[2], [0, 3], [1, 5]]
+    assert serve.backends.context_groups([0, 1, 2], [200, 9, 60]) == [[0, 1, 2]]
+    requests = random_requests(random.Random(5), [(300, 1), (40, 1), (700, 1), (290, 1), (20, 5)], 16, 90)
+    meta = make_meta(serve, requests, 16)
+    k_pool, v_pool, q = pools_and_queries(4, 2, 16, 16, 90, meta.query_start_loc_cpu[-1], seed=5)
+    backend = serve.backends.get_backend("vectorised")
+    got = backend.forward(q, (k_pool, v_pool), meta)
+    groups = backend.plan_for(meta, torch.device("cpu"))
+    assert [g.rows.tolist() for g in groups] == [[2], [0, 3], [1], [4, 5, 6, 7, 8]]
+    want = reference_forward(q, (k_pool, v_pool), meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("split decodes", got, want, meta)
+
+
 def test_gather_blocks_reads_every_table_at_once(serve):
     pool = torch.arange(5 * 4 * 2, dtype=torch.float32).reshape(5, 4, 2)
     table = torch.tensor([[3, 0], [1, 2]])
