@@ -17,6 +17,11 @@ row p % block_size. Query head h reads K/V head h // (heads // kv_heads) (GQA).
 On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1,
 chosen by importing Chapter 30's triton_kernels first): slow, but the same code.
 On a GPU, tl.dot needs tiles of at least 16 in every dimension: block_size >= 16.
+
+A quantized pool (TritonBackend(kv_cache_dtype="int8" or "fp8")) is read in place too: the
+kernel loads the 8-bit codes and each token's per-head scale and multiplies them in
+registers, so the pool is never dequantized into a float copy. Its writes go through
+ReferenceBackend's write_quantized_kv (quantizing is a handful of torch operations).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .serve.backends import ReferenceBackend
+from .serve.backends import ReferenceBackend, upload_indices
 from .triton_kernels import interpreting  # noqa: F401  (imported first: it chooses the interpreter before triton loads)
 
 # isort: split
@@ -75,8 +80,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 @triton.jit
 def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, table_width,  # type: ignore[no-untyped-def]
                            seq_lens_ptr, query_start_ptr, tile_request_ptr, tile_row_ptr,
-                           scale, num_heads, num_kv_heads, head_dim, window,
-                           BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+                           scale, num_heads, num_kv_heads, head_dim, window, k_scale_ptr, v_scale_ptr,
+                           BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                           QUANTIZED: tl.constexpr):
     """Program (tile, head): attention of one tile of query rows for one query head.  (Your engine: Chapter 32)
 
     q_ptr, out_ptr: [N, H, D] contiguous (out zero-filled); k_cache_ptr, v_cache_ptr:
@@ -95,6 +101,10 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table
     online softmax (running max, running sum, rescaled accumulator, in float32); visit only
     the blocks the tile can see; a row that has seen no visible key yet must not produce NaN;
     store in out's element type.
+    Quantized pools (QUANTIZED true): the pools hold int8 or fp8 codes and k_scale_ptr,
+    v_scale_ptr point at float32 scales [num_blocks + 1, BLOCK_SIZE, Hkv]; the key (value)
+    of a slot and KV head is its codes times that slot's and head's scale. Otherwise the
+    scale pointers are not read.
     """
     raise NotImplementedError("Your engine: Chapter 32: paged_attention_kernel")
 
@@ -112,40 +122,50 @@ def query_tiles(meta: BatchMeta, block_m: int) -> tuple[list[int], list[int]]:
     raise NotImplementedError("Your engine: Chapter 32: query_tiles")
 
 
+def tile_tensors(meta: BatchMeta, block_m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """query_tiles as two int32 tensors on `device`, moved there in one copy."""
+    return tuple(t.to(torch.int32) for t in upload_indices(query_tiles(meta, block_m), device))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: BatchMeta,
                     scale: float | None = None, window: int = 0, block_m: int = 16,
-                    tiles: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                    tiles: tuple[torch.Tensor, ...] | None = None,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One launch of paged_attention_kernel for the whole step: q [N, H, D] -> [N, H, D].
 
     tiles: the step's query_tiles, as two int32 device tensors (computed here when None).
-    Rows of padding requests come back as zeros."""
+    scales: (k_scale, v_scale) float32 [num_blocks + 1, block_size, Hkv] when the pools hold
+    8-bit codes (a quantized pool), else None. Rows of padding requests come back as zeros."""
     num_rows, heads, dim = q.shape
     out = torch.zeros_like(q)
     if tiles is None:
-        tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device) for x in query_tiles(meta, block_m))
+        tiles = tile_tensors(meta, block_m, q.device)
     if tiles[0].numel() == 0:
         return out
     block_size = k_cache.shape[1]
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     table = meta.block_table.to(torch.int32).contiguous()
     grid = (tiles[0].numel(), heads)
+    k_scale, v_scale = scales if scales is not None else (k_cache, v_cache)     # not read when not quantized
     paged_attention_kernel[grid](q.contiguous(), k_cache, v_cache, out, table, table.shape[1], meta.seq_lens,
                                  meta.query_start_loc, tiles[0], tiles[1], scale, heads, k_cache.shape[2], dim,
-                                 window, BLOCK_M=block_m, BLOCK_SIZE=block_size,
-                                 BLOCK_D=triton.next_power_of_2(dim))
+                                 window, k_scale, v_scale, BLOCK_M=block_m, BLOCK_SIZE=block_size,
+                                 BLOCK_D=triton.next_power_of_2(dim), QUANTIZED=scales is not None)
     return out
 
 
 class TritonBackend(ReferenceBackend):
     """Chapter 31's backend interface on the two kernels: one launch to store K/V, one to
-    attend, per layer. Pools are ReferenceBackend's plain (k, v) pairs; the tile list is
-    built once per step and shared by every layer."""
+    attend, per layer. Pools are ReferenceBackend's: plain (k, v) pairs, or with
+    kv_cache_dtype "int8" / "fp8" codes and scales, which the attention kernel reads in
+    place (written by ReferenceBackend's quantized write). The tile list is built once per
+    step and shared by every layer."""
     name = "triton"
 
-    def __init__(self, block_m: int = 16) -> None:
+    def __init__(self, block_m: int = 16, kv_cache_dtype: str = "auto") -> None:
         if block_m < 1 or block_m & (block_m - 1):
             raise ValueError(f"TritonBackend block_m must be a power of two, got {block_m}")
-        super().__init__()                     # plain pools: the kernels read float K/V
+        super().__init__(kv_cache_dtype)
         self.block_m = block_m
         self._tiles_for: BatchMeta | None = None
         self._tiles: tuple[torch.Tensor, ...] | None = None
@@ -157,13 +177,16 @@ class TritonBackend(ReferenceBackend):
         return super().allocate(shape, dtype, device)
 
     def write(self, cache: KVCache, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
-        store_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+        if self.quantized:
+            super().write(cache, k, v, meta)
+        else:
+            store_kv(cache[0], cache[1], k, v, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:
         if self._tiles_for is not meta:
-            self._tiles = tuple(torch.tensor(x, dtype=torch.int32, device=q.device)
-                                for x in query_tiles(meta, self.block_m))
+            self._tiles = tile_tensors(meta, self.block_m, q.device)
             self._tiles_for = meta
-        return paged_attention(q, cache[0], cache[1], meta, scale, window, self.block_m, self._tiles)
+        scales = (cache[2], cache[3]) if len(cache) > 2 else None
+        return paged_attention(q, cache[0], cache[1], meta, scale, window, self.block_m, self._tiles, scales)
 

@@ -137,6 +137,45 @@ def test_plan_is_built_once_per_step(serve, monkeypatch):
     assert [g.rows.tolist() for g in groups] == [[3, 8], [0, 1, 2, 4, 5, 6, 7, 9, 10, 11, 12, 13]]
 
 
+def test_a_step_reads_nothing_back_and_copies_its_indices_once(serve, monkeypatch):
+    """On a GPU every read of a device value (.item(), .tolist(), bool()) and every small
+    torch.tensor(..., device=...) is the host waiting for the device. A step's plans are
+    made from the batch's host lists, and each group's index tensors cross in one copy."""
+    backend = serve.backends.get_backend("vectorised")
+    meta = make_meta(serve, random_requests(random.Random(2), SCENARIOS["padding requests"] + [(9, 4)], 8, 24), 8)
+    k_pool, v_pool, q = pools_and_queries(4, 2, 16, 8, 24, meta.query_start_loc_cpu[-1], seed=0)
+    want = reference_forward(q, (k_pool, v_pool), meta)
+    made = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real_tensor(*a, **k))
+
+    def host_read(self, *args):
+        raise AssertionError("the backend read a tensor's value on the host during a step")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    got = backend.forward(q, (k_pool, v_pool), meta)
+    monkeypatch.undo()
+    groups = len(backend.plan_for(meta, torch.device("cpu")))
+    assert len(made) <= groups, f"{len(made)} torch.tensor calls for {groups} groups: one copy per group"
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("no host reads", got, want, meta)
+
+
+def test_decodes_of_far_apart_contexts_are_gathered_in_separate_groups(serve):
+    """A short context is not gathered out to the longest: decodes split where a context
+    is at most half its group's longest (groups under 256 tokens stay whole), chunks apart."""
+    assert serve.backends.context_groups([0, 1, 2, 3, 5], [300, 40, 700, 290, 9, 100]) == [[2], [0, 3], [1, 5]]
+    assert serve.backends.context_groups([0, 1, 2], [200, 9, 60]) == [[0, 1, 2]]
+    requests = random_requests(random.Random(5), [(300, 1), (40, 1), (700, 1), (290, 1), (20, 5)], 16, 90)
+    meta = make_meta(serve, requests, 16)
+    k_pool, v_pool, q = pools_and_queries(4, 2, 16, 16, 90, meta.query_start_loc_cpu[-1], seed=5)
+    backend = serve.backends.get_backend("vectorised")
+    got = backend.forward(q, (k_pool, v_pool), meta)
+    groups = backend.plan_for(meta, torch.device("cpu"))
+    assert [g.rows.tolist() for g in groups] == [[2], [0, 3], [1], [4, 5, 6, 7, 8]]
+    want = reference_forward(q, (k_pool, v_pool), meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("split decodes", got, want, meta)
+
+
 def test_gather_blocks_reads_every_table_at_once(serve):
     pool = torch.arange(5 * 4 * 2, dtype=torch.float32).reshape(5, 4, 2)
     table = torch.tensor([[3, 0], [1, 2]])
@@ -343,6 +382,28 @@ def test_quantized_pools_read_alike_in_both_backends(serve, fmt):
         outputs[name] = backend.forward(q, cache, meta)
     assert torch.allclose(outputs["vectorised"], outputs["reference"], atol=1e-5, rtol=1e-5), describe_mismatch(
         f"{fmt} pool", outputs["vectorised"], outputs["reference"], meta)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_triton_kernel_reads_quantized_pools_like_the_reference(serve, kernels, where, fmt):
+    """The Triton backend reads a quantized pool's codes and per-token-per-head scales in
+    place; ReferenceBackend reads the same pool through its dequantize. Both compute in
+    float32 from the same dequantized values, so they agree to rounding: atol 1e-5."""
+    block_size, num_blocks, heads, kv_heads, dim = 16, 6, 4, 2, 16
+    requests = random_requests(random.Random(fmt), [(21, 3), (9, 1), (0, 1)], block_size, num_blocks)
+    meta, cpu_meta = make_meta(serve, requests, block_size, device=where), make_meta(serve, requests, block_size)
+    gen = torch.Generator().manual_seed(11)
+    full = make_meta(serve, [(n, n, t) for n, _, t in requests], block_size)      # every position written once
+    k_all, v_all = (torch.randn(full.query_start_loc_cpu[-1], kv_heads, dim, generator=gen) for _ in "kv")
+    q = torch.randn(meta.query_start_loc_cpu[-1], heads, dim, generator=gen)
+    reference_backend = serve.backends.get_backend("reference", kv_cache_dtype=fmt)
+    cache = reference_backend.allocate((num_blocks + 1, block_size, kv_heads, dim), torch.float32, "cpu")
+    reference_backend.write(cache, k_all, v_all, full)
+    triton_backend = serve.backends.get_backend("triton", kv_cache_dtype=fmt)
+    got = triton_backend.forward(q.to(where), tuple(t.to(where) for t in cache), meta).cpu()
+    want = reference_backend.forward(q, cache, cpu_meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch(f"triton, {fmt} pool", got, want,
+                                                                              cpu_meta)
 
 
 @pytest.mark.parametrize("fmt, bound", [("int8", 0.02), ("fp8", 0.08)])

@@ -406,15 +406,45 @@ def test_seeded_sampling_is_the_same_with_async_scheduling(serve, tiny_model):
     assert outs[0] == outs[1], "a seeded request's draws must not depend on when its step is scheduled"
 
 
-def test_async_with_a_custom_sampler_is_refused(serve, tiny_model):
-    class Mine(serve.sampler.SimpleSampler):
-        pass
-    with pytest.raises(ValueError, match="sampler"):
-        serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(num_blocks=8, async_scheduling=True),
-                                eos_token_id=EOS, sampler=Mine())
-    with pytest.raises(ValueError, match="sampler"):
-        serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(num_blocks=8, async_scheduling=True,
-                                                                      sampler="full"), eos_token_id=EOS)
+class ShiftedGreedy:
+    """A custom sampler that reads each request's history: the argmax moved on by the value
+    of the request's newest token (the one still in flight on the async engine) and never
+    a token the request has output already; it fails for the fourth prompt at its sixth
+    token."""
+
+    def __call__(self, logits, requests, generators):
+        tokens = []
+        for row, request in zip(logits, requests):
+            if request.request_id.endswith("-3") and request.num_output_tokens == 5:
+                raise RuntimeError("scripted sampler failure")
+            row = row.roll(-request.token_ids[-1]).clone()
+            row[request.output_token_ids] = float("-inf")
+            tokens.append([int(row.argmax())])
+        return tokens, None
+
+
+def test_async_with_a_custom_sampler_equals_the_synchronous_engine(serve, overlap, tiny_model):
+    """A sampler other than SimpleSampler runs on the device queue on copies of the requests
+    whose in-flight token is known: its tokens, and the request its failure aborts, must be
+    the synchronous engine's."""
+    prompts, max_tokens = five_requests(seed=1)
+    outputs = {}
+    for asynchronous in (False, True):
+        engine = serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(
+            block_size=BLOCK, num_blocks=9, async_scheduling=asynchronous), eos_token_id=EOS, sampler=ShiftedGreedy())
+        if asynchronous:
+            engine.async_steps.queue = overlap.DeviceQueue("thread")
+        params = [serve.request.SamplingParams(max_tokens=max_tokens[r]) for r in prompts]
+        got = engine.generate(list(prompts.values()), params)
+        if asynchronous:
+            engine.async_steps.queue.close()
+        assert engine.preemptions > 0, "nothing was preempted: the configuration lost its point"
+        assert_engine_idle(engine, f"custom sampler, async={asynchronous}")
+        outputs[asynchronous] = {r: o.output_token_ids for r, o in zip(prompts, got)}
+        aborted = [r for r, o in zip(prompts, got) if o.error is not None]
+        assert aborted == [list(prompts)[3]] and len(outputs[asynchronous][aborted[0]]) == 5, \
+            f"async={asynchronous}: the scripted failure must abort the fourth prompt alone, aborted {aborted}"
+    expect_same("async, custom sampler", outputs[True], outputs[False])
 
 
 # --- 4. the pool of a quantized cache holds the blocks its bytes allow ------------------------------------

@@ -311,6 +311,41 @@ def test_seeded_output_survives_chunking_preemption_and_neighbours(serve, tiny_m
         assert_engine_idle(engine)
 
 
+def test_async_scheduling_with_the_full_sampler_equals_the_synchronous_engine(serve, impl, tiny_model):
+    """Chapter 33's asynchronous engine runs the full sampler on copies of the requests
+    whose in-flight token is filled in: penalties, bad words, min_tokens, seeds, logprobs
+    and prompt logprobs must come out exactly as the synchronous engine's."""
+    prompts = [list(range(30, 52)), [5, 6, 7], list(range(60, 80)), [9, 8, 7, 6]]
+    every = [params(serve, 12, temperature=1.0, top_p=0.95, seed=7, repetition_penalty=1.3, prompt_logprobs=2,
+                    logprobs=2),
+             params(serve, 9, frequency_penalty=0.8, presence_penalty=0.5, bad_words_token_ids=((5,), (6, 7)),
+                    min_tokens=6, logprobs=1),
+             params(serve, 10, temperature=0.8, top_k=30, seed=3, logit_bias={11: 2.0}),
+             params(serve, 8, repetition_penalty=2.0, stop_token_ids=[40, 41])]
+
+    def serve_with(**config):
+        engine = full_engine(serve, tiny_model, num_blocks=14, max_num_batched_tokens=16, **config)
+        if config:
+            engine.async_steps.queue = impl.load("serve.overlap").DeviceQueue("thread")
+        outs = engine.generate(prompts, every)
+        if config:
+            engine.async_steps.queue.close()
+        assert_engine_idle(engine)
+        return engine, outs
+
+    sync_engine, want = serve_with()
+    async_engine, got = serve_with(async_scheduling=True)
+    assert sync_engine.preemptions > 0 and async_engine.preemptions > 0, "nothing was preempted: grow the prompts"
+    for i, (mine, theirs) in enumerate(zip(got, want)):
+        assert mine.output_token_ids == theirs.output_token_ids, \
+            f"request {i}: async {mine.output_token_ids} != synchronous {theirs.output_token_ids}"
+        for what in ("logprobs", "prompt_logprobs"):
+            a, b = getattr(mine, what) or [], getattr(theirs, what) or []
+            assert [e and (e.token_id, e.rank, e.top_token_ids) for e in a] == \
+                   [e and (e.token_id, e.rank, e.top_token_ids) for e in b], f"request {i}: {what} differ"
+            assert all(x is None or math.isclose(x.logprob, y.logprob, abs_tol=1e-5) for x, y in zip(a, b))
+
+
 def test_extreme_parameters_stay_numbers_or_are_refused(serve, sampler):
     """A repetition penalty far below 1 overflows a positive logit to +inf in float32; the
     draw must still pick a real token. Out-of-range penalties and biases are refused."""

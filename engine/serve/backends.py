@@ -18,6 +18,7 @@ read the blocks in place).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -195,7 +196,9 @@ class VectorisedBackend(ReferenceBackend):
     lay the N query rows out as [R, max_query_len] (a decode-only step needs no re-layout:
     row r is request r), and call scaled_dot_product_attention once with a boolean mask
     built from positions. A step that mixes decodes with longer chunks is split in two
-    groups (one call each), so decodes are never padded to a chunk's length. The plans
+    groups (one call each), so decodes are never padded to a chunk's length, and decodes
+    of very different context lengths are split again (context_groups), so a short
+    context is not gathered out to the longest one. The plans
     (indices and masks) depend only on the batch, so they are made on the first layer and
     reused by the others.
     Pools, writes and quantized pools (kv_cache_dtype) are ReferenceBackend's."""
@@ -242,19 +245,56 @@ class VectorisedBackend(ReferenceBackend):
         return rows.transpose(1, 2)
 
 
+def upload_indices(parts: Sequence[Sequence[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """Several int64 index lists made on the host, on `device` after ONE copy: one host
+    tensor, pinned and copied without blocking on CUDA, then split on the device (views).
+    Made one by one with torch.tensor(..., device="cuda"), each small tensor would be its
+    own blocking copy, a hidden wait for the device in every step."""
+    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(flat.split([len(part) for part in parts]))
+
+
+# Decodes whose longest context is below this many tokens stay in one group: padding them
+# costs less than one more gather and attention call per layer.
+SPLIT_CONTEXTS_FROM = 256
+
+
+def context_groups(requests: list[int], lengths: Sequence[int]) -> list[list[int]]:
+    """Split decodes (request indices, increasing) by context length so that every
+    request's context is more than half its group's longest, unless that longest is below
+    SPLIT_CONTEXTS_FROM tokens. Each group's indices stay increasing; the groups run from
+    the longest contexts to the shortest."""
+    groups: list[list[int]] = []
+    for r in sorted(requests, key=lambda r: -lengths[r]):
+        longest = lengths[groups[-1][0]] if groups else 0
+        if groups and (2 * lengths[r] > longest or longest < SPLIT_CONTEXTS_FROM):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return [sorted(group) for group in groups]
+
+
 def plan_step(meta: BatchMeta, device: torch.device | str) -> list[StepPlan]:
-    """The plans of one step: its decodes in one group, its longer chunks in another.
+    """The plans of one step: its decodes in groups of similar context length, its longer
+    chunks in another group.
 
     Laying queries out as [R, max_query_len] pads every request to the longest chunk: with
     one 512-token chunk beside 63 decodes that computes about sixty times the scores needed.
-    Splitting the step costs one more attention call and pads chunks only among themselves.
+    Gathering every context out to the longest does the same to the keys: 60 decodes of 300
+    tokens beside 4 of 8,000 would read about ten times the keys needed. Each split
+    costs one more gather and attention call per layer and pads only among similar rows.
     A group covering every request (most steps) gets rows=None: no row selection at all."""
     starts = meta.query_start_loc_cpu
     singles = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] == 1]
-    if len(singles) in (0, meta.num_reqs):
-        return [plan_group(meta, None, device)]
     chunks = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] > 1]
-    return [plan_group(meta, singles, device), plan_group(meta, chunks, device)]
+    groups = [group for group in (*context_groups(singles, meta.seq_lens_cpu), chunks) if group]
+    if len(groups) == 1 and len(groups[0]) == meta.num_reqs:
+        return [plan_group(meta, None, device)]
+    return [plan_group(meta, group, device) for group in groups]
 
 
 def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device | str) -> StepPlan:
@@ -262,8 +302,9 @@ def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device
 
     meta: the step's BatchMeta; requests: indices of the group's requests in increasing
     order, or None for all of them. Read sizes from the HOST lists meta.query_start_loc_cpu
-    and meta.seq_lens_cpu and build each index tensor with ONE torch call (no tensor per
-    request). With R = the group's requests, t_r their row counts, N = the sum of t_r, the
+    and meta.seq_lens_cpu, make the index lists on the host and move them to `device` in
+    ONE copy (upload_indices; never a tensor per request, never a read of a device value).
+    With R = the group's requests, t_r their row counts, N = the sum of t_r, the
     fields hold (K = num_blocks * block_size):
       - rows: int64 [N], the step's row numbers of the group's rows, request by request,
         or None when requests is None;

@@ -287,7 +287,9 @@ class EngineCore:
         if (params.guided_regex is not None or params.guided_json is not None) and (
                 self.guides is None or self.config.sampler != "full" or self.config.async_scheduling):
             raise ValueError(f"request {request_id!r}: guided decoding (Chapter 35) needs the engine's vocab_bytes, "
-                             f"EngineConfig(sampler='full') (it applies the masks) and synchronous scheduling")
+                             f"EngineConfig(sampler='full') (it applies the masks) and synchronous scheduling "
+                             f"(step t+1's mask comes from the guide advanced by step t's token, which the "
+                             f"asynchronous engine has not read when it launches step t+1)")
         wanted = [name for name, on in (("logprobs", params.logprobs is not None),
                                         ("prompt_logprobs", params.prompt_logprobs is not None),
                                         ("penalties", params.needs_penalties),
@@ -378,19 +380,23 @@ class EngineCore:
         """
         raise NotImplementedError("Your engine: Chapter 31: EngineCore.step")
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: dict[str, int]
+    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: dict[str, int],
+                own: dict[str, torch.Generator] | None = None
                 ) -> tuple[dict[str, list[int]], dict[str, object], dict[str, Exception]]:
         """New tokens and logprobs by request id, and the error of each request whose sampling
         failed. One request must not cost the others their step: when the batched call fails,
         each request is sampled alone, from the generator states the step started with, so
-        every other request draws exactly what it would have drawn."""
+        every other request draws exactly what it would have drawn. own: the seeded
+        generators by request id (default self.generators; the asynchronous engine passes
+        those it captured when it launched the step)."""
         if not requests:
             return {}, {}, {}
+        own = self.generators if own is None else own
         ids = [r.request_id for r in requests]
-        generators = [self.engine_generator] + [self.generators[i] for i in ids if i in self.generators]
+        generators = [self.engine_generator] + [own[i] for i in ids if i in own]
         states = [g.get_state() for g in generators]
         try:
-            tokens, logprobs = self.sampler(logits, requests, self.generators)
+            tokens, logprobs = self.sampler(logits, requests, own)
             if len(tokens) != len(requests) or (logprobs and len(logprobs) != len(requests)):
                 raise ValueError(f"the sampler returned {len(tokens)} token lists for {len(requests)} requests")
             return dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {}, {}
@@ -404,7 +410,7 @@ class EngineCore:
         for request in requests:
             count = rows[request.request_id]
             try:
-                got, lp = self.sampler(logits[start:start + count], [request], self.generators)
+                got, lp = self.sampler(logits[start:start + count], [request], own)
                 alone[request.request_id] = got[0]
                 if lp:
                     alone_logprobs[request.request_id] = lp[0]

@@ -18,6 +18,16 @@ step t (an EOS nobody knew about yet) has already been given a row in step t+1, 
 for nothing and thrown away; max_tokens is known in advance, so the scheduler never gives
 a request a row past its last token (its last token is "in flight").
 
+Sampling. Chapter 31's SimpleSampler is redone on the device (`sample_on_device`): nothing is
+read back until step 3. Any other sampler (Chapter 34's full sampler, a custom one) reads
+the requests' token lists (penalties, bad words, min_tokens), so it runs inside the device
+part, after step t's tokens exist, on copies of the requests whose placeholder holds step
+t's token (`settled_view`): it sees exactly what the synchronous engine shows it. With the
+"thread" queue that still overlaps; with "cuda" the host thread reads step t's tokens
+before sampling step t+1, which costs the overlap but not the outputs. Guided decoding is
+refused (EngineCore.add_request): its mask for step t+1 must be built from a guide advanced
+by step t's token, on the host, before the step can be launched.
+
 The device queue keeps the device part of each step in order:
     "cuda"    runs it on the host thread, which only enqueues kernels on the current stream,
               and copies the sampled tokens to pinned host memory behind an event;
@@ -27,6 +37,7 @@ The device queue keeps the device part of each step in order:
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,13 +65,20 @@ class InflightStep:
 
     plan: its SchedulerOutput; sampling: the requests with a sampled row, in row order;
     row_of: request id -> its row in `tokens`; tokens: int64 [len(sampling)] on the device
-    once the device part ran; handle: what DeviceQueue.wait needs to read them."""
+    once the device part ran; handle: what DeviceQueue.wait needs to read them.
+    With a sampler other than SimpleSampler the device part also leaves logprobs and
+    failed (by request id, as EngineCore._sample returns them) and, when the batch has
+    prompt-logprob rows (Chapter 34), batch and prompt_rows (their logits)."""
     plan: SchedulerOutput
     sampling: list[Request]
     row_of: dict[str, int]
     tokens: torch.Tensor | None = None
     handle: Any = None
     launched_at: float = field(default_factory=time.perf_counter)
+    logprobs: dict[str, Any] = field(default_factory=dict)
+    failed: dict[str, Exception] = field(default_factory=dict)
+    batch: Batch | None = None
+    prompt_rows: torch.Tensor | None = None
 
 
 class DeviceQueue:
@@ -152,6 +170,22 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request], generators: 
     return tokens
 
 
+def settled_view(request: Request, length: int, row: int | None, previous_tokens: Callable[[], list[int]]) -> Request:
+    """A shallow copy of `request` as the synchronous engine would hand it to its sampler:
+    its first `length` tokens (its length when the step was launched), the trailing
+    placeholder replaced by the previous step's token for it (row `row` of
+    previous_tokens(), which reads them only when asked). The copy owns its token list, so
+    the host may settle or extend the request's own list meanwhile."""
+    view = copy.copy(request)
+    view.token_ids = request.token_ids[:length]          # one slice: atomic beside the host thread
+    view.num_placeholders = 0
+    if view.token_ids and view.token_ids[-1] == PLACEHOLDER:
+        if row is None:
+            raise RuntimeError(f"request {request.request_id!r}: a placeholder with no step in flight to fill it")
+        view.token_ids[-1] = previous_tokens()[row]
+    return view
+
+
 def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without making the host wait: on CUDA through pinned memory
     (a copy from pageable memory waits for every kernel already queued: no overlap left)."""
@@ -173,11 +207,8 @@ class AsyncStepper:
     """EngineCore.step when EngineConfig.async_scheduling is on (see the module docstring)."""
 
     def __init__(self, engine: EngineCore, mode: str | None = None) -> None:
-        if type(engine.sampler) is not SimpleSampler:
-            raise ValueError("asynchronous scheduling samples on the device with SimpleSampler's rules; the full "
-                             "sampler (EngineConfig(sampler='full'), Chapter 34) or a custom sampler needs the "
-                             "synchronous engine")
         self.engine = engine
+        self.on_device = type(engine.sampler) is SimpleSampler    # else the sampler runs on settled views
         self.queue = DeviceQueue(mode or ("cuda" if engine.device.type == "cuda" else "inline"))
         self.host_seconds = 0.0           # time spent scheduling and building batches
         self.wait_seconds = 0.0           # time spent waiting for tokens
@@ -222,7 +253,9 @@ class AsyncStepper:
                         fill_from.append(previous.row_of[request.request_id])
             batch = upload(batch, runner.device)
         fill_index = [move(torch.tensor(x, dtype=torch.int64), runner.device) for x in (fill_rows, fill_from)]
-        sampling = [r for (r, _), k in zip(scheduled, batch.sample_counts if batch else []) if k]
+        counts = {r.request_id: k for (r, _), k in zip(scheduled, batch.sample_counts if batch else []) if k}
+        sampling = [r for r, _ in scheduled if r.request_id in counts]
+        lengths = [r.num_tokens for r in sampling]       # before this step's placeholders are appended
         step = InflightStep(plan, sampling, {r.request_id: i for i, r in enumerate(sampling)})
         generators = {r.request_id: engine.generators[r.request_id] for r in sampling
                       if r.request_id in engine.generators}
@@ -240,9 +273,14 @@ class AsyncStepper:
                 assert previous is not None and previous.tokens is not None
                 batch.input_ids[fill_index[0]] = previous.tokens[fill_index[1]]
             logits = runner.execute(batch)
+            if batch.prompt_spans:             # prompt-logprob rows follow the sampling rows (Chapter 34)
+                step.batch, step.prompt_rows = batch, logits[batch.num_sample_rows:]
+                logits = logits[:batch.num_sample_rows]
             if not sampling:
                 return torch.empty(0, dtype=torch.int64, device=device)
-            return sample_on_device(logits, sampling, generators, default)
+            if self.on_device:
+                return sample_on_device(logits, sampling, generators, default)
+            return self.sample_views(step, logits, previous, lengths, counts, generators)
 
         self.queue.submit(step, device_part)
         for request, n in scheduled:
@@ -254,6 +292,27 @@ class AsyncStepper:
             engine.blocks.cache_full_blocks(request)
         return step
 
+    def sample_views(self, step: InflightStep, logits: torch.Tensor, previous: InflightStep | None,
+                     lengths: list[int], counts: dict[str, int], generators: dict[str, torch.Generator]
+                     ) -> torch.Tensor:
+        """The engine's own sampler (EngineCore._sample: its isolation of failing requests
+        included) on settled views of the step's requests; leaves logprobs and failures on
+        `step` and returns the tokens as an int64 device tensor (0 for a failed request,
+        whose next row is thrown away)."""
+        known: list[list[int]] = []
+
+        def previous_tokens() -> list[int]:        # read step t's tokens once, and only if a view needs them
+            if not known:
+                assert previous is not None and previous.tokens is not None
+                known.append(previous.tokens.tolist())
+            return known[0]
+
+        row_of = previous.row_of if previous is not None else {}
+        views = [settled_view(r, n, row_of.get(r.request_id), previous_tokens) for r, n in zip(step.sampling, lengths)]
+        gained, step.logprobs, step.failed = self.engine._sample(logits, views, counts, generators)
+        chosen = [gained[r.request_id][0] if r.request_id in gained else 0 for r in step.sampling]
+        return torch.tensor(chosen, dtype=torch.int64, device=logits.device)
+
     def settle(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and finish its bookkeeping: real tokens over
         placeholders, stop rules, outputs."""
@@ -261,9 +320,14 @@ class AsyncStepper:
         waited = time.perf_counter()
         tokens = self.queue.wait(step)
         self.wait_seconds += time.perf_counter() - waited
+        if step.prompt_rows is not None and step.batch is not None:
+            engine._record_prompt_logprobs(step.batch, step.prompt_rows)
         outputs, now = [], time.monotonic()
         for request, token in zip(step.sampling, tokens):
             if request.status.finished:           # stopped or aborted while this step ran: not its token
+                continue
+            if request.request_id in step.failed:
+                outputs.append(engine._abort_with_error(request, step.failed[request.request_id], "sampling"))
                 continue
             reason = settle_token(request, token, engine.check_stop)
             engine.blocks.cache_full_blocks(request)
@@ -272,5 +336,6 @@ class AsyncStepper:
             if reason is not None:
                 engine.generators.pop(request.request_id, None)
                 engine.scheduler.finish(request, reason)
-            outputs.append(replace(engine.make_output(request, [token]), output_token_ids=known_output(request)))
+            kept = engine._keep_logprobs(request, step.logprobs)
+            outputs.append(replace(engine.make_output(request, [token], kept), output_token_ids=known_output(request)))
         return outputs

@@ -18,6 +18,7 @@ read the blocks in place).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -216,7 +217,9 @@ class VectorisedBackend(ReferenceBackend):
     lay the N query rows out as [R, max_query_len] (a decode-only step needs no re-layout:
     row r is request r), and call scaled_dot_product_attention once with a boolean mask
     built from positions. A step that mixes decodes with longer chunks is split in two
-    groups (one call each), so decodes are never padded to a chunk's length. The plans
+    groups (one call each), so decodes are never padded to a chunk's length, and decodes
+    of very different context lengths are split again (context_groups), so a short
+    context is not gathered out to the longest one. The plans
     (indices and masks) depend only on the batch, so they are made on the first layer and
     reused by the others.
     Pools, writes and quantized pools (kv_cache_dtype) are ReferenceBackend's."""
@@ -263,19 +266,56 @@ class VectorisedBackend(ReferenceBackend):
         return rows.transpose(1, 2)
 
 
+def upload_indices(parts: Sequence[Sequence[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """Several int64 index lists made on the host, on `device` after ONE copy: one host
+    tensor, pinned and copied without blocking on CUDA, then split on the device (views).
+    Made one by one with torch.tensor(..., device="cuda"), each small tensor would be its
+    own blocking copy, a hidden wait for the device in every step."""
+    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    return list(flat.split([len(part) for part in parts]))
+
+
+# Decodes whose longest context is below this many tokens stay in one group: padding them
+# costs less than one more gather and attention call per layer.
+SPLIT_CONTEXTS_FROM = 256
+
+
+def context_groups(requests: list[int], lengths: Sequence[int]) -> list[list[int]]:
+    """Split decodes (request indices, increasing) by context length so that every
+    request's context is more than half its group's longest, unless that longest is below
+    SPLIT_CONTEXTS_FROM tokens. Each group's indices stay increasing; the groups run from
+    the longest contexts to the shortest."""
+    groups: list[list[int]] = []
+    for r in sorted(requests, key=lambda r: -lengths[r]):
+        longest = lengths[groups[-1][0]] if groups else 0
+        if groups and (2 * lengths[r] > longest or longest < SPLIT_CONTEXTS_FROM):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return [sorted(group) for group in groups]
+
+
 def plan_step(meta: BatchMeta, device: torch.device | str) -> list[StepPlan]:
-    """The plans of one step: its decodes in one group, its longer chunks in another.
+    """The plans of one step: its decodes in groups of similar context length, its longer
+    chunks in another group.
 
     Laying queries out as [R, max_query_len] pads every request to the longest chunk: with
     one 512-token chunk beside 63 decodes that computes about sixty times the scores needed.
-    Splitting the step costs one more attention call and pads chunks only among themselves.
+    Gathering every context out to the longest does the same to the keys: 60 decodes of 300
+    tokens beside 4 of 8,000 would read about ten times the keys needed. Each split
+    costs one more gather and attention call per layer and pads only among similar rows.
     A group covering every request (most steps) gets rows=None: no row selection at all."""
     starts = meta.query_start_loc_cpu
     singles = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] == 1]
-    if len(singles) in (0, meta.num_reqs):
-        return [plan_group(meta, None, device)]
     chunks = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] > 1]
-    return [plan_group(meta, singles, device), plan_group(meta, chunks, device)]
+    groups = [group for group in (*context_groups(singles, meta.seq_lens_cpu), chunks) if group]
+    if len(groups) == 1 and len(groups[0]) == meta.num_reqs:
+        return [plan_group(meta, None, device)]
+    return [plan_group(meta, group, device) for group in groups]
 
 
 def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device | str) -> StepPlan:
@@ -283,8 +323,9 @@ def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device
 
     meta: the step's BatchMeta; requests: indices of the group's requests in increasing
     order, or None for all of them. Read sizes from the HOST lists meta.query_start_loc_cpu
-    and meta.seq_lens_cpu and build each index tensor with ONE torch call (no tensor per
-    request). With R = the group's requests, t_r their row counts, N = the sum of t_r, the
+    and meta.seq_lens_cpu, make the index lists on the host and move them to `device` in
+    ONE copy (upload_indices; never a tensor per request, never a read of a device value).
+    With R = the group's requests, t_r their row counts, N = the sum of t_r, the
     fields hold (K = num_blocks * block_size):
       - rows: int64 [N], the step's row numbers of the group's rows, request by request,
         or None when requests is None;
@@ -301,32 +342,34 @@ def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device
         the group has none (most steps: then no work is spent on them).
     """
     starts, lengths = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    picked = range(len(lengths)) if requests is None else requests
+    picked = list(range(len(lengths))) if requests is None else requests
     counts = [starts[r + 1] - starts[r] for r in picked]
     lengths = [lengths[r] for r in picked]
-    num_rows = sum(counts)
-    rows = None
-    table = meta.block_table
-    if requests is not None:
-        rows = torch.tensor([i for r in requests for i in range(starts[r], starts[r + 1])], device=device)
-        table = table[torch.tensor(requests, device=table.device)]
-    num_blocks = max(1, -(-max(lengths) // meta.block_size))
-    table = table[:, :num_blocks].to(device=device, dtype=torch.int64)
     decode_only = max(counts) == 1
-    # The first query slot of request r sits at seq_len - t; the slots after it follow on.
-    first_position = torch.tensor([n - t for n, t in zip(lengths, counts)], device=device)
+    # Every index list is made on the host, then all cross in one copy: the group's rows and
+    # requests (to cut the block table) when it is not the whole step; the first query
+    # position of each request (seq_len - t, its other slots follow on); when rows are not
+    # requests, each row's request and its index among that request's rows; and which
+    # requests are padding (seq_len 0), when there are any.
+    whole = requests is None
+    row_numbers, chosen, first_position, request_of_row, offset_of_row, empty = upload_indices([
+        [] if whole else [i for r in picked for i in range(starts[r], starts[r + 1])],
+        [] if whole else picked,
+        [n - t for n, t in zip(lengths, counts)],
+        [] if decode_only else [r for r, t in enumerate(counts) for _ in range(t)],
+        [] if decode_only else [i for t in counts for i in range(t)],
+        [int(n == 0) for n in lengths] if 0 in lengths else []], device)
+    rows = None if whole else row_numbers
+    table = meta.block_table.to(device) if whole else meta.block_table.to(device)[chosen]
+    num_blocks = max(1, -(-max(lengths) // meta.block_size))
+    table = table[:, :num_blocks].to(dtype=torch.int64)
     query_positions = (first_position[:, None] + torch.arange(max(counts), device=device)).clamp_(min=0)
     keys = torch.arange(num_blocks * meta.block_size, device=device)
     visible = (keys <= query_positions[:, :, None]).unsqueeze(1)
-    row_request = row_offset = None
-    if not decode_only:
-        row_request = torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                              torch.tensor(counts, device=device), output_size=num_rows)
-        firsts = torch.tensor([0] + counts[:-1], device=device).cumsum(0)
-        row_offset = torch.arange(num_rows, device=device) - firsts[row_request]
+    row_request, row_offset = (None, None) if decode_only else (request_of_row, offset_of_row)
     empty_rows = None
     if 0 in lengths:
-        empty = torch.tensor([n == 0 for n in lengths], device=device)
+        empty = empty.bool()
         empty_rows = (empty if row_request is None else empty[row_request]).view(-1, 1, 1)
     return StepPlan(rows, num_blocks, table, decode_only, row_request, row_offset, visible, empty_rows,
                     query_positions)
