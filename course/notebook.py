@@ -101,6 +101,7 @@ def differences(got, expected, atol: float = 1e-5, rtol: float = 1e-4, path: str
     Tensors and arrays compare with tolerances, containers element by element, anything
     else with ==."""
     where = f" at {path}" if path else ""
+    import numpy
     import torch  # here, so importing course.notebook stays quick
     if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
