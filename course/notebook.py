@@ -102,7 +102,7 @@ def differences(got, expected, atol: float = 1e-5, rtol: float = 1e-4, path: str
     else with ==."""
     where = f" at {path}" if path else ""
     import numpy
-    import torch  # here, so importing course.notebook stays quick
+    import torch  # both here, so importing course.notebook stays quick
     if isinstance(expected, torch.Tensor):
         if not isinstance(got, torch.Tensor):
             return f"expected a tensor{where}, got {type(got).__name__}"
@@ -122,8 +122,7 @@ def differences(got, expected, atol: float = 1e-5, rtol: float = 1e-4, path: str
             return f"NaN in the result{where}"
         if not torch.allclose(a, b, atol=atol, rtol=rtol, equal_nan=True):
             error = (a - b).abs().nan_to_num(float("inf"))
-            # numpy's unravel_index: torch's imports a large part of torch on its first call (~2 s)
-            import numpy
+            # numpy's unravel_index: torch's imports sympy on its first call (seconds per notebook)
             index = tuple(int(i) for i in numpy.unravel_index(int(error.argmax()), tuple(error.shape)))
             return (f"max abs difference {error.max().item():.3g}{where} at {index}: "
                     f"got {a[index].item():.6g}, expected {b[index].item():.6g}")
