@@ -136,7 +136,9 @@ def encode(value: Any) -> Any:
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {"__dict__": {k: encode(v) for k, v in value.items()}}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"__fields__": {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+        names = [f.name for f in dataclasses.fields(value)]
+        names += [name for name, member in vars(type(value)).items() if isinstance(member, property)]
+        return {"__fields__": {name: encode(getattr(value, name)) for name in names}}
     raise TypeError(f"an oracle record holds tensors and plain data, not {type(value).__name__}")
 
 
@@ -154,7 +156,7 @@ def decode(value: Any) -> Any:
         return base64.b64decode(value["__bytes__"])
     if "__tuple__" in value:
         return tuple(decode(v) for v in value["__tuple__"])
-    if "__fields__" in value:          # a dataclass of the reference: its fields by name
+    if "__fields__" in value:          # a dataclass of the reference: its fields and properties by name
         return SimpleNamespace(**{k: decode(v) for k, v in value["__fields__"].items()})
     return {k: decode(v) for k, v in value["__dict__"].items()}
 

@@ -11,8 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-import course
-from course.models import tiny_qwen3
 from course.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(8)
