@@ -102,7 +102,7 @@ def transformers_tiny_qwen3(device: torch.device | str = "cpu", dtype: torch.dty
     global _LogitsQwen3
     if _LogitsQwen3 is None:
         class LogitsQwen3(transformers.Qwen3ForCausalLM):
-            def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+            def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
                 return super().forward(input_ids, use_cache=False, **kwargs).logits
 
             @property

@@ -99,7 +99,8 @@ def record_oracles(root: Path, selection: tuple[str, ...], timeout: float) -> di
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COURSE_IMPL")}
         env.update(PYTHONPATH=str(root), **{oracle_records.RECORD_ENV: folder})
         ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbval",
-                              "-o", "addopts=-p course.pytest_plugin", "--impl", "solutions", *_workers(), *selection],
+                              "-o", "addopts=-p course.pytest_plugin", "--impl", "solutions", *_workers(selection),
+                              *selection],
                              cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
         if ran.returncode != 0:
             raise ReleaseError("recording the reference's answers: the milestones fail against solutions/:\n"
@@ -107,8 +108,12 @@ def record_oracles(root: Path, selection: tuple[str, ...], timeout: float) -> di
         return oracle_records.read_stores(Path(folder))
 
 
-def _workers() -> list[str]:
+def _workers(selection: tuple[str, ...]) -> list[str]:
+    """pytest-xdist workers for a run of every milestone; a few chosen tests run serially
+    (starting workers would cost more than it saves)."""
     import importlib.util
+    if selection != ALL_MILESTONES:
+        return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if cores < 2 or importlib.util.find_spec("xdist") is None:
         return []
@@ -221,7 +226,8 @@ def verify_release(dest: Path, root: Path = ROOT, timeout: float = 3600.0,
     shutil.rmtree(dest / "engine")
     shutil.copytree(root / "solutions", dest / "engine", ignore=shutil.ignore_patterns("__pycache__"))
     report = dest / ".verify.xml"
-    ran = _pytest(dest, "-q", "--impl", "engine", *_workers(), f"--junitxml={report}", *selection, timeout=timeout)
+    ran = _pytest(dest, "-q", "--impl", "engine", *_workers(selection), f"--junitxml={report}", *selection,
+                  timeout=timeout)
     if not report.is_file():
         raise ReleaseError("the milestones did not run in the edition:\n" + (ran.stdout + ran.stderr)[-2000:])
     chapters = {path.stem: _chapter_of_file(path) for path in (dest / "tests").glob("test_*.py")}
