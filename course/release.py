@@ -32,7 +32,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-from . import oracle_records, skeleton
+from . import manifest, oracle_records, skeleton
 from .manifest import ROOT
 
 # Top-level entries a learner's edition leaves out: the reference answers, the
@@ -58,7 +58,7 @@ def release_files(root: Path = ROOT) -> list[Path]:
 
 
 # What the recording run selects by default: every milestone (tests of a chapter).
-ALL_MILESTONES = ("tests", "--upto", "999")
+ALL_MILESTONES = ("tests", "--upto", str(max(manifest.load().numbers)))
 RECORDS_FILE = oracle_records.RECORDS_DIR / "records.json.gz"
 LEFT_OUT = ("[left out of the learner's edition: this cell calls a stub of the reference, so its saved output "
             "is what the stub computes; run the cell once your engine has it]\n")
