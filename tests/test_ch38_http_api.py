@@ -626,9 +626,12 @@ def test_a_simultaneous_burst_never_hangs(impl, device, ref):
     statuses = [r.status_code for r in results]
     assert set(statuses) <= {200, 429}, f"only answers or 429s: {statuses}"
     assert statuses.count(200) >= 6, f"at least the 6 places must be used: {statuses}"
-    for p, r in zip(work, results):
+    # Every prompt's answer is asked for, not only the ones that got a place: which get one
+    # depends on timing, and the recorded oracle answers of an edition must not.
+    wants = [solo(ref, p, 24) for p in work]
+    for want, r in zip(wants, results):
         if r.status_code == 200:
-            assert r.json()["choices"][0]["token_ids"] == solo(ref, p, 24)
+            assert r.json()["choices"][0]["token_ids"] == want
 
 
 def test_loadtest_command_reports_no_leaked_blocks(server):
