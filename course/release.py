@@ -132,8 +132,21 @@ def stub_names(package: Path) -> dict[str, set[str]]:
 
 
 _REFERENCE_CALL = re.compile(r"\bcourse\.reference\(\)")
-# `ref = course.reference()`, `B = course.reference().bpe`: the names a notebook gives the reference.
+# `ref = course.reference()`, `B = course.reference().bpe`: the names a notebook gives the reference;
+# then `cost = ref.cost`, `engine = ref.load("serve.engine")`: names of its modules.
 _ALIAS = re.compile(r"^\s*(\w+)\s*=\s*course\.reference\(\)((?:\.\w+)*)\s*(?:#.*)?$", re.MULTILINE)
+_MODULE_ALIAS = re.compile(r"^\s*(\w+)\s*=\s*(\w+)(?:\.load\([\"']([\w.]+)[\"']\)|((?:\.\w+)+))\s*(?:#.*)?$",
+                           re.MULTILINE)
+
+
+def _aliases(sources: list[str]) -> dict[str, str]:
+    """{name: the dotted path inside the reference it stands for} over a notebook's code."""
+    aliases = {name: path for source in sources for name, path in _ALIAS.findall(source)}
+    for source in sources:
+        for name, base, loaded, attributes in _MODULE_ALIAS.findall(source):
+            if base in aliases and name not in aliases:
+                aliases[name] = aliases[base] + "." + (loaded or attributes.strip("."))
+    return aliases
 
 
 def reveals_a_stub(source: str, stubs: dict[str, set[str]], aliases: dict[str, str]) -> bool:
@@ -158,7 +171,7 @@ def edition_notebook(suffix: str, text: str, stubs: dict[str, set[str]]) -> str:
         return _REFERENCE_CALL.sub("course.notebook.reference_or_engine()", text)
     notebook = json.loads(text)
     cells = [cell for cell in notebook.get("cells", []) if cell.get("cell_type") == "code"]
-    aliases = {name: path for cell in cells for name, path in _ALIAS.findall("".join(cell.get("source", [])))}
+    aliases = _aliases(["".join(cell.get("source", [])) for cell in cells])
     for cell in cells:
         source = "".join(cell.get("source", []))
         if cell.get("outputs") and reveals_a_stub(source, stubs, aliases):
