@@ -12,8 +12,10 @@ reference backend) asks through `recorded(what, inputs, compute)`:
   saying the edition needs a fresh release.
 
 Keys hash content, never identity: tensors by dtype, shape and bytes, models by their
-parameters (so the reference tiny model and transformers' twin with the same weights share
-a key), generators by their state, dataclasses by their fields. So a test asks the same
+parameters and context limit (so the reference tiny model and transformers' twin with the
+same weights share a key; two architectures with the same weights do too, so such a question
+adds what tells them apart, as Chapter 42 adds the family's name), generators by their state,
+dataclasses by their fields. So a test asks the same
 question in both worlds as long as its inputs are deterministic (seeded; Hypothesis runs
 derandomized while recording and in an edition, see course.pytest_plugin).
 Values are JSON with tensors, tuples and bytes tagged, gzip-compressed.
