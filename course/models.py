@@ -21,14 +21,19 @@ TINY_VOCAB_SIZE = 320           # Chapter 3's 256 bytes, BOS 256, EOS 257 and sp
 QWEN3_VOCAB_SIZE = 151_936
 
 
-def tiny_config(package, **overrides):
-    """A 2-layer Qwen3 config of `package` (a solutions-like module)."""
+def tiny_config_values(**overrides):
+    """The tiny Qwen3's configuration as keyword arguments (Qwen3Config's, ours and transformers')."""
     values = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                   rope_theta=10000.0, max_position_embeddings=1024, tie_word_embeddings=False,
                   bos_token_id=256, eos_token_id=257)
     values.update(overrides)
-    return _qwen3(package).Qwen3Config(**values)
+    return values
+
+
+def tiny_config(package, **overrides):
+    """A 2-layer Qwen3 config of `package` (a solutions-like module)."""
+    return _qwen3(package).Qwen3Config(**tiny_config_values(**overrides))
 
 
 def _qwen3(package):

@@ -51,6 +51,16 @@ def reload_impl(name: str | None = None) -> impl_module.Impl:
     return load_impl(name)
 
 
+def reference_or_engine() -> impl_module.Impl:
+    """What a chapter's demonstrations run on: the reference (solutions/) where the checkout has
+    it; in a learner's edition, which leaves the reference out, the learner's engine (their
+    stubs fill in the demonstrations as they write them; checks still say "no reference")."""
+    if (impl_module.NAMED["solutions"] / "__init__.py").is_file():
+        return impl_module.reference()
+    print("note: no reference engine in this edition: the demonstrations below run your engine/")
+    return load_impl()
+
+
 @dataclass
 class CheckResult:
     """The outcome of one check. `status` is "pass", "fail", "not implemented" or "unchecked"

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import reference
+from . import models, reference
 from .engine_checks import check_engine_idle
+from .oracle_records import have_reference, recorded
 
 TINY_EOS = 257          # the tiny model's eos_token_id (course.models.tiny_config)
 
@@ -42,15 +43,79 @@ def solo(ref_model: nn.Module, prompt: list[int], max_new: int, eos_token_id: in
 
     Greedy unless options say otherwise; results of calls without a generator are cached
     per (model, prompt, max_new, eos, options), so the same question costs one run."""
-    if options.get("generator") is not None:          # a generator's state changes: never cache
-        return reference().sampling.generate(ref_model, list(prompt), max_new, eos_token_id=eos_token_id,
-                                             **options)
+    question = (ref_model, list(prompt), max_new, eos_token_id, options)
+    generator = options.get("generator")
+    if generator is not None:          # a generator's state changes: never cache, and replay its state too
+        def sampled():
+            tokens = reference().sampling.generate(ref_model, list(prompt), max_new, eos_token_id=eos_token_id,
+                                                   **options)
+            return tokens, generator.get_state()
+        tokens, state = recorded("solo generate (sampled)", question, sampled)
+        generator.set_state(state)
+        return tokens
     key = (id(ref_model), tuple(prompt), max_new, eos_token_id,
            tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items())))
     if key not in _SOLO:
-        _SOLO[key] = ref_model, reference().sampling.generate(ref_model, list(prompt), max_new,
-                                                              eos_token_id=eos_token_id, **options)
+        _SOLO[key] = ref_model, recorded("solo generate", question, lambda: reference().sampling.generate(
+            ref_model, list(prompt), max_new, eos_token_id=eos_token_id, **options))
     return list(_SOLO[key][1])
+
+
+def reference_generate(model: nn.Module, prompt: list[int], max_new: int, **options: Any) -> list[int]:
+    """The reference package's `sampling.generate(model, prompt, max_new, **options)` (no
+    defaults added, no cache; `solo` is the cached, engine-flavoured form), recorded for an
+    edition without the reference. Seeded sampling goes through `solo`."""
+    if options.get("generator") is not None:
+        raise ValueError("reference_generate: a generator's state must be replayed too; use solo(...) for sampling")
+    return reference_call("sampling.generate", model, list(prompt), max_new, **options)
+
+
+def reference_call(dotted: str, *args: Any, **kwargs: Any) -> Any:
+    """`course.reference().<dotted>(*args, **kwargs)` for a reference function whose answer is
+    data (numbers, lists, tensors, a dataclass, which comes back as a SimpleNamespace in an
+    edition): computed by the reference, recorded for an edition without it."""
+    def compute() -> Any:
+        target: Any = reference()
+        for name in dotted.split("."):
+            target = getattr(target, name)
+        return target(*args, **kwargs)
+    return recorded(dotted, (args, kwargs), compute)
+
+
+def reference_tiny_qwen3(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                         **overrides: Any) -> nn.Module:
+    """The oracle's tiny Qwen3 (course.models' weights, `overrides` to its config): the
+    reference package's, or in an edition without the reference, transformers' Qwen3 with the
+    same weights (`transformers_tiny_qwen3`), never the implementation under test."""
+    if have_reference():
+        return models.tiny_qwen3(reference().package, device=device, dtype=dtype, **overrides)
+    return transformers_tiny_qwen3(device, dtype, **overrides)
+
+
+def transformers_tiny_qwen3(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                            **overrides: Any) -> nn.Module:
+    """transformers' Qwen3ForCausalLM with the tiny config and course.models' deterministic
+    weights (the names are the same), called like ours: model(input_ids) -> logits
+    [batch, seq, vocab]."""
+    import transformers
+
+    global _LogitsQwen3
+    if _LogitsQwen3 is None:
+        class LogitsQwen3(transformers.Qwen3ForCausalLM):
+            def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+                return super().forward(input_ids, use_cache=False, **kwargs).logits
+
+            @property
+            def context_limit(self) -> int:
+                return self.config.max_position_embeddings
+        _LogitsQwen3 = LogitsQwen3
+    torch.manual_seed(models.TINY_SEED)
+    config = transformers.Qwen3Config(**models.tiny_config_values(**overrides), attn_implementation="eager")
+    model = models.fill_deterministic(_LogitsQwen3(config))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+_LogitsQwen3: Any = None
 
 
 def make_engine(serve: SimpleNamespace, model: nn.Module, eos_token_id: int | None = TINY_EOS, **config) -> Any:

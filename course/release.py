@@ -2,21 +2,37 @@
 
 `write_release(dest)` copies every tracked file a learner needs (engine/'s skeleton, the
 chapters, the tests, course/, run.py, requirements, README, book.toml, the Classroom
-configuration) and leaves out solutions/ and the maintainer's own tooling.
+configuration) and leaves out solutions/ and the maintainer's own tooling. It also
+- records the reference's answers: it runs the milestones here in record mode
+  (course.oracle_records) and writes what the reference answered into the edition's
+  tests/oracle_records/, from which the edition's oracles replay;
+- keeps the notebooks from giving stubs away (`edition_notebook`): the setup line
+  `course.reference()` becomes `course.notebook.reference_or_engine()` (the learner's engine
+  where there is no reference), and a code cell that calls a stub of the reference by name
+  (`ref.layers.rms_norm(...)`, `ref.tokenizer.ByteTokenizer(...)`: a function or a class
+  with stub methods) shows one line instead of its saved output, because that output is
+  what the stub computes. Figures and tables made by other code keep their outputs.
 `check_release(dest)` then proves, in a subprocess that imports only the edition, that the
 tests collect and that Chapter 1's milestone fails with "not implemented yet" for the
 stubs rather than with an import or collection error, and that `run.py progress` counts
-the stubs from engine/'s markers.
+the stubs from engine/'s markers. `verify_release(dest)` is the full proof: with the
+reference copied into the edition's engine/, every written chapter's milestone passes with
+`--impl engine` (minutes; CI runs it after the book).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+from . import manifest, oracle_records, skeleton
 from .manifest import ROOT
 
 # Top-level entries a learner's edition leaves out: the reference answers, the
@@ -41,19 +57,129 @@ def release_files(root: Path = ROOT) -> list[Path]:
                   if n.parts[0] not in EXCLUDED and "__pycache__" not in n.parts and (root / n).is_file())
 
 
-def write_release(dest: Path, root: Path = ROOT) -> list[Path]:
-    """Copy the edition into dest (which must not exist or be empty); returns the files."""
+# What the recording run selects by default: every milestone (tests of a chapter).
+ALL_MILESTONES = ("tests", "--upto", str(max(manifest.load().numbers)))
+RECORDS_FILE = oracle_records.RECORDS_DIR / "records.json.gz"
+LEFT_OUT = ("[left out of the learner's edition: this cell calls a stub of the reference, so its saved output "
+            "is what the stub computes; run the cell once your engine has it]\n")
+
+
+def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None = ALL_MILESTONES,
+                  timeout: float = 3600.0) -> list[Path]:
+    """Copy the edition into dest (which must not exist or be empty), with its notebooks made
+    answer-free and, unless `record` is None, the reference's answers to the milestones that
+    `record` selects (pytest arguments, run here) in tests/oracle_records/. Returns the files."""
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise ReleaseError(f"{dest} is not empty: the edition is written into a new folder")
     if dest.resolve() == root.resolve() or root.resolve() in dest.resolve().parents:
         raise ReleaseError(f"{dest} lies inside the repository; choose a folder outside it")
     files = release_files(root)
+    stubs = stub_names(root / "solutions") if (root / "solutions").is_dir() else {}
     for rel in files:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / rel, target)
+        if rel.parts[0] == "chapters" and rel.suffix in (".ipynb", ".md"):
+            target.write_text(edition_notebook(rel.suffix, (root / rel).read_text(encoding="utf-8"), stubs),
+                              encoding="utf-8")
+        else:
+            shutil.copy2(root / rel, target)
+    if record is not None:
+        (dest / RECORDS_FILE).parent.mkdir(parents=True, exist_ok=True)
+        oracle_records.write_store(dest / RECORDS_FILE, record_oracles(root, record, timeout))
+        files.append(RECORDS_FILE)
     return files
+
+
+def record_oracles(root: Path, selection: tuple[str, ...], timeout: float) -> dict[str, dict]:
+    """Run the milestones `selection` picks against the reference in root, in record mode, and
+    return every answer the reference gave. Raises ReleaseError when a milestone fails there
+    (an edition recorded from a red reference would replay wrong answers)."""
+    with tempfile.TemporaryDirectory(prefix="oracle-records-") as folder:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COURSE_IMPL")}
+        env.update(PYTHONPATH=str(root), **{oracle_records.RECORD_ENV: folder})
+        ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:nbval",
+                              "-o", "addopts=-p course.pytest_plugin", "--impl", "solutions", *_workers(selection),
+                              *selection],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        if ran.returncode != 0:
+            raise ReleaseError("recording the reference's answers: the milestones fail against solutions/:\n"
+                               + "\n".join(ran.stdout.splitlines()[-15:]) + ran.stderr[-1000:])
+        return oracle_records.read_stores(Path(folder))
+
+
+def _workers(selection: tuple[str, ...]) -> list[str]:
+    """pytest-xdist workers for a run of every milestone; a few chosen tests run serially
+    (starting workers would cost more than it saves)."""
+    import importlib.util
+    if selection != ALL_MILESTONES:
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores < 2 or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(min(cores, 8)), "--dist", "loadfile"]
+
+
+def stub_names(package: Path) -> dict[str, set[str]]:
+    """{module path (dotted, as `ref.<module>` names it): names that are stubs there or classes
+    with stub methods} for the reference package."""
+    names: dict[str, set[str]] = {}
+    for rel, stubs in skeleton.stubs_of_tree(package).items():
+        module = rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        for stub in stubs:
+            names.setdefault(module, set()).add(stub.qualname.split(".")[0])
+    return names
+
+
+_REFERENCE_CALL = re.compile(r"\bcourse\.reference\(\)")
+# `ref = course.reference()`, `B = course.reference().bpe`: the names a notebook gives the reference;
+# then `cost = ref.cost`, `engine = ref.load("serve.engine")`: names of its modules.
+_ALIAS = re.compile(r"^\s*(\w+)\s*=\s*course\.reference\(\)((?:\.\w+)*)\s*(?:#.*)?$", re.MULTILINE)
+_MODULE_ALIAS = re.compile(r"^\s*(\w+)\s*=\s*(\w+)(?:\.load\([\"']([\w.]+)[\"']\)|((?:\.\w+)+))\s*(?:#.*)?$",
+                           re.MULTILINE)
+
+
+def _aliases(sources: list[str]) -> dict[str, str]:
+    """{name: the dotted path inside the reference it stands for} over a notebook's code."""
+    aliases = {name: path for source in sources for name, path in _ALIAS.findall(source)}
+    for source in sources:
+        for name, base, loaded, attributes in _MODULE_ALIAS.findall(source):
+            if base in aliases and name not in aliases:
+                aliases[name] = aliases[base] + "." + (loaded or attributes.strip("."))
+    return aliases
+
+
+def reveals_a_stub(source: str, stubs: dict[str, set[str]], aliases: dict[str, str]) -> bool:
+    """Whether a code cell names a stub of the reference through one of its names (`aliases`:
+    name -> the dotted path it stands for, `ref` -> ""), so that its output is what the stub
+    computes."""
+    names = "|".join(re.escape(name) for name in aliases)
+    pattern = rf"\b({names}|course\.reference\(\))((?:\.\w+)+)" if names else r"\b(course\.reference\(\))((?:\.\w+)+)"
+    for name, chain in re.findall(pattern, source):
+        parts = (aliases.get(name, "") + chain).strip(".").split(".")
+        for cut in range(1, len(parts)):
+            if parts[cut] in stubs.get(".".join(parts[:cut]), ()):
+                return True
+    return False
+
+
+def edition_notebook(suffix: str, text: str, stubs: dict[str, set[str]]) -> str:
+    """A chapter's notebook (.ipynb) or its paired MyST text (.md) as the edition has it: the
+    reference replaced by `reference_or_engine()`, and in .ipynb the outputs of cells that
+    call a stub of the reference replaced by one line (LEFT_OUT)."""
+    if suffix == ".md":
+        return _REFERENCE_CALL.sub("course.notebook.reference_or_engine()", text)
+    notebook = json.loads(text)
+    cells = [cell for cell in notebook.get("cells", []) if cell.get("cell_type") == "code"]
+    aliases = _aliases(["".join(cell.get("source", [])) for cell in cells])
+    for cell in cells:
+        source = "".join(cell.get("source", []))
+        if cell.get("outputs") and reveals_a_stub(source, stubs, aliases):
+            cell["outputs"] = [{"name": "stdout", "output_type": "stream", "text": [LEFT_OUT]}]
+        if _REFERENCE_CALL.search(source):
+            replaced = _REFERENCE_CALL.sub("course.notebook.reference_or_engine()", source)
+            cell["source"] = replaced.splitlines(keepends=True)
+    return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
 
 
 def _edition_env(dest: Path) -> dict[str, str]:
@@ -100,3 +226,42 @@ def check_release(dest: Path, timeout: float = 300.0) -> list[str]:
         problems.append("Chapter 1's milestone fails without saying the stubs are not implemented yet:\n"
                         + "\n".join(text.splitlines()[-15:]))
     return problems
+
+
+def verify_release(dest: Path, root: Path = ROOT, timeout: float = 3600.0,
+                   selection: tuple[str, ...] = ALL_MILESTONES) -> dict[int, tuple[int, int]]:
+    """The proof that the edition in dest works for a learner who never opens solutions/: the
+    reference (root's solutions/) copied into the edition's engine/, the milestones run there
+    with `--impl engine`. Returns {chapter: (passed, failed)}, failures including errors."""
+    dest = Path(dest)
+    if (dest / "solutions").exists():
+        raise ReleaseError(f"{dest} has solutions/: the proof runs without the reference")
+    shutil.rmtree(dest / "engine")
+    shutil.copytree(root / "solutions", dest / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    report = dest / ".verify.xml"
+    ran = _pytest(dest, "-q", "--impl", "engine", *_workers(selection), f"--junitxml={report}", *selection,
+                  timeout=timeout)
+    if not report.is_file():
+        raise ReleaseError("the milestones did not run in the edition:\n" + (ran.stdout + ran.stderr)[-2000:])
+    chapters = {path.stem: _chapter_of_file(path) for path in (dest / "tests").glob("test_*.py")}
+    results: dict[int, tuple[int, int]] = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        chapter = next((chapters[part] for part in case.get("classname", "").split(".") if part in chapters), None)
+        if chapter is None or case.find("skipped") is not None:
+            continue
+        failed = case.find("failure") is not None or case.find("error") is not None
+        passed, failures = results.get(chapter, (0, 0))
+        results[chapter] = (passed + (not failed), failures + failed)
+    report.unlink()
+    return dict(sorted(results.items()))
+
+
+def _chapter_of_file(path: Path) -> int | None:
+    found = re.search(r"pytest\.mark\.chapter\((\d+)\)", path.read_text(encoding="utf-8"))
+    return int(found.group(1)) if found else None
+
+
+def timed(action, *args, **kwargs):
+    """(action's result, seconds it took)."""
+    started = time.perf_counter()
+    return action(*args, **kwargs), time.perf_counter() - started

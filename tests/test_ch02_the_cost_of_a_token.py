@@ -10,7 +10,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import course
-from course.models import tiny_qwen3
+from course.models import tiny_config, tiny_qwen3
+from course.oracle_records import recorded
+from course.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(2)
 
@@ -20,27 +22,33 @@ QWEN3_06B = dict(QWEN3_8B, hidden_size=1024, intermediate_size=3072, num_hidden_
                  num_attention_heads=16, tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return course.reference()
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def ref_tiny(request, reference):
-    """The reference tiny Qwen3 (untied and tied), on the CPU: FLOP counts need no GPU."""
-    return tiny_qwen3(reference.package, tie_word_embeddings=request.param)
+def tiny_cfg(request, impl):
+    """The tiny Qwen3's config (untied and tied); the reference model with it runs on the CPU."""
+    return tiny_config(impl.package, tie_word_embeddings=request.param)
 
 
-def measured_flops(model, reference, prompt_len, new_tokens, batch=1):
-    """FLOPs torch counts for feeding `new_tokens` after a cached prompt of `prompt_len`."""
-    cache = reference.kv_cache.KVCache.for_model(model, batch, prompt_len + new_tokens)
-    ids = torch.arange(1, prompt_len + new_tokens + 1).remainder(250).repeat(batch, 1)
-    with torch.inference_mode():
-        if prompt_len:
-            model(ids[:, :prompt_len], cache=cache)
-        with FlopCounterMode(display=False) as counter:
-            model(ids[:, prompt_len:], cache=cache)
-    return counter.get_total_flops()
+def measured_flops(cfg, prompt_len, new_tokens, batch=1):
+    """FLOPs torch counts for the reference tiny model feeding `new_tokens` after a cached
+    prompt of `prompt_len` (recorded, for an edition without the reference)."""
+    def count():
+        reference = course.reference()
+        model = tiny_qwen3(reference.package, tie_word_embeddings=cfg.tie_word_embeddings)
+        cache = reference.kv_cache.KVCache.for_model(model, batch, prompt_len + new_tokens)
+        ids = torch.arange(1, prompt_len + new_tokens + 1).remainder(250).repeat(batch, 1)
+        with torch.inference_mode():
+            if prompt_len:
+                model(ids[:, :prompt_len], cache=cache)
+            with FlopCounterMode(display=False) as counter:
+                model(ids[:, prompt_len:], cache=cache)
+        return counter.get_total_flops()
+    return recorded("FLOPs of a cached step of the tiny model", (cfg, prompt_len, new_tokens, batch), count)
+
+
+def reference_kv_bytes(cfg, slots, dtype):
+    """Bytes the reference KV cache allocates for `slots` tokens of one sequence."""
+    return recorded("KVCache.nbytes", (cfg, slots, dtype), lambda: course.reference().kv_cache.KVCache(
+        cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, slots, dtype).nbytes)
 
 
 @pytest.mark.parametrize("dtype,expected", [(torch.bfloat16, 147_456), (torch.float16, 147_456),
@@ -51,12 +59,10 @@ def test_kv_bytes_qwen3_8b(impl, dtype, expected):
                              f"channels take {expected:,} bytes; kv_bytes_per_token gave {got!r}")
 
 
-def test_kv_bytes_match_a_real_cache(impl, reference, ref_tiny):
-    cfg, slots = ref_tiny.cfg, 37
+def test_kv_bytes_match_a_real_cache(impl, tiny_cfg):
+    cfg, slots = tiny_cfg, 37
     for dtype in (torch.float32, torch.bfloat16):
-        cache = reference.kv_cache.KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim,
-                                           slots, dtype)
-        expected = cache.nbytes // slots
+        expected = reference_kv_bytes(cfg, slots, dtype) // slots
         got = impl.cost.kv_bytes_per_token(cfg, dtype)
         assert got == expected, (f"the reference KV cache of the tiny model in {dtype} holds {expected} bytes "
                                  f"per token slot; kv_bytes_per_token gave {got}")
@@ -71,10 +77,10 @@ def test_kv_bytes_depend_on_kv_heads_not_query_heads(impl):
 
 
 @pytest.mark.parametrize("context", [2, 9, 40])
-def test_flops_per_token_match_a_decode_step(impl, reference, ref_tiny, context):
-    measured = measured_flops(ref_tiny, reference, context - 1, 1)
-    got = impl.cost.flops_per_token(ref_tiny.cfg, context)
-    tied = "tied" if ref_tiny.cfg.tie_word_embeddings else "untied"
+def test_flops_per_token_match_a_decode_step(impl, tiny_cfg, context):
+    measured = measured_flops(tiny_cfg, context - 1, 1)
+    got = impl.cost.flops_per_token(tiny_cfg, context)
+    tied = "tied" if tiny_cfg.tie_word_embeddings else "untied"
     assert got == measured, (f"tiny model ({tied}): one decode step whose token sees {context} keys runs "
                              f"{measured:,} FLOPs of matrix products (torch's FlopCounterMode); "
                              f"flops_per_token(cfg, {context}) gave {got:,}")
@@ -99,27 +105,26 @@ def test_weight_bytes_of_qwen3_8b(impl):
 
 
 @pytest.mark.parametrize("batch,past,new", [(1, 4, 1), (3, 11, 1), (2, 5, 4)])
-def test_step_flops_match_the_model(impl, reference, ref_tiny, batch, past, new):
+def test_step_flops_match_the_model(impl, tiny_cfg, batch, past, new):
     """A step of `new` tokens costs what feeding them one at a time does (causal attention)."""
-    one_at_a_time = sum(measured_flops(ref_tiny, reference, past + i, 1) for i in range(new))
-    got = impl.cost.step_cost(ref_tiny.cfg, new, past, batch=batch).flops
+    one_at_a_time = sum(measured_flops(tiny_cfg, past + i, 1) for i in range(new))
+    got = impl.cost.step_cost(tiny_cfg, new, past, batch=batch).flops
     assert got == batch * one_at_a_time, (
         f"batch={batch}, past_tokens={past}, new_tokens={new}: the tiny model runs {batch * one_at_a_time:,} FLOPs "
         f"(FlopCounterMode, one token at a time: token i sees past + i keys); step_cost gave {got:,}")
     if new == 1:
-        assert got == measured_flops(ref_tiny, reference, past, 1, batch=batch)
+        assert got == measured_flops(tiny_cfg, past, 1, batch=batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_step_bytes(impl, reference, ref_tiny, dtype):
-    model = ref_tiny
+def test_step_bytes(impl, tiny_cfg, dtype):
+    model = reference_tiny_qwen3(tie_word_embeddings=tiny_cfg.tie_word_embeddings)
     matrices = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     width = torch.empty((), dtype=dtype).element_size()
-    kv = reference.kv_cache.KVCache(model.cfg.num_hidden_layers, 1, model.cfg.num_key_value_heads,
-                                    model.cfg.head_dim, 1, dtype).nbytes
+    kv = reference_kv_bytes(tiny_cfg, 1, dtype)
     for batch, past, new in [(1, 0, 16), (4, 30, 1), (2, 7, 3)]:
         expected = matrices * width + batch * (past + new) * kv
-        got = impl.cost.step_cost(model.cfg, new, past, batch=batch, dtype=dtype).bytes
+        got = impl.cost.step_cost(tiny_cfg, new, past, batch=batch, dtype=dtype).bytes
         assert got == expected, (
             f"{dtype}, batch={batch}, past_tokens={past}, new_tokens={new}: the step reads every weight matrix once "
             f"({matrices:,} numbers, the LM head included) and the K/V of past + new tokens per sequence: "

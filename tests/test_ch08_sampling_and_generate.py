@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import course
-from course.models import tiny_qwen3
+from course.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(8)
 
@@ -222,7 +221,7 @@ def test_sampled_generate_is_reproducible(impl, ref_model, device, generate):
 
 def test_greedy_on_the_tiny_model_with_a_context_limit(impl, device, generate):
     # The reference model: Chapter 10 builds the learner's own forward pass.
-    model = tiny_qwen3(course.reference().package, device=device, max_position_embeddings=10)
+    model = reference_tiny_qwen3(device, max_position_embeddings=10)
     out = generate(model, [256, 1, 2, 3, 4, 5], 20)
     assert len(out) == 4, (
         f"the tiny model with max_position_embeddings=10 stops a 6-token prompt after 4 tokens; got {len(out)}")

@@ -15,8 +15,7 @@ Stated bounds (bfloat16 u = 2^-8, float16 u = 2^-11, float32 u = 2^-24):
 import pytest
 import torch
 
-from course.impl import reference
-from course.models import tiny_qwen3
+from course.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(12)
 
@@ -124,7 +123,7 @@ def independent_drift(model, prompts):
 @pytest.fixture
 def tiny(device):
     """The reference's tiny model (float32) even under --model: its margins are the claim."""
-    return tiny_qwen3(reference().package, device=device)
+    return reference_tiny_qwen3(device)
 
 
 @pytest.mark.parametrize("length", [1, 3, 16])

@@ -5,12 +5,14 @@ hand for single operations, and Chapter 2's cost model from the reference packag
 (cost.step_cost), which the counts must confirm: a decode step moves about one byte per
 FLOP in 16-bit weights, and a prefill's intensity grows with its length.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import course
-from course.models import tiny_config, tiny_qwen3
+from course.models import tiny_config_values, tiny_qwen3
+from course.oracles import reference_call
 
 pytestmark = pytest.mark.chapter(15)
 
@@ -18,11 +20,6 @@ aten = torch.ops.aten
 # Wider than the tiny test model, so that weights outweigh activations as they do in a
 # real Qwen3 (hidden 1024 and up); still a few MB.
 WIDE = dict(hidden_size=256, intermediate_size=768, head_dim=64)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return course.reference()
 
 
 def wide_model(impl, dtype, device):
@@ -89,14 +86,14 @@ def test_op_bytes_by_hand(impl):
 
 
 @pytest.fixture(scope="module")
-def wide_counts(impl, reference, device):
+def wide_counts(impl, device):
     """{(dtype, T): (measured StepCost, Chapter 2's StepCost)} for prefill lengths T."""
     counts = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = wide_model(impl, dtype, device)
         for length in (1, 2, 4, 8, 16):
             measured, _ = impl.roofline.count_step(model, torch.arange(length, device=device)[None])
-            counts[dtype, length] = measured, reference.cost.step_cost(model.cfg, length, 0, dtype=dtype)
+            counts[dtype, length] = measured, reference_call("cost.step_cost", model.cfg, length, 0, dtype=dtype)
     return counts
 
 
@@ -125,7 +122,7 @@ def test_prefill_intensity_grows_with_length(wide_counts, dtype):
     assert measured[-1] > 4 * measured[0], f"16 tokens share one read of the weights: {shown}"
     for m, p in zip(measured, predicted):
         assert m <= p * 1.01, f"activations only add bytes, so measured <= Chapter 2's model: {shown}"
-    cfg = tiny_config(course.reference().package, **WIDE)
+    cfg = SimpleNamespace(**tiny_config_values(**WIDE))
     for n in lengths[1:]:
         got, model = wide_counts[dtype, n]
         overcount = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * (n - 1) // 2

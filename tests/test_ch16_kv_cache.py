@@ -9,18 +9,13 @@ have margins far above the ~1e-6 by which cached and recomputed logits differ.
 import pytest
 import torch
 
-import course
 from course.models import tiny_qwen3
+from course.oracles import reference_call, reference_generate, reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(16)
 
 # (prompt length, new tokens): one-token prompts, a single new token, long and short runs.
 CASES = [(1, 24), (2, 5), (7, 1), (7, 24), (31, 12), (100, 8)]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return course.reference()
 
 
 def prompt(length, seed, vocab=256):
@@ -75,7 +70,7 @@ def test_capacity_is_enforced_before_writing(impl):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_cache_memory_is_the_formula(impl, reference, dtype):
+def test_cache_memory_is_the_formula(impl, dtype):
     model = tiny_qwen3(impl.package, dtype=dtype)
     cfg, batch, slots = model.cfg, 3, 50
     cache = impl.kv_cache.KVCache.for_model(model, batch, slots)
@@ -83,7 +78,7 @@ def test_cache_memory_is_the_formula(impl, reference, dtype):
     expected = 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * slots * cfg.head_dim * element
     assert cache.nbytes == expected, (
         f"{dtype}: expected {expected:,} bytes for {batch} x {slots} slots, got {cache.nbytes:,}")
-    per_token = reference.cost.kv_bytes_per_token(cfg, dtype)
+    per_token = reference_call("cost.kv_bytes_per_token", cfg, dtype)
     assert cache.nbytes == per_token * batch * slots, "the cache is Chapter 2's bytes per token times its slots"
     storage = [t.data_ptr() for t in cache.k + cache.v]
     with torch.inference_mode():
@@ -115,16 +110,16 @@ def test_cached_logits_equal_full_recompute(impl, tiny_model, ref_model, device)
                                        f"all {len(tokens)} tokens")
 
 
-def test_greedy_cached_equals_recompute(impl, tiny_model, ref_model, reference):
+def test_greedy_cached_equals_recompute(impl, tiny_model, ref_model):
     for length, new in CASES:
         ids = prompt(length, seed=100 * length + new)
-        expected = reference.sampling.generate(ref_model, ids, new, use_cache=False)
+        expected = reference_generate(ref_model, ids, new, use_cache=False)
         got = impl.sampling.generate(tiny_model, ids, new, use_cache=True)
         assert got == expected, (f"prompt of {length} tokens, {new} new: cached generate differs from "
                                  f"full recompute at {first_difference(expected, got)}")
 
 
-def test_rows_of_a_batch_share_one_cache(impl, ref_model, reference, device, tiny_model):
+def test_rows_of_a_batch_share_one_cache(impl, ref_model, device, tiny_model):
     rows = [prompt(12, seed=7), prompt(12, seed=8)]
     cache = impl.kv_cache.KVCache.for_model(tiny_model, 2, 12 + 8)
     feed = torch.tensor(rows, device=device)
@@ -136,37 +131,37 @@ def test_rows_of_a_batch_share_one_cache(impl, ref_model, reference, device, tin
             for row, token in enumerate(feed[:, 0].tolist()):
                 outputs[row].append(token)
     for row, ids in enumerate(rows):
-        expected = reference.sampling.generate(ref_model, ids, 8, use_cache=False)
+        expected = reference_generate(ref_model, ids, 8, use_cache=False)
         assert outputs[row] == expected, f"row {row} of a 2-row cache: {first_difference(expected, outputs[row])}"
 
 
 @pytest.mark.parametrize("length,new", [(40, 20), (47, 5), (48, 3), (30, 18)])
-def test_generation_stops_at_the_context_limit(impl, reference, device, length, new):
+def test_generation_stops_at_the_context_limit(impl, device, length, new):
     limit = 48
     model = tiny_qwen3(impl.package, device=device, max_position_embeddings=limit)
-    oracle = tiny_qwen3(reference.package, device=device, max_position_embeddings=limit)
+    oracle = reference_tiny_qwen3(device, max_position_embeddings=limit)
     ids = prompt(length, seed=length)
-    expected = reference.sampling.generate(oracle, ids, new, use_cache=False)
+    expected = reference_generate(oracle, ids, new, use_cache=False)
     assert len(expected) == min(new, limit - length)
     got = impl.sampling.generate(model, ids, new, use_cache=True)
     assert got == expected, (f"prompt {length}, {new} new, context limit {limit}: "
                              f"{first_difference(expected, got)} (the sequence may grow to exactly {limit} tokens)")
 
 
-def test_a_prompt_that_fills_the_default_context(impl, tiny_model, ref_model, reference):
+def test_a_prompt_that_fills_the_default_context(impl, tiny_model, ref_model):
     limit = tiny_model.context_limit
     if limit > 2048:
         pytest.skip(f"a {limit}-token context is too long to recompute in a test")
     ids = prompt(limit - 4, seed=3)
-    expected = reference.sampling.generate(ref_model, ids, 10, use_cache=False)
+    expected = reference_generate(ref_model, ids, 10, use_cache=False)
     got = impl.sampling.generate(tiny_model, ids, 10, use_cache=True)
     assert len(expected) == 4
     assert got == expected, f"prompt of {limit - 4} tokens, context {limit}: {first_difference(expected, got)}"
 
 
-def test_stop_tokens_end_cached_generation(impl, tiny_model, ref_model, reference):
+def test_stop_tokens_end_cached_generation(impl, tiny_model, ref_model):
     ids = prompt(9, seed=11)
-    free = reference.sampling.generate(ref_model, ids, 12, use_cache=False)
+    free = reference_generate(ref_model, ids, 12, use_cache=False)
     stop = free[5]
     expected = free[:free.index(stop) + 1]
     got = impl.sampling.generate(tiny_model, ids, 12, stop_token_ids=(stop,), use_cache=True)

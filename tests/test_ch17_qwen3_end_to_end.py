@@ -7,14 +7,15 @@ The tiny weights (course.models.fill_deterministic) give greedy choices wide mar
 the two implementations agree token for token despite float32 rounding differences.
 With --model PATH (a real Qwen3 directory), the same parity runs on it.
 """
-import dataclasses
 import json
 
 import pytest
 import torch
 
 import course
-from course.models import fill_deterministic, tiny_config
+from course.models import fill_deterministic, tiny_config_values
+from course.oracle_records import recorded
+from course.oracles import reference_generate, reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(17)
 
@@ -25,16 +26,16 @@ PROMPTS = {"one token": [256], "short": [256, 72, 105, 33], "bytes": list(b"The 
            "long": [(37 * i + 11) % 320 for i in range(64)]}
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return course.reference()
+def byte_text(ids):
+    """The reference ByteTokenizer's decode of ids (recorded, for an edition without it)."""
+    return recorded("ByteTokenizer(320).decode", list(ids),
+                    lambda: course.reference().tokenizer.ByteTokenizer(320).decode(list(ids)))
 
 
-def save_hf_tiny(directory, reference, **overrides):
+def save_hf_tiny(directory, **overrides):
     """A transformers Qwen3 with the tiny config and weights, saved with save_pretrained."""
-    cfg = tiny_config(reference.package, **overrides)
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**dataclasses.asdict(cfg)))
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**tiny_config_values(**overrides)))
     fill_deterministic(model)
     model.eval()
     model.save_pretrained(directory)
@@ -42,10 +43,10 @@ def save_hf_tiny(directory, reference, **overrides):
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def checkpoint(request, tmp_path_factory, reference):
+def checkpoint(request, tmp_path_factory):
     """(directory, transformers model) for an untied and a tied-embedding tiny Qwen3."""
     directory = tmp_path_factory.mktemp("hf_tiny")
-    model = save_hf_tiny(directory, reference, tie_word_embeddings=request.param)
+    model = save_hf_tiny(directory, tie_word_embeddings=request.param)
     return directory, model
 
 
@@ -103,8 +104,8 @@ def test_greedy_generate_matches_transformers(impl, checkpoint, device, name):
     assert got == expected, f"prompt {name!r} ({len(ids)} tokens): {first_difference(expected, got)}"
 
 
-def test_pipeline_stops_where_transformers_stops(impl, tmp_path, reference, device):
-    hf_model = save_hf_tiny(tmp_path, reference)
+def test_pipeline_stops_where_transformers_stops(impl, tmp_path, device):
+    hf_model = save_hf_tiny(tmp_path)
     ids = PROMPTS["bytes"]
     free = hf_greedy(hf_model, ids, NEW_TOKENS, device, eos_token_id=None)
     stop = free[7]
@@ -119,34 +120,34 @@ def test_pipeline_stops_where_transformers_stops(impl, tmp_path, reference, devi
     assert done.token_ids == expected, (f"with eos {generation['eos_token_id']} in generation_config.json: "
                                         f"{first_difference(expected, done.token_ids)}")
     assert done.finish_reason == "stop", f"the answer ended with a stop token; finish_reason is {done.finish_reason!r}"
-    text = reference.tokenizer.ByteTokenizer(320).decode(expected[:-1])
+    text = byte_text(expected[:-1])
     assert done.text == text, (
         f"text must be the new tokens without the stop token: expected {text!r}, got {done.text!r}")
 
 
-def test_pipeline_text_in_text_out(impl, checkpoint, reference, device):
+def test_pipeline_text_in_text_out(impl, checkpoint, device):
     directory, hf_model = checkpoint
     pipe = impl.pipeline.Pipeline.from_pretrained(directory, device=device)
-    tokenizer = reference.tokenizer.ByteTokenizer(320)
     done = pipe.complete("Hello, world", 12)
-    ids = tokenizer.encode("Hello, world")
+    ids = recorded("ByteTokenizer(320).encode", "Hello, world",
+                   lambda: course.reference().tokenizer.ByteTokenizer(320).encode("Hello, world"))
     assert done.prompt_ids == ids, f"prompt ids: expected {ids}, got {done.prompt_ids}"
     expected = hf_greedy(hf_model, ids, 12, device)          # eos 257 from the saved generation config
     assert done.token_ids == expected, first_difference(expected, done.token_ids)
     reason = "stop" if expected[-1] == 257 else "length"
     assert done.finish_reason == reason, f"expected finish_reason {reason!r}, got {done.finish_reason!r}"
     shown = expected[:-1] if reason == "stop" else expected
-    assert done.text == tokenizer.decode(shown), f"text: expected {tokenizer.decode(shown)!r}, got {done.text!r}"
+    assert done.text == byte_text(shown), f"text: expected {byte_text(shown)!r}, got {done.text!r}"
     assert done.seconds > 0
 
 
-def test_pipeline_reports_the_context_limit(impl, tmp_path, reference, device):
-    save_hf_tiny(tmp_path, reference, max_position_embeddings=24)
+def test_pipeline_reports_the_context_limit(impl, tmp_path, device):
+    save_hf_tiny(tmp_path, max_position_embeddings=24)
     pipe = impl.pipeline.Pipeline.from_pretrained(tmp_path, device=device)
     ids = PROMPTS["long"][:20]
     done = pipe.complete(ids, 10)
-    oracle = reference.checkpoint.load_checkpoint(tmp_path, device=device)
-    expected = reference.sampling.generate(oracle, ids, 10, stop_token_ids=(257,), use_cache=False)
+    oracle = reference_tiny_qwen3(device, max_position_embeddings=24)     # the weights just saved
+    expected = reference_generate(oracle, ids, 10, stop_token_ids=(257,), use_cache=False)
     assert done.token_ids == expected, first_difference(expected, done.token_ids)
     if expected[-1] != 257:
         assert len(expected) == 4
@@ -154,17 +155,17 @@ def test_pipeline_reports_the_context_limit(impl, tmp_path, reference, device):
                                                  f"finish_reason is {done.finish_reason!r}")
 
 
-def test_seeded_sampling_is_reproducible(impl, checkpoint, reference, device):
-    directory, _ = checkpoint
+def test_seeded_sampling_is_reproducible(impl, checkpoint, device):
+    directory, hf_model = checkpoint
     pipe = impl.pipeline.Pipeline.from_pretrained(directory, device=device)
-    oracle = reference.pipeline.Pipeline.from_pretrained(directory, device=device)
     options = dict(temperature=0.9, top_k=40, seed=1234)
     first = pipe.complete("seeded", 16, **options)
     second = pipe.complete("seeded", 16, **options)
     assert first.token_ids == second.token_ids, "the same seed must give the same completion"
-    expected = oracle.complete("seeded", 16, **options)
-    assert first.token_ids == expected.token_ids, (
-        f"seed 1234: the reference draws {expected.token_ids}, yours {first.token_ids} "
+    expected = recorded("Pipeline.complete (seeded)", (hf_model, "seeded", 16, options), lambda: course.reference(
+        ).pipeline.Pipeline.from_pretrained(directory, device=device).complete("seeded", 16, **options).token_ids)
+    assert first.token_ids == expected, (
+        f"seed 1234: the reference draws {expected}, yours {first.token_ids} "
         f"(seed a torch.Generator on the model's device and pass it to generate)")
 
 

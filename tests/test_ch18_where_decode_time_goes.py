@@ -10,6 +10,7 @@ they cannot:
     measurements passed in so the arithmetic is checked exactly;
   * a decoder layer made slow on purpose, which the per-part breakdown must find.
 """
+import dataclasses
 import time
 from collections import Counter
 
@@ -20,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from course import reference
 from course.models import tiny_qwen3
+from course.oracle_records import recorded
+from course.oracles import reference_call
 
 pytestmark = pytest.mark.chapter(18)
 
@@ -100,20 +103,22 @@ def test_count_ops_depends_on_layers_only(impl, device):
 
 
 def test_decode_report_arithmetic(impl, tiny_model):
-    hardware = reference().cost.Hardware("test", peak_flops=1e12, bandwidth=1e10)
+    hardware = impl.cost.Hardware("test", peak_flops=1e12, bandwidth=1e10)
     report = impl.decode_timing.decode_report(tiny_model, 4, 20, hardware, step_seconds=2e-3,
                                               overhead_seconds=5e-6, num_ops=120)
-    cost = reference().cost.step_cost(tiny_model.cfg, 1, 20, 4, torch.float32)
+    cost = reference_call("cost.step_cost", tiny_model.cfg, 1, 20, 4, torch.float32)
     assert report.bytes_moved == cost.bytes and report.flops == cost.flops, \
         "bytes and FLOPs come from Chapter 2's step_cost(cfg, 1, context, batch, model dtype)"
-    assert report.roofline_seconds == pytest.approx(cost.time(hardware)), "roofline = step_cost(...).time(hardware)"
+    roofline = recorded("cost.step_cost(...).time", (tiny_model.cfg, hardware), lambda: reference().cost.step_cost(
+        tiny_model.cfg, 1, 20, 4, torch.float32).time(reference().cost.Hardware(**dataclasses.asdict(hardware))))
+    assert report.roofline_seconds == pytest.approx(roofline), "roofline = step_cost(...).time(hardware)"
     assert report.launch_seconds == pytest.approx(120 * 5e-6), "launch_seconds = num_ops * overhead_seconds"
     assert report.achieved_bandwidth == pytest.approx(cost.bytes / 2e-3), "achieved bandwidth = bytes / step time"
     assert report.launch_share == pytest.approx(0.3)
 
 
 def test_decode_report_measures_what_is_missing(impl, tiny_model):
-    hardware = reference().cost.Hardware("test", peak_flops=1e12, bandwidth=1e10)
+    hardware = impl.cost.Hardware("test", peak_flops=1e12, bandwidth=1e10)
     report = impl.decode_timing.decode_report(tiny_model, 2, 16, hardware)
     assert report.step_seconds > 0 and report.overhead_seconds > 0
     assert report.num_ops == sum(impl.decode_timing.count_ops(tiny_model, 2, 16).values())

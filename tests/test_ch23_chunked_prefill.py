@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from course import reference
+from course.oracles import reference_generate
 
 pytestmark = pytest.mark.chapter(23)
 
@@ -84,7 +84,7 @@ def test_generate_chunked_equals_generate(impl, tiny_model, ref_model, seed):
     for n in range(4):
         prompt = make_prompt(100 * seed + n, rng.randint(1, 50))
         chunk = rng.choice([1, 2, 5, 16, 64])
-        expected = reference().sampling.generate(ref_model, prompt, 10)
+        expected = reference_generate(ref_model, prompt, 10)
         got = impl.chunked.generate_chunked(tiny_model, prompt, 10, chunk)
         if got != expected:
             i = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(got), len(expected)))
@@ -94,8 +94,8 @@ def test_generate_chunked_equals_generate(impl, tiny_model, ref_model, seed):
 
 def test_generate_chunked_stops(impl, tiny_model, ref_model):
     prompt = make_prompt(5, 17)
-    free = reference().sampling.generate(ref_model, prompt, 10)
+    free = reference_generate(ref_model, prompt, 10)
     eos = free[3]
-    expected = reference().sampling.generate(ref_model, prompt, 10, eos_token_id=eos)
+    expected = reference_generate(ref_model, prompt, 10, eos_token_id=eos)
     got = impl.chunked.generate_chunked(tiny_model, prompt, 10, 4, eos_token_id=eos)
     assert got == expected, f"eos_token_id={eos}: expected {expected}, got {got} (the EOS token ends the output)"

@@ -16,6 +16,7 @@ import torch
 
 import course
 from course.models import tiny_qwen3
+from course.oracles import reference_generate, reference_tiny_qwen3
 from course.pytest_plugin import build_model
 
 pytestmark = pytest.mark.chapter(26)
@@ -35,20 +36,16 @@ def first_difference(expected, got):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return course.reference()
-
-
-@pytest.fixture(scope="module")
-def solo(reference, device, model_path):
+def solo(device, model_path):
     """solo(prompt, new, eos) -> the reference target's greedy generate (memoised)."""
-    target = build_model(reference.package, device, model_path)
+    target = reference_tiny_qwen3(device) if model_path is None else build_model(
+        course.reference().package, device, model_path)
     memo = {}
 
     def run(p, new, eos_token_id=None):
         key = (tuple(p), new, eos_token_id)
         if key not in memo:
-            memo[key] = reference.sampling.generate(target, p, new, eos_token_id=eos_token_id)
+            memo[key] = reference_generate(target, p, new, eos_token_id=eos_token_id)
         return memo[key]
     return run
 
@@ -82,11 +79,11 @@ def test_accept_greedy_keeps_the_matching_prefix_plus_one(impl, target_choices, 
         f"target's choices {target_choices}, guesses {guesses}: expected emitted {expected}, got {list(got)}")
 
 
-def test_propose_guesses_what_the_draft_would_generate(impl, reference, drafts, device):
+def test_propose_guesses_what_the_draft_would_generate(impl, drafts, device):
     draft = drafts["first layer of the target"]
     for length in PROMPT_LENGTHS:
         p = prompt(length, seed=length)
-        expected = reference.sampling.generate(draft, p, 5)
+        expected = reference_generate(draft, p, 5)
         cache = impl.kv_cache.KVCache.for_model(draft, 1, length + 8)
         tokens, probs = impl.speculative.propose(draft, cache, p, 5)
         assert list(tokens) == expected, f"prompt of {length} tokens: {first_difference(expected, list(tokens))}"

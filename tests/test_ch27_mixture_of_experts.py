@@ -10,8 +10,7 @@ so both implementations pick the same experts and greedy parity is deterministic
 import pytest
 import torch
 
-import course
-from course.moe_models import hf_config_values, tiny_qwen3_moe
+from course.moe_models import hf_config_values, tiny_moe_config, tiny_qwen3_moe
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3MoeConfig as HFConfig  # noqa: E402
@@ -64,7 +63,7 @@ def pair(request, impl, device):
 
 
 def test_config_reads_hugging_face_fields(impl):
-    values = dict(hf_config_values(tiny_qwen3_moe(course.reference().package).cfg))
+    values = dict(hf_config_values(tiny_moe_config(impl.package)))
     values.pop("num_experts")
     values["num_local_experts"] = 6                  # the name some configs and older code use
     cfg = impl.moe.Qwen3MoeConfig.from_dict({**values, "model_type": "qwen3_moe", "router_aux_loss_coef": 0.001})
@@ -77,7 +76,7 @@ def test_router_matches_transformers(impl, device, top_k, renormalise):
     ours = tiny_qwen3_moe(impl.package, device=device, num_experts_per_tok=top_k,
                           norm_topk_prob=renormalise).model.layers[0].mlp
     router = hf_moe.Qwen3MoeTopKRouter(HFConfig(**hf_config_values(
-        tiny_qwen3_moe(course.reference().package, num_experts_per_tok=top_k, norm_topk_prob=renormalise).cfg)))
+        tiny_moe_config(impl.package, num_experts_per_tok=top_k, norm_topk_prob=renormalise))))
     router.weight.data.copy_(ours.gate.weight.detach().cpu())
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     _, hf_weights, hf_experts = router(x)

@@ -20,6 +20,7 @@ import torch
 
 from course import oracles, reference
 from course.engine_checks import engine_state
+from course.oracle_records import recorded
 from course.oracles import TINY_EOS as EOS
 from course.oracles import ScriptedRunner, solo
 from course.oracles import assert_engine_idle as assert_idle
@@ -662,15 +663,17 @@ def test_qwen3_moe_runs_through_the_flat_model_unchanged(serve, impl, device):
     Qwen3-MoE with no change, in a pool small enough to preempt."""
     from course.moe_models import tiny_qwen3_moe
     model = tiny_qwen3_moe(impl.package, device=device)
-    oracle = tiny_qwen3_moe(reference().package, device=device)
     prompts, max_tokens = five_requests(seed=1)
     engine = make_engine(serve, model, num_blocks=12)
     trace = Trace(engine)
     for rid, prompt in prompts.items():
         trace.add(rid, prompt, params(serve, max_tokens[rid]))
     trace.run()
-    for rid, prompt in prompts.items():
-        want = solo(oracle, prompt, max_tokens[rid])
+    def solo_on_the_reference_moe():
+        oracle = tiny_qwen3_moe(reference().package, device=device)
+        return {rid: solo(oracle, prompt, max_tokens[rid]) for rid, prompt in prompts.items()}
+    wants = recorded("solo generate on the tiny Qwen3-MoE", (prompts, max_tokens), solo_on_the_reference_moe)
+    for rid, want in wants.items():
         trace.expect(rid, want, "[Qwen3-MoE] ")
     assert trace.preemptions > 0 and engine.blocks.stats["hits"] > 0
     assert_idle(engine, "[Qwen3-MoE] ")

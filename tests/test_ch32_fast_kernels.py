@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from course import reference
+from course.oracle_records import recorded
+from course.oracles import reference_generate
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -84,7 +86,8 @@ def pools_and_queries(heads, kv_heads, dim, block_size, num_blocks, rows, seed):
 
 
 def reference_forward(q, pools, shapes_meta, window=0):
-    return reference().load("serve.backends").ReferenceBackend().forward(q, pools, shapes_meta, window=window)
+    return recorded("ReferenceBackend.forward", (q, pools, shapes_meta, window), lambda: reference().load(
+        "serve.backends").ReferenceBackend().forward(q, pools, shapes_meta, window=window))
 
 
 def describe_mismatch(name, got, want, meta):
@@ -209,7 +212,7 @@ _SOLO = {}
 def solo(ref_model, prompt, max_tokens):
     key = (tuple(prompt), max_tokens)
     if key not in _SOLO:
-        _SOLO[key] = reference().sampling.generate(ref_model, list(prompt), max_tokens, eos_token_id=EOS)
+        _SOLO[key] = reference_generate(ref_model, list(prompt), max_tokens, eos_token_id=EOS)
     return _SOLO[key]
 
 

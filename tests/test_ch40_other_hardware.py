@@ -18,9 +18,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from course import reference
 from course.models import tiny_qwen3
-from course.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
+from course.oracles import TINY_EOS, assert_engine_idle, make_engine, reference_tiny_qwen3, solo
 
 pytestmark = pytest.mark.chapter(40)
 
@@ -156,7 +155,7 @@ def serve_placed(impl, serve, devices, stage_devices, layers, **config):
 
 def check_placed_run(impl, serve, devices, stage_devices, layers, **config):
     placed, engine, outputs = serve_placed(impl, serve, devices, stage_devices, layers, **config)
-    ref = tiny_qwen3(reference().package, num_hidden_layers=layers)
+    ref = reference_tiny_qwen3(num_hidden_layers=layers)
     for i, (prompt, got) in enumerate(zip(PROMPTS, outputs)):
         want = solo(ref, prompt, 10 + i, eos_token_id=TINY_EOS)
         assert got == want, f"request {i} on stages {stage_devices}: expected {want}, got {got}"

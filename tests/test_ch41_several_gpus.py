@@ -63,9 +63,8 @@ def session(impl, device):
 
 @pytest.fixture(scope="module")
 def expected(impl):
-    from course import reference
-    from course.models import tiny_qwen3
-    model = tiny_qwen3(reference().package)
+    from course.oracles import reference_tiny_qwen3
+    model = reference_tiny_qwen3()
     return [solo(model, p, MAX_NEW, eos_token_id=TINY_EOS) for p in PROMPTS]
 
 

@@ -27,6 +27,7 @@ import torch
 
 from course import reference
 from course.models import fill_deterministic, tiny_config
+from course.oracle_records import recorded
 
 pytestmark = pytest.mark.chapter(42)
 
@@ -123,9 +124,10 @@ def test_family_engine_core_matches_solo_generate(impl, serve, label, mode, tmp_
         ours, serve.config.EngineConfig(num_blocks=7, block_size=8, preemption_mode=mode), eos_token_id=EOS)
     results = engine.generate(prompts, [serve.request.SamplingParams(max_tokens=n) for n in max_tokens])
     assert engine.preemptions > 0, f"{label}, {mode}: no request was preempted; the test lost its point"
-    generate = reference().sampling.generate
     for i, (prompt, n, result) in enumerate(zip(prompts, max_tokens, results)):
-        want = generate(ours, prompt, n, eos_token_id=EOS)
+        # The families share weights: the label tells the recorded oracle which architecture ran.
+        want = recorded("generate", (label, ours, prompt, n, EOS),
+                        lambda: reference().sampling.generate(ours, prompt, n, eos_token_id=EOS))  # noqa: B023
         assert result.output_token_ids == want, (
             f"{label}, {mode} preemption: request {i} ({len(prompt)}-token prompt) gave "
             f"{result.output_token_ids}, solo generate {want}")
@@ -347,12 +349,17 @@ def test_smollm2_answers_a_chat_over_http(impl, device, smollm2_path):
     """SmolLM2 behind Chapter 38's server: the reply's ids are the reference's solo greedy
     `generate` on the chat template's ids, and its text is those ids decoded. (Here, not in
     Chapter 38's milestone, because it needs Chapters 39 and 42 to load the model.)"""
-    ref_package = reference()
-    ref_model = ref_package.checkpoint.load_model(smollm2_path, device=device).eval()
-    ref_tokenizer = ref_package.bpe.BPETokenizer.from_gguf_metadata(ref_package.gguf.GGUFFile(smollm2_path).metadata)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = ref_tokenizer.encode_chat(messages)
-    expected = ref_package.sampling.generate(ref_model, prompt, 12, eos_token_id=ref_tokenizer.eos_token_id)
+
+    def reference_reply():
+        ref_package = reference()
+        ref_model = ref_package.checkpoint.load_model(smollm2_path, device=device).eval()
+        ref_tokenizer = ref_package.bpe.BPETokenizer.from_gguf_metadata(
+            ref_package.gguf.GGUFFile(smollm2_path).metadata)
+        prompt = ref_tokenizer.encode_chat(messages)
+        ids = ref_package.sampling.generate(ref_model, prompt, 12, eos_token_id=ref_tokenizer.eos_token_id)
+        return ids, ref_tokenizer.decode(ids, skip_special_tokens=True)
+    expected, expected_text = recorded("SmolLM2's solo greedy chat reply", (messages, 12), reference_reply)
 
     model = impl.checkpoint.load_model(smollm2_path, device=device).eval()
     tokenizer = impl.bpe.BPETokenizer.from_gguf_metadata(impl.gguf.GGUFFile(smollm2_path).metadata)
@@ -369,5 +376,5 @@ def test_smollm2_answers_a_chat_over_http(impl, device, smollm2_path):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["token_ids"] == expected, "SmolLM2's greedy reply over HTTP must equal solo generate"
-    assert choice["message"]["content"] == ref_tokenizer.decode(expected, skip_special_tokens=True)
+    assert choice["message"]["content"] == expected_text
     assert "Paris" in choice["message"]["content"]
