@@ -11,7 +11,7 @@ its patch order, `get_rope_index`, rotary tables and `get_image_features` (same
 random (peft's `init_lora_weights=False`) and saved with `save_pretrained`, so the engine
 reads exactly what a learner's trained adapter would look like.
 """
-import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,19 +31,19 @@ ADAPTERS = {"sql": (1, 4, 8, ALL_TARGETS), "poet": (2, 2, 16, ["q_proj", "v_proj
             "math": (3, 8, 8, ["k_proj", "o_proj", "gate_proj", "up_proj"])}
 
 
-def transformers_twin(model):
-    """transformers' Qwen3ForCausalLM with the tiny model's config and weights."""
-    hcfg = transformers.Qwen3Config(**dataclasses.asdict(model.cfg), attn_implementation="eager")
-    twin = transformers.Qwen3ForCausalLM(hcfg)
-    twin.load_state_dict(model.state_dict(), strict=False)
-    return twin.eval()
+def transformers_twin():
+    """transformers' Qwen3ForCausalLM with the tiny config and course.models' deterministic
+    weights: the tiny Qwen3 every chapter uses, built without the reference package (so a
+    learner's edition has this oracle too)."""
+    hcfg = transformers.Qwen3Config(**models.tiny_config_values(), attn_implementation="eager")
+    return models.fill_deterministic(transformers.Qwen3ForCausalLM(hcfg)).eval()
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     """A PeftModel holding the three random adapters, and the folder they were saved to."""
     torch.manual_seed(0)
-    base = transformers_twin(models.tiny_qwen3(__import__("course").reference().package))
+    base = transformers_twin()
     peft_model = None
     for name, (seed, rank, alpha, targets) in ADAPTERS.items():
         config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
@@ -261,8 +261,8 @@ def qwen3_vl():
     deterministic weights of unit-scale activations (transformers' own 0.02 initialisation
     would make every image look alike); and an image processor that patchifies without resizing."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    tiny = models.tiny_qwen3(__import__("course").reference().package)
-    cfg = tiny.cfg
+    tiny = transformers_twin()
+    cfg = SimpleNamespace(**models.tiny_config_values())
     text = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
                 num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
