@@ -100,7 +100,7 @@ def resolve_device(choice: str | None):
     import torch
 
     from course import reference
-    from course.oracle_records import have_reference
+    from course.impl import have_reference
     choice = choice or ("cuda" if torch.cuda.is_available() else "cpu")
     if not have_reference():            # a learner's edition: torch's own answer, no stub consulted
         if choice.startswith("cuda") and not torch.cuda.is_available():

@@ -260,9 +260,14 @@ def source_of(path: str | Path) -> Path | None:
     return None
 
 
+def have_reference() -> bool:
+    """Whether this checkout has the reference package (solutions/); a learner's edition does not."""
+    return (NAMED["solutions"] / "__init__.py").is_file()
+
+
 def reference() -> Impl:
     """The full reference package (`solutions`), for oracles such as solo generate."""
-    if not (NAMED["solutions"] / "__init__.py").is_file():
+    if not have_reference():
         raise ImplError("this oracle compares with the reference engine (solutions/), which this checkout "
                         "does not have (a learner's edition leaves it out)")
     return load("solutions")

@@ -55,7 +55,7 @@ def reference_or_engine() -> impl_module.Impl:
     """What a chapter's demonstrations run on: the reference (solutions/) where the checkout has
     it; in a learner's edition, which leaves the reference out, the learner's engine (their
     stubs fill in the demonstrations as they write them; checks still say "no reference")."""
-    if (impl_module.NAMED["solutions"] / "__init__.py").is_file():
+    if impl_module.have_reference():
         return impl_module.reference()
     print("note: no reference engine in this edition: the demonstrations below run your engine/")
     return load_impl()

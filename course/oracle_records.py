@@ -48,15 +48,10 @@ class RecordMissing(impl_module.ImplError):
     """An edition asked for a reference answer its release did not record."""
 
 
-def have_reference() -> bool:
-    """Whether this checkout has the reference package (solutions/)."""
-    return (impl_module.NAMED["solutions"] / "__init__.py").is_file()
-
-
 def recorded(what: str, inputs: Any, compute: Callable[[], T]) -> T:
     """The reference's answer to `what` on `inputs`: computed where the reference exists
     (and kept when recording), replayed from the edition's records where it does not."""
-    if have_reference():
+    if impl_module.have_reference():
         if not os.environ.get(RECORD_ENV):
             return compute()
         key = key_of(what, inputs)          # before computing, which may advance a generator in inputs

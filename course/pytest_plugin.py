@@ -152,8 +152,7 @@ def _skip_triton_notebooks(items: list[pytest.Item]) -> None:
 def _skip_maintainer_tests(items: list[pytest.Item]) -> None:
     """In a learner's edition (no solutions/), the machinery's own tests (no chapter) check the
     course against its reference: they skip, saying so, instead of failing."""
-    from .oracle_records import have_reference
-    if have_reference():
+    if impl_module.have_reference():
         return
     reason = ("a maintainer's test of the course machinery: it needs the reference (solutions/), which a "
               "learner's edition leaves out")
@@ -165,8 +164,8 @@ def _skip_maintainer_tests(items: list[pytest.Item]) -> None:
 def _derandomize_hypothesis() -> None:
     """While oracle answers are recorded, and in an edition that replays them, Hypothesis draws
     the same examples every run, so each example's question has a recorded answer."""
-    from .oracle_records import RECORD_ENV, have_reference
-    if have_reference() and not os.environ.get(RECORD_ENV):
+    from .oracle_records import RECORD_ENV
+    if impl_module.have_reference() and not os.environ.get(RECORD_ENV):
         return
     try:
         from hypothesis import settings
@@ -269,7 +268,7 @@ def impl(request, chapter):
     """The implementation under test: --impl if given, else `solutions@N` for Chapter N (`engine`
     in a learner's edition, which has no solutions/)."""
     spec = request.config.getoption("impl")
-    if spec is None and not (impl_module.NAMED["solutions"] / "__init__.py").is_file():
+    if spec is None and not impl_module.have_reference():
         spec = "engine"                 # a learner's edition: no reference, so the learner's engine
     if spec is None:
         spec = f"solutions@{chapter}" if chapter is not None else "solutions"

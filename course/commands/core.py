@@ -62,7 +62,7 @@ def _sync(device):
     import torch
 
     from course import reference
-    from course.oracle_records import have_reference
+    from course.impl import have_reference
     if have_reference():
         reference().devices.synchronize(device)
     elif device.type == "cuda":           # a learner's edition has no reference devices module

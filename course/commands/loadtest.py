@@ -105,8 +105,7 @@ async def _run_load(url, args):
     import httpx
 
     from course import reference
-    from course.impl import load
-    from course.oracle_records import have_reference
+    from course.impl import have_reference, load
     # Arrival times from Chapter 22's workloads: the reference's, or in a learner's edition theirs.
     workloads = (reference() if have_reference() else load("engine")).workloads
     rng = random.Random(args.seed)
