@@ -160,11 +160,13 @@ class FastDecoder:
         (Your engine: Chapter 19)
 
         token: a Python int or a one-element tensor on the decoder's device (what sample()
-        returns, so the feed needs no trip through the host). Put it into the preallocated
-        self.input_ids IN PLACE (copy_ or fill_; rebinding self.input_ids to a new tensor
-        would leave a recorded graph reading the old one), then run the step: replay
-        self.graph when one was captured, else call self._decode_forward(). Count the token
-        in self.filled, and raise ValueError before writing past max_len slots.
+        returns: feeding it must not need a trip through the host).
+        Interfaces: `self._decode_forward() -> None` runs the model on self.input_ids [1, 1]
+        at the cache's position and writes self.logits; `self.graph` (a CUDAGraph or None) is
+        that same call captured, replayed with `self.graph.replay()`.
+        Afterwards self.filled is one more, and self.input_ids and self.logits are the same
+        tensor objects as before (a captured graph reads and writes exactly those storages).
+        Raises ValueError, changing nothing, when all max_len slots are already used.
         """
         raise NotImplementedError("Your engine: Chapter 19: FastDecoder.step")
 
@@ -174,12 +176,12 @@ class FastDecoder:
         """Continue prompt_ids by up to max_new_tokens; return the new tokens (list of ints).
         (Your engine: Chapter 19)
 
-        Same contract as Chapter 17's generate, and the same output token for token:
-        prefill, then pick each token with sample(logits, **sampling) (greedy by default)
-        and feed it back with step(). Stop after max_new_tokens, after eos_token_id or a stop
-        token (which is part of the output), or once prompt plus output reach max_len (the
-        last token is returned but never fed, as in generate). A prompt of max_len tokens or
-        more yields no tokens.
+        Same contract as Chapter 17's generate and the same output token for token (sampling
+        options as Chapter 8's sample, greedy by default), computed with this decoder's
+        prefill and step only, so a captured graph serves every decode. Stops after
+        max_new_tokens, after eos_token_id or a stop token (which is part of the output), or
+        once prompt plus output reach max_len (that last token is returned but never fed, as
+        in generate). A prompt of max_len tokens or more yields no tokens.
         """
         raise NotImplementedError("Your engine: Chapter 19: FastDecoder.generate")
 

@@ -108,6 +108,24 @@ def test_max_len_bounds_prompt_plus_output(impl, tiny_model, ref_model):
     assert decoder.generate(prompt + free[:5], 3) == [], "a prompt that fills max_len leaves no room for output"
 
 
+def test_step_takes_an_int_or_a_tensor_and_refuses_a_full_decoder(impl, tiny_model, ref_model, device):
+    prompt = [5, 6, 7, 8]
+    decoder = impl.fast_decoder.FastDecoder(tiny_model, len(prompt) + 2)
+    decoder.prefill(prompt)
+    from_int = decoder.step(9).clone()
+    from_tensor = decoder.step(torch.tensor([10], device=device)).clone()
+    with torch.inference_mode():
+        expected = ref_model(torch.tensor([prompt + [9, 10]], device=device))[0, -2:]
+    for name, got, want in (("step(9)", from_int, expected[0]), ("step(tensor([10]))", from_tensor, expected[1])):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), \
+            f"{name}: logits differ from a one-shot forward by {(got - want).abs().max():.2e}"
+    assert decoder.filled == len(prompt) + 2
+    with pytest.raises(ValueError):
+        decoder.step(11)          # all max_len slots are used: refuse before writing past the cache
+    assert decoder.filled == len(prompt) + 2, "a refused step must not count a token"
+    assert torch.equal(decoder.logits, from_tensor), "a refused step must leave the logits as they were"
+
+
 def test_no_allocation_for_step_inputs(impl, tiny_model):
     decoder = impl.fast_decoder.FastDecoder(tiny_model, 64)
     seen = []

@@ -59,6 +59,21 @@ def test_int8_linear_within_rounding_bound(impl, device):
     assert half.dtype in (torch.bfloat16, torch.float16), "the output keeps the input's dtype"
 
 
+def test_int8_linear_forward_leaves_the_module_unchanged(impl, device):
+    torch.manual_seed(1)
+    layer = impl.quant.Int8Linear.from_linear(nn.Linear(32, 8, bias=True).to(device))
+    before = {name: tensor.clone() for name, tensor in layer.state_dict().items()}
+    x = torch.randn(4, 32, device=device)
+    with torch.no_grad():
+        first = layer(x)
+        layer(x.to(torch.bfloat16 if device.type == "cpu" else torch.float16))
+        again = layer(x)
+    for name, tensor in layer.state_dict().items():
+        assert tensor.dtype == before[name].dtype and torch.equal(tensor, before[name]), \
+            f"forward changed the layer's {name} (dtype {before[name].dtype} -> {tensor.dtype}): cast a copy, not the module"
+    assert torch.equal(first, again), "a float32 call after a half-precision one must give the same output"
+
+
 def test_quantize_model_swaps_every_linear(impl, tiny_model):
     floats = sum(isinstance(m, nn.Linear) for m in tiny_model.modules())
     float_bytes = sum(p.numel() * p.element_size() for m in tiny_model.modules() if isinstance(m, nn.Linear)
