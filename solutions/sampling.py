@@ -118,7 +118,7 @@ def generate_cached(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
         token = _next_token(logits, options)
         out.append(token)
         feed = [token]
-        if _is_stop(token, eos_token_id, stop_token_ids) or cache.length + 1 >= limit:
+        if _is_stop(token, eos_token_id, stop_token_ids):
             break
     return out
 

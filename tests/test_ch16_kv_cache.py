@@ -119,6 +119,22 @@ def test_greedy_cached_equals_recompute(impl, tiny_model, ref_model):
                                  f"full recompute at {first_difference(expected, got)}")
 
 
+def test_cached_generate_feeds_the_prompt_once_then_one_token_per_call(impl, tiny_model):
+    """The cost contract: one call for the whole prompt, then exactly the newest token."""
+    ids, new = prompt(9, seed=3), 6
+    fed = []
+    handle = tiny_model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append((args[0] if args else kwargs["input_ids"])[0].tolist()),
+        with_kwargs=True)
+    try:
+        out = impl.sampling.generate(tiny_model, ids, new, use_cache=True)
+    finally:
+        handle.remove()
+    expected = [ids] + [[token] for token in out[:-1]]      # the last token is returned, never fed
+    assert fed == expected, (f"generate_cached fed the model {[len(f) for f in fed]} tokens per call; expected the "
+                             f"{len(ids)}-token prompt once, then each new token alone ({[len(f) for f in expected]})")
+
+
 def test_rows_of_a_batch_share_one_cache(impl, ref_model, device, tiny_model):
     rows = [prompt(12, seed=7), prompt(12, seed=8)]
     cache = impl.kv_cache.KVCache.for_model(tiny_model, 2, 12 + 8)
