@@ -49,11 +49,12 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int] | torch.Tensor, skip_special: bool = True) -> str:
         """A sequence of ints (or a 1-D tensor) -> str.  (Your engine: Chapter 3)
 
-        Collect the bytes and decode them as UTF-8 in one go, not id by id: a character's
-        bytes are only meaningful together. Bytes that do not form valid UTF-8 (a sequence
-        cut in the middle of a character) become U+FFFD rather than an error. Special ids
-        are dropped with skip_special, otherwise written as their names ("<|eos|>").
-        Ids outside 0 .. vocab_size - 1 raise ValueError.
+        The byte ids are decoded as UTF-8 together, not one by one (a character's bytes are
+        only meaningful together); bytes that do not form valid UTF-8 (a character cut short)
+        become U+FFFD, never an error. With skip_special, special ids are removed as if absent
+        (bytes on either side of one join up); otherwise each is written as its name
+        ("<|eos|>") and splits the bytes around it. Ids outside 0 .. vocab_size - 1 raise
+        ValueError.
         """
         raise NotImplementedError("Your engine: Chapter 3: ByteTokenizer.decode")
 

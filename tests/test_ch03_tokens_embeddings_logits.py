@@ -59,9 +59,13 @@ def test_decode_specials(tok):
     assert tok.decode(ids) == "hi", f"special ids are skipped by default; got {tok.decode(ids)!r}"
     shown = tok.decode(ids, skip_special=False)
     assert shown == "<|bos|>hi<|eos|>", f"with skip_special=False specials appear by name; got {shown!r}"
-    # A special id in the middle of a multi-byte character must not glue bytes across it.
-    split = list("é".encode()) + [257] + list("ß".encode())
-    assert tok.decode(split) == "éß"
+    assert tok.decode(list("é".encode()) + [257] + list("ß".encode())) == "éß"
+    # A skipped special is as if it were absent: the two bytes of "é" on either side of it
+    # join again. Shown by name, it splits the character, and each half is invalid UTF-8.
+    split = [0xC3, 257, 0xA9]
+    assert tok.decode(split) == "é", f"skipping a special must join the bytes around it; got {tok.decode(split)!r}"
+    shown = tok.decode(split, skip_special=False)
+    assert shown == "\ufffd<|eos|>\ufffd", f"a named special splits the bytes around it; got {shown!r}"
     for bad in (-1, 320, 100_000):
         with pytest.raises(ValueError):
             tok.decode([104, bad])
