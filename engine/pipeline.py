@@ -137,10 +137,11 @@ class Pipeline:
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None) -> Completion:
         """Continue `prompt` and return a Completion.  (Your engine: Chapter 17)
 
-        prompt: a str (encoded with self.encode) or a list of ids. Generate with Chapter 16's
-        cached generate (sampling.generate), passing self.stop_ids as stop tokens and the
-        sampling options; a seed makes a sampled completion reproducible (a torch.Generator
-        on the model's device, seeded with manual_seed). The Completion holds:
+        prompt: a str (encoded with self.encode) or a list of ids. The new ids are exactly
+        those of sampling.generate (Chapter 16) on self.model with self.stop_ids as stop
+        tokens and these sampling options; with a seed, its generator is a torch.Generator
+        on the model's device seeded with manual_seed(seed), so a seeded completion repeats
+        and matches that call. The Completion holds:
           token_ids: the new ids only, a stop token included when one ended the answer;
           text: self.tokenizer.decode of the new ids WITHOUT a final stop token. Decode the
                 new ids on their own, never decode(prompt + new) and cut the prompt's

@@ -176,15 +176,13 @@ def decode_report(model: Qwen3ForCausalLM, batch: int, context: int, hardware: H
                   num_ops: int | None = None) -> DecodeReport:
     """Measure a decode step and explain it.  (Your engine: Chapter 18)
 
-    step_seconds, overhead_seconds and num_ops are measured with decode_step_seconds,
-    launch_overhead (on the model's device) and count_ops (the total over all op names)
-    unless given. The roofline side comes from Chapter 2: step_cost(model.cfg, 1, context,
-    batch, dtype) for a decode step (one new token per sequence, `context` in the cache),
-    with dtype the model's parameter dtype, gives flops and bytes; its .time(hardware) is
-    the lower bound. Then
-        launch_seconds     = num_ops * overhead_seconds
-        achieved_bandwidth = bytes / step_seconds
-    Returns a DecodeReport.
+    Returns a DecodeReport for `batch` sequences decoding one token each with `context`
+    tokens in the cache. Its measured fields are the arguments when given, else this
+    chapter's measurements: decode_step_seconds(model, batch, context), launch_overhead on
+    the model's device, and count_ops summed over every op name. Its roofline fields
+    (flops, bytes_moved, roofline_seconds on `hardware`) are Chapter 2's step_cost of that
+    decode step at the model's parameter dtype; the derived fields follow the definitions
+    on DecodeReport. Nothing is measured that was given.
     """
     if step_seconds is None:
         step_seconds = decode_step_seconds(model, batch, context)
