@@ -50,6 +50,7 @@ def prefill_chunked(model: Qwen3ForCausalLM, cache: KVCache, prompt_ids: Sequenc
     keep_logits=True those of every prompt position, [len(prompt_ids), vocab], equal to a
     one-shot call's to float tolerance. Only the last row is needed for generation; keeping
     the others costs memory a real engine never spends.
+    Errors: ValueError, before any model call, for an empty prompt or chunk_size < 1.
     """
     device = next(model.parameters()).device
     kept = []

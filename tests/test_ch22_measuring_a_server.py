@@ -125,6 +125,15 @@ def test_tpot_ignores_single_token_requests(impl):
     assert got["throughput_tok_s"] == pytest.approx(6 / 2.5)
 
 
+def test_summarize_refuses_what_it_cannot_summarize(impl):
+    rec = impl.workloads.RequestRecord
+    with pytest.raises(ValueError):
+        impl.workloads.summarize([])
+    unfinished = rec("late", 0.0, 0.5, None, 3)
+    with pytest.raises(ValueError, match="late"):       # the error names the request without a finish_time
+        impl.workloads.summarize([rec("a", 0.0, 1.0, 2.0, 4), unfinished])
+
+
 # --- workloads and replay --------------------------------------------------------------------
 
 def test_shared_prefix_workload_shape(impl):

@@ -67,6 +67,20 @@ def test_calls_are_chunks(impl, tiny_model, chunk):
     assert widths == expected, f"chunk size {chunk}: expected calls of {expected} tokens, saw {widths}"
 
 
+def test_bad_prompts_and_chunk_sizes_are_refused_before_any_call(impl, tiny_model):
+    calls = []
+    handle = tiny_model.register_forward_pre_hook(lambda *args: calls.append(1))
+    try:
+        for prompt, chunk in (([], 4), (make_prompt(1), 0), (make_prompt(2), -3)):
+            cache = new_cache(impl, tiny_model, PROMPT_LEN)
+            with pytest.raises(ValueError):
+                impl.chunked.prefill_chunked(tiny_model, cache, prompt, chunk)
+            assert int(torch.as_tensor(cache.length).max()) == 0, f"prompt of {len(prompt)}, chunk {chunk}: the cache must stay empty"
+    finally:
+        handle.remove()
+    assert not calls, "a refused prefill must not call the model"
+
+
 def test_chunks_continue_a_filled_cache(impl, tiny_model, ref_model, device):
     prompt = make_prompt(11)
     cache = new_cache(impl, tiny_model, PROMPT_LEN)
