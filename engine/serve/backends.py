@@ -339,13 +339,15 @@ def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: 
     """One attention call for every request of a group.  (Your engine: Chapter 32)
 
     q [N, H, D] (the group's rows, in the group's order); keys, values [R, Hkv, K, D] from
-    gather_all; plan: the group's StepPlan. Returns [N, H, D] in q's dtype, equal (to float rounding) to
-    ReferenceBackend.forward. Lay the rows out as [R, H, Tq, D] (decode-only: a view, one
-    row per request; otherwise scatter row i to (row_request[i], row_offset[i])), call
-    torch's scaled_dot_product_attention ONCE with attn_mask = plan.visible (intersected,
-    when window > 0, with key > query position - window; cache that mask in plan.masks so
-    the other layers reuse it) and enable_gqa=True, then read row i back from the same
-    place. Rows of padding requests (plan.empty_rows) come back as zeros.
+    gather_all; plan: the group's StepPlan, whose row_request/row_offset say where row i
+    sits among its request's query slots and whose visible mask says which keys each slot
+    may read. Returns [N, H, D] in q's dtype, equal (to float rounding) to
+    ReferenceBackend.forward on the same rows: row i attends over the keys plan.visible marks
+    for its slot and, when window > 0, only over keys at positions > its own - window.
+    Rows of padding requests (plan.empty_rows) come back as zeros.
+    Cost contract: ONE call of torch's scaled_dot_product_attention for the whole group,
+    with enable_gqa=True (K/V heads are never repeated in memory); a windowed mask is built
+    once per step and kept in plan.masks[window], so the other layers reuse it.
     """
     raise NotImplementedError("Your engine: Chapter 32: attend_all")
 

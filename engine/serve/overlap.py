@@ -136,7 +136,8 @@ def settle_token(request: Request, token: int, check_stop: Callable[[Request, in
     the call) and num_placeholders is one less. Returns check_stop's answer for index i;
     when it is a finish status, every entry after index i is removed and num_placeholders
     is 0 (tokens computed past a stop are not output). Raises RuntimeError, changing
-    nothing, when the request has no placeholder there (a token settled twice).
+    nothing, when the request has no placeholder there (a token settled twice); its message
+    names the request and says "placeholder".
     Trap: the stop rules must see the token at i, not the newest entry of the list (a
     placeholder when the request was scheduled again before this token was known).
     """
