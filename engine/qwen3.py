@@ -109,13 +109,17 @@ class Qwen3Attention(nn.Module):
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Attention sublayer on x [B, T, hidden] -> [B, T, hidden].  (Your engine: Chapter 9)
 
-        Project to q [B, H, T, D], k and v [B, Hkv, T, D]; apply q_norm / k_norm to every
-        head vector BEFORE the rotary embedding (cos, sin: [B or 1, 1, T, D]); then attend
-        with Chapter 5's causal_attention. `slots` [T] (or [B, T]) are the places of these
-        T tokens in the sequence's cache (0..T-1 without a cache): they, not the RoPE positions, decide
-        who sees whom. With a cache (Chapter 16), store k, v first with
-        cache.update(self.layer_idx, k, v), which returns every key and value so far.
-        `allowed` (padding masks, Chapter 21) passes straight to causal_attention.
+        Equal (to float rounding) to transformers' Qwen3Attention with the same weights:
+        queries [B, H, T, D] and keys/values [B, Hkv, T, D] from the projections, attended
+        with Chapter 5's causal_attention and projected back by o_proj. Trap (part of the
+        contract): every query and key head vector is RMS-normalised (q_norm, k_norm) and
+        THEN rotated (cos, sin: [B or 1, 1, T, D]); the other order gives other numbers.
+        `slots` [T] (or [B, T]) are the places of these T tokens in the sequence's cache
+        (0..T-1 without a cache): they, not the RoPE positions, decide who sees whom.
+        Interface (Chapter 16): with a cache, `cache.update(self.layer_idx, k, v)` stores
+        these tokens' rotated keys and values and returns every key and value so far
+        ([B, Hkv, S, D]), which the queries attend over. `allowed` (padding masks, Chapter
+        21) passes straight to causal_attention.
         """
         raise NotImplementedError("Your engine: Chapter 9: Qwen3Attention.forward")
 
