@@ -70,7 +70,8 @@ def test_int8_linear_forward_leaves_the_module_unchanged(impl, device):
         again = layer(x)
     for name, tensor in layer.state_dict().items():
         assert tensor.dtype == before[name].dtype and torch.equal(tensor, before[name]), \
-            f"forward changed the layer's {name} (dtype {before[name].dtype} -> {tensor.dtype}): cast a copy, not the module"
+            f"forward changed the layer's {name} (dtype {before[name].dtype} -> {tensor.dtype}): " \
+            "cast a copy, not the module"
     assert torch.equal(first, again), "a float32 call after a half-precision one must give the same output"
 
 
