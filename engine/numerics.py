@@ -64,9 +64,9 @@ def measure_error(approx: torch.Tensor, reference: torch.Tensor) -> ErrorStats:
     Trap: every statistic is computed in float64, whatever the inputs' dtypes (a difference
     taken in a 16-bit format would round the error itself). Absolute error |a - r|;
     relative error |a - r| / |r| over the elements whose reference is not zero (a relative
-    error at zero is meaningless; max_rel is 0.0 when every reference is zero); ulp error |a - r| / ulp(r, approx.dtype), the error in
-    units of the grid the approximation lives on (1/2 ulp is the best one rounding can
-    do). Returns ErrorStats with plain Python floats.
+    error at zero is meaningless; max_rel is 0.0 when every reference is zero); ulp error
+    |a - r| / ulp(r, approx.dtype), the error in units of the grid the approximation lives
+    on (1/2 ulp is the best one rounding can do). Returns ErrorStats with plain Python floats.
     """
     raise NotImplementedError("Your engine: Chapter 12: measure_error")
 

@@ -75,7 +75,8 @@ def test_bad_prompts_and_chunk_sizes_are_refused_before_any_call(impl, tiny_mode
             cache = new_cache(impl, tiny_model, PROMPT_LEN)
             with pytest.raises(ValueError):
                 impl.chunked.prefill_chunked(tiny_model, cache, prompt, chunk)
-            assert int(torch.as_tensor(cache.length).max()) == 0, f"prompt of {len(prompt)}, chunk {chunk}: the cache must stay empty"
+            assert int(torch.as_tensor(cache.length).max()) == 0, \
+                f"prompt of {len(prompt)}, chunk {chunk}: the cache must stay empty"
     finally:
         handle.remove()
     assert not calls, "a refused prefill must not call the model"
