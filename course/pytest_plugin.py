@@ -204,13 +204,75 @@ def pytest_runtest_makereport(item, call):
             and str(call.excinfo.value).startswith("Your engine: Chapter"):
         # An unwritten stub is the learner's to-do, not a crash: where it is, no traceback.
         stub = call.excinfo.traceback[-1]
-        where = Path(_source_path(str(stub.path), item.config.invocation_params.dir))
-        if where.is_relative_to(item.config.invocation_params.dir):
-            where = where.relative_to(item.config.invocation_params.dir)
+        where = _shown_path(stub.path, item.config.invocation_params.dir)
         report.longrepr = f"not implemented yet: {call.excinfo.value} (the stub: {where}:{stub.lineno + 1})"
     elif call.excinfo is not None and call.excinfo.errisinstance(impl_module.ImplError):
         report.longrepr = f"cannot run here: {call.excinfo.value}"    # a setup problem, said in one line
+    elif call.excinfo is not None and item.config.getoption("tbstyle") in ("auto", "short"):
+        compact = _hypothesis_report(call.excinfo, item.config, set(item.fixturenames))
+        if compact is not None:
+            report.longrepr = compact
     return report
+
+
+# Hypothesis notes its failing case on the exception, under one of these headings.
+_CASE_HEADINGS = ("Falsifying example", "Falsifying explicit example", "Failing test case")
+
+
+def _hypothesis_report(excinfo, config, fixtures: set[str]) -> str | None:
+    """A Hypothesis failure said short: the rule that broke (the test's own message), where
+    it was raised, and the failing case as calls to replay, instead of pages of traceback
+    and assertion introspection. `--tb=long` still shows everything."""
+    notes = [line for note in getattr(excinfo.value, "__notes__", None) or [] for line in note.splitlines()]
+    start = next((i for i, line in enumerate(notes) if line.startswith(_CASE_HEADINGS)), None)
+    if start is None:
+        return None
+    heading = notes[start].partition(": ")[2]
+    machine = heading == "<state machine>"
+    end = next((i for i in range(start + 1, len(notes)) if notes[i].startswith(("Explanation:", "You can reproduce"))),
+               len(notes))
+    checks = _invariant_checks([line.strip() for line in notes[start + 1:end]])
+    case = [] if machine else ["    " + heading]
+    for line in notes[start + 1:end]:
+        text = line.strip()
+        if not text or text in checks or text.startswith("# The test always failed") \
+                or text.partition("=")[0] in fixtures:     # a fixture is the same in every case
+            continue
+        case.append(("    " if machine or line.startswith(")") else "        ") + text)
+    message = str(excinfo.value)
+    if excinfo.errisinstance(AssertionError):
+        message = message.split("\nassert ", 1)[0]       # pytest's introspection repeats what the message says
+    lines = [f"{excinfo.type.__name__}: {message}" if message else excinfo.type.__name__]
+    frame = next((entry for entry in reversed(excinfo.traceback) if "site-packages" not in str(entry.path)), None)
+    if frame is not None:
+        where = _shown_path(frame.path, config.invocation_params.dir)
+        lines.append(f"  raised at {where}:{frame.lineno + 1} ({frame.name})")
+    shrunk = not machine or config.getoption("stress")
+    lines.append("The failing case Hypothesis found" + (", shrunk:" if shrunk else
+                 " (a state machine's run is shrunk to a shorter one only with --stress):"))
+    lines += case
+    lines.append("(pytest --tb=long prints the whole traceback)")
+    return "\n".join(lines)
+
+
+def _invariant_checks(lines: list[str]) -> set[str]:
+    """The calls in a state machine's run that are its invariants: argument-free calls that
+    follow every other call (the failing last one and teardown aside). They pass each time
+    until the failure, so the run reads better without them."""
+    calls = [line for line in lines if line.startswith("state.")]
+    checks = set()
+    for candidate in {call for call in calls if call.endswith("()") and call != "state.teardown()"}:
+        others = [i for i, call in enumerate(calls[:-1]) if call not in (candidate, "state.teardown()")]
+        if others and all(calls[i + 1] == candidate for i in others):
+            checks.add(candidate)
+    return checks
+
+
+def _shown_path(path, invocation_dir: Path) -> Path:
+    """Where to tell the reader to look: the source of a gated copy, relative to where
+    pytest was started when it lies below it."""
+    where = Path(_source_path(str(path), invocation_dir))
+    return where.relative_to(invocation_dir) if where.is_relative_to(invocation_dir) else where
 
 
 def _point_at_sources(longrepr, invocation_dir: Path) -> None:

@@ -223,6 +223,56 @@ def test_a_failure_in_a_gated_copy_is_reported_at_its_source(milestone_run, fake
     assert "_at_1" + os.sep + "ops.py" not in output
 
 
+HYPOTHESIS_FAILURES = """
+    import pytest
+    from hypothesis import given, settings, strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+    @pytest.fixture
+    def limit():
+        return 10
+
+    @settings(database=None, derandomize=True)
+    @given(n=st.integers(0, 100))
+    def test_numbers(limit, n):
+        assert n < limit, f"the rule: {n} must stay below {limit}"
+
+    class Counter(RuleBasedStateMachine):
+        count = 0
+
+        @rule(by=st.integers(1, 3))
+        def add(self, by):
+            self.count += by
+
+        @invariant()
+        def small(self):
+            assert self.count < 5, f"the count reached {self.count}"
+
+    def test_machine():
+        run_state_machine_as_test(Counter, settings=settings(database=None, derandomize=True))
+"""
+
+
+def test_a_hypothesis_failure_is_its_rule_and_its_case_not_pages_of_trace(pytester):
+    pytester.makepyfile(test_props=HYPOTHESIS_FAILURES)
+    short = pytester.runpytest_inprocess(*INNER)
+    short.assert_outcomes(failed=2)
+    output = short.stdout.str()
+    short.stdout.fnmatch_lines([
+        "AssertionError: the rule: 10 must stay below 10",          # shrunk to the smallest failing n
+        "  raised at test_props.py:* (test_numbers)",
+        "The failing case Hypothesis found, shrunk:",
+        "    test_numbers(", "        n=10,", "    )",
+        "AssertionError: the count reached *",
+        "The failing case Hypothesis found (a state machine's run is shrunk to a shorter one only with --stress):",
+        "    state = Counter()", "    state.add(by=*)", "    state.add(by=*)", "    state.teardown()",
+    ])
+    assert "limit=" not in output, "a fixture is not part of the case"
+    assert "+  where" not in output and "state.small()" not in output and "def test_numbers" not in output
+    full = pytester.runpytest_inprocess(*INNER, "--tb=long")
+    assert "def test_numbers" in full.stdout.str(), "--tb=long keeps the whole traceback"
+
+
 def test_a_notebook_hears_of_edits_its_kernel_has_not_imported(fake_package, isolated_cache, monkeypatch, capsys):
     from course import notebook
     loaded = notebook.load_impl(str(fake_package))
