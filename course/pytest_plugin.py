@@ -101,6 +101,8 @@ def pytest_configure(config):
     if str(manifest.ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(manifest.ROOT)] + [p for p in paths if p])
     _derandomize_hypothesis()
+    if not config.getoption("stress"):
+        _limit_hypothesis_shrinking(SHRINK_SECONDS)
     known = manifest.load().numbers
     spec = config.getoption("impl")
     if spec is not None:
@@ -161,6 +163,23 @@ def _skip_maintainer_tests(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+# How long Hypothesis may shrink a failing case in the default run (its own limit, five
+# minutes, is kept under --stress): a learner's failure comes back in seconds, not minutes,
+# and still shorn of most of the calls that do not matter to it.
+SHRINK_SECONDS = 20
+
+
+def _limit_hypothesis_shrinking(seconds: int) -> None:
+    try:
+        from hypothesis.internal.conjecture import engine
+    except ImportError:
+        return
+    if not hasattr(engine, "MAX_SHRINKING_SECONDS"):      # pinned in requirements.txt; a new version must keep it
+        raise pytest.UsageError("hypothesis no longer has engine.MAX_SHRINKING_SECONDS: update "
+                                "course.pytest_plugin._limit_hypothesis_shrinking")
+    engine.MAX_SHRINKING_SECONDS = seconds
+
+
 def _derandomize_hypothesis() -> None:
     """While oracle answers are recorded, and in an edition that replays them, Hypothesis draws
     the same examples every run, so each example's question has a recorded answer."""
@@ -212,6 +231,9 @@ def pytest_runtest_makereport(item, call):
         compact = _hypothesis_report(call.excinfo, item.config, set(item.fixturenames))
         if compact is not None:
             report.longrepr = compact
+            # Hypothesis announces the end of our shorter shrinking as "more than five minutes".
+            report.sections = [(title, text) for title, text in report.sections
+                               if "working to shrink a failing test case" not in text]
     return report
 
 
@@ -247,9 +269,8 @@ def _hypothesis_report(excinfo, config, fixtures: set[str]) -> str | None:
     if frame is not None:
         where = _shown_path(frame.path, config.invocation_params.dir)
         lines.append(f"  raised at {where}:{frame.lineno + 1} ({frame.name})")
-    shrunk = not machine or config.getoption("stress")
-    lines.append("The failing case Hypothesis found" + (", shrunk:" if shrunk else
-                 " (a state machine's run is shrunk to a shorter one only with --stress):"))
+    lines.append("The failing case Hypothesis found, shrunk" + ("" if config.getoption("stress") else
+                 f" for at most {SHRINK_SECONDS} s (--stress shrinks it for longer)") + ":")
     lines += case
     lines.append("(pytest --tb=long prints the whole traceback)")
     return "\n".join(lines)
@@ -262,7 +283,8 @@ def _invariant_checks(lines: list[str]) -> set[str]:
     calls = [line for line in lines if line.startswith("state.")]
     checks = set()
     for candidate in {call for call in calls if call.endswith("()") and call != "state.teardown()"}:
-        others = [i for i, call in enumerate(calls[:-1]) if call not in (candidate, "state.teardown()")]
+        others = [i for i, call in enumerate(calls[:-1])
+                  if call not in (candidate, "state.teardown()") and calls[i + 1] != "state.teardown()"]
         if others and all(calls[i + 1] == candidate for i in others):
             checks.add(candidate)
     return checks

@@ -261,10 +261,10 @@ def test_a_hypothesis_failure_is_its_rule_and_its_case_not_pages_of_trace(pytest
     short.stdout.fnmatch_lines([
         "AssertionError: the rule: 10 must stay below 10",          # shrunk to the smallest failing n
         "  raised at test_props.py:* (test_numbers)",
-        "The failing case Hypothesis found, shrunk:",
+        "The failing case Hypothesis found, shrunk for at most 20 s (--stress shrinks it for longer):",
         "    test_numbers(", "        n=10,", "    )",
         "AssertionError: the count reached *",
-        "The failing case Hypothesis found (a state machine's run is shrunk to a shorter one only with --stress):",
+        "The failing case Hypothesis found, shrunk for at most 20 s (--stress shrinks it for longer):",
         "    state = Counter()", "    state.add(by=*)", "    state.add(by=*)", "    state.teardown()",
     ])
     assert "limit=" not in output, "a fixture is not part of the case"
