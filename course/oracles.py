@@ -15,6 +15,7 @@ Nothing here imports an implementation: the engine's modules come in through `se
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -100,8 +101,27 @@ def transformers_tiny_qwen3(device: torch.device | str = "cpu", dtype: torch.dty
     [batch, seq, vocab]."""
     import transformers
 
+    torch.manual_seed(models.TINY_SEED)
+    config = transformers.Qwen3Config(**models.tiny_config_values(**overrides), attn_implementation="eager")
+    model = models.fill_deterministic(_logits_qwen3()(config))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def transformers_checkpoint(model_path: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """transformers' Qwen3ForCausalLM loaded from a Hugging Face Qwen3 directory in the dtype
+    its config names (as Chapter 11's loader does), called like ours: model(input_ids) ->
+    logits. The oracle for --model where the reference's loader is absent (an edition)."""
+    model = _logits_qwen3().from_pretrained(model_path, dtype="auto", attn_implementation="eager")
+    return model.to(device).eval()
+
+
+def _logits_qwen3() -> Any:
+    """transformers' Qwen3ForCausalLM, answering model(input_ids) with the logits tensor and
+    exposing context_limit, as the course's models do (made once, on first use)."""
     global _LogitsQwen3
     if _LogitsQwen3 is None:
+        import transformers
+
         class LogitsQwen3(transformers.Qwen3ForCausalLM):
             def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
                 return super().forward(input_ids, use_cache=False, **kwargs).logits
@@ -110,10 +130,7 @@ def transformers_tiny_qwen3(device: torch.device | str = "cpu", dtype: torch.dty
             def context_limit(self) -> int:
                 return self.config.max_position_embeddings
         _LogitsQwen3 = LogitsQwen3
-    torch.manual_seed(models.TINY_SEED)
-    config = transformers.Qwen3Config(**models.tiny_config_values(**overrides), attn_implementation="eager")
-    model = models.fill_deterministic(_LogitsQwen3(config))
-    return model.to(device=device, dtype=dtype).eval()
+    return _LogitsQwen3
 
 
 _LogitsQwen3: Any = None

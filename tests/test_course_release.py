@@ -144,3 +144,32 @@ def test_notebook_cells_that_call_a_stub_lose_their_outputs():
     assert shown[1] == shown[2] == shown[5] == release.LEFT_OUT
     assert "course.notebook.reference_or_engine()" in "".join(edited[0]["source"])
     assert "course.reference()" not in release.edition_notebook(".md", "ref = course.reference()\n", stubs)
+
+
+def test_model_option_in_an_edition_reads_the_checkpoint_with_transformers(tmp_path, monkeypatch):
+    """--model PATH where solutions/ is absent: the learner's model gets its weights through
+    transformers (not the reference's loader, not the learner's own), in the checkpoint's
+    dtype, and the oracle model is transformers' itself, so the tests that compare with it
+    run in an edition."""
+    import torch
+
+    from course import impl as impl_module
+    from course import pytest_plugin
+    from course.oracles import transformers_checkpoint, transformers_tiny_qwen3
+
+    package = impl_module.reference().package
+    monkeypatch.setattr(impl_module, "have_reference", lambda: False)
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        checkpoint = tmp_path / name
+        saved = transformers_tiny_qwen3("cpu", dtype)
+        saved.config.architectures, saved.config.dtype = ["Qwen3ForCausalLM"], name
+        saved.save_pretrained(checkpoint)
+        ours = pytest_plugin.build_model(package, "cpu", checkpoint)
+        theirs = transformers_checkpoint(checkpoint, "cpu")
+        assert isinstance(ours, package.qwen3.Qwen3ForCausalLM)
+        mine = ours.state_dict()
+        for key, tensor in theirs.state_dict().items():
+            assert mine[key].dtype == dtype and torch.equal(mine[key], tensor), f"{name}: {key} differs"
+    ids = torch.tensor([[3, 14, 15, 92, 65]])
+    with torch.inference_mode():     # the same weights, so the same logits once both compute in float32
+        assert torch.allclose(ours.float()(ids), theirs.float()(ids), atol=1e-4)
