@@ -39,8 +39,10 @@ def ulp(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     representable magnitude in `dtype`. For a normal number in [2**k, 2**(k+1)) that is
     finfo(dtype).eps * 2**k; below the smallest normal number (finfo(dtype).tiny), and at
     zero, it is the smallest spacing, eps * tiny (subnormals); inf and nan give nan.
-    Trap: the spacing itself may not be representable in `dtype` (in bfloat16 2**(e - p)
-    underflows), so the result is computed in float64.
+    Trap: x may be in another format than `dtype` (a float32 tensor measured on bfloat16's
+    grid, or the reverse), so neither x.dtype nor `dtype` can hold every exponent and
+    spacing involved (float32's smallest spacing, 2**-149, is 0 in bfloat16): the result is
+    computed in float64.
     """
     raise NotImplementedError("Your engine: Chapter 12: ulp")
 
@@ -126,7 +128,8 @@ class BatchDrift:
 def batch_drift(model: Qwen3ForCausalLM, prompts: Sequence[Sequence[int]]) -> list[BatchDrift]:
     """Run each prompt alone and all prompts as one batch; compare.  (Your engine: Chapter 12)
 
-    prompts: a list of equal-length lists of token ids (no padding needed). For prompt i,
+    prompts: a list of equal-length lists of token ids (no padding needed), run on the
+    device of the model's parameters. For prompt i,
     solo = model(ids [1, T]) and batched = row i of model(ids [N, T]); both are float32
     logits [T, vocab] of the same sequence, so in exact arithmetic they are equal. Returns
     one BatchDrift per prompt: the largest absolute difference, how many logits differ in
