@@ -39,10 +39,9 @@ def ulp(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     representable magnitude in `dtype`. For a normal number in [2**k, 2**(k+1)) that is
     finfo(dtype).eps * 2**k; below the smallest normal number (finfo(dtype).tiny), and at
     zero, it is the smallest spacing, eps * tiny (subnormals); inf and nan give nan.
-    Trap: x may be in another format than `dtype` (a float32 tensor measured on bfloat16's
-    grid, or the reverse), so neither x.dtype nor `dtype` can hold every exponent and
-    spacing involved (float32's smallest spacing, 2**-149, is 0 in bfloat16): the result is
-    computed in float64.
+    Trap: x may be in another format than `dtype`, and then computing in either one can
+    lose the spacing or x's exponent (float32's smallest spacing, 2**-149, is 0 in
+    bfloat16; a bfloat16 value above 65504 is inf in float16): compute in float64.
     """
     dtype = x.dtype if dtype is None else dtype
     info = torch.finfo(dtype)
