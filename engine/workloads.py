@@ -233,7 +233,8 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
     records: RequestRecords of finished requests (each with first_token_time, finish_time
     and num_output_tokens set). Returns a dict with
       num_requests, output_tokens (sum), duration_s (first arrival to last finish),
-      throughput_tok_s (output_tokens / duration_s), requests_per_s,
+      throughput_tok_s (output_tokens / duration_s), requests_per_s (both inf when
+      duration_s is 0),
       and for each metric m in ttft, tpot, e2e: m_mean, m_p50, m_p90, m_p99 (PERCENTILES)
       computed with `percentile`.
     TPOT is undefined for a request with fewer than two tokens: leave such requests out of

@@ -170,7 +170,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     `dtype`, on `device`); with tie_word_embeddings, lm_head.weight IS the embedding tensor
     (the same object, as after __init__). No parameter is left on the "meta" device.
     Costs: memory for one copy of the weights (no random initialisation first, no second
-    copy); each safetensors file opened once.
+    copy); each safetensors file opened once to read its tensors (the given _resolve_dtype
+    may peek at one header first, when neither `dtype` nor the config names a dtype).
     Errors (all CheckpointError, with the message naming the tensor and the file):
     what tensor_locations and match_names raise; a tensor whose shape differs from the
     parameter's (both shapes in the message); a parameter that was never loaded.

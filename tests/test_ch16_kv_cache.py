@@ -48,6 +48,8 @@ def test_update_stores_new_keys_and_returns_all_so_far(impl):
     cache.advance(3)
     k2, v2 = torch.randn(2, 2, 1, 4, generator=g), torch.randn(2, 2, 1, 4, generator=g)
     k, v = cache.update(0, k2, v2)
+    assert k.shape[2] == 4, (f"after 3 tokens and 1 more, update must return all 4 slots so far, not only the "
+                             f"new ones; got {k.shape[2]}")
     torch.testing.assert_close(k, torch.cat([k1, k2], dim=2), msg="layer 0 should hold step 1 then step 2")
     torch.testing.assert_close(v, torch.cat([v1, v2], dim=2), msg="values of layer 0, slots 0..3")
     k, _ = cache.update(1, k2, v2)
@@ -61,12 +63,20 @@ def test_capacity_is_enforced_before_writing(impl):
     cache.update(0, ones, ones)
     cache.advance(8)
     before = cache.k[0].clone()
-    with pytest.raises(ValueError):
+    try:
         cache.update(0, torch.full((2, 2, 3, 4), 7.0), torch.full((2, 2, 3, 4), 7.0))
+    except ValueError:
+        pass
+    except Exception as exc:
+        pytest.fail(f"3 tokens at length 8 of a 10-slot cache: expected a ValueError raised before writing "
+                    f"(check the capacity first), got {type(exc).__name__}: {exc}")
+    else:
+        pytest.fail("3 tokens at length 8 of a 10-slot cache must be refused with a ValueError")
     assert cache.length == 8, "a refused update must leave length alone"
     torch.testing.assert_close(cache.k[0], before, msg="a refused update must not write anything")
     k, _ = cache.update(0, torch.full((2, 2, 2, 4), 7.0), torch.full((2, 2, 2, 4), 7.0))
-    assert k.shape[2] == 10, "2 more tokens fill the 10-slot cache exactly; that is allowed"
+    assert k.shape[2] == 10, (f"2 tokens at length 8 fill the 10-slot cache exactly, and update returns all 10 "
+                              f"slots; got {k.shape[2]}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

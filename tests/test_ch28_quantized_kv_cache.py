@@ -34,7 +34,9 @@ def test_int8_codes_and_scales(impl, shape):
         f"one float32 scale per vector: expected shape {tuple(x.shape[:-1])}, got {tuple(scale.shape)}")
     step = x.abs().amax(-1) / 127
     torch.testing.assert_close(scale, step, msg="scale should be max|x| / 127 over the last axis")
-    assert int(codes.abs().amax(-1).min()) == 127, "the largest element of each vector should use code +-127"
+    assert int(codes.abs().amax(-1).min()) == 127, (
+        "the largest element of each vector should use code +-127 (126 usually means a cast without "
+        "rounding: max|x| / scale can come out as 126.99999 in float32, which a bare cast truncates)")
     error = (codes.float() * scale[..., None] - x).abs()
     assert bool((error <= step[..., None] / 2 * (1 + 1e-5) + 1e-12).all()), (
         f"rounding error {float((error / step[..., None]).max()):.3f} steps: round to the nearest code")
