@@ -35,7 +35,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
       input_ids  int64 [B, L] with L = max L_b; row b is pad_id repeated p_b = L - L_b
                  times, then the prompt;
       positions  int64 [B, L]: the real tokens of row b get 0 .. L_b - 1 (the positions
-                 they would have alone); pad columns get 0 (any value works, they are masked);
+                 they would have alone); pad columns get 0 (they are masked, so the value never
+                 reaches the output, but it is fixed: equal prompts give equal batches);
       pad_lens   int64 [B]: p_b.
     All on `device`. Raise ValueError for an empty batch or an empty prompt.
     """

@@ -48,6 +48,7 @@ def test_left_pad(impl, device):
     assert pad_lens.tolist() == [0, 2, 1]
     real = ids != 0
     assert positions[real].tolist() == [0, 1, 2, 0, 0, 1], "each row's real tokens must get positions 0, 1, 2, ..."
+    assert positions[~real].tolist() == [0, 0, 0], "pad columns get position 0 (the contract's fixed value)"
     assert {ids.device.type, positions.device.type, pad_lens.device.type} == {device.type}
     with pytest.raises(ValueError):
         impl.static_batch.left_pad([[1], []])
