@@ -234,7 +234,8 @@ def pytest_runtest_makereport(item, call):
                                "an edition has them for the tiny model only (with --model, the tests whose oracle "
                                "is transformers run)")
     elif call.excinfo is not None and item.config.getoption("tbstyle") in ("auto", "short"):
-        compact = _hypothesis_report(call.excinfo, item.config, set(item.fixturenames))
+        # (a notebook cell, nbval's item, has no fixtures)
+        compact = _hypothesis_report(call.excinfo, item.config, set(getattr(item, "fixturenames", ())))
         if compact is not None:
             report.longrepr = compact
             # Hypothesis announces the end of our shorter shrinking as "more than five minutes".
