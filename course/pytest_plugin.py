@@ -227,12 +227,12 @@ def pytest_runtest_makereport(item, call):
         where = _shown_path(stub.path, item.config.invocation_params.dir)
         report.longrepr = f"not implemented yet: {call.excinfo.value} (the stub: {where}:{stub.lineno + 1})"
     elif call.excinfo is not None and call.excinfo.errisinstance(impl_module.ImplError):
-        report.longrepr = f"cannot run here: {call.excinfo.value}"    # a setup problem, said in one line
         from .oracle_records import RecordMissing
+        why = str(call.excinfo.value)
         if call.excinfo.errisinstance(RecordMissing) and item.config.getoption("model"):
-            report.longrepr = (f"cannot run here: {item.nodeid} needs the reference's answer on --model's checkpoint; "
-                               "an edition has them for the tiny model only (with --model, the tests whose oracle "
-                               "is transformers run)")
+            why = (f"{item.nodeid} needs the reference's answer on --model's checkpoint; an edition has them for "
+                   "the tiny model only (with --model, the tests whose oracle is transformers run)")
+        report.longrepr = f"cannot run here: {why}"    # a setup problem, said in one line
     elif call.excinfo is not None and item.config.getoption("tbstyle") in ("auto", "short"):
         # (a notebook cell, nbval's item, has no fixtures)
         compact = _hypothesis_report(call.excinfo, item.config, set(getattr(item, "fixturenames", ())))
