@@ -65,10 +65,10 @@ def tensor_locations(path: str | Path) -> dict[str, Path]:
 
     A directory has either model.safetensors.index.json (sharded: its "weight_map" maps
     every tensor name to a shard file name in the same directory) or a single
-    model.safetensors (list its tensor names with safetensors' safe_open(...).keys(),
-    which reads only the header). Raise CheckpointError naming the file when neither
-    exists, or when the index names a shard that is not in the directory. Read names only:
-    no tensor data is loaded here.
+    model.safetensors. Raise CheckpointError naming the file when neither exists, when the
+    index has no (or an empty) "weight_map", or when the index names a shard that is not in
+    the directory (the message names the missing shard). Read names only, from the files'
+    headers: no tensor data is loaded here.
     """
     root = Path(path)
     index = root / INDEX_FILE

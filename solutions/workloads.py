@@ -257,7 +257,8 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
     the TPOT figures (and report None for them all if no request has two tokens). Note
     that throughput divides by the whole span, not by the sum of latencies: requests
     overlap, and that overlap is what a batching server sells.
-    Errors: ValueError for no records, or for a record without a finish_time (naming it).
+    Errors: ValueError for no records, or for a record without a finish_time (naming its
+    request_id).
     """
     if not records:
         raise ValueError("summarize needs at least one finished request")
