@@ -149,13 +149,16 @@ def merge_word(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
 def train_bpe(text: str, vocab_size: int, pre: str = "gpt2") -> list[tuple[str, str]]:
     """Learn byte-level BPE merges from `text`.  (Your engine: Chapter 36)
 
-    The vocabulary starts as the 256 byte symbols (bytes_to_unicode); each merge adds one
-    token, so the result has at most vocab_size - 256 merges (fewer when no adjacent pair is
-    left in the corpus). Words are the pieces of pretokenize(text, pre), spelled in the byte
-    alphabet. Each step merges the most frequent pair (count_pairs) in every word
-    (merge_word); ties go to the smallest pair in Python's string order, so training is
-    deterministic. Returns the merges in the order learned (rank 0 first), as (left, right).
-    Raises ValueError when vocab_size < 256.
+    text: the training corpus; vocab_size: the size of the vocabulary wanted, the 256 byte
+    symbols (bytes_to_unicode) included; pre: the pre-tokenizer's name. Merges never cross the
+    pieces pretokenize(text, pre) cuts the text into, each spelled in the byte alphabet.
+    Returns the merges in the order learned (rank 0 first), as (left, right) pairs of symbols:
+    merge r is the most frequent adjacent pair of the corpus once merges 0 .. r-1 have been
+    applied, ties going to the smallest pair in Python's tuple order (training is
+    deterministic). At most vocab_size - 256 merges (each adds one token); fewer when no
+    adjacent pair is left.
+    Errors: ValueError naming 256 when vocab_size < 256; pretokenize's ValueError for an
+    unknown `pre`.
     """
     raise NotImplementedError("Your engine: Chapter 36: train_bpe")
 
@@ -268,15 +271,17 @@ class BPETokenizer:
     def encode_word(self, word: str) -> list[int]:
         """One pre-tokenized piece, spelled in the byte alphabet -> its token ids.  (Your engine: Chapter 36)
 
-        word: e.g. "Ġlower" (" lower"). Start from one symbol per character and apply merges
-        by rank: always the adjacent pair with the LOWEST rank in self.merge_ranks among the
-        pairs present, every occurrence of it at once, until no adjacent pair has a rank.
-        Returns [self.token_to_id[s] for s in the final symbols]. This is what makes encoding
-        reproduce training: merges replay in the order they were learned, whatever order they
-        appear in the word. An empty word gives []. Results are cached per word by encode.
-        A byte symbol missing from the vocabulary (SmolLM2 lacks the bytes that only begin
-        characters of unassigned planes, e.g. 0xF1) is dropped before merging, as the
-        tokenizers library does: such text does not survive a round trip.
+        word: e.g. "Ġlower" (" lower"), one byte symbol per character. Returns a list of ints,
+        the ids (self.token_to_id) of the symbols left by replaying the learned merges in the
+        order they were learned (self.merge_ranks, rank 0 first), each merge applied to every
+        occurrence at once: the same symbols training would have made of this word. An empty
+        word gives []. Results are cached per word by encode.
+        Trap: the rank decides, not the position in the word nor the length of a match: a
+        left-to-right or longest-match tokenizer over the same vocabulary gives other ids than
+        the ones the model saw.
+        Trap: a byte symbol missing from the vocabulary (SmolLM2 lacks the bytes that only begin
+        characters of unassigned planes, e.g. 0xF1) is dropped before merging, as the tokenizers
+        library does: such text does not survive a round trip.
         """
         raise NotImplementedError("Your engine: Chapter 36: BPETokenizer.encode_word")
 
@@ -320,10 +325,12 @@ class BPETokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Token ids -> text.  (Your engine: Chapter 36)
 
-        Join the ids' bytes (token_bytes) and decode them as UTF-8 in one go, invalid or
-        truncated sequences becoming U+FFFD ("replace"), never an exception: one token may hold
-        half a character. Special tokens are written as their names ("<|im_end|>") unless
-        skip_special_tokens, which drops them. An id outside 0..vocab_size-1 raises ValueError.
+        ids: ints in 0 .. vocab_size - 1. Returns the UTF-8 decoding of all the ids' bytes
+        (token_bytes) taken together, never token by token: one token may hold half a character.
+        Invalid or truncated sequences become U+FFFD, never an exception. Special tokens are
+        written as their names ("<|im_end|>") unless skip_special_tokens, which drops them.
+        Errors: ValueError naming the id and the vocabulary's range (0..vocab_size - 1) for an
+        id outside it.
         """
         raise NotImplementedError("Your engine: Chapter 36: BPETokenizer.decode")
 
@@ -399,12 +406,16 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token id; return the text that became complete and stable (often "").  (Your engine: Chapter 36)
 
-        Decode the window ids[prefix_offset:read_offset] (text already returned) and the window
-        ids[prefix_offset:] (the same plus the new tokens). When the second is longer and does
-        not end in U+FFFD (an unfinished character), return what it adds and move the offsets:
-        prefix_offset to the old read_offset, read_offset to len(ids). Otherwise return "" and
-        hold the tokens for the next push. Never returns text that a later token changes. An id
-        outside the vocabulary raises ValueError and leaves the state unchanged.
+        token_id: an int in the vocabulary. Returns a str, possibly empty. Invariants:
+          - text once returned never changes: no later token alters or removes it, so text that
+            ends in an unfinished character (which decodes to U+FFFD) is held back, not returned;
+          - everything push() and flush() returned, joined, equals
+            tokenizer.decode(self.ids, skip_special_tokens) (a real U+FFFD is only held one
+            token longer);
+          - self.ids holds every id pushed; the text of ids[:read_offset] has been returned, and
+            prefix_offset <= read_offset starts the window of context flush() decodes it with.
+            Both offsets only move forward, and only to a boundary between complete characters.
+        Errors: ValueError for an id outside the vocabulary, with the state unchanged.
         """
         raise NotImplementedError("Your engine: Chapter 36: IncrementalDetokenizer.push")
 
@@ -450,11 +461,15 @@ class StopStringMatcher:
     def push(self, text: str) -> StopCheck:
         """Add newly detokenized text; return what may be sent.  (Your engine: Chapter 36)
 
-        Look for a stop string in held + text. If one completes, return the text before it
-        with stopped=True (ties: the match that ends first, then the longest). Otherwise keep
-        back the longest suffix of held + text that is a proper prefix of some stop string (in
-        self.held) and return the rest. Afterwards no sent text ever becomes part of a stop
-        string. Pushing after a stop raises ValueError.
+        text: the stream's next piece (may be ""). Returns a StopCheck. When a stop string occurs
+        in the held text plus `text`, it completes: StopCheck(the text before it, stopped=True,
+        that stop string), with self.held "" and self.stopped True; when several occur, the one
+        that ENDS first wins, then the longest. Otherwise StopCheck(what may be sent), keeping
+        back in self.held the longest tail that is a proper prefix of some stop string (it may
+        still grow into one).
+        Invariants: no text sent is ever part of a stop string; the result does not depend on how
+        the stream was cut into pushes.
+        Errors: ValueError for a push after a stop.
         """
         raise NotImplementedError("Your engine: Chapter 36: StopStringMatcher.push")
 

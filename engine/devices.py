@@ -60,9 +60,10 @@ def pick_device(choice: str | torch.device | None = "auto") -> torch.device:
     with at least one device (device_count(kind) > 0), as torch.device(kind) without an
     index; anything else ("cuda", "cuda:1", "mps", "xpu:0", "cpu", or a torch.device) ->
     that device, unchanged.
-    Raises ValueError naming the choice when it is not a device string torch understands,
-    when its kind is not one of AUTO_ORDER, when no device of that kind is present, or
-    when its index is not below device_count(kind) (the message says how many there are).
+    Errors: ValueError, every message quoting the choice as repr() ('tpu'), when it is not
+    a device string torch understands, when its kind is not one of AUTO_ORDER, when no
+    device of that kind is present (the message says "no <kind> device"), or when its index
+    is not below device_count(kind) (the message says how many there are).
     Trap: "cuda" is also ROCm's name (PyTorch built for HIP answers torch.cuda), so never
     test for NVIDIA by name; ask device_count.
     """
@@ -228,9 +229,10 @@ def plan_layers(layer_bytes: Sequence[int], free_bytes: Sequence[int]) -> list[i
     range of layers. Of all such plans it returns one whose fullest stage, measured as
     (bytes of its layers) / free_bytes[s], is as empty as possible; among equally good
     plans, the one that gives stage 0 the most layers, then stage 1, and so on.
-    Raises ValueError (state untouched) when L or S is 0, when S > L (a stage with no
-    layer would only relay), when a size is negative or a budget is not positive, and
-    when even the best plan overfills a stage (naming that stage and the bytes missing).
+    Errors: ValueError, each message stating the rule broken: L or S is 0 ("needs layers
+    and stages"); S > L ("a stage with no layer", which would only relay); a negative size
+    or a budget that is not positive (sizes ">= 0", budgets "> 0"); even the best plan
+    overfills a stage ("do not fit", naming that stage and the bytes missing).
     Trap: compare fractions exactly (fractions.Fraction), not as floats: two plans with
     the same peak must tie.
     """

@@ -65,18 +65,20 @@ def receive_blocks(engine: EngineCore, count: int, src: int) -> list[list[torch.
 def adopt_blocks(engine: EngineCore, keys: Sequence[bytes], contents: list[list[torch.Tensor]]) -> int:
     """Put shipped blocks into this engine's pool as cached-free blocks.  (Your engine: Chapter 41)
 
-    keys[i] (bytes) is the prefix-cache key of shipped block i, keys[0] the sequence's first
-    block; contents[layer][j][i] is block i's data for the j-th distinct pool tensor of that
+    keys[i] (bytes): the prefix-cache key of shipped block i, keys[0] the sequence's first
+    block; contents[layer][j][i]: block i's data for the j-th distinct pool tensor of that
     layer (distinct_pools(engine.runner.kv_caches[layer]); a shipment that lists a latent
     pool twice is fine too), in the storage dtype raw_bytes gives.
-    engine.blocks.prepare_store(keys) does the bookkeeping: it publishes the leading keys
-    that fit as cached-free blocks and returns {i: block} for the ones that need data.
-    Afterwards block i's data is at row `block` of every layer's pool tensors, so a
-    request whose prompt starts with those tokens finds them with find_cached_prefix
-    and reads the shipped K/V. Returns how many blocks were filled (0 when every key was
-    cached here already). Bad keys raise prepare_store's ValueError, pool untouched.
-    Trap: the rows to fill are the returned blocks, not 0..n-1 and not the sender's ids,
-    and contents[...][i] belongs to keys[i] even when earlier keys needed no data.
+    Afterwards the leading run of keys that fits is cached here as cached-free blocks, placed
+    as engine.blocks.prepare_store(keys) places them, and every block of the run that was not
+    cached here before holds its shipped data in every layer's pool tensors, so a request
+    whose prompt starts with those tokens finds them with find_cached_prefix and reads the
+    shipped K/V. Returns how many blocks were filled (0 when every key was cached already).
+    Errors: prepare_store's ValueError, pool untouched: prefix caching off (the message says
+    "prefix caching"), a key that is not bytes, a key repeated.
+    Trap: a block's row in this pool is the block the block manager gave it, not i and not
+    the sender's block id; contents[...][i] belongs to keys[i] even when earlier keys needed
+    no data.
     """
     raise NotImplementedError("Your engine: Chapter 41: adopt_blocks")
 

@@ -268,7 +268,8 @@ def mrope_positions(prompt: list[int], image_token_id: int, grids: list[tuple[in
 
     prompt: token ids, where image k is a contiguous run of grids[k][0] * grids[k][1]
     image_token_id placeholders, images in prompt order, two runs always apart (real
-    prompts wrap each image in vision-start / vision-end tokens); the runs are checked.
+    prompts wrap each image in vision-start / vision-end tokens); the caller (image_inputs)
+    has checked the runs against the grids, so this function raises nothing.
     Returns (table [3, len(prompt)] int64, delta: int):
     - a text token at position p of the running counter gets (p, p, p); the counter moves by 1;
     - image k, starting when the counter is s, gives its token (row, col), in row-major
