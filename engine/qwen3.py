@@ -109,17 +109,19 @@ class Qwen3Attention(nn.Module):
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Attention sublayer on x [B, T, hidden] -> [B, T, hidden].  (Your engine: Chapter 9)
 
-        Equal (to float rounding) to transformers' Qwen3Attention with the same weights:
-        queries [B, H, T, D] and keys/values [B, Hkv, T, D] from the projections, attended
-        with Chapter 5's causal_attention and projected back by o_proj. Trap (part of the
-        contract): every query and key head vector is RMS-normalised (q_norm, k_norm) and
-        THEN rotated (cos, sin: [B or 1, 1, T, D]); the other order gives other numbers.
-        `slots` [T] (or [B, T]) are the places of these T tokens in the sequence's cache
-        (0..T-1 without a cache): they, not the RoPE positions, decide who sees whom.
-        Interface (Chapter 16): with a cache, `cache.update(self.layer_idx, k, v)` stores
-        these tokens' rotated keys and values and returns every key and value so far
-        ([B, Hkv, S, D]), which the queries attend over. `allowed` (padding masks, Chapter
-        21) passes straight to causal_attention.
+        x: [B, T, hidden]; cos, sin: [B or 1, 1, T, D], the rotary tables of these tokens' RoPE
+        positions; slots: int64 [T] (or [B, T]), the places of these T tokens in the sequence's
+        cache (0..T-1 without a cache); cache: optional (Chapter 16); allowed: an optional bool
+        mask with causal_attention's meaning (padding masks, Chapter 21).
+        Returns [B, T, hidden] in x's dtype, equal (to float rounding) to transformers'
+        Qwen3Attention with the same weights: H query heads over Hkv key/value heads of size D
+        (grouped-query), a query seeing exactly the keys whose slot is not after its own.
+        Traps (part of the contract): every query and key head vector is RMS-normalised
+        (q_norm, k_norm) and THEN rotated; the other order gives other numbers. The slots, not
+        the RoPE positions, decide who sees whom (the milestone feeds positions with gaps).
+        Interface (Chapter 16): with a cache, `cache.update(self.layer_idx, k, v)` stores these
+        tokens' rotated keys and values ([B, Hkv, T, D]) and returns every key and value so far
+        ([B, Hkv, S, D], at slots 0 .. S - 1), which the queries attend over.
         """
         raise NotImplementedError("Your engine: Chapter 9: Qwen3Attention.forward")
 
