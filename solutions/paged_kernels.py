@@ -105,10 +105,11 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table
     (t = its number of rows this step), and with window > 0 only keys > pos_i - window.
     K and V come from KV head head // (num_heads // num_kv_heads); the key at position p
     sits in pool block block_table[request, p // BLOCK_SIZE], row p % BLOCK_SIZE.
-    Contract details: read the pool in place, one block per loop iteration, with Chapter 29's
-    online softmax (running max, running sum, rescaled accumulator, in float32); visit only
-    the blocks the tile can see; a row that has seen no visible key yet must not produce NaN;
-    store in out's element type.
+    Cost contract: the pool is read in place (no gathered copy of the context), and only the
+    blocks holding a key some row of the tile can see; scores never exist beyond one
+    [BLOCK_M, BLOCK_SIZE] tile (an online softmax, Chapter 29, with float32 statistics).
+    Trap: a row that has seen no visible key yet must not produce NaN. out is stored in its
+    own element type.
     Quantized pools (QUANTIZED true): the pools hold int8 or fp8 codes and k_scale_ptr,
     v_scale_ptr point at float32 scales [num_blocks + 1, BLOCK_SIZE, Hkv]; the key (value)
     of a slot and KV head is its codes times that slot's and head's scale. Otherwise the
