@@ -149,16 +149,13 @@ def merge_word(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
 def train_bpe(text: str, vocab_size: int, pre: str = "gpt2") -> list[tuple[str, str]]:
     """Learn byte-level BPE merges from `text`.  (Your engine: Chapter 36)
 
-    text: the training corpus; vocab_size: the size of the vocabulary wanted, the 256 byte
-    symbols (bytes_to_unicode) included; pre: the pre-tokenizer's name. Merges never cross the
-    pieces pretokenize(text, pre) cuts the text into, each spelled in the byte alphabet.
-    Returns the merges in the order learned (rank 0 first), as (left, right) pairs of symbols:
-    merge r is the most frequent adjacent pair of the corpus once merges 0 .. r-1 have been
-    applied, ties going to the smallest pair in Python's tuple order (training is
-    deterministic). At most vocab_size - 256 merges (each adds one token); fewer when no
-    adjacent pair is left.
-    Errors: ValueError naming 256 when vocab_size < 256; pretokenize's ValueError for an
-    unknown `pre`.
+    vocab_size: the vocabulary wanted, the 256 byte symbols (bytes_to_unicode) included;
+    pre: the pre-tokenizer. Merges never cross the pieces pretokenize(text, pre) cuts the
+    text into, each spelled in the byte alphabet. Returns the merges in the order learned
+    (rank 0 first), as (left, right) pairs of symbols: merge r is the most frequent adjacent
+    pair once merges 0 .. r-1 are applied, ties going to the smallest pair in Python's order
+    (training is deterministic); at most vocab_size - 256 merges, fewer when no pair is left.
+    Errors: ValueError naming 256 when vocab_size < 256; pretokenize's for an unknown `pre`.
     """
     raise NotImplementedError("Your engine: Chapter 36: train_bpe")
 
@@ -271,17 +268,15 @@ class BPETokenizer:
     def encode_word(self, word: str) -> list[int]:
         """One pre-tokenized piece, spelled in the byte alphabet -> its token ids.  (Your engine: Chapter 36)
 
-        word: e.g. "Ġlower" (" lower"), one byte symbol per character. Returns a list of ints,
-        the ids (self.token_to_id) of the symbols left by replaying the learned merges in the
-        order they were learned (self.merge_ranks, rank 0 first), each merge applied to every
-        occurrence at once: the same symbols training would have made of this word. An empty
-        word gives []. Results are cached per word by encode.
-        Trap: the rank decides, not the position in the word nor the length of a match: a
-        left-to-right or longest-match tokenizer over the same vocabulary gives other ids than
-        the ones the model saw.
-        Trap: a byte symbol missing from the vocabulary (SmolLM2 lacks the bytes that only begin
-        characters of unassigned planes, e.g. 0xF1) is dropped before merging, as the tokenizers
-        library does: such text does not survive a round trip.
+        word: e.g. "Ġlower" (" lower"), one byte symbol per character. Returns the ids
+        (self.token_to_id) of the symbols the learned merges make of the word when replayed in
+        rank order (self.merge_ranks, rank 0 first, each on every occurrence): what training made
+        of it. An empty word gives []. Results are cached per word by encode.
+        Traps: the rank decides, not the position nor the length of a match (left-to-right or
+        longest-match gives ids the model never saw); a byte symbol missing from the vocabulary
+        (SmolLM2 lacks the bytes that only begin characters of unassigned planes, e.g. 0xF1) is
+        dropped before merging, as the tokenizers library does, so such text does not survive a
+        round trip.
         """
         raise NotImplementedError("Your engine: Chapter 36: BPETokenizer.encode_word")
 
@@ -406,16 +401,15 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token id; return the text that became complete and stable (often "").  (Your engine: Chapter 36)
 
-        token_id: an int in the vocabulary. Returns a str, possibly empty. Invariants:
-          - text once returned never changes: no later token alters or removes it, so text that
-            ends in an unfinished character (which decodes to U+FFFD) is held back, not returned;
-          - everything push() and flush() returned, joined, equals
-            tokenizer.decode(self.ids, skip_special_tokens) (a real U+FFFD is only held one
-            token longer);
+        token_id: an int in the vocabulary. Invariants:
+          - text once returned never changes, so text that ends in an unfinished character
+            (which decodes to U+FFFD) is held back;
+          - everything push() and flush() return, joined, equals
+            tokenizer.decode(self.ids, skip_special_tokens);
           - self.ids holds every id pushed; the text of ids[:read_offset] has been returned, and
-            prefix_offset <= read_offset starts the window of context flush() decodes it with.
-            Both offsets only move forward, and only to a boundary between complete characters.
-        Errors: ValueError for an id outside the vocabulary, with the state unchanged.
+            prefix_offset <= read_offset starts the context window flush() decodes it with; both
+            only move forward, to boundaries between complete characters.
+        Errors: ValueError for an id outside the vocabulary, the state unchanged.
         """
         raise NotImplementedError("Your engine: Chapter 36: IncrementalDetokenizer.push")
 
@@ -461,15 +455,13 @@ class StopStringMatcher:
     def push(self, text: str) -> StopCheck:
         """Add newly detokenized text; return what may be sent.  (Your engine: Chapter 36)
 
-        text: the stream's next piece (may be ""). Returns a StopCheck. When a stop string occurs
-        in the held text plus `text`, it completes: StopCheck(the text before it, stopped=True,
-        that stop string), with self.held "" and self.stopped True; when several occur, the one
-        that ENDS first wins, then the longest. Otherwise StopCheck(what may be sent), keeping
-        back in self.held the longest tail that is a proper prefix of some stop string (it may
-        still grow into one).
-        Invariants: no text sent is ever part of a stop string; the result does not depend on how
-        the stream was cut into pushes.
-        Errors: ValueError for a push after a stop.
+        text: the stream's next piece (may be ""). When a stop string occurs in the held text
+        plus `text`, returns StopCheck(the text before it, True, that stop string) and the stream
+        is over (self.held "", self.stopped True); if several occur, the one that ENDS first
+        wins, then the longest. Otherwise returns StopCheck(what may be sent), keeping in
+        self.held the longest tail that is a proper prefix of some stop string.
+        Invariants: no text sent is ever part of a stop string; the result does not depend on
+        how the stream was cut into pushes. Errors: ValueError for a push after a stop.
         """
         raise NotImplementedError("Your engine: Chapter 36: StopStringMatcher.push")
 

@@ -109,19 +109,18 @@ class Qwen3Attention(nn.Module):
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Attention sublayer on x [B, T, hidden] -> [B, T, hidden].  (Your engine: Chapter 9)
 
-        x: [B, T, hidden]; cos, sin: [B or 1, 1, T, D], the rotary tables of these tokens' RoPE
-        positions; slots: int64 [T] (or [B, T]), the places of these T tokens in the sequence's
-        cache (0..T-1 without a cache); cache: optional (Chapter 16); allowed: an optional bool
-        mask with causal_attention's meaning (padding masks, Chapter 21).
-        Returns [B, T, hidden] in x's dtype, equal (to float rounding) to transformers'
-        Qwen3Attention with the same weights: H query heads over Hkv key/value heads of size D
-        (grouped-query), a query seeing exactly the keys whose slot is not after its own.
+        cos, sin: [B or 1, 1, T, D], the rotary tables of these tokens' RoPE positions; slots:
+        int64 [T] (or [B, T]), these tokens' places in the sequence's cache (0..T-1 without a
+        cache); allowed: an optional bool mask, as for causal_attention (padding, Chapter 21).
+        Equal (to float rounding) to transformers' Qwen3Attention with the same weights, in x's
+        dtype: H query heads over Hkv key/value heads (grouped-query), each query seeing the
+        keys whose slot is not after its own.
         Traps (part of the contract): every query and key head vector is RMS-normalised
         (q_norm, k_norm) and THEN rotated; the other order gives other numbers. The slots, not
         the RoPE positions, decide who sees whom (the milestone feeds positions with gaps).
         Interface (Chapter 16): with a cache, `cache.update(self.layer_idx, k, v)` stores these
         tokens' rotated keys and values ([B, Hkv, T, D]) and returns every key and value so far
-        ([B, Hkv, S, D], at slots 0 .. S - 1), which the queries attend over.
+        ([B, Hkv, S, D], slots 0 .. S - 1), which the queries attend over.
         """
         raise NotImplementedError("Your engine: Chapter 9: Qwen3Attention.forward")
 

@@ -57,14 +57,13 @@ def generate_recompute(model: nn.Module, prompt_ids: list[int], max_new_tokens: 
                        stop_token_ids: Sequence[int] = (), **options: Any) -> list[int]:
     """Generate by running the whole sequence through the model at every step.  (Your engine: Chapter 8)
 
-    prompt_ids: a list of ints; options: sample's keyword arguments. Returns the new tokens
-    only, a list of ints: new token i is what sample(..., **options) draws from the model's
-    logits at the LAST position of the prompt followed by new tokens 0 .. i-1.
-    Cost contract (the milestone records it): every model call is fed the whole sequence so
-    far as one [1, T] batch, with no cache. Stops after max_new_tokens, after emitting
-    eos_token_id or any of stop_token_ids (the stop token is part of the output), or when
-    the sequence reaches the model's context_limit. Quadratic work, but obviously correct:
-    Chapter 16's cache must match it.
+    prompt_ids: a list of ints; options: as for sample. Returns the new tokens only: new
+    token i is what sample(..., **options) draws from the model's logits at the LAST position
+    of the prompt plus new tokens 0 .. i-1, every call fed that whole sequence as one [1, T]
+    batch (no cache; the milestone records the calls). Stops after max_new_tokens, after
+    emitting eos_token_id or any of stop_token_ids (the stop token is part of the output), or
+    when the sequence reaches the model's context_limit. Quadratic work, but obviously
+    correct: Chapter 16's cache must match it.
     """
     raise NotImplementedError("Your engine: Chapter 8: generate_recompute")
 

@@ -69,16 +69,15 @@ def adopt_blocks(engine: EngineCore, keys: Sequence[bytes], contents: list[list[
     block; contents[layer][j][i]: block i's data for the j-th distinct pool tensor of that
     layer (distinct_pools(engine.runner.kv_caches[layer]); a shipment that lists a latent
     pool twice is fine too), in the storage dtype raw_bytes gives.
-    Afterwards the leading run of keys that fits is cached here as cached-free blocks, placed
-    as engine.blocks.prepare_store(keys) places them, and every block of the run that was not
-    cached here before holds its shipped data in every layer's pool tensors, so a request
-    whose prompt starts with those tokens finds them with find_cached_prefix and reads the
-    shipped K/V. Returns how many blocks were filled (0 when every key was cached already).
-    Errors: prepare_store's ValueError, pool untouched: prefix caching off (the message says
-    "prefix caching"), a key that is not bytes, a key repeated.
-    Trap: a block's row in this pool is the block the block manager gave it, not i and not
-    the sender's block id; contents[...][i] belongs to keys[i] even when earlier keys needed
-    no data.
+    Afterwards the leading run of keys that fits is cached here, placed as
+    engine.blocks.prepare_store(keys) places it, and each of its blocks that was not cached
+    here before holds its shipped data in every layer's pool tensors: a request whose prompt
+    starts with those tokens finds them (find_cached_prefix) and reads the shipped K/V.
+    Returns how many blocks were filled (0 when every key was cached already).
+    Errors: prepare_store's ValueError, pool untouched (prefix caching off: the message says
+    "prefix caching"; a key not bytes; a key repeated).
+    Trap: a block's pool row is the block the block manager gave it, not i nor the sender's
+    block id; contents[...][i] belongs to keys[i] even when earlier keys needed no data.
     """
     raise NotImplementedError("Your engine: Chapter 41: adopt_blocks")
 
