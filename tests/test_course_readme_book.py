@@ -74,13 +74,23 @@ def test_book_notebooks_lose_widget_state_but_keep_other_outputs(tmp_path):
                                           {"output_type": "stream", "text": "kept"}]},
         {"cell_type": "code", "outputs": [{"output_type": "display_data",
                                            "data": {"application/vnd.jupyter.widget-view+json": {}}}]}]}))
-    book.without_widgets(notebook)
+    book.prepare_notebook(notebook)
     data = json.loads(notebook.read_text())
     assert "widgets" not in data["metadata"] and "kernelspec" in data["metadata"]
     first, second = (cell["outputs"] for cell in data["cells"])
     assert first == [{"output_type": "display_data", "data": {"text/plain": "VBox()"}},
                      {"output_type": "stream", "text": "kept"}]
     assert second == [], "an output that was only a widget view disappears"
+
+
+def test_book_notebooks_show_one_printout_as_one_box():
+    out = {"output_type": "stream", "name": "stdout"}
+    err = {"output_type": "stream", "name": "stderr"}
+    figure = {"output_type": "display_data", "data": {"image/png": "x"}}
+    outputs = [{**out, "text": ["True"]}, {**out, "text": " True\n"}, {**err, "text": "warn\n"},
+               {**out, "text": "a\n"}, figure, {**out, "text": "b\n"}, {**out, "text": ["c\n", "d\n"]}]
+    assert book.merged_streams(outputs) == [{**out, "text": "True True\n"}, {**err, "text": "warn\n"},
+                                            {**out, "text": "a\n"}, figure, {**out, "text": "b\nc\nd\n"}]
 
 
 def test_offline_check_names_every_page_that_needs_the_network(tmp_path):
