@@ -141,3 +141,75 @@ def test_the_serving_chapters_link_to_the_glossary():
     for dirname in ("24-continuous-batching", "25-paged-kv-cache", "31-engine-v2"):
         text = (ROOT / "chapters" / dirname / f"{dirname}.md").read_text()
         assert "](../glossary.md)" in text, f"{dirname} does not link to the glossary"
+
+
+def test_every_figure_gets_alt_text_and_a_caption_that_say_what_it_shows(tmp_path):
+    import base64
+    import hashlib
+
+    from course import book_figures
+    png = base64.b64encode(b"\x89PNG fake bytes").decode()
+    svg = ["<svg>\n", "</svg>\n"]
+    notebook = {"cells": [
+        {"cell_type": "markdown", "source": "## A heading\n\nThe pool, block by block:"},
+        {"cell_type": "code", "metadata": {}, "source": "diagrams.show(diagrams.block_states())",
+         "outputs": [{"output_type": "display_data", "data": {"image/svg+xml": svg}}]},
+        {"cell_type": "code", "metadata": {},
+         "source": 'ax.set_title("Decode step time vs batch")\nax.set_xlabel("batch")',
+         "outputs": [{"output_type": "display_data", "data": {"image/png": png}}]},
+        {"cell_type": "code", "metadata": {"mystnb": {"figure": {"caption": "Written by the chapter"}}},
+         "source": "plt.show()",
+         "outputs": [{"output_type": "display_data", "data": {"image/png": base64.b64encode(b"another").decode()}}]},
+    ]}
+    texts = book_figures.figure_texts(notebook, 7)
+    png_name = hashlib.sha256(b"\x89PNG fake bytes").hexdigest() + ".png"
+    svg_name = hashlib.sha256(os_lines(svg)).hexdigest() + ".svg"
+    assert texts[svg_name][1].startswith("Figure 7.1: The three states of a pool block"), texts
+    assert texts[png_name] == ("Plot: Decode step time vs batch (horizontal axis: batch)",
+                               "Figure 7.2: Decode step time vs batch")
+    assert [caption for _, caption in texts.values()][2] == "Figure 7.3: Written by the chapter"
+
+    page = f'<p>x</p><img alt="../../_images/{png_name}" src="../../_images/{png_name}" />'
+    described = book_figures.describe_figures(page, texts)
+    assert described == (f'<p>x</p><figure class="course-figure"><img alt="Plot: Decode step time vs batch '
+                         f'(horizontal axis: batch)" src="../../_images/{png_name}" />'
+                         "<figcaption>Figure 7.2: Decode step time vs batch</figcaption></figure>")
+
+
+def os_lines(lines):
+    import os
+    return os.linesep.join("".join(lines).splitlines()).encode()
+
+
+def test_finished_pages_lose_the_thebe_scripts_and_let_table_names_break(tmp_path):
+    page = tmp_path / "p.html"
+    page.write_text('<head>\n    <script>const THEBE_JS_URL = "https://unpkg.com/thebe"; const a = 1</script>\n'
+                    '    <script async="async" src="../_static/sphinx-thebe.js?v=1"></script>\n</head>'
+                    '<table><td><code><span class="pre">BlockManager.find_cached_prefix</span></code></td></table>'
+                    '<p><code><span class="pre">a.b</span></code></p>')
+    book.finish_pages(tmp_path, {})
+    assert page.read_text() == ('<head>\n</head><table><td><code><span class="pre">BlockManager.<wbr>find_<wbr>'
+                                'cached_<wbr>prefix</span></code></td></table><p><code><span class="pre">a.b</span>'
+                                '</code></p>')
+
+
+def test_the_layout_check_sees_what_a_reader_would_trip_over(tmp_path):
+    import pytest
+    if book.browser_driver(400, 300) is None:
+        pytest.skip("the layout check needs headless Chromium: apt-get install chromium chromium-driver")
+    page = tmp_path / "chapters" / "p.html"
+    page.parent.mkdir()
+    for name in ("a.svg", "b.svg"):
+        (page.parent / name).write_text('<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>')
+    page.write_text('<html><body><article class="bd-article" style="width:600px;padding:0 20px">'
+                    '<table style="width:900px"><tr><td>wide table</td></tr></table>'
+                    '<pre style="overflow:auto">' + "x" * 400 + '</pre>'
+                    '<img src="a.svg" alt="a.svg"><img src="b.svg" alt="the pool after step 3">'
+                    '<table><tr><td>narrow</td></tr></table><pre>short</pre>'
+                    '<script>const A = 1;</script><script>const A = 2;</script></article></body></html>')
+    problems = book.layout_problems(tmp_path)
+    assert len(problems) == 4, problems
+    assert "chapters/p.html: a table 900 px wide in the 600 px column ('wide table')" in problems
+    assert any("a code block or printout scrolls sideways" in p for p in problems), problems
+    assert "chapters/p.html: a figure without alt text (a.svg)" in problems
+    assert any("console error" in p and "already been declared" in p for p in problems), problems
