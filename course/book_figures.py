@@ -72,11 +72,12 @@ def one_line(text: str) -> str:
 
 
 def first_sentence(text: str) -> str:
-    """Up to the first full stop followed by a space or the end (not one inside a name or
-    a number such as serve.engine or 0.5), with the stop."""
+    """Up to the first full stop that ends a word and is followed by a space or the end (not
+    one inside serve.engine, 0.5 or "q . k"), with the stop; a closing colon becomes one."""
     text = one_line(text)
-    match = re.search(r"\.(\s|$)", text)
-    return text[:match.start() + 1] if match else text
+    match = re.search(r"(?<=\S)\.(\s|$)", text)
+    sentence = text[:match.start() + 1] if match else text
+    return sentence[:-1] + "." if sentence.endswith(":") else sentence
 
 
 def spoken(node: ast.expr) -> str | None:
@@ -150,8 +151,8 @@ def figure_texts(notebook: dict, chapter_number: int, root: Path = ROOT) -> dict
     for cell in notebook.get("cells", []):
         if cell.get("cell_type") == "markdown":
             source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
-            paragraphs = [p for p in source.split("\n\n")
-                          if p.strip() and not p.lstrip().startswith(("#", "```", ":::"))]
+            paragraphs = [p for p in source.split("\n\n")     # prose, not headings, code or lists
+                          if p.strip() and not p.lstrip().startswith(("#", "```", ":::", "- ", "* ", "1. "))]
             text_above = paragraphs[-1] if paragraphs else text_above
             continue
         images = [(mime, content) for output in cell.get("outputs", [])
