@@ -4,8 +4,9 @@ A chapter's figures are the image outputs of its notebook. Jupyter Book names ea
 file by the SHA-256 of its bytes and, with nothing better, uses that path as the image's
 alt text. `figure_texts` finds, for every image output, words that say what it shows:
 
-1. the cell's own `mystnb.image.alt` and `mystnb.figure.caption` metadata, where a chapter
-   gives them (myst-nb's keys; the text of the notebook wins over anything guessed);
+1. the cell's own `figure` metadata (`caption`, `alt`), where a chapter gives it: in the
+   MyST file, `figure: {caption: ..., alt: ...}` in the code cell's option block (the
+   course's key: myst-nb's own `mystnb.figure` would caption the picture a second time);
 2. else the docstring of the drawing function the cell calls (course/diagrams*.py, a
    chapter's chNN_views.py): its first sentence is the caption, its first paragraph the
    alt text;
@@ -117,9 +118,8 @@ def plot_words(source: str) -> tuple[list[str], list[str], list[str]]:
 
 def described(cell: dict, text_above: str, root: Path = ROOT) -> tuple[str, str]:
     """(alt text, caption) for the figure(s) of one code cell."""
-    options = cell.get("metadata", {}).get("mystnb", {})
-    alt = options.get("image", {}).get("alt")
-    caption = options.get("figure", {}).get("caption")
+    written = cell.get("metadata", {}).get("figure", {})
+    alt, caption = written.get("alt"), written.get("caption")
     if alt or caption:
         return one_line(alt or caption), one_line(caption or alt)
     source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])

@@ -157,7 +157,7 @@ def test_every_figure_gets_alt_text_and_a_caption_that_say_what_it_shows(tmp_pat
         {"cell_type": "code", "metadata": {},
          "source": 'ax.set_title("Decode step time vs batch")\nax.set_xlabel("batch")',
          "outputs": [{"output_type": "display_data", "data": {"image/png": png}}]},
-        {"cell_type": "code", "metadata": {"mystnb": {"figure": {"caption": "Written by the chapter"}}},
+        {"cell_type": "code", "metadata": {"figure": {"caption": "Written by the chapter"}},
          "source": "plt.show()",
          "outputs": [{"output_type": "display_data", "data": {"image/png": base64.b64encode(b"another").decode()}}]},
     ]}
