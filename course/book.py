@@ -409,15 +409,40 @@ def breakable(code: re.Match) -> str:
     return code.group(1) + name + code.group(3)
 
 
+CODE_BLOCK = re.compile(r'(<div class="highlight"><pre>)(.*?)(</pre>)', re.DOTALL)
+# A wrapped code line continues this much further in than the line itself starts.
+HANGING_INDENT_CH = 4
+
+
+def hanging_lines(block: re.Match) -> str:
+    """A highlighted code block with each line in its own span, so that a line too long for
+    the column wraps with a hanging indent (course.css: span.code-line) instead of starting
+    again at the left edge, where it would read as a new line of Python. A block whose
+    highlighting spans a line break (a string over several lines) is left as it is."""
+    lines = block.group(2).split("\n")
+    if any(line.count("<span") != line.count("</span>") for line in lines):
+        return block.group(0)
+    wrapped = []
+    for number, line in enumerate(lines):
+        if number == len(lines) - 1 and not line:
+            break                                # the newline that ends the block
+        text = re.sub(r"<[^>]*>", "", line)
+        indent = len(text) - len(text.lstrip(" ")) + HANGING_INDENT_CH
+        wrapped.append(f'<span class="code-line" style="padding-left:{indent}ch;text-indent:-{indent}ch">'
+                       f"{line}\n</span>")
+    return block.group(1) + "".join(wrapped) + block.group(3)
+
+
 def finish_pages(html: Path, figure_texts: dict[str, tuple[str, str]]) -> None:
     """What Sphinx cannot be told, done to the built pages in place: every figure gets its
     alt text and caption (book_figures), code names in tables may break after a dot or an
-    underscore (so a table of names fits the column), and sphinx-thebe's unused scripts
-    are removed."""
+    underscore (so a table of names fits the column), a wrapped code line keeps a hanging
+    indent, and sphinx-thebe's unused scripts are removed."""
     for page in html.rglob("*.html"):
         text = page.read_text(encoding="utf-8")
         finished = book_figures.describe_figures(THEBE_SCRIPTS.sub("", text), figure_texts)
         finished = TABLE.sub(lambda table: CODE_IN_TABLE.sub(breakable, table.group(0)), finished)
+        finished = CODE_BLOCK.sub(hanging_lines, finished)
         if finished != text:
             page.write_text(finished, encoding="utf-8")
 

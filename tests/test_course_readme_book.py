@@ -213,3 +213,15 @@ def test_the_layout_check_sees_what_a_reader_would_trip_over(tmp_path):
     assert any("a code block or printout scrolls sideways" in p for p in problems), problems
     assert "chapters/p.html: a figure without alt text (a.svg)" in problems
     assert any("console error" in p and "already been declared" in p for p in problems), problems
+
+
+def test_a_wrapped_code_line_keeps_a_hanging_indent():
+    block = ('<div class="highlight"><pre><span class="k">def</span> f():\n'
+             '    <span class="k">return</span> 1\n</pre>')
+    assert book.CODE_BLOCK.sub(book.hanging_lines, block) == (
+        '<div class="highlight"><pre>'
+        '<span class="code-line" style="padding-left:4ch;text-indent:-4ch"><span class="k">def</span> f():\n</span>'
+        '<span class="code-line" style="padding-left:8ch;text-indent:-8ch">    <span class="k">return</span> 1\n</span>'
+        '</pre>')
+    across = '<div class="highlight"><pre><span class="s">"""two\nlines"""</span>\n</pre>'
+    assert book.CODE_BLOCK.sub(book.hanging_lines, across) == across, "a span across lines stays whole"
