@@ -479,10 +479,12 @@ IGNORED_CONSOLE = ("Got invalid theme mode", "blocked by CORS policy", "about:bl
 
 
 def browser_driver(width: int, height: int):
-    """A headless Chromium driven by selenium, or None when either is missing."""
+    """A headless Chromium driven by selenium, or None when either is missing or the browser
+    does not start."""
     chromedriver = shutil.which("chromedriver")
     try:
         from selenium import webdriver
+        from selenium.common.exceptions import WebDriverException
         from selenium.webdriver.chrome.service import Service
     except ImportError:
         return None
@@ -493,7 +495,10 @@ def browser_driver(width: int, height: int):
                  "--disable-background-networking", f"--window-size={width},{height}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=Service(chromedriver), options=options)
+    try:
+        return webdriver.Chrome(service=Service(chromedriver), options=options)
+    except WebDriverException:
+        return None
 
 
 def layout_problems(html: Path) -> list[str] | None:
