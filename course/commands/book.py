@@ -45,8 +45,8 @@ def run(args):
         started = time.monotonic()
         on_page = book.layout_problems(html)
         if on_page is None:
-            print("layout check skipped: it needs headless Chromium (selenium and chromedriver; "
-                  "apt-get install chromium chromium-driver)")
+            print("layout check skipped: no headless Chromium could be started (it needs selenium and "
+                  "chromedriver: apt-get install chromium chromium-driver)")
         elif on_page:
             raise CommandError(f"{len(on_page)} problem(s) on the page:\n  " + "\n  ".join(on_page[:60]))
         else:
