@@ -147,7 +147,7 @@ def described(cell: dict, text_above: str, root: Path = ROOT) -> tuple[str, str]
 def figure_texts(notebook: dict, chapter_number: int, root: Path = ROOT) -> dict[str, tuple[str, str]]:
     """{image file name: (alt text, caption "Figure N.k: ...")} for one chapter's notebook."""
     texts: dict[str, tuple[str, str]] = {}
-    text_above = ""
+    text_above, number = "", 0
     for cell in notebook.get("cells", []):
         if cell.get("cell_type") == "markdown":
             source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
@@ -155,14 +155,17 @@ def figure_texts(notebook: dict, chapter_number: int, root: Path = ROOT) -> dict
                           if p.strip() and not p.lstrip().startswith(("#", "```", ":::", "- ", "* ", "1. "))]
             text_above = paragraphs[-1] if paragraphs else text_above
             continue
-        images = [(mime, content) for output in cell.get("outputs", [])
-                  for mime, content in output.get("data", {}).items() if mime.startswith("image/")]
-        if not images:
+        # One output is one figure, whatever number of formats it comes in (SVG and PNG).
+        figures = [[(mime, content) for mime, content in output.get("data", {}).items() if mime.startswith("image/")]
+                   for output in cell.get("outputs", [])]
+        figures = [formats for formats in figures if formats]
+        if not figures:
             continue
         alt, caption = described(cell, text_above, root)
-        for mime, content in images:
-            number = len(texts) + 1
-            texts[image_file_name(mime, content)] = (alt, f"Figure {chapter_number}.{number}: {caption}")
+        for formats in figures:
+            number += 1
+            for mime, content in formats:
+                texts[image_file_name(mime, content)] = (alt, f"Figure {chapter_number}.{number}: {caption}")
     return texts
 
 

@@ -168,6 +168,12 @@ def test_every_figure_gets_alt_text_and_a_caption_that_say_what_it_shows(tmp_pat
     assert texts[png_name] == ("Plot: Decode step time vs batch (horizontal axis: batch)",
                                "Figure 7.2: Decode step time vs batch")
     assert [caption for _, caption in texts.values()][2] == "Figure 7.3: Written by the chapter"
+    both = {"image/svg+xml": ["<svg/>"], "image/png": base64.b64encode(b"same figure").decode()}
+    notebook["cells"].append({"cell_type": "code", "metadata": {}, "source": "diagrams.show(diagrams.gqa())",
+                              "outputs": [{"output_type": "display_data", "data": both}]})
+    captions = [caption for _, caption in book_figures.figure_texts(notebook, 7).values()]
+    assert len(captions) == 5 and captions[3] == captions[4] and captions[4].startswith("Figure 7.4: Which"), \
+        "one output in two formats is one figure"
 
     page = f'<p>x</p><img alt="../../_images/{png_name}" src="../../_images/{png_name}" />'
     described = book_figures.describe_figures(page, texts)
