@@ -17,15 +17,26 @@ another host (`python run.py book --check`, run in CI).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from . import book_figures
 from . import manifest as manifest_module
 from .manifest import ROOT, Chapter, Manifest
 
 DEFAULT_OUT = ROOT / "build" / "book"
+# The book's own CSS (and any other static file), copied to the source's _static folder.
+STATIC_DIR = Path(__file__).resolve().parent / "book_static"
+# Written beside the book source: {image file name: (alt text, caption)} of every figure.
+FIGURE_TEXTS = "_figure_texts.json"
+# sphinx-thebe's configuration, inlined in every page by Jupyter Book (twice: the second
+# `const` is a SyntaxError in the console), and its loader. The book has no live kernel
+# (launch_buttons.thebe is false), so both go.
+THEBE_SCRIPTS = re.compile(r'[ \t]*<script>const THEBE_JS_URL = [^<]*</script>\n?'
+                           r'|[ \t]*<script async="async" src="[^"]*sphinx-thebe\.js[^"]*"></script>\n?')
 # The bundled MathJax (jupyter-server-mathjax, requirements-book.txt: MathJax 2 with the
 # STIX web fonts only, hence the font settings). It goes to EXTRA_DIR/MATHJAX_DIR in the
 # source, which Sphinx copies to MATHJAX_DIR at the site's root (html_extra_path): under
@@ -263,9 +274,11 @@ def build_source(target: Path, manifest: Manifest | None = None, root: Path = RO
     (target / "_config.yml").write_text(config_yml(manifest), encoding="utf-8")
     (target / "_toc.yml").write_text(toc_yml(manifest, pages), encoding="utf-8")
     (target / "intro.md").write_text(intro_page(manifest, pages), encoding="utf-8")
+    shutil.copytree(STATIC_DIR, target / "_static")
     for path, _ in pages:
         (target / f"{path}.md").parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(root / f"{path}.md", target / f"{path}.md")
+    figure_texts: dict[str, tuple[str, str]] = {}
     for chapter in manifest.chapters:
         if chapter.written:
             source = root / "chapters" / chapter.dirname
@@ -273,11 +286,14 @@ def build_source(target: Path, manifest: Manifest | None = None, root: Path = RO
                             ignore=shutil.ignore_patterns(f"{chapter.dirname}.md", ".ipynb_checkpoints",
                                                           "__pycache__"))
             for notebook in (target / "chapters" / chapter.dirname).glob("*.ipynb"):
-                without_widgets(notebook)
+                prepare_notebook(notebook)
+                figure_texts |= book_figures.figure_texts(json.loads(notebook.read_text(encoding="utf-8")),
+                                                          chapter.number, root)
         else:
             page = target / f"{page_path(chapter)}.md"
             page.parent.mkdir(parents=True, exist_ok=True)
             page.write_text(planned_page(chapter), encoding="utf-8")
+    (target / FIGURE_TEXTS).write_text(json.dumps(figure_texts, indent=1, ensure_ascii=False), encoding="utf-8")
     return target
 
 
@@ -292,19 +308,39 @@ def copy_mathjax(destination: Path) -> None:
     shutil.copytree(Path(list(spec.submodule_search_locations)[0]) / "static", destination)
 
 
-def without_widgets(notebook: Path) -> None:
-    """Drop a notebook's saved widget state and widget views, in place: in a page without a
-    kernel they would only make Sphinx load a widget manager from a CDN and show nothing.
-    Cells that use a widget carry the remove-cell tag and a static version beside them."""
+def prepare_notebook(notebook: Path) -> None:
+    """Make a copied notebook ready for its page, in place.
+
+    Widget state and widget views are dropped: in a page without a kernel they would only
+    make Sphinx load a widget manager from a CDN and show nothing (cells that use a widget
+    carry the remove-cell tag and a static version beside them). Consecutive stream outputs
+    of one stream are merged: a kernel flushes stdout when it likes, and each piece would
+    be a box of its own on the page, one printout shown as two."""
     data = json.loads(notebook.read_text(encoding="utf-8"))
     data.get("metadata", {}).pop("widgets", None)
     for cell in data.get("cells", []):
         outputs = cell.get("outputs", [])
         for output in outputs:
             output.get("data", {}).pop(WIDGET_MIME, None)
-        cell["outputs"] = [o for o in outputs if o.get("output_type") not in ("display_data", "execute_result")
-                           or o.get("data")]
+        outputs = [o for o in outputs if o.get("output_type") not in ("display_data", "execute_result")
+                   or o.get("data")]
+        cell["outputs"] = merged_streams(outputs)
     notebook.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+def merged_streams(outputs: list[dict]) -> list[dict]:
+    """`outputs` with every run of consecutive stream outputs of the same stream (stdout,
+    stderr) joined into one."""
+    merged: list[dict] = []
+    for output in outputs:
+        previous = merged[-1] if merged else None
+        if (previous is not None and output.get("output_type") == previous.get("output_type") == "stream"
+                and output.get("name") == previous.get("name")):
+            text = "".join(previous["text"]) + "".join(output["text"])
+            merged[-1] = {**previous, "text": text}
+        else:
+            merged.append(output)
+    return merged
 
 
 def offline_problems(html: Path, manifest: Manifest) -> list[str]:
@@ -358,4 +394,142 @@ def build(out: Path = DEFAULT_OUT, manifest: Manifest | None = None, quiet: bool
     if quiet:
         command.append("--quiet")
     subprocess.run(command, check=True, cwd=out)
-    return out / "_build" / "html"
+    html = out / "_build" / "html"
+    finish_pages(html, json.loads((source / FIGURE_TEXTS).read_text(encoding="utf-8")))
+    return html
+
+
+TABLE = re.compile(r"<table\b.*?</table>", re.DOTALL)
+CODE_IN_TABLE = re.compile(r'(<span class="pre">)([^<]*)(</span>)')
+
+
+def breakable(code: re.Match) -> str:
+    """A code name in a table, with a line-break opportunity after each dot and underscore."""
+    name = re.sub(r"([._])(?=\w)", r"\1<wbr>", code.group(2))
+    return code.group(1) + name + code.group(3)
+
+
+CODE_BLOCK = re.compile(r'(<div class="highlight"><pre>)(.*?)(</pre>)', re.DOTALL)
+# A wrapped code line continues this much further in than the line itself starts.
+HANGING_INDENT_CH = 4
+
+
+def hanging_lines(block: re.Match) -> str:
+    """A highlighted code block with each line in its own span, so that a line too long for
+    the column wraps with a hanging indent (course.css: span.code-line) instead of starting
+    again at the left edge, where it would read as a new line of Python. A block whose
+    highlighting spans a line break (a string over several lines) is left as it is."""
+    lines = block.group(2).split("\n")
+    if any(line.count("<span") != line.count("</span>") for line in lines):
+        return block.group(0)
+    wrapped = []
+    for number, line in enumerate(lines):
+        if number == len(lines) - 1 and not line:
+            break                                # the newline that ends the block
+        text = re.sub(r"<[^>]*>", "", line)
+        indent = len(text) - len(text.lstrip(" ")) + HANGING_INDENT_CH
+        wrapped.append(f'<span class="code-line" style="padding-left:{indent}ch;text-indent:-{indent}ch">'
+                       f"{line}\n</span>")
+    return block.group(1) + "".join(wrapped) + block.group(3)
+
+
+def finish_pages(html: Path, figure_texts: dict[str, tuple[str, str]]) -> None:
+    """What Sphinx cannot be told, done to the built pages in place: every figure gets its
+    alt text and caption (book_figures), code names in tables may break after a dot or an
+    underscore (so a table of names fits the column), a wrapped code line keeps a hanging
+    indent, and sphinx-thebe's unused scripts are removed."""
+    for page in html.rglob("*.html"):
+        text = page.read_text(encoding="utf-8")
+        finished = book_figures.describe_figures(THEBE_SCRIPTS.sub("", text), figure_texts)
+        finished = TABLE.sub(lambda table: CODE_IN_TABLE.sub(breakable, table.group(0)), finished)
+        finished = CODE_BLOCK.sub(hanging_lines, finished)
+        if finished != text:
+            page.write_text(finished, encoding="utf-8")
+
+
+# --- what a reader sees: checked in a browser -----------------------------------------------
+
+# The window the layout is checked in: a laptop screen, both sidebars shown, so the article
+# column is as narrow as a desktop reader gets it (about 780 px).
+CHECK_WINDOW = (1440, 1000)
+# Measured on each page: the article column's width, every table wider than it, every code
+# block or printout whose lines run past its box (it scrolls sideways), every figure without
+# alt text. Console errors are read from the browser's log.
+MEASURE_PAGE_JS = """
+const column = document.querySelector('article.bd-article');
+if (!column) return null;
+const style = getComputedStyle(column);
+const width = column.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+const label = (el) => (el.textContent || '').trim().replace(/\\s+/g, ' ').slice(0, 60);
+const tables = [...column.querySelectorAll('table')]
+  .filter(t => t.getBoundingClientRect().width > width + 1)
+  .map(t => [Math.round(t.getBoundingClientRect().width), label(t)]);
+const code = [...column.querySelectorAll('pre')]
+  .filter(p => p.scrollWidth > p.clientWidth + 1)
+  .map(p => [p.scrollWidth, label(p)]);
+const images = [...column.querySelectorAll('img')]
+  .filter(i => !i.alt || i.alt === i.getAttribute('src'))
+  .map(i => i.getAttribute('src'));
+return {width: Math.round(width), tables, code, images};
+"""
+# Console messages that are not the book's fault: the theme complains once, on a reader's
+# first visit, that no light/dark mode is stored yet; a page opened from file:// may not
+# fetch MathJax's web fonts (origin 'null'), which a served book does.
+IGNORED_CONSOLE = ("Got invalid theme mode", "blocked by CORS policy", "about:blank")
+
+
+def browser_driver(width: int, height: int):
+    """A headless Chromium driven by selenium, or None when either is missing or the browser
+    does not start."""
+    chromedriver = shutil.which("chromedriver")
+    try:
+        from selenium import webdriver
+        from selenium.common.exceptions import WebDriverException
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        return None
+    if chromedriver is None:
+        return None
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", f"--window-size={width},{height}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    try:
+        return webdriver.Chrome(service=Service(chromedriver), options=options)
+    except WebDriverException:
+        return None
+
+
+def layout_problems(html: Path) -> list[str] | None:
+    """Open every page of the built book in headless Chromium at CHECK_WINDOW and list what
+    a reader would trip over: a table wider than the column (its last columns hidden), a
+    code block or printout that scrolls sideways, a figure without alt text, an error in
+    the browser's console. None when no browser is available (selenium and chromedriver)."""
+    driver = browser_driver(*CHECK_WINDOW)
+    if driver is None:
+        return None
+    problems = []
+    try:
+        for page in sorted(html.rglob("*.html")):
+            name = page.relative_to(html).as_posix()
+            if name.startswith(("_static/", MATHJAX_DIR + "/")) or name in ("genindex.html", "search.html"):
+                continue
+            driver.get(page.resolve().as_uri())
+            found = driver.execute_script(MEASURE_PAGE_JS)
+            for entry in driver.get_log("browser"):
+                message = entry.get("message", "")
+                if entry.get("level") == "SEVERE" and not any(known in message for known in IGNORED_CONSOLE):
+                    problems.append(f"{name}: console error: {message[:160]}")
+            if not found:
+                continue
+            for table_width, text in found["tables"]:
+                problems.append(f"{name}: a table {table_width} px wide in the {found['width']} px column ({text!r})")
+            for code_width, text in found["code"]:
+                problems.append(f"{name}: a code block or printout scrolls sideways ({code_width} px "
+                                f"in the {found['width']} px column: {text!r})")
+            for source in found["images"]:
+                problems.append(f"{name}: a figure without alt text ({source})")
+    finally:
+        driver.quit()
+    return problems

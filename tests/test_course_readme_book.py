@@ -74,13 +74,23 @@ def test_book_notebooks_lose_widget_state_but_keep_other_outputs(tmp_path):
                                           {"output_type": "stream", "text": "kept"}]},
         {"cell_type": "code", "outputs": [{"output_type": "display_data",
                                            "data": {"application/vnd.jupyter.widget-view+json": {}}}]}]}))
-    book.without_widgets(notebook)
+    book.prepare_notebook(notebook)
     data = json.loads(notebook.read_text())
     assert "widgets" not in data["metadata"] and "kernelspec" in data["metadata"]
     first, second = (cell["outputs"] for cell in data["cells"])
     assert first == [{"output_type": "display_data", "data": {"text/plain": "VBox()"}},
                      {"output_type": "stream", "text": "kept"}]
     assert second == [], "an output that was only a widget view disappears"
+
+
+def test_book_notebooks_show_one_printout_as_one_box():
+    out = {"output_type": "stream", "name": "stdout"}
+    err = {"output_type": "stream", "name": "stderr"}
+    figure = {"output_type": "display_data", "data": {"image/png": "x"}}
+    outputs = [{**out, "text": ["True"]}, {**out, "text": " True\n"}, {**err, "text": "warn\n"},
+               {**out, "text": "a\n"}, figure, {**out, "text": "b\n"}, {**out, "text": ["c\n", "d\n"]}]
+    assert book.merged_streams(outputs) == [{**out, "text": "True True\n"}, {**err, "text": "warn\n"},
+                                            {**out, "text": "a\n"}, figure, {**out, "text": "b\nc\nd\n"}]
 
 
 def test_offline_check_names_every_page_that_needs_the_network(tmp_path):
@@ -131,3 +141,93 @@ def test_the_serving_chapters_link_to_the_glossary():
     for dirname in ("24-continuous-batching", "25-paged-kv-cache", "31-engine-v2"):
         text = (ROOT / "chapters" / dirname / f"{dirname}.md").read_text()
         assert "](../glossary.md)" in text, f"{dirname} does not link to the glossary"
+
+
+def test_every_figure_gets_alt_text_and_a_caption_that_say_what_it_shows(tmp_path):
+    import base64
+    import hashlib
+
+    from course import book_figures
+    png = base64.b64encode(b"\x89PNG fake bytes").decode()
+    svg = ["<svg>\n", "</svg>\n"]
+    notebook = {"cells": [
+        {"cell_type": "markdown", "source": "## A heading\n\nThe pool, block by block:"},
+        {"cell_type": "code", "metadata": {}, "source": "diagrams.show(diagrams.block_states())",
+         "outputs": [{"output_type": "display_data", "data": {"image/svg+xml": svg}}]},
+        {"cell_type": "code", "metadata": {},
+         "source": 'ax.set_title("Decode step time vs batch")\nax.set_xlabel("batch")',
+         "outputs": [{"output_type": "display_data", "data": {"image/png": png}}]},
+        {"cell_type": "code", "metadata": {"figure": {"caption": "Written by the chapter"}},
+         "source": "plt.show()",
+         "outputs": [{"output_type": "display_data", "data": {"image/png": base64.b64encode(b"another").decode()}}]},
+    ]}
+    texts = book_figures.figure_texts(notebook, 7)
+    png_name = hashlib.sha256(b"\x89PNG fake bytes").hexdigest() + ".png"
+    svg_name = hashlib.sha256(os_lines(svg)).hexdigest() + ".svg"
+    assert texts[svg_name][1].startswith("Figure 7.1: The three states of a pool block"), texts
+    assert texts[png_name] == ("Plot: Decode step time vs batch (horizontal axis: batch)",
+                               "Figure 7.2: Decode step time vs batch")
+    assert [caption for _, caption in texts.values()][2] == "Figure 7.3: Written by the chapter"
+    both = {"image/svg+xml": ["<svg/>"], "image/png": base64.b64encode(b"same figure").decode()}
+    notebook["cells"].append({"cell_type": "code", "metadata": {}, "source": "diagrams.show(diagrams.gqa())",
+                              "outputs": [{"output_type": "display_data", "data": both}]})
+    captions = [caption for _, caption in book_figures.figure_texts(notebook, 7).values()]
+    assert len(captions) == 5 and captions[3] == captions[4] and captions[4].startswith("Figure 7.4: Which"), \
+        "one output in two formats is one figure"
+
+    page = f'<p>x</p><img alt="../../_images/{png_name}" src="../../_images/{png_name}" />'
+    described = book_figures.describe_figures(page, texts)
+    assert described == (f'<p>x</p><figure class="course-figure"><img alt="Plot: Decode step time vs batch '
+                         f'(horizontal axis: batch)" src="../../_images/{png_name}" />'
+                         "<figcaption>Figure 7.2: Decode step time vs batch</figcaption></figure>")
+
+
+def os_lines(lines):
+    import os
+    return os.linesep.join("".join(lines).splitlines()).encode()
+
+
+def test_finished_pages_lose_the_thebe_scripts_and_let_table_names_break(tmp_path):
+    page = tmp_path / "p.html"
+    page.write_text('<head>\n    <script>const THEBE_JS_URL = "https://unpkg.com/thebe"; const a = 1</script>\n'
+                    '    <script async="async" src="../_static/sphinx-thebe.js?v=1"></script>\n</head>'
+                    '<table><td><code><span class="pre">BlockManager.find_cached_prefix</span></code></td></table>'
+                    '<p><code><span class="pre">a.b</span></code></p>')
+    book.finish_pages(tmp_path, {})
+    assert page.read_text() == ('<head>\n</head><table><td><code><span class="pre">BlockManager.<wbr>find_<wbr>'
+                                'cached_<wbr>prefix</span></code></td></table><p><code><span class="pre">a.b</span>'
+                                '</code></p>')
+
+
+def test_the_layout_check_sees_what_a_reader_would_trip_over(tmp_path):
+    import pytest
+    if book.browser_driver(400, 300) is None:
+        pytest.skip("the layout check needs headless Chromium: apt-get install chromium chromium-driver")
+    page = tmp_path / "chapters" / "p.html"
+    page.parent.mkdir()
+    for name in ("a.svg", "b.svg"):
+        (page.parent / name).write_text('<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>')
+    page.write_text('<html><body><article class="bd-article" style="width:600px;padding:0 20px">'
+                    '<table style="width:900px"><tr><td>wide table</td></tr></table>'
+                    '<pre style="overflow:auto">' + "x" * 400 + '</pre>'
+                    '<img src="a.svg" alt="a.svg"><img src="b.svg" alt="the pool after step 3">'
+                    '<table><tr><td>narrow</td></tr></table><pre>short</pre>'
+                    '<script>const A = 1;</script><script>const A = 2;</script></article></body></html>')
+    problems = book.layout_problems(tmp_path)
+    assert len(problems) == 4, problems
+    assert "chapters/p.html: a table 900 px wide in the 600 px column ('wide table')" in problems
+    assert any("a code block or printout scrolls sideways" in p for p in problems), problems
+    assert "chapters/p.html: a figure without alt text (a.svg)" in problems
+    assert any("console error" in p and "already been declared" in p for p in problems), problems
+
+
+def test_a_wrapped_code_line_keeps_a_hanging_indent():
+    block = ('<div class="highlight"><pre><span class="k">def</span> f():\n'
+             '    <span class="k">return</span> 1\n</pre>')
+    assert book.CODE_BLOCK.sub(book.hanging_lines, block) == (
+        '<div class="highlight"><pre>'
+        '<span class="code-line" style="padding-left:4ch;text-indent:-4ch"><span class="k">def</span> f():\n</span>'
+        '<span class="code-line" style="padding-left:8ch;text-indent:-8ch">    <span class="k">return</span> 1\n</span>'
+        '</pre>')
+    across = '<div class="highlight"><pre><span class="s">"""two\nlines"""</span>\n</pre>'
+    assert book.CODE_BLOCK.sub(book.hanging_lines, across) == across, "a span across lines stays whole"

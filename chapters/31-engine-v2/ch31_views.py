@@ -120,7 +120,7 @@ def draw_series(snaps, columns=8, budget=None, per_row=3):
 
 
 PLAYER = """<div id="{uid}" style="max-width:100%">
-<img id="{uid}-frame" style="max-width:100%" alt="engine step">
+<img id="{uid}-frame" style="width:100%;max-width:{width}px" alt="{alt}">
 <div style="font:13px sans-serif;margin-top:4px">
 <button id="{uid}-first">|&lt;</button> <button id="{uid}-back">&lt; step</button>
 <button id="{uid}-play">play</button> <button id="{uid}-next">step &gt;</button>
@@ -152,25 +152,38 @@ PLAYER = """<div id="{uid}" style="max-width:100%">
 </script>"""
 
 
-def animation_html(snaps, columns=8, budget=None, dpi=72, interval_ms=700):
+# The player's frames fill the book's column (about 780 px): drawn 7.8 x 3.9 inches at
+# 100 dpi, they are shown at their own size, so a 7-point label is about 10 px on the page.
+FRAME_INCHES = (7.8, 3.9)
+FRAME_DPI = 100
+
+
+def animation_html(snaps, columns=8, budget=None, interval_ms=700):
     """Every snapshot as one frame of a small HTML/JavaScript player (buttons and a slider),
-    for pages read without a live kernel. The frames are PNG images embedded in the page and
-    the script is inline: nothing is fetched from anywhere."""
+    for pages read without a live kernel. A frame is as wide as the book's column: the pool
+    on the left, the step's tokens and the legend on the right. The frames are PNG images
+    embedded in the page and the script is inline: nothing is fetched from anywhere."""
     import base64
     import io
     import uuid
 
     order, frames = {}, []
-    fig, (pool_ax, tokens_ax) = plt.subplots(2, 1, figsize=(5, 5), dpi=dpi, gridspec_kw={"height_ratios": [4, 1]})
-    fig.legend(handles=legend_handles(), loc="lower center", ncol=2, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig = plt.figure(figsize=FRAME_INCHES, dpi=FRAME_DPI)
+    grid = fig.add_gridspec(2, 2, width_ratios=[1, 1.3], height_ratios=[1, 1.4])
+    pool_ax, tokens_ax = fig.add_subplot(grid[:, 0]), fig.add_subplot(grid[0, 1])
+    fig.legend(handles=legend_handles(), loc="center", bbox_to_anchor=(0.7, 0.3), ncol=1, fontsize=8,
+               frameon=False)
     for snap in snaps:
         draw(snap, pool_ax, tokens_ax, order, columns, budget)
+        fig.subplots_adjust(left=0.02, right=0.98, top=0.9, bottom=0.05, wspace=0.15, hspace=0.6)
         buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=dpi)
+        fig.savefig(buffer, format="png", dpi=FRAME_DPI)
         frames.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
     plt.close(fig)
     return PLAYER.format(uid=f"steps-{uuid.uuid4().hex[:8]}", last=len(frames) - 1, interval=interval_ms,
+                         width=round(FRAME_INCHES[0] * FRAME_DPI),
+                         alt="The block pool (left, one square per block, coloured by owner) and the step's "
+                             "scheduled tokens (right), after each engine step",
                          frames="[" + ",".join(f'"{f}"' for f in frames) + "]")
 
 

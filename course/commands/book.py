@@ -4,7 +4,9 @@ Written chapters appear with their saved outputs (nothing is executed); planned 
 appear in the table of contents as placeholders. Needs `pip install -r requirements-book.txt`.
 --check then reads the built HTML and fails (status 2) when a page fetches anything from
 another host, a written chapter's page is missing or has no figure, or math is on a page
-without the bundled MathJax: the book must read offline.
+without the bundled MathJax: the book must read offline. Where headless Chromium is
+available it then opens every page at a laptop's width and fails on a table wider than the
+column, code that scrolls sideways, a figure without alt text, or a console error.
 """
 import subprocess
 import time
@@ -40,4 +42,14 @@ def run(args):
         if problems:
             raise CommandError(f"{len(problems)} problem(s) reading the book offline:\n  " + "\n  ".join(problems[:40]))
         print("offline check: no remote script or style, every written chapter has a figure, math is bundled")
+        started = time.monotonic()
+        on_page = book.layout_problems(html)
+        if on_page is None:
+            print("layout check skipped: no headless Chromium could be started (it needs selenium and "
+                  "chromedriver: apt-get install chromium chromium-driver)")
+        elif on_page:
+            raise CommandError(f"{len(on_page)} problem(s) on the page:\n  " + "\n  ".join(on_page[:60]))
+        else:
+            print(f"layout check ({time.monotonic() - started:.0f}s): no table wider than the column, no code "
+                  "that scrolls sideways, every figure has alt text, no console error")
     return 0
