@@ -164,7 +164,7 @@ def open_chapter(browser, url: str, notebook: Path, view: str, expected_dropdown
         return state if state and len(state["dropdowns"]) >= expected_dropdowns else False
 
     return _wait_for(browser, settled, f"{view}: the notebook did not show its {expected_dropdowns} dropdowns "
-                                       "as dropdowns (is jupyterlab-myst from requirements.txt installed?)", seconds=20)
+                                       "as dropdowns (is jupyterlab-myst from requirements.txt installed?)", seconds=30)
 
 
 def click_title(browser, title: str) -> dict:
