@@ -53,12 +53,20 @@ def test_every_diagram_has_a_picture_an_untrusted_notebook_shows():
                           "course.diagrams.show and re-execute the notebook): " + ", ".join(svg_only))
 
 
-def _browser():
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+def _browser_or_skip() -> tuple[str, str]:
+    """Chromium and its driver, or a one-line skip saying how to get them."""
+    pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver = shutil.which("chromedriver")
     if not (chromium and driver):
         pytest.skip("no browser here: `apt-get install chromium chromium-driver` (Debian) runs this test")
+    return chromium, driver
+
+
+def _browser():
+    from selenium import webdriver
+
+    chromium, driver = _browser_or_skip()
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -87,6 +95,7 @@ def _quiet_settings(folder: Path) -> None:
 def jupyterlab(tmp_path_factory):
     """A JupyterLab server (no token, no browser) on a folder holding a fresh copy of the
     chapter's notebook, which it does not trust (an empty, in-memory signature database)."""
+    _browser_or_skip()  # before starting a server nobody could look at
     folder = tmp_path_factory.mktemp("jupyterlab")
     chapter = manifest.load().chapter(CHAPTER)
     notebook = ROOT / chapter.notebook_ipynb
