@@ -7,8 +7,9 @@ JupyterLab refuses to draw an untrusted notebook's SVG outputs (it shows the tex
 `<IPython.core.display.SVG object>`), which is why every diagram carries a PNG twin
 (course/diagrams.py `show`). The MyST dropdowns (```{admonition} ... :class: dropdown```)
 are rendered by jupyterlab-myst (requirements.txt); without it JupyterLab shows them as open
-text. A real JupyterLab server and headless Chromium check this; the test skips with one line
-where no browser is installed. A cheap check over every chapter's saved outputs runs always."""
+text. A real JupyterLab server and headless Chromium check this (about 20 s on an idle
+machine); the test skips with one line where no browser is installed. A cheap check over
+every chapter's saved outputs runs always."""
 import json
 import os
 import re
@@ -191,11 +192,12 @@ def click_title(browser, title: str) -> dict:
                 return False
         return False
 
+    def shown(driver):
+        state = driver.execute_script(PAGE_STATE)
+        return state if any(d["title"] == title and d["bodyShown"] for d in state["dropdowns"]) else False
+
     _wait_for(browser, clicked, f"no dropdown titled {title!r} to click", seconds=20)
-    return _wait_for(browser, lambda d: next((s for s in [d.execute_script(PAGE_STATE)]
-                                              if any(x["title"] == title and x["bodyShown"] for x in s["dropdowns"])),
-                                             False),
-                     f"clicking {title!r} did not show the hint's text", seconds=20)
+    return _wait_for(browser, shown, f"clicking {title!r} did not show the hint's text", seconds=20)
 
 
 @pytest.mark.parametrize("view", list(VIEWS))
@@ -222,7 +224,7 @@ def test_a_chapter_reads_in_jupyter_as_in_the_book(jupyterlab, view):
         state = _wait_for(browser, lambda d: (s := d.execute_script(PAGE_STATE))["drawnImages"] >= figures and s,
                           f"{view}: the chapter's {figures} figures are not all drawn on opening")
         after = click_title(browser, hints[0])
-        still_closed = [d["title"] for d in after["dropdowns"] if d["title"] != hints[0] and d["bodyShown"]]
-        assert not still_closed, f"{view}: clicking {hints[0]!r} opened other dropdowns too: {still_closed}"
+        others_open = [d["title"] for d in after["dropdowns"] if d["title"] != hints[0] and d["bodyShown"]]
+        assert not others_open, f"{view}: clicking {hints[0]!r} opened other dropdowns too: {others_open}"
     finally:
         browser.quit()
