@@ -1,9 +1,11 @@
 """Conceptual diagrams of the book, drawn with matplotlib from code kept here.
 
 Each function returns a matplotlib Figure; `show(fig)` puts it in a notebook as SVG, which
-stays sharp at any zoom and scales to the book's column (about 780 px), so a diagram never
-needs a second, higher-resolution copy. The chapters call these from cells tagged
-`remove-input`: the book shows the picture, not the plotting code.
+stays sharp at any zoom and scales to the book's column (about 780 px), with a PNG twin for
+the one reader that refuses SVG: JupyterLab does not draw the SVG outputs of a notebook it
+does not trust (every chapter a learner opens before running it), and falls back to the PNG.
+The chapters call these from cells tagged `remove-input`: the book shows the picture, not the
+plotting code.
 
     from course import diagrams
     diagrams.show(diagrams.engine_map(highlight="V"))
@@ -29,15 +31,47 @@ COLUMN_INCHES = 7.8
 
 
 def show(fig: Figure) -> None:
-    """Display `fig` in the notebook as SVG (vector: sharp on any screen) and close it."""
+    """Display `fig` in the notebook as SVG (vector: sharp on any screen), with a PNG of it for
+    viewers that do not render SVG here.
+
+    Jupyter Book and a trusted notebook pick the SVG; JupyterLab shows an untrusted notebook's
+    SVG output as a line of text, so there it shows the PNG, drawn at 1.5x for high-density
+    screens and sized (`width` metadata) to match the SVG on the page."""
     from IPython.display import SVG, display
 
-    buffer = io.StringIO()
+    svg = io.StringIO()
     # A fixed hash salt and no date keep the SVG identical from one execution to the next,
     # so re-executing a notebook does not rewrite its diagrams.
     with matplotlib.rc_context({"svg.hashsalt": "course-diagrams"}):
-        fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
-    display(SVG(buffer.getvalue()))
+        fig.savefig(svg, format="svg", bbox_inches="tight", metadata={"Date": None})
+    png, width, height = _png_twin(fig)
+    # IPython's SVG keeps only the <svg> element (no XML prologue), as the book always had it.
+    display({"image/svg+xml": SVG(svg.getvalue()).data, "image/png": png, "text/plain": repr(fig)}, raw=True,
+            metadata={"image/png": {"width": width, "height": height}})
+
+
+# CSS pixels per inch, the scale at which a browser draws the SVG's points (72 to the inch).
+_CSS_DPI = 96
+# The PNG twin's resolution: 1.5 device pixels per CSS pixel, sharp on most laptop screens.
+_PNG_DPI = 144
+
+
+def _png_twin(fig: Figure) -> tuple[str, int, int]:
+    """`fig` as a base64 PNG with its display size in CSS pixels. The diagrams are flat colours
+    on white, so a 256-colour palette (no dithering) looks the same as full colour at about a
+    third of the bytes, which is what the notebooks keep in the repository."""
+    import base64
+
+    from PIL import Image
+
+    raw = io.BytesIO()
+    fig.savefig(raw, format="png", dpi=_PNG_DPI, bbox_inches="tight")
+    image = Image.open(io.BytesIO(raw.getvalue())).convert("RGB")
+    palette = image.quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    packed = io.BytesIO()
+    palette.save(packed, format="png", optimize=True)
+    width, height = (round(side * _CSS_DPI / _PNG_DPI) for side in image.size)
+    return base64.b64encode(packed.getvalue()).decode("ascii"), width, height
 
 
 def _canvas(width: float, height: float, figheight: float) -> tuple[Figure, matplotlib.axes.Axes]:

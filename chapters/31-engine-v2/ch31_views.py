@@ -120,7 +120,7 @@ def draw_series(snaps, columns=8, budget=None, per_row=3):
 
 
 PLAYER = """<div id="{uid}" style="max-width:100%">
-<img id="{uid}-frame" style="width:100%;max-width:{width}px" alt="{alt}">
+<img id="{uid}-frame" src="data:image/png;base64,{first}" style="width:100%;max-width:{width}px" alt="{alt}">
 <div style="font:13px sans-serif;margin-top:4px">
 <button id="{uid}-first">|&lt;</button> <button id="{uid}-back">&lt; step</button>
 <button id="{uid}-play">play</button> <button id="{uid}-next">step &gt;</button>
@@ -162,7 +162,9 @@ def animation_html(snaps, columns=8, budget=None, interval_ms=700):
     """Every snapshot as one frame of a small HTML/JavaScript player (buttons and a slider),
     for pages read without a live kernel. A frame is as wide as the book's column: the pool
     on the left, the step's tokens and the legend on the right. The frames are PNG images
-    embedded in the page and the script is inline: nothing is fetched from anywhere."""
+    embedded in the page and the script is inline: nothing is fetched from anywhere. The first
+    frame is in the page itself, so a viewer that runs no script (JupyterLab, in a notebook it
+    does not trust) still shows the first step."""
     import base64
     import io
     import uuid
@@ -180,7 +182,8 @@ def animation_html(snaps, columns=8, budget=None, interval_ms=700):
         fig.savefig(buffer, format="png", dpi=FRAME_DPI)
         frames.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
     plt.close(fig)
-    return PLAYER.format(uid=f"steps-{uuid.uuid4().hex[:8]}", last=len(frames) - 1, interval=interval_ms,
+    return PLAYER.format(uid=f"steps-{uuid.uuid4().hex[:8]}", first=frames[0], last=len(frames) - 1,
+                         interval=interval_ms,
                          width=round(FRAME_INCHES[0] * FRAME_DPI),
                          alt="The block pool (left, one square per block, coloured by owner) and the step's "
                              "scheduled tokens (right), after each engine step",
