@@ -125,6 +125,11 @@ REFUSED = {
     "a group whose sample id is a live group": (lambda e, s: _group_over_group(e, s), r"'twin:0'"),
     "a [1, T] tensor prompt": (lambda e, s: e.add_request("t", torch.tensor([[1, 2, 3]]), P(s)), r"1-D"),
     "a nested list prompt": (lambda e, s: e.add_request("t", [[1, 2, 3]], P(s)), r"integer token ids"),
+}
+
+# generate() refuses an engine holding requests (test_engine_rules.py): these meet one whose
+# request finished (its cached blocks still there).
+GENERATE_REFUSED = {
     "generate: fewer priorities than prompts": (
         lambda e, s: e.generate([[1, 2], [3, 4], [5, 6]], P(s), priorities=[0, 1]), r"2 priorities for 3 prompts"),
     "generate: more params than prompts": (
@@ -144,10 +149,15 @@ def _group_over_group(engine, serve):
         engine.abort_request("twin:0")
 
 
-@pytest.mark.parametrize("name", list(REFUSED))
+@pytest.mark.parametrize("name", list(REFUSED) + list(GENERATE_REFUSED))
 def test_refused_before_any_change(serve, tiny_model, name):
-    engine = busy(serve, tiny_model)
-    call, words = REFUSED[name]
+    if name in GENERATE_REFUSED:
+        engine = engine_for(serve, tiny_model, num_blocks=24)
+        engine.add_request("done", PROMPTS["a"], P(serve, 4))
+        drain(engine)
+    else:
+        engine = busy(serve, tiny_model)
+    call, words = {**REFUSED, **GENERATE_REFUSED}[name]
     before = engine_state(engine)
     with pytest.raises(ValueError, match=words):
         call(engine, serve)

@@ -16,9 +16,9 @@ import math
 import operator
 import os
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# EngineCore's default eos_token_id: the one the model's config names (None turns EOS off).
+MODEL_EOS: Literal["model"] = "model"
 
 # Setting this environment variable to 1 turns on EngineConfig.debug_checks for every engine.
 DEBUG_CHECKS_ENV = "COURSE_ENGINE_DEBUG_CHECKS"
@@ -64,14 +67,15 @@ class EngineCore:
     """The engine: one pool, one scheduler, one forward pass per step.
 
     model: a loaded Qwen3ForCausalLM (or Qwen3Moe), or a FlatModel around one.
-    eos_token_id: the token that ends a request (None: only the other stop rules apply).
+    eos_token_id: the token that ends a request; MODEL_EOS (the default) takes the model
+             config's eos_token_id, None turns EOS off (only the other stop rules apply).
     sampler: anything with the sampler interface of serve.sampler (default: SimpleSampler, or
              Chapter 34's full Sampler with EngineConfig(sampler="full")).
     vocab_bytes: each token's bytes, for constrained decoding (Chapter 35).
     """
 
     def __init__(self, model: Qwen3ForCausalLM | FlatModel, config: EngineConfig | None = None,
-                 eos_token_id: int | None = None,
+                 eos_token_id: int | None | Literal["model"] = MODEL_EOS,
                  sampler: Sampler | None = None, vocab_bytes: list[bytes] | None = None) -> None:
         if config is None:
             config = EngineConfig()
@@ -79,6 +83,9 @@ class EngineCore:
         flat = FlatModel(model) if not isinstance(model, FlatModel) else model
         weight = next(flat.parameters())
         self.device, self.dtype = weight.device, weight.dtype
+        self.vocab_size = flat.cfg.vocab_size
+        self.eos_token_id = self._check_eos(flat, eos_token_id)
+        self.max_model_len = self._check_max_model_len(flat, config.max_model_len)
         options = {"kv_cache_dtype": config.kv_cache_dtype} if config.kv_cache_dtype != "auto" else {}
         from .backends import get_backend
         backend = get_backend(config.attention_backend, **options)
@@ -90,11 +97,8 @@ class EngineCore:
         if sampler is None:
             sampler = (FullSampler if config.sampler == "full" else SimpleSampler)(self.engine_generator)
         self.sampler = sampler
-        self.eos_token_id = eos_token_id
         self.vocab_bytes = vocab_bytes
-        self.guides = GuideFactory(vocab_bytes, eos_token_id, flat.cfg.vocab_size) if vocab_bytes is not None else None
-        self.vocab_size = flat.cfg.vocab_size
-        self.max_model_len = config.max_model_len or getattr(flat.model, "context_limit", None) or (1 << 30)
+        self.guides = GuideFactory(vocab_bytes, self.eos_token_id, self.vocab_size) if vocab_bytes is not None else None
         self.generators: dict[str, torch.Generator] = {}   # request id -> its own seeded generator
         self.groups: dict[str, list[Request]] = {}       # id given to add_request with n > 1 -> its samples
         self.steps = 0
@@ -113,6 +117,29 @@ class EngineCore:
         self.async_steps = AsyncStepper(self) if config.async_scheduling else None
         if self.async_steps is not None:      # the overlapped step replaces Chapter 31's, which stays as written
             self.step = self.async_steps.step  # type: ignore[method-assign]
+
+    @staticmethod
+    def _check_eos(flat: FlatModel, given: int | None | Literal["model"]) -> int | None:
+        """The engine's EOS id: the model config's for MODEL_EOS, else `given` (None: no EOS)."""
+        eos = getattr(flat.cfg, "eos_token_id", None) if given == MODEL_EOS else given
+        vocab = flat.cfg.vocab_size
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab):
+            raise ValueError(f"eos_token_id must be a token id in 0..{vocab - 1}, None (no EOS) or {MODEL_EOS!r} "
+                             f"(the model config's), got {eos!r}")
+        return eos
+
+    @staticmethod
+    def _check_max_model_len(flat: FlatModel, wanted: int | None) -> int:
+        """config.max_model_len, or the model's context limit when it is None. A length past
+        the positions the model was trained for is refused, not silently accepted: its
+        rotary angles there were never seen, so the outputs would be quietly wrong."""
+        limit: int | None = getattr(flat.model, "context_limit", None)
+        if wanted is None:
+            return limit or (1 << 30)
+        if limit is not None and wanted > limit:
+            raise ValueError(f"EngineConfig.max_model_len={wanted} exceeds the model's {limit} positions "
+                             f"(its max_position_embeddings); give at most {limit}, or None to use the model's")
+        return wanted
 
     def _size_pool(self, flat: FlatModel, backend: AttentionBackend) -> int:
         """Blocks for the pool when the config gives no number: measured on CUDA, else from
@@ -149,8 +176,8 @@ class EngineCore:
     # --- requests in and out ------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | torch.Tensor,
-                    params: SamplingParams | None = None, priority: int = 0, cache_key: Iterable[Hashable] = (),
-                    arrival_time: float | None = None, lora: object = None,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    cache_key: Iterable[str | bytes | int] = (), arrival_time: float | None = None, lora: object = None,
                     features: object = None) -> Request | list[Request]:
         """Queue a request; returns its Request (a list of n Requests when params.n > 1).
 
@@ -169,12 +196,7 @@ class EngineCore:
         self._check_features(request_id, params, lora, features)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
-        try:
-            cache_key = tuple(cache_key)
-            hash(cache_key)
-        except TypeError:
-            raise ValueError(f"request {request_id!r}: cache_key must be a tuple of hashable values, "
-                             f"got {cache_key!r}") from None
+        cache_key = self._check_cache_key(request_id, cache_key)
         extra, keys = self._request_inputs(request_id, prompt, lora, features)
         cache_key += keys                       # an adapter or an image changes every block's K/V
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
@@ -221,6 +243,24 @@ class EngineCore:
             self.groups[request_id] = requests
             return requests
         return requests[0]
+
+    @staticmethod
+    def _check_cache_key(request_id: str, cache_key: Iterable[object]) -> tuple[str | bytes | int, ...]:
+        """The salts as a tuple of str, bytes and int only: block keys hash their printed form,
+        which is exact and stable for those three types alone (two different tensors, or two
+        objects of a class with its own __repr__, may print alike and would then share K/V)."""
+        try:
+            salts = tuple(cache_key)
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: cache_key must be an iterable of salts, "
+                             f"got {cache_key!r}") from None
+        exact: list[str | bytes | int] = []
+        for salt in salts:          # subclasses excluded: they may print themselves as they like
+            if not isinstance(salt, (str, bytes, int)) or type(salt) not in (str, bytes, int):
+                raise ValueError(f"request {request_id!r}: cache_key salts must be str, bytes or int (hashed by "
+                                 f"their exact printed form), got {type(salt).__name__} {salt!r}")
+            exact.append(salt)
+        return tuple(exact)
 
     def _id_taken(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests or bool(self._live_samples(request_id))
@@ -544,8 +584,14 @@ class EngineCore:
         prompt, in order (a list of n of them when that prompt's params.n > 1).
 
         params: one SamplingParams for all prompts or one per prompt. Every prompt is
-        validated before any is queued. Other requests already in the engine advance too,
-        but only these prompts' outputs are returned."""
+        validated before any is queued. An engine that already holds requests is refused
+        (ValueError, nothing changed): generate would run them too, and their outputs would
+        reach no step() their owner sees."""
+        if self.has_unfinished:
+            held = sorted(self.scheduler.requests)[:4]
+            raise ValueError(f"generate: the engine already holds requests {held} (or an unread step); they would "
+                             f"run to their end inside generate and their outputs reach no caller. Drive them "
+                             f"with step(), or abort them, before calling generate")
         prompts = list(prompts)
         per_prompt: list[Any] = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -553,9 +599,9 @@ class EngineCore:
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"generate: {len(priorities)} priorities for {len(prompts)} prompts")
-        # n > 1 names samples "<id>:0" .. "<id>:<n-1>": those must be free too.
-        samples = max((p.n for p in per_prompt if isinstance(p, SamplingParams)), default=1)
-        ids = self._fresh_ids(len(prompts), samples)
+        # The engine holds nothing, so any ids are free; numbered per call, they are unique.
+        self._generate_calls += 1
+        ids = [f"generate{self._generate_calls}-{i}" for i in range(len(prompts))]
         added = []
         try:
             for rid, prompt, p, priority in zip(ids, prompts, per_prompt, priorities):
@@ -567,15 +613,6 @@ class EngineCore:
             for rid in ids[:len(added)]:
                 self.abort_request(rid)
             raise
-
-    def _fresh_ids(self, count: int, samples: int = 1) -> list[str]:
-        """Ids for generate's prompts that no request or group in the engine uses, nor the
-        ids "<id>:0" .. "<id>:<samples-1>" of their samples."""
-        while True:
-            self._generate_calls += 1
-            ids = [f"generate{self._generate_calls}-{i}" for i in range(count)]
-            if not any(self._id_taken(rid) or any(self._id_taken(f"{rid}:{j}") for j in range(samples)) for rid in ids):
-                return ids
 
     def _run_to_completion(self, added: list[Request | list[Request]]) -> list[RequestOutput | list[RequestOutput]]:
         final: dict[str, RequestOutput] = {}
