@@ -165,6 +165,7 @@ class ScriptedRunner:
         self.swapped: dict[str, list[int]] = {}
         self.on_swap_out = self.on_swap_in = self.on_execute = None
         self.executed = 0
+        self.last_hidden = None          # no hidden states: draft heads (Chapter 37) guess nothing
 
     @classmethod
     def install(cls, serve: SimpleNamespace, engine: Any, next_token: Callable[[list[int]], int]) -> ScriptedRunner:

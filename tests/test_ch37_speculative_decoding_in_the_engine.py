@@ -438,3 +438,18 @@ def test_engine_state_machine_while_speculating(serve, spec, tiny_model, request
     DraftingMachine.serve, DraftingMachine.model = serve, tiny_model
     run_state_machine_as_test(DraftingMachine, settings=machines.machine_settings(
         request, 40, 40, stress_examples=1000, stress_steps=80))
+
+
+def test_asynchronous_scheduling_with_a_drafter_is_refused_at_construction(serve, spec, tiny_model):
+    """Chapter 33's asynchronous engine plans step t + 1 before it reads step t's tokens, so
+    it cannot guess drafts from them, and a rejected draft would roll back rows the step in
+    flight was planned on. The pair is refused when the engine is built (or the drafter
+    attached), with a message that says so, and nothing is left half-installed."""
+    config = serve.config.EngineConfig(num_blocks=32, block_size=4, async_scheduling=True)
+    words = r"speculative decoding needs synchronous scheduling .* has not read"
+    with pytest.raises(ValueError, match=words):
+        serve.engine.EngineCore(tiny_model, config, drafter=spec.Speculator(spec.NgramProposer(), k=3))
+    engine = serve.engine.EngineCore(tiny_model, config)
+    with pytest.raises(ValueError, match=words):
+        spec.Speculator(spec.NgramProposer(), k=3).attach(engine)
+    assert engine.drafter is None and engine.scheduler.on_finish is None, "a refused drafter must leave no trace"

@@ -90,21 +90,17 @@ def test_a_request_whose_sampling_fails_is_aborted_alone(serve, tiny_model, ref_
 
 
 def test_a_request_whose_stop_check_fails_is_aborted_alone(serve, tiny_model, ref_model):
-    class BrokenGuide:
-        @property
-        def finished(self):
+    class BrokenStops(tuple):
+        def __contains__(self, token):          # the stop rules ask whether the new token is a stop token
             raise KeyError("state 17")
-
-        def advance(self, token_id):            # the engine feeds a guide every new token first
-            pass
 
     engine = engine_for(serve, tiny_model)
     engine.add_request("a", PROMPTS["a"], P(serve))
-    broken = engine.add_request("guided", PROMPTS["b"], P(serve))
-    broken.extra["guide"] = BrokenGuide()
+    broken = engine.add_request("broken", PROMPTS["b"], P(serve))
+    broken.params.stop_token_ids = BrokenStops()
     outputs = drain(engine)
-    assert outputs["guided"].finish_reason == "abort" and "'guided'" in outputs["guided"].error
-    assert "stop" in outputs["guided"].error and "state 17" in outputs["guided"].error
+    assert outputs["broken"].finish_reason == "abort" and "'broken'" in outputs["broken"].error
+    assert "stop" in outputs["broken"].error and "state 17" in outputs["broken"].error
     assert outputs["a"].output_token_ids == solo(ref_model, PROMPTS["a"], 6)
 
 

@@ -16,7 +16,7 @@ import math
 import operator
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,18 +27,22 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
 from .guided import GuideFactory
-from .interfaces import AttentionBackend, Drafter, Sampler
+from .interfaces import AttentionBackend, Drafter, Sampler, UpdateHooks
 from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, profile_num_blocks
 from .sampler import Sampler as FullSampler
 from .sampler import SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
+from .update import GuidedUpdate, SampledTokens, StepUpdate
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# What builds an engine's runner: (flat model, num_blocks, block_size, backend) -> runner.
+RunnerFactory = Callable[[FlatModel, int, int, AttentionBackend], ModelRunner]
 
 # EngineCore's default eos_token_id: the one the model's config names (None turns EOS off).
 MODEL_EOS: Literal["model"] = "model"
@@ -72,14 +76,22 @@ class EngineCore:
     sampler: anything with the sampler interface of serve.sampler (default: SimpleSampler, or
              Chapter 34's full Sampler with EngineConfig(sampler="full")).
     vocab_bytes: each token's bytes, for constrained decoding (Chapter 35).
+    drafter: speculative decoding (Chapter 37): a serve.spec_decode.Speculator; refused with
+             asynchronous scheduling (serve.spec_decode.ASYNC_REFUSAL says why).
+    runner: what builds the ModelRunner, called as runner(flat, num_blocks, block_size,
+            backend) (default ModelRunner; a pipeline stage's runner in Chapter 41).
     """
 
     def __init__(self, model: Qwen3ForCausalLM | FlatModel, config: EngineConfig | None = None,
                  eos_token_id: int | None | Literal["model"] = MODEL_EOS,
-                 sampler: Sampler | None = None, vocab_bytes: list[bytes] | None = None) -> None:
+                 sampler: Sampler | None = None, vocab_bytes: list[bytes] | None = None,
+                 drafter: Drafter | None = None, runner: RunnerFactory | None = None) -> None:
         if config is None:
             config = EngineConfig()
         self.config = config.validate()
+        if drafter is not None and config.async_scheduling:
+            from .spec_decode import ASYNC_REFUSAL
+            raise ValueError(ASYNC_REFUSAL)
         flat = FlatModel(model) if not isinstance(model, FlatModel) else model
         weight = next(flat.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -92,7 +104,7 @@ class EngineCore:
         pool_blocks = config.num_blocks if config.num_blocks is not None else self._size_pool(flat, backend)
         self.blocks = BlockManager(pool_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
-        self.runner = ModelRunner(flat, pool_blocks, config.block_size, backend)
+        self.runner = (runner or ModelRunner)(flat, pool_blocks, config.block_size, backend)
         self.engine_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         if sampler is None:
             sampler = (FullSampler if config.sampler == "full" else SimpleSampler)(self.engine_generator)
@@ -104,7 +116,9 @@ class EngineCore:
         self.steps = 0
         self.preemptions = 0
         self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
-        self.drafter: Drafter | None = None     # Chapter 37 (serve.spec_decode.Speculator)
+        self.drafter = drafter                  # Chapter 37 (serve.spec_decode.Speculator)
+        if drafter is not None:                 # what it keeps for a request goes when the request does
+            self.scheduler.on_finish = lambda request: drafter.forget(request.request_id)
         self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
         self._generate_calls = 0
@@ -114,9 +128,9 @@ class EngineCore:
         graph_mode = {"off": None, "static": "off", "on": "on", "auto": "auto" if on_cuda else None}[config.cuda_graphs]
         if graph_mode is not None:
             self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
-        self.async_steps = AsyncStepper(self) if config.async_scheduling else None
-        if self.async_steps is not None:      # the overlapped step replaces Chapter 31's, which stays as written
-            self.step = self.async_steps.step  # type: ignore[method-assign]
+        # How update() applies a step's tokens: Chapter 31's rules, with guides when they can exist.
+        self.plain_update = GuidedUpdate() if self.guides is not None else StepUpdate()
+        self.async_steps = AsyncStepper(self) if config.async_scheduling else None   # Chapter 33
 
     @staticmethod
     def _check_eos(flat: FlatModel, given: int | None | Literal["model"]) -> int | None:
@@ -379,12 +393,9 @@ class EngineCore:
             params.ignore_eos is off; neither applies while produced < params.min_tokens;
           Status.FINISHED_LENGTH when produced >= params.max_tokens, or when the prompt plus
             produced reaches self.max_model_len (no position left);
-          Status.FINISHED_STOPPED with stop_reason "guided" when the request's constrained-
-            decoding guide, request.extra["guide"] (Chapter 35), reports `guide.finished`
-            (a bool property: no token may follow);
           None otherwise.
         When a stop token and the length rule both hold, the stop token wins. Changes nothing
-        but stop_reason. May raise whatever the guide raises; step() isolates that.
+        but stop_reason.
         """
         params = request.params
         position = index % request.num_tokens
@@ -398,101 +409,117 @@ class EngineCore:
                 return Status.FINISHED_STOPPED
         if produced >= params.max_tokens or request.num_prompt_tokens + produced >= self.max_model_len:
             return Status.FINISHED_LENGTH
-        automaton = request.extra.get("guide")          # Chapter 35: no byte may follow
-        if automaton is not None and automaton.finished:
-            request.stop_reason = "guided"
-            return Status.FINISHED_STOPPED
         return None
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns a RequestOutput per request that gained a token or
         finished this step.  (Your engine: Chapter 31)
 
-        Plans with self.scheduler.schedule() (kept in self.last_plan; len(plan.preempted) added to
-        self.preemptions), carries out the plan's swaps with self.runner.swap_out(request, blocks)
-        and self.runner.swap_in(request, blocks), then runs the scheduled rows:
-        self.runner.prepare(plan.scheduled, self.blocks.req_blocks) -> Batch and
-        self.runner.execute(batch) -> float32 logits [L, vocab], rows in logits_indices order
-        (prompt-logprob rows after the sampling rows, handed to self._record_prompt_logprobs,
-        Chapter 34). Tokens come from self._sample(logits, requests, {id: rows}) -> (tokens by
-        id, logprobs by id, errors by id), over the requests with sampled rows.
-        Afterwards, for every scheduled (request, n): num_computed_tokens grew by n, its new
-        tokens are appended and its full blocks published (generated tokens fill blocks too);
-        a request that gained tokens has first_token_time set once, its guide advanced by each
-        token (request.extra["guide"].advance(token), Chapter 35), check_stop applied and, on a
-        status, self.scheduler.finish(request, status) called at once (its blocks are free for
-        the next step) and its generator dropped; it gets one self.make_output(request, new
-        tokens, logprobs) entry. A mid-prompt chunk reports nothing. self.steps grows by one.
-        Returns [] when nothing is scheduled (swaps still happen). With self.drafter set
-        (Chapter 37) it returns self.drafter.step(self, plan), which runs and updates the
-        scheduled requests with verification rows itself.
+        Plans with self.scheduler.schedule() (kept in self.last_plan; len(plan.preempted) added
+        to self.preemptions), carries out the plan's swaps with self.runner.swap_out(request,
+        blocks) and self.runner.swap_in(request, blocks), then runs the scheduled rows:
+        self.runner.prepare(plan.scheduled, self.blocks.req_blocks) -> Batch, and
+        self.runner.execute(batch) -> float32 logits [L, vocab] for batch.logits_indices.
+        Tokens come from self._sample(logits, requests, {id: rows}) -> SampledTokens, over the
+        requests with sampled rows, in plan order; self.update(plan, sampled) applies them
+        and returns the outputs. Returns [] when nothing is scheduled (swaps still happen).
         Ordering: every swap-out before any swap-in (a block freed by one may be reused by the
         other), both before any compute.
-        Isolation: one request's failure is never the step's. A request whose sampling fails, or
-        whose guide or check_stop raises, is finished alone as aborted with the error on its
-        output (self._abort_with_error(request, exc, what)); the others carry on in this step.
+        Delegations, one line each: with self.async_steps set (Chapter 33) the step is
+        self.async_steps.step(); prompt-logprob rows, which follow the sampling rows, go to
+        self._record_prompt_logprobs(batch, rows) (Chapter 34); with self.drafter set
+        (Chapter 37) self.drafter.verify(self, plan, batch, logits) gives the SampledTokens.
         With self.checks set (EngineConfig.debug_checks): checks.check_plan(plan, scheduler,
-        where) after scheduling, checks.check_scheduler(scheduler, where) at the end.
+        where) after scheduling.
         """
+        if self.async_steps is not None:                  # Chapter 33: plan t + 1 while t runs
+            return self.async_steps.step()
         plan = self.last_plan = self.scheduler.schedule()
         if self.checks is not None:
             self.checks.check_plan(plan, self.scheduler, f"engine step {self.steps}, the plan")
         self.preemptions += len(plan.preempted)
-        runner = self.runner
         for victim, old_blocks in plan.swap_out:          # all copies out before any copy in
-            runner.swap_out(victim, old_blocks)
+            self.runner.swap_out(victim, old_blocks)
         for resumed, new_blocks in plan.swap_in:
-            runner.swap_in(resumed, new_blocks)
+            self.runner.swap_in(resumed, new_blocks)
         if not plan.scheduled:
             return []
-        if self.drafter is not None:
-            return self.drafter.step(self, plan)          # Chapter 37: verify drafts, then update
         batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
         logits = self.runner.execute(batch)
         if batch.prompt_spans:                  # prompt-logprob rows follow the sampling rows (Chapter 34)
             self._record_prompt_logprobs(batch, logits[batch.num_sample_rows:])
             logits = logits[:batch.num_sample_rows]
+        if self.drafter is not None:                      # Chapter 37: verify the drafts instead
+            return self.update(plan, self.drafter.verify(self, plan, batch, logits))
         rows = {request.request_id: k for (request, _), k in zip(plan.scheduled, batch.sample_counts) if k}
-        gained, logprobs, failed = self._sample(logits, [r for r, _ in plan.scheduled if r.request_id in rows], rows)
-        outputs, now = [], time.monotonic()
+        sampled = self._sample(logits, [r for r, _ in plan.scheduled if r.request_id in rows], rows)
+        return self.update(plan, sampled)
+
+    @property
+    def update_hooks(self) -> UpdateHooks:
+        """How update() applies tokens: the drafter's (Chapter 37), the asynchronous
+        stepper's (Chapter 33), or Chapter 31's own (with guides, Chapter 35)."""
+        return self.drafter or self.async_steps or self.plain_update
+
+    def update(self, plan: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
+        """Apply a step's results to its scheduled requests; returns their outputs.  (Your engine: Chapter 31)
+
+        For every (request, n) of plan.scheduled, in order, except requests already finished
+        (one aborted while its step ran): hooks.advance(self, request, n), where hooks is
+        self.update_hooks (Chapter 31's: num_computed_tokens grows by n). Then:
+          - failed in sampled.failed: finished alone, as aborted, with the error on its
+            output (self._abort_with_error(request, exc, sampled.doing));
+          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published
+            (self.blocks.cache_full_blocks(request)), nothing reported;
+          - else kept, status = hooks.commit(self, request, tokens) (appends them, applies
+            the stop rules); an exception there finishes the request alone as above, with
+            hooks.doing; then its full blocks published, first_token_time set once, and on a
+            status self.scheduler.finish(request, status) at once (its blocks are free for
+            the next step) and its generator dropped from self.generators; it gets
+            hooks.report(self, request, kept, self._keep_logprobs(request, sampled.logprobs)).
+        Afterwards hooks.after_update(self, plan, advanced) with the (request, kept) pairs
+        still running, then self.steps grows by one. With self.checks set:
+        checks.check_scheduler(scheduler, where) at the end.
+        Isolation: one request's failure is never the step's; the others carry on.
+        """
+        hooks = self.update_hooks
+        outputs: list[RequestOutput] = []
+        advanced: list[tuple[Request, list[int]]] = []
+        now = time.monotonic()
         for request, n in plan.scheduled:
-            request.num_computed_tokens += n
-            if request.request_id in failed:
-                outputs.append(self._abort_with_error(request, failed[request.request_id], "sampling"))
+            if request.status.finished:
                 continue
-            new = gained.get(request.request_id) or []
-            for token in new:
-                request.append(token)
-            self.blocks.cache_full_blocks(request)
-            if not new:                                      # a mid-prompt chunk: nothing to report
+            hooks.advance(self, request, n)
+            rid = request.request_id
+            if rid in sampled.failed:
+                outputs.append(self._abort_with_error(request, sampled.failed[rid], sampled.doing))
                 continue
-            if request.first_token_time is None:
-                request.first_token_time = now
-            guide = request.extra.get("guide")
-            try:                                             # Chapter 35: the guide reads every new token
-                if guide is not None:
-                    for token in new:
-                        guide.advance(token)
-            except Exception as exc:
-                outputs.append(self._abort_with_error(request, exc, "advancing its guide"))
+            tokens = sampled.tokens.get(rid)
+            if not tokens:                                    # a mid-prompt chunk: nothing to report
+                self.blocks.cache_full_blocks(request)
                 continue
             try:
-                reason = self.check_stop(request)
-            except Exception as exc:                      # e.g. a guide that breaks on this token
-                outputs.append(self._abort_with_error(request, exc, "checking its stop rules"))
+                kept, reason = hooks.commit(self, request, tokens)
+            except Exception as exc:                          # e.g. a guide that breaks on this token
+                outputs.append(self._abort_with_error(request, exc, hooks.doing))
                 continue
-            if reason is not None:                        # its blocks return now, for the next step
-                self.generators.pop(request.request_id, None)
+            self.blocks.cache_full_blocks(request)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if reason is not None:                            # its blocks return now, for the next step
+                self.generators.pop(rid, None)
                 self.scheduler.finish(request, reason)
-            outputs.append(self.make_output(request, list(new), self._keep_logprobs(request, logprobs)))
+            else:
+                advanced.append((request, kept))
+            outputs.append(hooks.report(self, request, kept, self._keep_logprobs(request, sampled.logprobs)))
+        hooks.after_update(self, plan, advanced)
         self.steps += 1
         if self.checks is not None:
             self.checks.check_scheduler(self.scheduler, f"after engine step {self.steps}")
         return outputs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], rows: dict[str, int],
-                own: dict[str, torch.Generator] | None = None
-                ) -> tuple[dict[str, list[int]], dict[str, object], dict[str, Exception]]:
+                own: dict[str, torch.Generator] | None = None) -> SampledTokens:
         """New tokens and logprobs by request id, and the error of each request whose sampling
         failed. One request must not cost the others their step: when the batched call fails,
         each request is sampled alone, from the generator states the step started with, so
@@ -500,7 +527,7 @@ class EngineCore:
         generators by request id (default self.generators; the asynchronous engine passes
         those it captured when it launched the step)."""
         if not requests:
-            return {}, {}, {}
+            return SampledTokens()
         own = self.generators if own is None else own
         ids = [r.request_id for r in requests]
         generators = [self.engine_generator] + [own[i] for i in ids if i in own]
@@ -509,7 +536,7 @@ class EngineCore:
             tokens, logprobs = self.sampler(logits, requests, own)
             if len(tokens) != len(requests) or (logprobs and len(logprobs) != len(requests)):
                 raise ValueError(f"the sampler returned {len(tokens)} token lists for {len(requests)} requests")
-            return dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {}, {}
+            return SampledTokens(dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {})
         except Exception:
             for generator, state in zip(generators, states):
                 generator.set_state(state)
@@ -527,7 +554,7 @@ class EngineCore:
             except Exception as exc:
                 failed[request.request_id] = exc
             start += count
-        return alone, alone_logprobs, failed
+        return SampledTokens(alone, alone_logprobs, failed)
 
     def _keep_logprobs(self, request: Request, found: dict[str, Any]) -> list[TokenLogprobs] | None:
         """Chapter 34: append this step's logprobs of a request to request.extra["logprobs"]
