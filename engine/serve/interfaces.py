@@ -2,8 +2,9 @@
 
 Nothing here runs: these classes say what an object must provide to take the place of
 Chapter 31's own (a faster attention backend in Chapter 32, the full sampler in Chapter 34,
-a constrained-decoding guide in Chapter 35, a drafter in Chapter 37). The engine keeps
-calling them exactly as it calls its defaults; `isinstance(x, AttentionBackend)` checks
+a constrained-decoding guide in Chapter 35, a drafter in Chapter 37) or to extend the
+update after sampling (its hooks). The engine keeps calling them exactly as it calls its
+defaults; `isinstance(x, AttentionBackend)` checks
 that the names exist (runtime_checkable), the docstrings state the rest of the contract.
 """
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:                       # annotations only: no import cycle at run time
-    from .batch import BatchMeta
+    from .batch import Batch, BatchMeta
     from .engine import EngineCore
-    from .request import Request, RequestOutput
+    from .request import Request, RequestOutput, Status
     from .scheduler import SchedulerOutput
+    from .update import SampledTokens
 
 
 @runtime_checkable
@@ -50,7 +52,7 @@ class AttentionBackend(Protocol):
 
 
 @runtime_checkable
-class Sampler(Protocol):
+class TokenSampler(Protocol):
     """Turns a step's sampling rows into tokens (serve.sampler.SimpleSampler, Chapter 34's
     full sampler).
 
@@ -99,17 +101,49 @@ class Guide(Protocol):
 
 
 @runtime_checkable
-class Drafter(Protocol):
-    """Speculative decoding inside the engine (Chapter 37), installed as engine.drafter.
+class UpdateHooks(Protocol):
+    """What EngineCore.update asks of the way a step runs (serve.update.StepUpdate is
+    Chapter 31's; Chapters 33, 35 and 37 extend it).
 
-    Contract: `step(engine, plan)` replaces the sample-and-update half of EngineCore.step for
-    a scheduled plan (the swaps are done): it proposes draft tokens, runs the verification
-    rows, appends each request's accepted tokens, gives back the blocks of rejected drafts
-    (BlockManager.trim), applies the stop rules and returns one RequestOutput per request
-    that gained tokens or finished, exactly as EngineCore.step would have.
+    Contract:
+    - `advance(engine, request, n)`: the step computed the request's next n tokens (Chapter
+      31: num_computed_tokens grows by n; the asynchronous engine counted them at launch).
+    - `commit(engine, request, tokens)` puts the step's new tokens in the request and applies
+      the stop rules to each; returns (the tokens kept, a finish status or None). It does not
+      finish the request (update does, after reporting). It may raise: update then aborts
+      that request alone, its error saying `doing`.
+    - `report(engine, request, kept, logprobs)` -> the request's RequestOutput for the step.
+    - `after_update(engine, plan, advanced)` runs once per step after every request is
+      updated; advanced: (request, tokens kept) for those that gained tokens and still run.
+    """
+    doing: str
+
+    def advance(self, engine: EngineCore, request: Request, n: int) -> None: ...
+
+    def commit(self, engine: EngineCore, request: Request, tokens: list[int]) -> tuple[list[int], Status | None]: ...
+
+    def report(self, engine: EngineCore, request: Request, kept: list[int], logprobs: Any) -> RequestOutput: ...
+
+    def after_update(self, engine: EngineCore, plan: SchedulerOutput,
+                     advanced: list[tuple[Request, list[int]]]) -> None: ...
+
+
+@runtime_checkable
+class Drafter(UpdateHooks, Protocol):
+    """Speculative decoding inside the engine (Chapter 37), the engine's `drafter`.
+
+    Contract: `verify(engine, plan, batch, logits)` takes the place of sampling in
+    EngineCore.step: logits are the batch's sampling rows (1 + the drafts fed, per request);
+    it returns, per request, the accepted drafts then one token of the target's
+    (SampledTokens). Its update hooks then commit those tokens, give back the blocks of
+    rejected drafts (BlockManager.trim), and after the update propose the next drafts.
+    `forget(request_id)` drops what it keeps for a request that finished or was aborted.
     """
 
-    def step(self, engine: EngineCore, plan: SchedulerOutput) -> list[RequestOutput]: ...
+    def verify(self, engine: EngineCore, plan: SchedulerOutput, batch: Batch,
+               logits: torch.Tensor) -> SampledTokens: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
-__all__ = ["AttentionBackend", "Sampler", "Guide", "Drafter"]
+__all__ = ["AttentionBackend", "TokenSampler", "Guide", "UpdateHooks", "Drafter"]

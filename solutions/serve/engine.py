@@ -27,12 +27,11 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
 from .guided import GuideFactory
-from .interfaces import AttentionBackend, Drafter, Sampler, UpdateHooks
+from .interfaces import AttentionBackend, Drafter, TokenSampler, UpdateHooks
 from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .request import Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, profile_num_blocks
-from .sampler import Sampler as FullSampler
-from .sampler import SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
+from .sampler import Sampler, SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
 from .update import GuidedUpdate, SampledTokens, StepUpdate
 
@@ -84,7 +83,7 @@ class EngineCore:
 
     def __init__(self, model: Qwen3ForCausalLM | FlatModel, config: EngineConfig | None = None,
                  eos_token_id: int | None | Literal["model"] = MODEL_EOS,
-                 sampler: Sampler | None = None, vocab_bytes: list[bytes] | None = None,
+                 sampler: TokenSampler | None = None, vocab_bytes: list[bytes] | None = None,
                  drafter: Drafter | None = None, runner: RunnerFactory | None = None) -> None:
         if config is None:
             config = EngineConfig()
@@ -107,7 +106,7 @@ class EngineCore:
         self.runner = (runner or ModelRunner)(flat, pool_blocks, config.block_size, backend)
         self.engine_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         if sampler is None:
-            sampler = (FullSampler if config.sampler == "full" else SimpleSampler)(self.engine_generator)
+            sampler = (Sampler if config.sampler == "full" else SimpleSampler)(self.engine_generator)
         self.sampler = sampler
         self.vocab_bytes = vocab_bytes
         self.guides = GuideFactory(vocab_bytes, self.eos_token_id, self.vocab_size) if vocab_bytes is not None else None

@@ -52,7 +52,7 @@ class AttentionBackend(Protocol):
 
 
 @runtime_checkable
-class Sampler(Protocol):
+class TokenSampler(Protocol):
     """Turns a step's sampling rows into tokens (serve.sampler.SimpleSampler, Chapter 34's
     full sampler).
 
@@ -146,4 +146,4 @@ class Drafter(UpdateHooks, Protocol):
     def forget(self, request_id: str) -> None: ...
 
 
-__all__ = ["AttentionBackend", "Sampler", "Guide", "UpdateHooks", "Drafter"]
+__all__ = ["AttentionBackend", "TokenSampler", "Guide", "UpdateHooks", "Drafter"]

@@ -1,6 +1,6 @@
 """Chapters 31 and 34: turning the sampled rows' logits into tokens.
 
-The interface every sampler of the engine keeps (serve.interfaces.Sampler):
+The interface every sampler of the engine keeps (serve.interfaces.TokenSampler):
 
     sampler(logits [L, vocab], requests, generators) -> (tokens, logprobs)
 
@@ -334,7 +334,7 @@ def apply_token_rules(logits: torch.Tensor, requests: Sequence[Request]) -> torc
 
 class Sampler:
     """Chapter 34's full sampler: every SamplingParams rule of vLLM, for the whole batch at
-    once (serve.interfaces.Sampler).
+    once (serve.interfaces.TokenSampler).
 
     generator: where unseeded sampled rows draw (the engine passes its own, seeded by
     EngineConfig.seed); a seeded request draws only from generators[its id], one vocabulary
