@@ -76,8 +76,7 @@ class TokenSampler(Protocol):
 
 @runtime_checkable
 class Guide(Protocol):
-    """The constrained-decoding state of one request (Chapter 35), kept in
-    request.extra["guide"].
+    """The constrained-decoding state of one request (Chapter 35), kept in request.guide.
 
     Contract:
     - `allowed()` returns a bool tensor [vocab_size] on the CPU: True for every token whose

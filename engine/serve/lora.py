@@ -208,9 +208,9 @@ class AdapterBank:
         return add_update
 
 
-def adapter_inputs(flat: FlatModel, request_id: str, lora: object) -> tuple[dict[str, Any], tuple]:
+def adapter_inputs(flat: FlatModel, request_id: str, lora: object) -> tuple[int, tuple[tuple[str, str]]]:
     """What add_request stores for a request of adapter `lora` (a loaded adapter's name):
-    request.extra entries and the block-hash key. ValueError when it cannot be served."""
+    its slot (request.lora_slot) and its block-hash key. ValueError when it cannot be served."""
     bank = getattr(flat, "adapters", None)
     if bank is None:
         raise ValueError(f"request {request_id!r}: asks for adapter {lora!r} but no AdapterBank is attached "
@@ -221,4 +221,4 @@ def adapter_inputs(flat: FlatModel, request_id: str, lora: object) -> tuple[dict
         slot = bank.slot(lora)
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from None
-    return {"lora_slot": slot}, (bank.key(lora),)
+    return slot, (bank.key(lora),)

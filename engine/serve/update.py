@@ -89,7 +89,7 @@ class GuidedUpdate(StepUpdate):
     doing = "advancing its guide or checking its stop rules"
 
     def stop_after(self, engine: EngineCore, request: Request, token: int) -> Status | None:
-        guide = request.extra.get("guide")
+        guide = request.guide
         if guide is not None:
             guide.advance(token)
         reason = engine.check_stop(request)

@@ -16,7 +16,7 @@ import math
 import operator
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,7 +29,7 @@ from .flat_model import FlatModel
 from .guided import GuideFactory
 from .interfaces import AttentionBackend, Drafter, TokenSampler, UpdateHooks
 from .overlap import AsyncStepper, InflightStep, drop_placeholders
-from .request import Request, RequestOutput, SamplingParams, Status
+from .request import ImageInputs, Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, profile_num_blocks
 from .sampler import Sampler, SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
@@ -209,9 +209,9 @@ class EngineCore:
         self._check_features(request_id, params, lora, features)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
-        cache_key = self._check_cache_key(request_id, cache_key)
-        extra, keys = self._request_inputs(request_id, prompt, lora, features)
-        cache_key += keys                       # an adapter or an image changes every block's K/V
+        salts = self._check_cache_key(request_id, cache_key)
+        lora_slot, images, keys = self._request_inputs(request_id, prompt, lora, features)
+        salts += keys                           # an adapter or an image changes every block's K/V
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
                                          or not math.isfinite(arrival_time)):
             raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds, "
@@ -232,16 +232,16 @@ class EngineCore:
         if taken:
             raise ValueError(f"request {taken[0]!r} is already in the engine")
         now = time.monotonic() if arrival_time is None else arrival_time
-        requests = [Request(rid, list(prompt), p, self.eos_token_id, priority, now, cache_key)
+        requests = [Request(rid, list(prompt), p, self.eos_token_id, priority, now, salts)
                     for rid, p in zip(ids, each)]
         if self.guides is not None and (params.guided_regex is not None or params.guided_json is not None):
             try:                                  # one guide per sample: each walks its own text
                 for request in requests:
-                    request.extra["guide"] = self.guides(request.params)
+                    request.guide = self.guides(request.params)
             except ValueError as exc:
                 raise ValueError(f"request {request_id!r}: {exc}") from None
         for request in requests:
-            request.extra.update(extra)
+            request.lora_slot, request.images = lora_slot, images
             self.scheduler.check(request)          # pool capacity, budget, duplicate id
         # Generators are made here, before the engine changes: torch may still refuse a seed.
         generators = {r.request_id: self._make_generator(r) for r in requests if r.params.seed is not None}
@@ -258,7 +258,7 @@ class EngineCore:
         return requests[0]
 
     @staticmethod
-    def _check_cache_key(request_id: str, cache_key: Iterable[object]) -> tuple[str | bytes | int, ...]:
+    def _check_cache_key(request_id: str, cache_key: Iterable[object]) -> tuple[Hashable, ...]:
         """The salts as a tuple of str, bytes and int only: block keys hash their printed form,
         which is exact and stable for those three types alone (two different tensors, or two
         objects of a class with its own __repr__, may print alike and would then share K/V)."""
@@ -267,7 +267,7 @@ class EngineCore:
         except TypeError:
             raise ValueError(f"request {request_id!r}: cache_key must be an iterable of salts, "
                              f"got {cache_key!r}") from None
-        exact: list[str | bytes | int] = []
+        exact: list[Hashable] = []
         for salt in salts:          # subclasses excluded: they may print themselves as they like
             if not isinstance(salt, (str, bytes, int)) or type(salt) not in (str, bytes, int):
                 raise ValueError(f"request {request_id!r}: cache_key salts must be str, bytes or int (hashed by "
@@ -318,20 +318,20 @@ class EngineCore:
         return prompt
 
     def _request_inputs(self, request_id: str, prompt: list[int], lora: object,
-                        features: object) -> tuple[dict[str, Any], tuple]:
-        """Chapter 43: the request.extra entries and block-hash keys of an adapter (lora: a
-        loaded adapter's name) and of images (features: see serve.vision.image_inputs)."""
-        extra: dict[str, Any] = {}
-        keys: tuple = ()
+                        features: object) -> tuple[int, ImageInputs | None, tuple[Hashable, ...]]:
+        """Chapter 43: a request's adapter slot (lora: a loaded adapter's name; 0 for none),
+        its images (features: see serve.vision.image_inputs) and their block-hash keys."""
+        slot, images = 0, None
+        keys: tuple[Hashable, ...] = ()
         if lora is not None:
             from .lora import adapter_inputs
-            more, key = adapter_inputs(self.runner.flat, request_id, lora)
-            extra, keys = {**extra, **more}, keys + key
+            slot, adapter_keys = adapter_inputs(self.runner.flat, request_id, lora)
+            keys += adapter_keys
         if features:
             from .vision import image_inputs
-            more, key = image_inputs(self.runner.flat, request_id, prompt, features)
-            extra, keys = {**extra, **more}, keys + key
-        return extra, keys
+            images, image_keys = image_inputs(self.runner.flat, request_id, prompt, features)
+            keys += image_keys
+        return slot, images, keys
 
     def _check_features(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
         if self.drafter is not None:                       # Chapter 37: what speculation cannot verify
@@ -556,17 +556,16 @@ class EngineCore:
         return SampledTokens(alone, alone_logprobs, failed)
 
     def _keep_logprobs(self, request: Request, found: dict[str, Any]) -> list[TokenLogprobs] | None:
-        """Chapter 34: append this step's logprobs of a request to request.extra["logprobs"]
-        (one entry per output token); returns a copy of them all, or None if it asked for none."""
+        """Chapter 34: append this step's logprobs of a request to request.logprobs (one
+        entry per output token); returns a copy of them all, or None if it asked for none."""
         if request.params.logprobs is None:
             return None
-        kept: list[TokenLogprobs] = request.extra.setdefault("logprobs", [])
-        kept += found.get(request.request_id) or []
-        return list(kept)
+        request.logprobs += found.get(request.request_id) or []
+        return list(request.logprobs)
 
     def _record_prompt_logprobs(self, batch: Batch, rows: torch.Tensor) -> None:
         """Chapter 34: the log-probabilities of prompt tokens, one row per prompt position
-        that predicts a prompt token, kept in request.extra["prompt_logprobs"]: entry p
+        that predicts a prompt token, kept in request.prompt_logprobs: entry p
         belongs to prompt token p (entry 0 is None: nothing predicts the first token). A
         position already recorded (a prompt computed again after preemption) is kept."""
         targets = [token for _, _, tokens in batch.prompt_spans for token in tokens]
@@ -574,7 +573,9 @@ class EngineCore:
         found = token_logprobs(rows, torch.tensor(targets, dtype=torch.int64, device=rows.device), widths)
         offset = 0
         for request, start, tokens in batch.prompt_spans:
-            recorded: list[TokenLogprobs | None] = request.extra.setdefault("prompt_logprobs", [None])
+            recorded = request.prompt_logprobs
+            if not recorded:
+                recorded.append(None)
             for position, entry in enumerate(found[offset:offset + len(tokens)], start=start + 1):
                 if position == len(recorded):
                     recorded.append(entry)
@@ -591,7 +592,7 @@ class EngineCore:
     # --- helpers ----------------------------------------------------------------------------------
 
     def make_output(self, request: Request, new_tokens: list[int], logprobs: Any = None) -> RequestOutput:
-        prompt_logprobs = request.extra.get("prompt_logprobs")      # Chapter 34, once the prompt is computed
+        prompt_logprobs = request.prompt_logprobs                   # Chapter 34, once the prompt is computed
         return RequestOutput(request.request_id, new_tokens, request.output_token_ids, request.status.finished,
                              request.status, request.stop_reason, request.num_cached_tokens, logprobs,
                              list(prompt_logprobs) if prompt_logprobs else None, error=request.error)
