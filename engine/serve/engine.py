@@ -134,7 +134,7 @@ class EngineCore:
     @staticmethod
     def _check_eos(flat: FlatModel, given: int | None | Literal["model"]) -> int | None:
         """The engine's EOS id: the model config's for MODEL_EOS, else `given` (None: no EOS)."""
-        eos = getattr(flat.cfg, "eos_token_id", None) if given == MODEL_EOS else given
+        eos = flat.cfg.eos_token_id if given == MODEL_EOS else given
         vocab = flat.cfg.vocab_size
         if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab):
             raise ValueError(f"eos_token_id must be a token id in 0..{vocab - 1}, None (no EOS) or {MODEL_EOS!r} "
@@ -146,7 +146,7 @@ class EngineCore:
         """config.max_model_len, or the model's context limit when it is None. A length past
         the positions the model was trained for is refused, not silently accepted: its
         rotary angles there were never seen, so the outputs would be quietly wrong."""
-        limit: int | None = getattr(flat.model, "context_limit", None)
+        limit = flat.capabilities.context_limit
         if wanted is None:
             return limit or (1 << 30)
         if limit is not None and wanted > limit:
@@ -163,23 +163,23 @@ class EngineCore:
         cfg = self.config
         layers, kv_heads, head_dim = flat.kv_spec()
         shape = (1, cfg.block_size, kv_heads, head_dim)          # one block, on "meta": sizes without memory
-        own = getattr(flat.model, "allocate_kv", None)            # a model with its own cache layout
+        own = flat.capabilities.allocate_kv                       # a model with its own cache layout
         if own is not None:                                       # a latent pool is one tensor, handed out twice
             unique = {id(t): t for t in own(shape, self.dtype, "meta")}.values()
             layer_bytes = sum(t.numel() * t.element_size() for t in unique)
         else:                                                     # K and V (codes and scales when quantized)
             pair = backend.allocate(shape, self.dtype, "meta")
-            pools = getattr(flat.model, "kv_pools", 2)            # a latent cache keeps one pool, not two
+            pools = flat.capabilities.kv_pools                    # a latent cache keeps one pool, not two
             layer_bytes = sum(t.numel() * t.element_size() for t in pair) * pools // 2
-        placed = getattr(flat, "pool_blocks", None)               # layers on several devices
-        if placed is not None:
-            found = placed(layer_bytes, cfg.kv_cache_bytes, cfg.gpu_memory_utilization)
+        placed = flat.pool_blocks(layer_bytes, cfg.kv_cache_bytes, cfg.gpu_memory_utilization)
+        if placed is not None:                                    # layers on several devices
+            found = placed
         elif self.device.type == "cuda":
             found = profile_num_blocks(flat, backend, cfg.block_size, self.dtype, self.device,
                                        cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
         else:
             found = cfg.kv_cache_bytes // (layers * layer_bytes)
-        agree = getattr(flat.model, "agree_num_blocks", None)     # every rank must hold the same pool
+        agree = flat.capabilities.agree_num_blocks                # every rank must hold the same pool
         if agree is not None:
             found = agree(found)
         if found < 1:

@@ -334,7 +334,7 @@ def attach_vision(flat: FlatModel, encoder: VisionEncoder, image_token_id: int,
     flat.rope = rope
     encoder.to(next(flat.parameters()).device)
     # nn.Module's __setattr__ is typed for tensors and modules; this is a plain record.
-    flat.vision = VisionInputs(encoder, image_token_id, tuple(sections))  # type: ignore[assignment]
+    flat.vision = VisionInputs(encoder, image_token_id, tuple(sections))
 
 
 def image_key(pixels: torch.Tensor) -> str:
@@ -350,7 +350,7 @@ def image_inputs(flat: FlatModel, request_id: str, prompt: list[int], features: 
     """What add_request stores for a request with images: features = {"images": [pixels
     [C, H, W], ...]} in prompt order, each matched by a run of rows * cols image tokens.
     Returns (request.images, block-hash keys); ValueError if anything does not fit."""
-    vision = getattr(flat, "vision", None)
+    vision = flat.vision
     if vision is None:
         raise ValueError(f"request {request_id!r}: image features need a vision encoder attached with "
                          f"serve.vision.attach_vision (Chapter 43)")

@@ -9,7 +9,8 @@ that the names exist (runtime_checkable), the docstrings state the rest of the c
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -145,4 +146,33 @@ class Drafter(UpdateHooks, Protocol):
     def forget(self, request_id: str) -> None: ...
 
 
-__all__ = ["AttentionBackend", "TokenSampler", "Guide", "UpdateHooks", "Drafter"]
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What a loaded model may declare beyond Qwen3ForCausalLM's modules, as attributes of
+    the same names; FlatModel reads them once (`of`), so nothing else in the engine asks a
+    model what it can do. A model that declares none gets these defaults.
+
+    context_limit: the positions it was trained for (Chapter 17; None: no limit known).
+    kv_spec() -> (layers, kv_heads, head_dim): a pool shape other than its config's
+      (latent attention, Chapter 42; a pipeline stage's layers, Chapter 41).
+    allocate_kv(shape, dtype, device) -> one layer's pool tuple: a cache layout of its own
+      (latent attention), used instead of the backend's.
+    kv_pools: tensors per layer the pool sizing counts (2: K and V; 1: one latent pool).
+    agree_num_blocks(n) -> the pool size every rank of a split model agrees on (Chapter 41).
+    rope_tables(positions, dtype) -> (cos, sin) [N, 1, head_dim]: scaled rotary
+      frequencies (Chapter 42).
+    """
+    context_limit: int | None = None
+    kv_spec: Callable[[], tuple[int, int, int]] | None = None
+    allocate_kv: Callable[[tuple[int, ...], torch.dtype, torch.device | str], tuple[torch.Tensor, ...]] | None = None
+    kv_pools: int = 2
+    agree_num_blocks: Callable[[int], int] | None = None
+    rope_tables: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def of(cls, model: object) -> ModelCapabilities:
+        """The capabilities `model` declares (the one place that looks)."""
+        return cls(**{f.name: getattr(model, f.name) for f in fields(cls) if hasattr(model, f.name)})
+
+
+__all__ = ["AttentionBackend", "TokenSampler", "Guide", "UpdateHooks", "Drafter", "ModelCapabilities"]

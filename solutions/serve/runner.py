@@ -89,14 +89,14 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         layers, kv_heads, head_dim = self.flat.kv_spec()
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)
-        place = getattr(self.flat, "layer_device", None)           # layers on several devices (Chapter 40)
-        own = getattr(self.flat.model, "allocate_kv", None)
+        own = self.flat.capabilities.allocate_kv
         make = own or self.backend.allocate
         # Ask about `own`, not `make`: every access to a bound method makes a new object.
         if own is not None and getattr(self.backend, "quantized", False):
             raise ValueError("this model allocates its own KV pool (latent attention, Chapter 42), which is never "
                              "quantized: use kv_cache_dtype='auto'")
-        self.kv_caches: list[KVCache] = [make(shape, self.dtype, place(i) if place else self.device)
+        # Layers placed on several devices (Chapter 40) keep their pools beside them.
+        self.kv_caches: list[KVCache] = [make(shape, self.dtype, self.flat.layer_device(i) or self.device)
                                          for i in range(layers)]
         # request id -> per layer, host copies of its blocks
         self.swapped: dict[str, list[list[torch.Tensor]]] = {}
@@ -211,7 +211,7 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(batch):  # a padded decode step, no step inputs (Chapter 33)
             return graphs.run(batch)
         extra = dict(batch.extra)
-        bank = getattr(self.flat, "adapters", None)
+        bank = self.flat.adapters
         lora_ids = extra.pop("lora_ids", None)
         positions = extra.pop("mrope_positions", batch.positions)
         with bank.activate(lora_ids) if bank is not None else nullcontext():
