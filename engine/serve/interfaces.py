@@ -137,13 +137,16 @@ class Drafter(UpdateHooks, Protocol):
     it returns, per request, the accepted drafts then one token of the target's
     (SampledTokens). Its update hooks then commit those tokens, give back the blocks of
     rejected drafts (BlockManager.trim), and after the update propose the next drafts.
-    `forget(request_id)` drops what it keeps for a request that finished or was aborted.
+    `forget(request_id)` drops what it keeps for a request that finished or was aborted;
+    `bind(engine)` is called once by the engine being built with it, before any request.
     """
 
     def verify(self, engine: EngineCore, plan: SchedulerOutput, batch: Batch,
                logits: torch.Tensor) -> SampledTokens: ...
 
     def forget(self, request_id: str) -> None: ...
+
+    def bind(self, engine: EngineCore) -> None: ...
 
 
 @dataclass(frozen=True)

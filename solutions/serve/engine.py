@@ -116,7 +116,9 @@ class EngineCore:
         self.preemptions = 0
         self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
         self.drafter = drafter                  # Chapter 37 (serve.spec_decode.Speculator)
-        if drafter is not None:                 # what it keeps for a request goes when the request does
+        if drafter is not None:
+            drafter.bind(self)
+            # What it keeps for a request goes when the request does.
             self.scheduler.on_finish = lambda request: drafter.forget(request.request_id)
         self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on

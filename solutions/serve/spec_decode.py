@@ -162,6 +162,8 @@ class Proposer(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def bind(self, engine: EngineCore) -> None: ...
+
 
 @dataclass
 class NgramProposer:
@@ -181,6 +183,9 @@ class NgramProposer:
     def release(self, request_id: str) -> None:
         pass
 
+    def bind(self, engine: EngineCore) -> None:
+        pass
+
 
 class DraftModelProposer:
     """A smaller causal LM guesses k tokens per request, one batched forward per guess.
@@ -197,19 +202,27 @@ class DraftModelProposer:
     """
 
     name = "draft-model"
+    runner: ModelRunner            # the draft's own pool and forward, built by bind()
+    blocks: BlockManager
 
-    def __init__(self, draft: Qwen3ForCausalLM, num_blocks: int, block_size: int, backend: str = "reference") -> None:
-        self.runner = ModelRunner(draft, num_blocks, block_size, backend)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    def __init__(self, draft: Qwen3ForCausalLM, num_blocks: int | None = None, block_size: int | None = None,
+                 backend: str | None = None) -> None:
+        """num_blocks, block_size, backend: the draft pool's; None takes the target engine's
+        (the draft has fewer layers, so an equal pool takes fewer bytes)."""
+        self.draft, self.pool = draft, (num_blocks, block_size, backend)
         self.shadows: dict[str, Request] = {}
 
-    @classmethod
-    def for_engine(cls, draft: Qwen3ForCausalLM, engine: EngineCore) -> DraftModelProposer:
-        """A draft pool as large as the engine's (the draft has fewer layers, so fewer bytes)."""
-        if draft.cfg.vocab_size != engine.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
+    def bind(self, engine: EngineCore) -> None:
+        """Build the draft's pool for the engine being built, or refuse a draft that guesses
+        in another vocabulary."""
+        if self.draft.cfg.vocab_size != engine.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({self.draft.cfg.vocab_size}) differs from the target's "
                              f"({engine.vocab_size}): its guesses would be other tokens")
-        return cls(draft, engine.blocks.num_blocks, engine.config.block_size, engine.config.attention_backend)
+        num_blocks, block_size, backend = self.pool
+        num_blocks = num_blocks or engine.blocks.num_blocks
+        block_size = block_size or engine.config.block_size
+        self.runner = ModelRunner(self.draft, num_blocks, block_size, backend or engine.config.attention_backend)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
 
     def release(self, request_id: str) -> None:
         shadow = self.shadows.pop(request_id, None)
@@ -371,6 +384,9 @@ class HeadProposer:
     def release(self, request_id: str) -> None:
         pass
 
+    def bind(self, engine: EngineCore) -> None:
+        pass
+
 
 # --- the drafter the engine calls -----------------------------------------------------------
 
@@ -426,7 +442,7 @@ class Speculator(StepUpdate):
     is `settle` (accepted drafts kept, rejected drafts' blocks given back), and
     `after_update` proposes the next step's drafts.
 
-    Install with `Speculator(proposer, k).attach(engine)` on an engine with no request yet."""
+    Hand it to the engine when it is built: EngineCore(model, config, drafter=Speculator(proposer, k))."""
     proposer: Any
     k: int = 4
     stats: VerifyStats = field(default_factory=VerifyStats)
@@ -441,23 +457,10 @@ class Speculator(StepUpdate):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"Speculator: k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
 
-    def attach(self, engine: EngineCore) -> Speculator:
-        if engine.has_unfinished:
-            raise ValueError("attach a drafter before adding requests: those were accepted without its rules")
-        if engine.drafter is not None:
-            raise ValueError("this engine already has a drafter")
-        if engine.async_steps is not None:
-            raise ValueError(ASYNC_REFUSAL)
-        previous = engine.scheduler.on_finish
-
-        def forget(request: Request) -> None:          # finished or aborted: drop what we keep for it
-            self.forget(request.request_id)
-            if previous is not None:
-                previous(request)
-
-        engine.scheduler.on_finish = forget
-        engine.drafter = self
-        return self
+    def bind(self, engine: EngineCore) -> None:
+        """Called by EngineCore when it is built with this drafter: the proposer sizes what
+        it keeps (a draft model's pool) for that engine."""
+        self.proposer.bind(engine)
 
     def forget(self, request_id: str) -> None:
         self.draft_probs.pop(request_id, None)
