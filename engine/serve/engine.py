@@ -2,10 +2,12 @@
 
     add_request  validate everything, then queue (n > 1 becomes n requests)
     step         schedule -> swaps -> one flattened batch -> one forward -> sample -> update
+    update       the one place a step's tokens reach its requests (serve.update's hooks)
     generate     a blocking helper: many prompts in, their finished outputs back
 
-Features of later chapters have seams here and nothing more: asking for one raises an error
-that names the chapter that builds it.
+Features of later chapters plug into seams here: parts handed to the constructor (sampler,
+drafter, runner), the update's hooks, one-line delegations in step. Asking for a feature
+the engine cannot combine with another raises an error that says why.
 """
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ call of this module does, in this order:
     2. build step t+1's batch on the host and hand its device part (swaps, placeholder
        inputs filled from step t's sampled tokens, forward, sampling) to the device queue,
        behind step t: the device never waits for the host;
-    3. only now wait for step t's tokens, write them over the placeholders, apply the stop
-       rules, and report them.
+    3. only now wait for step t's tokens and hand them to EngineCore.update, whose hooks
+       this stepper extends: each token is written over its placeholder, the stop rules
+       apply to it, and the outputs are made there, as for a synchronous step.
 
 So step t's device work overlaps step t+1's host work. The cost: a request that stops at
 step t (an EOS nobody knew about yet) has already been given a row in step t+1, computed

@@ -13,8 +13,9 @@ all of them at once:
 
 Three proposers share one interface (`propose`): n-gram lookup in the request's own tokens,
 a smaller draft model with a KV pool of its own, and heads on the target's last hidden
-state (Medusa style). `Speculator` is the engine's `drafter` (serve.interfaces.Drafter): it
-takes over the sample-and-update half of EngineCore.step.
+state (Medusa style). `Speculator` is the engine's `drafter` (serve.interfaces.Drafter), handed to
+EngineCore when it is built: its `verify` takes the place of sampling in EngineCore.step,
+and it extends EngineCore.update through the update's hooks (serve.update).
 
 Acceptance: a greedy request keeps the drafts that equal the target's argmax (Chapter 26's
 accept_greedy), so its output is exactly the non-speculative engine's. A sampled request
