@@ -136,9 +136,11 @@ def _logits_qwen3() -> Any:
 _LogitsQwen3: Any = None
 
 
-def make_engine(serve: SimpleNamespace, model: nn.Module, eos_token_id: int | None = TINY_EOS, **config) -> Any:
+def make_engine(serve: SimpleNamespace, model: nn.Module, eos_token_id: int | None = TINY_EOS, drafter: Any = None,
+                **config) -> Any:
     """An EngineCore of the implementation under test with EngineConfig(**config)."""
-    return serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=eos_token_id)
+    return serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=eos_token_id,
+                                   drafter=drafter)
 
 
 def assert_engine_idle(engine: Any, where: str = "") -> None:
@@ -165,6 +167,7 @@ class ScriptedRunner:
         self.swapped: dict[str, list[int]] = {}
         self.on_swap_out = self.on_swap_in = self.on_execute = None
         self.executed = 0
+        self.last_hidden = None          # no hidden states: draft heads (Chapter 37) guess nothing
 
     @classmethod
     def install(cls, serve: SimpleNamespace, engine: Any, next_token: Callable[[list[int]], int]) -> ScriptedRunner:

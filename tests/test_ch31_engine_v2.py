@@ -745,5 +745,6 @@ def test_the_defaults_satisfy_the_interfaces(serve, tiny_model):
     interfaces = serve.interfaces
     engine = make_engine(serve, tiny_model)
     assert isinstance(engine.runner.backend, interfaces.AttentionBackend)
-    assert isinstance(engine.sampler, interfaces.Sampler)
+    assert isinstance(engine.sampler, interfaces.TokenSampler)
+    assert isinstance(engine.update_hooks, interfaces.UpdateHooks), "Chapter 31's update hooks (serve.update)"
     assert not isinstance(object(), interfaces.Drafter) and not isinstance(object(), interfaces.Guide)

@@ -152,7 +152,7 @@ class FakeGuide:
 
 def test_guide_mask_comes_before_every_other_rule(serve, sampler):
     guided = make_request(serve, "g", [1, 2], logit_bias={100: 50.0}, temperature=1.0, seed=4)
-    guided.extra["guide"] = FakeGuide({3, 17})
+    guided.guide = FakeGuide({3, 17})
     free = make_request(serve, "free", [1, 2], logit_bias={100: 50.0})
     generators = {"g": torch.Generator().manual_seed(4)}
     logits = torch.zeros(2, VOCAB)
@@ -160,7 +160,7 @@ def test_guide_mask_comes_before_every_other_rule(serve, sampler):
     assert tokens[0][0] in {3, 17}, f"a guided request drew {tokens[0][0]}, which its guide forbids"
     assert tokens[1] == [100], "the unguided neighbour's logit_bias must still apply"
     forbidding_all = make_request(serve, "dead", [1], allowed_token_ids=(5,))
-    forbidding_all.extra["guide"] = FakeGuide({3})
+    forbidding_all.guide = FakeGuide({3})
     with pytest.raises(ValueError, match="dead"):
         sampler.Sampler()(torch.zeros(1, VOCAB), [forbidding_all], {})
 

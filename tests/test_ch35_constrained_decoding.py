@@ -442,7 +442,7 @@ def test_a_guide_that_fails_aborts_only_its_request(serve, tiny_model, ref_model
     P = serve.request.SamplingParams
     engine.add_request("fine", [3, 14, 15], P(max_tokens=6))
     broken = engine.add_request("broken", [1, 2], P(max_tokens=6, guided_regex="[a-z]+"))
-    broken.extra["guide"] = FailingGuide()
+    broken.guide = FailingGuide()
     outputs = drain(engine)
     assert outputs["broken"].finish_reason == "abort" and "advancing its guide" in outputs["broken"].error, (
         f"a guide that raises must abort its own request with the reason, got {outputs['broken'].error!r}")
@@ -515,7 +515,7 @@ def test_engine_state_machine_with_guided_requests(serve, tiny_model, request):
             self.log.append(f"add guided {rid}: {tokens} max_tokens={max_tokens}")
 
         def check_output(self, request, out):
-            if "guide" not in request.extra:
+            if request.guide is None:
                 return super().check_output(request, out)
             text = bytes(out.output_token_ids).decode("latin-1")
             assert re.fullmatch("[a-z]{1,3}", text), f"{self.where()}: guided {out.request_id} spelled {text!r}"

@@ -57,12 +57,11 @@ def prompts_for(seed, count=6):
     return out
 
 
-def proposer(kind, spec, impl, engine, heads):
+def proposer(kind, spec, impl, target, heads):
     if kind == "ngram":
         return spec.NgramProposer()
-    if kind == "draft model":
-        draft = impl.load("speculative").truncated_draft(engine.runner.flat.model, 1)
-        return spec.DraftModelProposer.for_engine(draft, engine)
+    if kind == "draft model":       # its pool: the engine's size (DraftModelProposer.bind)
+        return spec.DraftModelProposer(impl.load("speculative").truncated_draft(target, 1))
     return spec.HeadProposer(heads)
 
 
@@ -83,6 +82,9 @@ class PerfectProposer:
         return drafts
 
     def release(self, request_id):
+        pass
+
+    def bind(self, engine):
         pass
 
 
@@ -162,9 +164,9 @@ def test_warped_rows_are_the_distribution_chapter_8_draws_from(spec, serve, temp
 @pytest.mark.parametrize("kind", ["ngram", "draft model", "heads"])
 def test_greedy_output_is_solo_generate_for_every_drafter(serve, spec, impl, tiny_model, ref_model, heads, kind, mode):
     prompts = prompts_for(3)
+    drafter = spec.Speculator(proposer(kind, spec, impl, tiny_model, heads), k=3)
     engine = make_engine(serve, tiny_model, num_blocks=22, block_size=4, preemption_mode=mode,
-                         max_num_batched_tokens=24, debug_checks=True)
-    drafter = spec.Speculator(proposer(kind, spec, impl, engine, heads), k=3).attach(engine)
+                         max_num_batched_tokens=24, debug_checks=True, drafter=drafter)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, serve.request.SamplingParams(max_tokens=18 + i))
     got = run_steps(engine, f"[{kind}, {mode}]")
@@ -189,8 +191,8 @@ def test_stop_rules_apply_to_accepted_tokens_in_order(serve, spec, tiny_model, r
     prompts = prompts_for(11, 4)
     plain = [solo(ref_model, p, 20) for p in prompts]
     stops = [(plain[0][5],), (), (plain[2][2],), ()]
-    engine = make_engine(serve, tiny_model, num_blocks=64, block_size=4, debug_checks=True)
-    drafter = spec.Speculator(PerfectProposer(ref_model, prompts, 20), k=6).attach(engine)
+    drafter = spec.Speculator(PerfectProposer(ref_model, prompts, 20), k=6)
+    engine = make_engine(serve, tiny_model, num_blocks=64, block_size=4, debug_checks=True, drafter=drafter)
     for i, (p, stop) in enumerate(zip(prompts, stops)):
         engine.add_request(f"s{i}", p, serve.request.SamplingParams(max_tokens=20 if i != 3 else 9,
                                                                     stop_token_ids=stop))
@@ -208,9 +210,9 @@ def test_a_budget_that_cuts_the_drafts_verifies_only_what_ran(serve, spec, tiny_
     """With a 3-token step budget a request can feed its newest token and at most 2 of its 4
     drafts: only those are verified, the rest are dropped and proposed again."""
     prompts = prompts_for(13, 1)
+    drafter = spec.Speculator(PerfectProposer(ref_model, prompts, 16), k=4)
     engine = make_engine(serve, tiny_model, num_blocks=32, block_size=4, max_num_batched_tokens=3,
-                         debug_checks=True)
-    drafter = spec.Speculator(PerfectProposer(ref_model, prompts, 16), k=4).attach(engine)
+                         debug_checks=True, drafter=drafter)
     engine.add_request("cut", prompts[0], serve.request.SamplingParams(max_tokens=16))
     got, most = [], 0
     while engine.has_unfinished:
@@ -228,9 +230,9 @@ def test_a_full_draft_pool_means_no_drafts_not_a_stall(serve, spec, impl, tiny_m
     """The draft model's own pool holds 2 blocks of 4 tokens: longer requests get no drafts
     from it, and decode as if no drafter were installed."""
     prompts = prompts_for(17, 3)
-    engine = make_engine(serve, tiny_model, num_blocks=48, block_size=4, debug_checks=True)
     draft = spec.DraftModelProposer(impl.load("speculative").truncated_draft(tiny_model, 1), 2, 4)
-    spec.Speculator(draft, k=3).attach(engine)
+    engine = make_engine(serve, tiny_model, num_blocks=48, block_size=4, debug_checks=True,
+                         drafter=spec.Speculator(draft, k=3))
     for i, p in enumerate(prompts):
         engine.add_request(f"f{i}", p, serve.request.SamplingParams(max_tokens=10))
     got = run_steps(engine, "[tiny draft pool]")
@@ -247,9 +249,9 @@ def test_rejected_drafts_are_trimmed_and_never_published(serve, spec, tiny_model
     whole sequence reuses those published blocks and must still decode exactly."""
     block_size = 4
     first = prompts_for(5, 1)[0]
-    engine = make_engine(serve, tiny_model, num_blocks=40, block_size=block_size, debug_checks=True)
     full = first + solo(ref_model, first, 23)
-    drafter = spec.Speculator(WrongProposer(ref_model, [first, full], 23), k=3).attach(engine)
+    drafter = spec.Speculator(WrongProposer(ref_model, [first, full], 23), k=3)
+    engine = make_engine(serve, tiny_model, num_blocks=40, block_size=block_size, debug_checks=True, drafter=drafter)
     engine.add_request("a", first, serve.request.SamplingParams(max_tokens=23))
     hash_block = serve.blocks.hash_block
     while engine.has_unfinished:
@@ -317,13 +319,13 @@ def chi_square_p_value(counts, probs, total):
 
 
 def sampled_outputs(serve, spec, impl, model, kind, seed):
-    engine = make_engine(serve, model, eos_token_id=None, num_blocks=2048, block_size=4, max_num_seqs=512,
-                         max_num_batched_tokens=4096, seed=seed)
     if kind == "draft model":
-        draft = spec.DraftModelProposer.for_engine(impl.load("speculative").truncated_draft(model, 1), engine)
+        draft = spec.DraftModelProposer(impl.load("speculative").truncated_draft(model, 1))
     else:
         draft = spec.NgramProposer(max_n=2)
-    drafter = spec.Speculator(draft, k=3).attach(engine)
+    drafter = spec.Speculator(draft, k=3)
+    engine = make_engine(serve, model, eos_token_id=None, num_blocks=2048, block_size=4, max_num_seqs=512,
+                         max_num_batched_tokens=4096, seed=seed, drafter=drafter)
     params = serve.request.SamplingParams(max_tokens=OUT_TOKENS, n=SAMPLES, seed=seed * SAMPLES, **SAMPLING)
     finals = engine.generate([[0, 1, 2, 0, 1, 2, 0]], params)[0]
     assert_engine_idle(engine, f"[sampled, {kind}]")
@@ -349,9 +351,8 @@ def test_sampled_outputs_follow_the_target_distribution(serve, spec, impl, kind)
 
 def test_seeded_requests_reproduce(serve, spec, impl, tiny_model):
     def run():
-        engine = make_engine(serve, tiny_model, num_blocks=64, block_size=4)
-        drafter = spec.DraftModelProposer.for_engine(impl.load("speculative").truncated_draft(tiny_model, 1), engine)
-        spec.Speculator(drafter, k=3).attach(engine)
+        draft = spec.DraftModelProposer(impl.load("speculative").truncated_draft(tiny_model, 1))
+        engine = make_engine(serve, tiny_model, num_blocks=64, block_size=4, drafter=spec.Speculator(draft, k=3))
         params = serve.request.SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=42)
         return [o.output_token_ids for o in engine.generate(prompts_for(2, 3), params)]
     first = run()
@@ -363,8 +364,8 @@ def test_seeded_requests_reproduce(serve, spec, impl, tiny_model):
 @pytest.mark.parametrize("field,value", [("repetition_penalty", 1.2), ("logit_bias", {3: 1.0}),
                                          ("min_tokens", 2), ("logprobs", 2)])
 def test_requests_the_verifier_cannot_honour_are_refused(serve, spec, tiny_model, field, value):
-    engine = make_engine(serve, tiny_model, num_blocks=16, block_size=4)
-    spec.Speculator(spec.NgramProposer(), k=2).attach(engine)
+    engine = make_engine(serve, tiny_model, num_blocks=16, block_size=4,
+                         drafter=spec.Speculator(spec.NgramProposer(), k=2))
     with pytest.raises(ValueError, match="speculative decoding"):
         engine.add_request("x", [1, 2, 3], serve.request.SamplingParams(**{field: value}))
     with pytest.raises(ValueError, match="Chapter 43"):
@@ -372,13 +373,14 @@ def test_requests_the_verifier_cannot_honour_are_refused(serve, spec, tiny_model
     assert not engine.has_unfinished, "a refused request was queued"
 
 
-def test_attaching_a_drafter_to_a_busy_engine_is_refused(serve, spec, tiny_model):
-    engine = make_engine(serve, tiny_model, num_blocks=16, block_size=4)
-    engine.add_request("x", [1, 2, 3])
-    with pytest.raises(ValueError, match="before adding requests"):
-        spec.Speculator(spec.NgramProposer(), k=2).attach(engine)
+def test_bad_drafters_are_refused(serve, spec, impl, tiny_model):
+    """k below 1 is refused; so is a draft model whose vocabulary is not the target's, when
+    the engine is built with it (its guesses would be other tokens)."""
     with pytest.raises(ValueError, match="k"):
         spec.Speculator(spec.NgramProposer(), k=0)
+    stranger = spec.DraftModelProposer(tiny_qwen3(impl.package, vocab_size=300))
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_engine(serve, tiny_model, num_blocks=16, block_size=4, drafter=spec.Speculator(stranger, k=2))
 
 
 # --- the engine's random workloads, speculating ---------------------------------------------------
@@ -400,9 +402,8 @@ def test_random_workloads_match_solo_generate_while_speculating(serve, spec, imp
     0..299; run by hand with BOTH proposers on each of those seeds, all 600 passed."""
     kind = ["ngram", "draft model"][workload_seed % 2]
 
-    def speculate(engine):
-        spec.Speculator(proposer(kind, spec, impl, engine, None), k=1 + workload_seed % 4).attach(engine)
-    run_workload(serve, tiny_model, ref_model, workload_seed, speculate)
+    drafter = spec.Speculator(proposer(kind, spec, impl, tiny_model, None), k=1 + workload_seed % 4)
+    run_workload(serve, tiny_model, ref_model, workload_seed, drafter)
 
 
 # --- the engine's state machine, speculating ---------------------------------------------------------
@@ -417,9 +418,7 @@ def test_engine_state_machine_while_speculating(serve, spec, tiny_model, request
 
     class DraftingMachine(machines.EngineMachine):
         def build_engine(self, config):
-            engine = super().build_engine(config)
-            spec.Speculator(spec.NgramProposer(), k=3).attach(engine)
-            return engine
+            return super().build_engine(config, drafter=spec.Speculator(spec.NgramProposer(), k=3))
 
         def check_output(self, request, out):
             tokens = list(request.token_ids)
@@ -438,3 +437,14 @@ def test_engine_state_machine_while_speculating(serve, spec, tiny_model, request
     DraftingMachine.serve, DraftingMachine.model = serve, tiny_model
     run_state_machine_as_test(DraftingMachine, settings=machines.machine_settings(
         request, 40, 40, stress_examples=1000, stress_steps=80))
+
+
+def test_asynchronous_scheduling_with_a_drafter_is_refused_at_construction(serve, spec, tiny_model):
+    """Chapter 33's asynchronous engine plans step t + 1 before it reads step t's tokens, so
+    it cannot guess drafts from them, and a rejected draft would roll back rows the step in
+    flight was planned on. The pair is refused when the engine is built,
+    with a message that says so."""
+    config = serve.config.EngineConfig(num_blocks=32, block_size=4, async_scheduling=True)
+    words = r"speculative decoding needs synchronous scheduling .* has not read"
+    with pytest.raises(ValueError, match=words):
+        serve.engine.EngineCore(tiny_model, config, drafter=spec.Speculator(spec.NgramProposer(), k=3))

@@ -137,7 +137,7 @@ def test_many_adapters_in_one_batch_match_peft_alone(impl, serve, tiny_model, ad
     outputs = {}
     steps_with_mix = 0
     while engine.has_unfinished:
-        running = {r.extra.get("lora_slot", 0) for r in engine.scheduler.running}
+        running = {r.lora_slot for r in engine.scheduler.running}
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
         steps_with_mix += len(running) > 2
     assert steps_with_mix, "the requests of different adapters never ran in the same step"
@@ -180,7 +180,7 @@ def test_max_loras_caps_the_adapters_of_a_step(impl, serve, tiny_model, adapters
         engine.step()
         plan = engine.last_plan
         seen.append({r.request_id for r, _ in plan.scheduled})
-        slots = {r.extra.get("lora_slot", 0) for r, _ in plan.scheduled} - {0}
+        slots = {r.lora_slot for r, _ in plan.scheduled} - {0}
         assert len(slots) <= 2, f"step {len(seen)} ran {len(slots)} adapters with max_loras=2: {sorted(seen[-1])}"
     assert "r2" not in seen[0], "the third adapter ('math') was admitted although two adapters were running"
     assert_engine_idle(engine)

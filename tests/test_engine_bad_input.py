@@ -82,6 +82,18 @@ REQUEST_CASES = {
     "priority not an integer": (lambda e, s: e.add_request("p", [1, 2], P(s), priority=1.5),
                                 r"priority must be an integer"),
     "unhashable cache_key": (lambda e, s: e.add_request("c", [1, 2], P(s), cache_key=([1],)), r"cache_key"),
+    # Block keys hash a salt's printed form: two tensors (or floats, or objects with their own
+    # __repr__) that print alike would let two tenants read each other's K/V.
+    "a tensor salt in cache_key": (lambda e, s: e.add_request("ct", [1, 2], P(s), cache_key=(torch.zeros(3),)),
+                                   r"cache_key salts must be str, bytes or int"),
+    "a float salt in cache_key": (lambda e, s: e.add_request("cf", [1, 2], P(s), cache_key=("tenant", 0.1)),
+                                  r"cache_key salts must be str, bytes or int"),
+    "a str subclass salt in cache_key": (lambda e, s: e.add_request("cs", [1, 2], P(s), cache_key=(_Salt("a"),)),
+                                         r"cache_key salts must be str, bytes or int"),
+    # generate() runs the engine until ITS prompts finish: queued requests would finish inside
+    # it too, and their outputs would reach no step() their owner calls.
+    "generate on an engine that holds requests": (lambda e, s: e.generate([[1, 2, 3]], P(s)),
+                                                  r"generate: the engine already holds requests"),
     "params not SamplingParams": (lambda e, s: e.add_request("d", [1, 2], {"max_tokens": 4}),
                                   r"params must be a SamplingParams"),
     "arrival_time not a number": (lambda e, s: e.add_request("a", [1, 2], P(s), arrival_time="soon"),
@@ -94,6 +106,12 @@ REQUEST_CASES = {
     "logprobs with the simple sampler": (lambda e, s: e.add_request("lp", [1, 2], P(s, logprobs=2)), r"Chapter 34"),
     "abort with a non-string id": (lambda e, s: e.abort_request(["run0"]), r"non-empty strings"),
 }
+
+
+class _Salt(str):
+    """A salt type that prints the same for every value."""
+    def __repr__(self):
+        return "'salt'"
 
 
 def _mutated(params, **fields):
@@ -118,6 +136,8 @@ CONFIG_CASES = {
     "negative chunk cap": (dict(long_prefill_token_threshold=-1),
                            r"long_prefill_token_threshold must be an integer >= 0"),
     "max_model_len 0": (dict(max_model_len=0), r"EngineConfig.max_model_len must be an integer >= 1"),
+    "max_model_len beyond the model's positions": (dict(max_model_len=10**6),
+                                                   r"max_model_len=1000000 exceeds the model's 1024 positions"),
     "GPU share above 1": (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
     "GPU share not a number": (dict(gpu_memory_utilization="most"), r"gpu_memory_utilization must be in \(0, 1\]"),
     "prefix caching not a bool": (dict(enable_prefix_caching="yes"), r"enable_prefix_caching must be True or False"),

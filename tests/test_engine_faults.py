@@ -90,21 +90,17 @@ def test_a_request_whose_sampling_fails_is_aborted_alone(serve, tiny_model, ref_
 
 
 def test_a_request_whose_stop_check_fails_is_aborted_alone(serve, tiny_model, ref_model):
-    class BrokenGuide:
-        @property
-        def finished(self):
+    class BrokenStops(tuple):
+        def __contains__(self, token):          # the stop rules ask whether the new token is a stop token
             raise KeyError("state 17")
-
-        def advance(self, token_id):            # the engine feeds a guide every new token first
-            pass
 
     engine = engine_for(serve, tiny_model)
     engine.add_request("a", PROMPTS["a"], P(serve))
-    broken = engine.add_request("guided", PROMPTS["b"], P(serve))
-    broken.extra["guide"] = BrokenGuide()
+    broken = engine.add_request("broken", PROMPTS["b"], P(serve))
+    broken.params.stop_token_ids = BrokenStops()
     outputs = drain(engine)
-    assert outputs["guided"].finish_reason == "abort" and "'guided'" in outputs["guided"].error
-    assert "stop" in outputs["guided"].error and "state 17" in outputs["guided"].error
+    assert outputs["broken"].finish_reason == "abort" and "'broken'" in outputs["broken"].error
+    assert "stop" in outputs["broken"].error and "state 17" in outputs["broken"].error
     assert outputs["a"].output_token_ids == solo(ref_model, PROMPTS["a"], 6)
 
 
@@ -125,6 +121,11 @@ REFUSED = {
     "a group whose sample id is a live group": (lambda e, s: _group_over_group(e, s), r"'twin:0'"),
     "a [1, T] tensor prompt": (lambda e, s: e.add_request("t", torch.tensor([[1, 2, 3]]), P(s)), r"1-D"),
     "a nested list prompt": (lambda e, s: e.add_request("t", [[1, 2, 3]], P(s)), r"integer token ids"),
+}
+
+# generate() refuses an engine holding requests (test_engine_rules.py): these meet one whose
+# request finished (its cached blocks still there).
+GENERATE_REFUSED = {
     "generate: fewer priorities than prompts": (
         lambda e, s: e.generate([[1, 2], [3, 4], [5, 6]], P(s), priorities=[0, 1]), r"2 priorities for 3 prompts"),
     "generate: more params than prompts": (
@@ -144,10 +145,15 @@ def _group_over_group(engine, serve):
         engine.abort_request("twin:0")
 
 
-@pytest.mark.parametrize("name", list(REFUSED))
+@pytest.mark.parametrize("name", list(REFUSED) + list(GENERATE_REFUSED))
 def test_refused_before_any_change(serve, tiny_model, name):
-    engine = busy(serve, tiny_model)
-    call, words = REFUSED[name]
+    if name in GENERATE_REFUSED:
+        engine = engine_for(serve, tiny_model, num_blocks=24)
+        engine.add_request("done", PROMPTS["a"], P(serve, 4))
+        drain(engine)
+    else:
+        engine = busy(serve, tiny_model)
+    call, words = {**REFUSED, **GENERATE_REFUSED}[name]
     before = engine_state(engine)
     with pytest.raises(ValueError, match=words):
         call(engine, serve)

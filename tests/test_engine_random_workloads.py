@@ -127,11 +127,11 @@ def guide_some(seed, config, requests):
     config["num_blocks"] = max(config["num_blocks"], biggest)
 
 
-def run_workload(serve, model, ref_model, seed, speculate=None, guided=False):
+def run_workload(serve, model, ref_model, seed, drafter=None, guided=False):
     """Run workload `seed`; fail with the request, step and tokens on any difference.
-    Returns the features it exercised and its step count. `speculate(engine)`, when given,
-    installs a drafter first (Chapter 37's milestone runs these workloads speculatively);
-    guided=True guides some requests with GUIDED_PATTERN (Chapter 35's milestone)."""
+    Returns the features it exercised and its step count. `drafter`, when given, is handed
+    to the engine (Chapter 37's milestone runs these workloads speculatively); guided=True
+    guides some requests with GUIDED_PATTERN (Chapter 35's milestone)."""
     config, requests = make_workload(seed, ref_model)
     if guided:
         guide_some(seed, config, requests)
@@ -141,9 +141,8 @@ def run_workload(serve, model, ref_model, seed, speculate=None, guided=False):
         engine = serve.engine.EngineCore(model, serve.config.EngineConfig(debug_checks=True, **config),
                                          eos_token_id=TINY_EOS, vocab_bytes=byte_vocabulary(model.cfg.vocab_size))
     else:
-        engine = make_engine(serve, model, debug_checks=True, **config)
-    if speculate is not None:
-        speculate(engine)
+        engine = make_engine(serve, model, debug_checks=True, drafter=drafter, **config)
+    if drafter is not None:
         for spec in requests:           # a drafter refuses Chapter 34's token rules (it verifies plain sampling)
             spec.pop("rules", None)
     sched = engine.scheduler

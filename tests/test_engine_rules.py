@@ -370,39 +370,62 @@ def test_on_cuda_the_pool_is_profiled_with_the_configs_budget(serve, tiny_model,
                        utilization=0.5), f"profile_num_blocks was called with {got}"
 
 
-def test_generate_picks_ids_no_live_request_uses(serve, tiny_model):
-    """generate() names its prompts itself. Live requests already holding the names a fresh
-    engine's generate would use (seen on a first engine), plain or as the samples of an n = 3
-    group ("<id>:2"), make it pick others: nothing is refused, the live requests
-    are untouched. (Found by mutation testing: only samples :0 and :1 were checked.)"""
+def test_generate_never_runs_a_callers_queued_request(serve, tiny_model):
+    """generate() runs the engine until its own prompts finish. A request the caller queued
+    would finish inside it, its final output reaching no step() the caller sees: generate
+    refuses (ValueError, nothing queued), and the caller's request still finishes through
+    the caller's own steps, its final output among theirs."""
     P = serve.request.SamplingParams
-    probe = scripted(serve, tiny_model, block_size=4, num_blocks=32)
-    first = [o.request_id for o in probe.generate([[1, 2], [3, 4]], P(max_tokens=1))]
-    for samples in (False, True):
-        engine = scripted(serve, tiny_model, block_size=4, num_blocks=32)
-        squatters = [f"{rid}:2" for rid in first] if samples else first
-        for rid in squatters:
-            engine.add_request(rid, [5, 6], P(max_tokens=20))
-        outs = engine.generate([[1, 2], [3, 4]], P(max_tokens=2, n=3) if samples else P(max_tokens=2))
-        got = [o.request_id for out in outs for o in (out if isinstance(out, list) else [out])]
-        assert not set(got) & set(squatters) and len(set(got)) == len(got), (
-            f"generate used the ids {got} while {squatters} were live")
-        assert all(engine.scheduler.requests[rid].num_output_tokens >= 2 for rid in squatters)
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32)
+    mine = add(serve, engine, "mine", [5, 6], max_tokens=3)
+    with pytest.raises(ValueError, match=r"generate: the engine already holds requests \['mine'\]"):
+        engine.generate([[1, 2]], P(max_tokens=2))
+    assert list(engine.scheduler.requests) == ["mine"] and mine.num_output_tokens == 0, (
+        "a refused generate must leave the engine as it was")
+    finals = []
+    while engine.has_unfinished:
+        finals += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, len(o.output_token_ids)) for o in finals] == [("mine", 3)], (
+        f"the caller's request must finish through the caller's step(): {finals}")
+    outs = engine.generate([[1, 2], [3, 4]], P(max_tokens=2))    # an idle engine runs generate again
+    assert [len(o.output_token_ids) for o in outs] == [2, 2]
+    assert_engine_idle(engine)
+
+
+def test_eos_comes_from_the_model_config_unless_told_otherwise(serve, impl, ref_model):
+    """EngineCore(model) without eos_token_id stops on the model config's eos_token_id (a
+    tiny model whose config names as EOS the token greedy decoding emits third); an explicit
+    None turns EOS off, and an explicit id overrides the config's."""
+    from course.models import tiny_qwen3
+    from course.oracles import solo
+    prompt = [3, 1, 4, 1, 5]
+    free = solo(ref_model, prompt, 8, eos_token_id=None)
+    eos = free[2]
+    model = tiny_qwen3(impl.package, eos_token_id=eos)
+    P = serve.request.SamplingParams(max_tokens=8)
+
+    def run(**eos_arg):
+        engine = serve.engine.EngineCore(model, serve.config.EngineConfig(num_blocks=16, block_size=4), **eos_arg)
+        return engine.generate([prompt], P)[0].output_token_ids
+
+    assert run() == free[:free.index(eos) + 1], (
+        f"an engine built without eos_token_id must stop on the model's EOS {eos}: got {run()}, want "
+        f"{free[:free.index(eos) + 1]}")
+    assert run(eos_token_id=None) == free, "eos_token_id=None means no EOS: the request runs to max_tokens"
+    other = free[1] if free[1] != eos else free[3]
+    assert run(eos_token_id=other) == free[:free.index(other) + 1], "an explicit eos_token_id wins over the config's"
 
 
 def test_generate_runs_through_steps_without_outputs_and_returns_only_its_own(serve, tiny_model):
     """A prompt longer than the step's budget spends steps with no output (mid-prompt chunks):
-    generate keeps stepping. A request queued before generate advances too and may finish
-    during it, but only generate's prompts come back, finished, in the order given."""
+    generate keeps stepping; its prompts come back, finished, in the order given."""
     P = serve.request.SamplingParams
     engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_num_batched_tokens=8)
-    early = add(serve, engine, "early", [9], max_tokens=1)
     outs = engine.generate([list(range(1, 20)), [7, 7]], [P(max_tokens=3), P(max_tokens=2)])
     assert [(len(o.output_token_ids), o.finished) for o in outs] == [(3, True), (2, True)], (
         f"generate returns each prompt's FINAL output: {outs}")
     assert outs[0].output_token_ids == [next_token(list(range(1, 20)) + outs[0].output_token_ids[:k])
                                         for k in range(3)]
-    assert early.status.name == "FINISHED_LENGTH" and "early" not in [o.request_id for o in outs]
 
 
 def test_generate_raises_when_the_scheduler_plans_nothing(serve, tiny_model):
@@ -432,17 +455,25 @@ def test_stats_counts_by_hand(serve, tiny_model):
 
 
 def test_generate_passes_its_priorities_on(serve, tiny_model):
-    """Under policy="priority" generate's prompts compete with the requests already queued:
-    by default at priority 0 (ahead of a queued priority-1 request), or at the priorities
-    given (priority 5 waits behind it). max_num_seqs = 1 makes the order visible."""
+    """Under policy="priority" generate's prompts are served in the order of the priorities
+    given (smaller first), by default all at priority 0 (then in the order given).
+    max_num_seqs = 1 makes the order visible."""
     P = serve.request.SamplingParams
     engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_num_seqs=1, policy="priority")
-    queued = add(serve, engine, "queued", [9, 9], max_tokens=2, priority=1)
-    engine.generate([[1, 2]], P(max_tokens=2))
-    assert queued.num_computed_tokens == 0, "generate's prompt (priority 0 by default) must run before priority 1"
-    engine.generate([[3, 4]], P(max_tokens=2), priorities=[5])
-    assert queued.status.name == "FINISHED_LENGTH", (
-        f"a priority-1 request must finish before generate's priority-5 prompt is served: {queued.status.name}")
+    served = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        served.extend(r.prompt_token_ids[0] for r, _ in plan.scheduled if r.prompt_token_ids[0] not in served)
+        return plan
+
+    engine.scheduler.schedule = recording
+    engine.generate([[1, 2], [3, 4]], P(max_tokens=2))
+    assert served == [1, 3], f"at the default priority 0 the prompts run in the order given: {served}"
+    served.clear()
+    engine.generate([[1, 2], [3, 4]], P(max_tokens=2), priorities=[5, 1])
+    assert served == [3, 1], f"the priority-1 prompt must be served before the priority-5 one: {served}"
 
 
 def test_outputs_carry_the_stop_token_and_the_cached_prefix(serve, tiny_model):

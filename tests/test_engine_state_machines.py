@@ -336,10 +336,10 @@ class EngineMachine(RuleBasedStateMachine):
         runner.on_execute = self.forward
         self.log.append(f"EngineConfig({config})")
 
-    def build_engine(self, config):
+    def build_engine(self, config, **parts):
         """The engine under test (later chapters' machines give it more: Chapter 35's the
-        vocabulary's bytes)."""
-        return make_engine(self.serve, self.model, eos_token_id=None, **config)
+        vocabulary's bytes, Chapter 37's a drafter)."""
+        return make_engine(self.serve, self.model, eos_token_id=None, **parts, **config)
 
     @property
     def ready(self):

@@ -65,7 +65,7 @@ def serve_all(impl, model, adapters, requests, max_tokens, max_loras):
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.output_token_ids
-        slots = {r.extra.get("lora_slot", 0) for r, _ in engine.last_plan.scheduled} - {0}
+        slots = {r.lora_slot for r, _ in engine.last_plan.scheduled} - {0}
         per_step.append(len(slots))
     return outputs, time.perf_counter() - start, engine.steps, sum(per_step) / max(1, len(per_step))
 

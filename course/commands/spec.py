@@ -93,9 +93,9 @@ def run_engine(args, impl, target, draft, prompts, vocab):
     blocks = len(prompts) * -(-(40 + args.tokens + max(args.k) + 1) // block_size) + 64
 
     def serve_once(make_drafter):
+        drafter = make_drafter() if make_drafter else None
         engine = serve.EngineCore(target, config_module.EngineConfig(num_blocks=blocks, block_size=block_size),
-                                  eos_token_id=eos)
-        drafter = make_drafter(engine) if make_drafter else None
+                                  eos_token_id=eos, drafter=drafter)
         start = time.perf_counter()
         outputs = [o.output_token_ids for o in engine.generate(prompts, params)]
         return time.perf_counter() - start, outputs, engine.steps, drafter
@@ -114,15 +114,14 @@ def run_engine(args, impl, target, draft, prompts, vocab):
     heads = spec_decode.train_heads(target, head_prompts, max(args.k), new_tokens=args.tokens, eos_token_id=eos)
     train_s = time.perf_counter() - start
     proposers = {
-        "ngram": lambda engine: spec_decode.NgramProposer(),
-        f"draft model (first {args.draft_layers} layer(s))": lambda engine: spec_decode.DraftModelProposer.for_engine(
-            draft, engine),
-        "heads": lambda engine: spec_decode.HeadProposer(heads),
+        "ngram": lambda: spec_decode.NgramProposer(),
+        f"draft model (first {args.draft_layers} layer(s))": lambda: spec_decode.DraftModelProposer(draft),
+        "heads": lambda: spec_decode.HeadProposer(heads),
     }
     for name, make in proposers.items():
         for k in args.k:
-            def install(engine, make=make, k=k):
-                return spec_decode.Speculator(make(engine), k).attach(engine)
+            def install(make=make, k=k):
+                return spec_decode.Speculator(make(), k)
             seconds, outputs, steps, drafter = best_of(install)
             line = {"drafter": name, "k": k, "acceptance_rate": round(drafter.stats.acceptance_rate, 3),
                     "tokens_per_request_step": round(drafter.stats.tokens_per_verification, 3), "steps": steps,

@@ -167,7 +167,7 @@ def pipeline_engine(model: Qwen3ForCausalLM, config: EngineConfig, stage: int, s
     mine = config.num_blocks if config.num_blocks is not None else \
         num_blocks_for_memory(config.kv_cache_bytes, layers, kv_heads, head_dim, config.block_size, weight.dtype)
     config = dataclasses.replace(config, num_blocks=smallest_over_group(mine))
-    engine = EngineCore(flat, config, eos_token_id=eos_token_id)
-    engine.runner = PipelineRunner(flat, config.num_blocks or 0, config.block_size, engine.runner.backend,
-                                   micro_batches)
-    return engine
+    def stage_runner(model: FlatModel, num_blocks: int, block_size: int, backend: AttentionBackend) -> PipelineRunner:
+        return PipelineRunner(cast(StageModel, model), num_blocks, block_size, backend, micro_batches)
+
+    return EngineCore(flat, config, eos_token_id=eos_token_id, runner=stage_runner)

@@ -1,24 +1,27 @@
 """Chapter 31: every knob of the engine core in one validated object.
 
 Some fields name features that later chapters build (CUDA graphs, asynchronous scheduling,
-the full sampler, quantized pools). Their defaults keep them off; asking for one before
-its chapter exists raises an error that says which chapter brings it, instead of being
-silently ignored. A later chapter deletes its row from `NOT_YET_BUILT`.
+the full sampler, quantized pools). Their defaults keep them off; the string options are
+Literal types, so a misspelt value is a type error before it is a ValueError here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-# (field, value that would need the feature) -> the chapter that builds it.
-NOT_YET_BUILT: dict[tuple[str, object], int] = {
-}
+Policy = Literal["fcfs", "priority"]
+PreemptionMode = Literal["recompute", "swap"]
+SamplerName = Literal["simple", "full"]
+KVCacheDtype = Literal["auto", "int8", "fp8"]
+CudaGraphs = Literal["off", "auto", "on", "static"]
 
-CHOICES = {
-    "policy": ("fcfs", "priority"),
-    "preemption_mode": ("recompute", "swap"),
-    "sampler": ("simple", "full"),
-    "kv_cache_dtype": ("auto", "int8", "fp8"),
-    "cuda_graphs": ("off", "auto", "on", "static"),
+# field -> the values it takes (the Literal's arguments)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "policy": get_args(Policy),
+    "preemption_mode": get_args(PreemptionMode),
+    "sampler": get_args(SamplerName),
+    "kv_cache_dtype": get_args(KVCacheDtype),
+    "cuda_graphs": get_args(CudaGraphs),
 }
 
 
@@ -29,8 +32,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    preemption_mode: str = "recompute"
+    policy: Policy = "fcfs"
+    preemption_mode: PreemptionMode = "recompute"
     max_loras: int = 4
 
 
@@ -71,15 +74,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    preemption_mode: str = "recompute"
+    policy: Policy = "fcfs"
+    preemption_mode: PreemptionMode = "recompute"
     attention_backend: str = "reference"
     seed: int = 0
-    sampler: str = "simple"
+    sampler: SamplerName = "simple"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
-    cuda_graphs: str = "off"
+    kv_cache_dtype: KVCacheDtype = "auto"
+    cuda_graphs: CudaGraphs = "off"
     async_scheduling: bool = False
     debug_checks: bool = False
     max_loras: int = 4
@@ -117,13 +120,10 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "debug_checks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        for (name, value), chapter in NOT_YET_BUILT.items():
-            if getattr(self, name) == value and type(getattr(self, name)) is type(value):
-                raise ValueError(f"EngineConfig.{name}={value!r} arrives in Chapter {chapter}; "
-                                 f"this engine does not build it yet")
         return self
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.enable_chunked_prefill,
-                               self.long_prefill_token_threshold, self.policy, self.preemption_mode,
-                               self.max_loras)
+        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                               enable_chunked_prefill=self.enable_chunked_prefill,
+                               long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
+                               preemption_mode=self.preemption_mode, max_loras=self.max_loras)

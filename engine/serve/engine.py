@@ -2,10 +2,12 @@
 
     add_request  validate everything, then queue (n > 1 becomes n requests)
     step         schedule -> swaps -> one flattened batch -> one forward -> sample -> update
+    update       the one place a step's tokens reach its requests (serve.update's hooks)
     generate     a blocking helper: many prompts in, their finished outputs back
 
-Features of later chapters have seams here and nothing more: asking for one raises an error
-that names the chapter that builds it.
+Features of later chapters plug into seams here: parts handed to the constructor (sampler,
+drafter, runner), the update's hooks, one-line delegations in step. Asking for a feature
+the engine cannot combine with another raises an error that says why.
 """
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ import math
 import operator
 import os
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -27,18 +29,24 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
 from .guided import GuideFactory
-from .interfaces import AttentionBackend, Drafter, Sampler
+from .interfaces import AttentionBackend, Drafter, TokenSampler, UpdateHooks
 from .overlap import AsyncStepper, InflightStep, drop_placeholders
-from .request import Request, RequestOutput, SamplingParams, Status
+from .request import ImageInputs, Request, RequestOutput, SamplingParams, Status
 from .runner import ModelRunner, profile_num_blocks
-from .sampler import Sampler as FullSampler
-from .sampler import SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
+from .sampler import Sampler, SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
+from .update import GuidedUpdate, SampledTokens, StepUpdate
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
+
+# What builds an engine's runner: (flat model, num_blocks, block_size, backend) -> runner.
+RunnerFactory = Callable[[FlatModel, int, int, AttentionBackend], ModelRunner]
+
+# EngineCore's default eos_token_id: the one the model's config names (None turns EOS off).
+MODEL_EOS: Literal["model"] = "model"
 
 # Setting this environment variable to 1 turns on EngineConfig.debug_checks for every engine.
 DEBUG_CHECKS_ENV = "COURSE_ENGINE_DEBUG_CHECKS"
@@ -64,43 +72,56 @@ class EngineCore:
     """The engine: one pool, one scheduler, one forward pass per step.
 
     model: a loaded Qwen3ForCausalLM (or Qwen3Moe), or a FlatModel around one.
-    eos_token_id: the token that ends a request (None: only the other stop rules apply).
+    eos_token_id: the token that ends a request; MODEL_EOS (the default) takes the model
+             config's eos_token_id, None turns EOS off (only the other stop rules apply).
     sampler: anything with the sampler interface of serve.sampler (default: SimpleSampler, or
              Chapter 34's full Sampler with EngineConfig(sampler="full")).
     vocab_bytes: each token's bytes, for constrained decoding (Chapter 35).
+    drafter: speculative decoding (Chapter 37): a serve.spec_decode.Speculator; refused with
+             asynchronous scheduling (serve.spec_decode.ASYNC_REFUSAL says why).
+    runner: what builds the ModelRunner, called as runner(flat, num_blocks, block_size,
+            backend) (default ModelRunner; a pipeline stage's runner in Chapter 41).
     """
 
     def __init__(self, model: Qwen3ForCausalLM | FlatModel, config: EngineConfig | None = None,
-                 eos_token_id: int | None = None,
-                 sampler: Sampler | None = None, vocab_bytes: list[bytes] | None = None) -> None:
+                 eos_token_id: int | None | Literal["model"] = MODEL_EOS,
+                 sampler: TokenSampler | None = None, vocab_bytes: list[bytes] | None = None,
+                 drafter: Drafter | None = None, runner: RunnerFactory | None = None) -> None:
         if config is None:
             config = EngineConfig()
         self.config = config.validate()
+        if drafter is not None and config.async_scheduling:
+            from .spec_decode import ASYNC_REFUSAL
+            raise ValueError(ASYNC_REFUSAL)
         flat = FlatModel(model) if not isinstance(model, FlatModel) else model
         weight = next(flat.parameters())
         self.device, self.dtype = weight.device, weight.dtype
+        self.vocab_size = flat.cfg.vocab_size
+        self.eos_token_id = self._check_eos(flat, eos_token_id)
+        self.max_model_len = self._check_max_model_len(flat, config.max_model_len)
         options = {"kv_cache_dtype": config.kv_cache_dtype} if config.kv_cache_dtype != "auto" else {}
         from .backends import get_backend
         backend = get_backend(config.attention_backend, **options)
         pool_blocks = config.num_blocks if config.num_blocks is not None else self._size_pool(flat, backend)
         self.blocks = BlockManager(pool_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(), self.blocks)
-        self.runner = ModelRunner(flat, pool_blocks, config.block_size, backend)
+        self.runner = (runner or ModelRunner)(flat, pool_blocks, config.block_size, backend)
         self.engine_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         if sampler is None:
-            sampler = (FullSampler if config.sampler == "full" else SimpleSampler)(self.engine_generator)
+            sampler = (Sampler if config.sampler == "full" else SimpleSampler)(self.engine_generator)
         self.sampler = sampler
-        self.eos_token_id = eos_token_id
         self.vocab_bytes = vocab_bytes
-        self.guides = GuideFactory(vocab_bytes, eos_token_id, flat.cfg.vocab_size) if vocab_bytes is not None else None
-        self.vocab_size = flat.cfg.vocab_size
-        self.max_model_len = config.max_model_len or getattr(flat.model, "context_limit", None) or (1 << 30)
+        self.guides = GuideFactory(vocab_bytes, self.eos_token_id, self.vocab_size) if vocab_bytes is not None else None
         self.generators: dict[str, torch.Generator] = {}   # request id -> its own seeded generator
         self.groups: dict[str, list[Request]] = {}       # id given to add_request with n > 1 -> its samples
         self.steps = 0
         self.preemptions = 0
         self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
-        self.drafter: Drafter | None = None     # Chapter 37 (serve.spec_decode.Speculator)
+        self.drafter = drafter                  # Chapter 37 (serve.spec_decode.Speculator)
+        if drafter is not None:
+            drafter.bind(self)
+            # What it keeps for a request goes when the request does.
+            self.scheduler.on_finish = lambda request: drafter.forget(request.request_id)
         self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
         self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
         self._generate_calls = 0
@@ -110,9 +131,32 @@ class EngineCore:
         graph_mode = {"off": None, "static": "off", "on": "on", "auto": "auto" if on_cuda else None}[config.cuda_graphs]
         if graph_mode is not None:
             self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
-        self.async_steps = AsyncStepper(self) if config.async_scheduling else None
-        if self.async_steps is not None:      # the overlapped step replaces Chapter 31's, which stays as written
-            self.step = self.async_steps.step  # type: ignore[method-assign]
+        # How update() applies a step's tokens: Chapter 31's rules, with guides when they can exist.
+        self.plain_update = GuidedUpdate() if self.guides is not None else StepUpdate()
+        self.async_steps = AsyncStepper(self) if config.async_scheduling else None   # Chapter 33
+
+    @staticmethod
+    def _check_eos(flat: FlatModel, given: int | None | Literal["model"]) -> int | None:
+        """The engine's EOS id: the model config's for MODEL_EOS, else `given` (None: no EOS)."""
+        eos = flat.cfg.eos_token_id if given == MODEL_EOS else given
+        vocab = flat.cfg.vocab_size
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab):
+            raise ValueError(f"eos_token_id must be a token id in 0..{vocab - 1}, None (no EOS) or {MODEL_EOS!r} "
+                             f"(the model config's), got {eos!r}")
+        return eos
+
+    @staticmethod
+    def _check_max_model_len(flat: FlatModel, wanted: int | None) -> int:
+        """config.max_model_len, or the model's context limit when it is None. A length past
+        the positions the model was trained for is refused, not silently accepted: its
+        rotary angles there were never seen, so the outputs would be quietly wrong."""
+        limit = flat.capabilities.context_limit
+        if wanted is None:
+            return limit or (1 << 30)
+        if limit is not None and wanted > limit:
+            raise ValueError(f"EngineConfig.max_model_len={wanted} exceeds the model's {limit} positions "
+                             f"(its max_position_embeddings); give at most {limit}, or None to use the model's")
+        return wanted
 
     def _size_pool(self, flat: FlatModel, backend: AttentionBackend) -> int:
         """Blocks for the pool when the config gives no number: measured on CUDA, else from
@@ -123,23 +167,23 @@ class EngineCore:
         cfg = self.config
         layers, kv_heads, head_dim = flat.kv_spec()
         shape = (1, cfg.block_size, kv_heads, head_dim)          # one block, on "meta": sizes without memory
-        own = getattr(flat.model, "allocate_kv", None)            # a model with its own cache layout
+        own = flat.capabilities.allocate_kv                       # a model with its own cache layout
         if own is not None:                                       # a latent pool is one tensor, handed out twice
             unique = {id(t): t for t in own(shape, self.dtype, "meta")}.values()
             layer_bytes = sum(t.numel() * t.element_size() for t in unique)
         else:                                                     # K and V (codes and scales when quantized)
             pair = backend.allocate(shape, self.dtype, "meta")
-            pools = getattr(flat.model, "kv_pools", 2)            # a latent cache keeps one pool, not two
+            pools = flat.capabilities.kv_pools                    # a latent cache keeps one pool, not two
             layer_bytes = sum(t.numel() * t.element_size() for t in pair) * pools // 2
-        placed = getattr(flat, "pool_blocks", None)               # layers on several devices
-        if placed is not None:
-            found = placed(layer_bytes, cfg.kv_cache_bytes, cfg.gpu_memory_utilization)
+        placed = flat.pool_blocks(layer_bytes, cfg.kv_cache_bytes, cfg.gpu_memory_utilization)
+        if placed is not None:                                    # layers on several devices
+            found = placed
         elif self.device.type == "cuda":
             found = profile_num_blocks(flat, backend, cfg.block_size, self.dtype, self.device,
                                        cfg.max_num_batched_tokens, cfg.gpu_memory_utilization)
         else:
             found = cfg.kv_cache_bytes // (layers * layer_bytes)
-        agree = getattr(flat.model, "agree_num_blocks", None)     # every rank must hold the same pool
+        agree = flat.capabilities.agree_num_blocks                # every rank must hold the same pool
         if agree is not None:
             found = agree(found)
         if found < 1:
@@ -149,8 +193,8 @@ class EngineCore:
     # --- requests in and out ------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | torch.Tensor,
-                    params: SamplingParams | None = None, priority: int = 0, cache_key: Iterable[Hashable] = (),
-                    arrival_time: float | None = None, lora: object = None,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    cache_key: Iterable[str | bytes | int] = (), arrival_time: float | None = None, lora: object = None,
                     features: object = None) -> Request | list[Request]:
         """Queue a request; returns its Request (a list of n Requests when params.n > 1).
 
@@ -169,14 +213,9 @@ class EngineCore:
         self._check_features(request_id, params, lora, features)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
-        try:
-            cache_key = tuple(cache_key)
-            hash(cache_key)
-        except TypeError:
-            raise ValueError(f"request {request_id!r}: cache_key must be a tuple of hashable values, "
-                             f"got {cache_key!r}") from None
-        extra, keys = self._request_inputs(request_id, prompt, lora, features)
-        cache_key += keys                       # an adapter or an image changes every block's K/V
+        salts = self._check_cache_key(request_id, cache_key)
+        lora_slot, images, keys = self._request_inputs(request_id, prompt, lora, features)
+        salts += keys                           # an adapter or an image changes every block's K/V
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
                                          or not math.isfinite(arrival_time)):
             raise ValueError(f"request {request_id!r}: arrival_time must be a finite number of seconds, "
@@ -197,16 +236,16 @@ class EngineCore:
         if taken:
             raise ValueError(f"request {taken[0]!r} is already in the engine")
         now = time.monotonic() if arrival_time is None else arrival_time
-        requests = [Request(rid, list(prompt), p, self.eos_token_id, priority, now, cache_key)
+        requests = [Request(rid, list(prompt), p, self.eos_token_id, priority, now, salts)
                     for rid, p in zip(ids, each)]
         if self.guides is not None and (params.guided_regex is not None or params.guided_json is not None):
             try:                                  # one guide per sample: each walks its own text
                 for request in requests:
-                    request.extra["guide"] = self.guides(request.params)
+                    request.guide = self.guides(request.params)
             except ValueError as exc:
                 raise ValueError(f"request {request_id!r}: {exc}") from None
         for request in requests:
-            request.extra.update(extra)
+            request.lora_slot, request.images = lora_slot, images
             self.scheduler.check(request)          # pool capacity, budget, duplicate id
         # Generators are made here, before the engine changes: torch may still refuse a seed.
         generators = {r.request_id: self._make_generator(r) for r in requests if r.params.seed is not None}
@@ -221,6 +260,24 @@ class EngineCore:
             self.groups[request_id] = requests
             return requests
         return requests[0]
+
+    @staticmethod
+    def _check_cache_key(request_id: str, cache_key: Iterable[object]) -> tuple[Hashable, ...]:
+        """The salts as a tuple of str, bytes and int only: block keys hash their printed form,
+        which is exact and stable for those three types alone (two different tensors, or two
+        objects of a class with its own __repr__, may print alike and would then share K/V)."""
+        try:
+            salts = tuple(cache_key)
+        except TypeError:
+            raise ValueError(f"request {request_id!r}: cache_key must be an iterable of salts, "
+                             f"got {cache_key!r}") from None
+        exact: list[Hashable] = []
+        for salt in salts:          # subclasses excluded: they may print themselves as they like
+            if not isinstance(salt, (str, bytes, int)) or type(salt) not in (str, bytes, int):
+                raise ValueError(f"request {request_id!r}: cache_key salts must be str, bytes or int (hashed by "
+                                 f"their exact printed form), got {type(salt).__name__} {salt!r}")
+            exact.append(salt)
+        return tuple(exact)
 
     def _id_taken(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests or bool(self._live_samples(request_id))
@@ -265,20 +322,20 @@ class EngineCore:
         return prompt
 
     def _request_inputs(self, request_id: str, prompt: list[int], lora: object,
-                        features: object) -> tuple[dict[str, Any], tuple]:
-        """Chapter 43: the request.extra entries and block-hash keys of an adapter (lora: a
-        loaded adapter's name) and of images (features: see serve.vision.image_inputs)."""
-        extra: dict[str, Any] = {}
-        keys: tuple = ()
+                        features: object) -> tuple[int, ImageInputs | None, tuple[Hashable, ...]]:
+        """Chapter 43: a request's adapter slot (lora: a loaded adapter's name; 0 for none),
+        its images (features: see serve.vision.image_inputs) and their block-hash keys."""
+        slot, images = 0, None
+        keys: tuple[Hashable, ...] = ()
         if lora is not None:
             from .lora import adapter_inputs
-            more, key = adapter_inputs(self.runner.flat, request_id, lora)
-            extra, keys = {**extra, **more}, keys + key
+            slot, adapter_keys = adapter_inputs(self.runner.flat, request_id, lora)
+            keys += adapter_keys
         if features:
             from .vision import image_inputs
-            more, key = image_inputs(self.runner.flat, request_id, prompt, features)
-            extra, keys = {**extra, **more}, keys + key
-        return extra, keys
+            images, image_keys = image_inputs(self.runner.flat, request_id, prompt, features)
+            keys += image_keys
+        return slot, images, keys
 
     def _check_features(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
         if self.drafter is not None:                       # Chapter 37: what speculation cannot verify
@@ -339,12 +396,9 @@ class EngineCore:
             params.ignore_eos is off; neither applies while produced < params.min_tokens;
           Status.FINISHED_LENGTH when produced >= params.max_tokens, or when the prompt plus
             produced reaches self.max_model_len (no position left);
-          Status.FINISHED_STOPPED with stop_reason "guided" when the request's constrained-
-            decoding guide, request.extra["guide"] (Chapter 35), reports `guide.finished`
-            (a bool property: no token may follow);
           None otherwise.
         When a stop token and the length rule both hold, the stop token wins. Changes nothing
-        but stop_reason. May raise whatever the guide raises; step() isolates that.
+        but stop_reason.
         """
         raise NotImplementedError("Your engine: Chapter 31: EngineCore.check_stop")
 
@@ -352,37 +406,56 @@ class EngineCore:
         """One engine iteration; returns a RequestOutput per request that gained a token or
         finished this step.  (Your engine: Chapter 31)
 
-        Plans with self.scheduler.schedule() (kept in self.last_plan; len(plan.preempted) added to
-        self.preemptions), carries out the plan's swaps with self.runner.swap_out(request, blocks)
-        and self.runner.swap_in(request, blocks), then runs the scheduled rows:
-        self.runner.prepare(plan.scheduled, self.blocks.req_blocks) -> Batch and
-        self.runner.execute(batch) -> float32 logits [L, vocab], rows in logits_indices order
-        (prompt-logprob rows after the sampling rows, handed to self._record_prompt_logprobs,
-        Chapter 34). Tokens come from self._sample(logits, requests, {id: rows}) -> (tokens by
-        id, logprobs by id, errors by id), over the requests with sampled rows.
-        Afterwards, for every scheduled (request, n): num_computed_tokens grew by n, its new
-        tokens are appended and its full blocks published (generated tokens fill blocks too);
-        a request that gained tokens has first_token_time set once, its guide advanced by each
-        token (request.extra["guide"].advance(token), Chapter 35), check_stop applied and, on a
-        status, self.scheduler.finish(request, status) called at once (its blocks are free for
-        the next step) and its generator dropped; it gets one self.make_output(request, new
-        tokens, logprobs) entry. A mid-prompt chunk reports nothing. self.steps grows by one.
-        Returns [] when nothing is scheduled (swaps still happen). With self.drafter set
-        (Chapter 37) it returns self.drafter.step(self, plan), which runs and updates the
-        scheduled requests with verification rows itself.
+        Plans with self.scheduler.schedule() (kept in self.last_plan; len(plan.preempted) added
+        to self.preemptions), carries out the plan's swaps with self.runner.swap_out(request,
+        blocks) and self.runner.swap_in(request, blocks), then runs the scheduled rows:
+        self.runner.prepare(plan.scheduled, self.blocks.req_blocks) -> Batch, and
+        self.runner.execute(batch) -> float32 logits [L, vocab] for batch.logits_indices.
+        Tokens come from self._sample(logits, requests, {id: rows}) -> SampledTokens, over the
+        requests with sampled rows, in plan order; self.update(plan, sampled) applies them
+        and returns the outputs. Returns [] when nothing is scheduled (swaps still happen).
         Ordering: every swap-out before any swap-in (a block freed by one may be reused by the
         other), both before any compute.
-        Isolation: one request's failure is never the step's. A request whose sampling fails, or
-        whose guide or check_stop raises, is finished alone as aborted with the error on its
-        output (self._abort_with_error(request, exc, what)); the others carry on in this step.
+        Delegations, one line each: with self.async_steps set (Chapter 33) the step is
+        self.async_steps.step(); prompt-logprob rows, which follow the sampling rows, go to
+        self._record_prompt_logprobs(batch, rows) (Chapter 34); with self.drafter set
+        (Chapter 37) self.drafter.verify(self, plan, batch, logits) gives the SampledTokens.
         With self.checks set (EngineConfig.debug_checks): checks.check_plan(plan, scheduler,
-        where) after scheduling, checks.check_scheduler(scheduler, where) at the end.
+        where) after scheduling.
         """
         raise NotImplementedError("Your engine: Chapter 31: EngineCore.step")
 
+    @property
+    def update_hooks(self) -> UpdateHooks:
+        """How update() applies tokens: the drafter's (Chapter 37), the asynchronous
+        stepper's (Chapter 33), or Chapter 31's own (with guides, Chapter 35)."""
+        return self.drafter or self.async_steps or self.plain_update
+
+    def update(self, plan: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
+        """Apply a step's results to its scheduled requests; returns their outputs.  (Your engine: Chapter 31)
+
+        For every (request, n) of plan.scheduled, in order, except requests already finished
+        (one aborted while its step ran): hooks.advance(self, request, n), where hooks is
+        self.update_hooks (Chapter 31's: num_computed_tokens grows by n). Then:
+          - failed in sampled.failed: finished alone, as aborted, with the error on its
+            output (self._abort_with_error(request, exc, sampled.doing));
+          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published
+            (self.blocks.cache_full_blocks(request)), nothing reported;
+          - else kept, status = hooks.commit(self, request, tokens) (appends them, applies
+            the stop rules); an exception there finishes the request alone as above, with
+            hooks.doing; then its full blocks published, first_token_time set once, and on a
+            status self.scheduler.finish(request, status) at once (its blocks are free for
+            the next step) and its generator dropped from self.generators; it gets
+            hooks.report(self, request, kept, self._keep_logprobs(request, sampled.logprobs)).
+        Afterwards hooks.after_update(self, plan, advanced) with the (request, kept) pairs
+        still running, then self.steps grows by one. With self.checks set:
+        checks.check_scheduler(scheduler, where) at the end.
+        Isolation: one request's failure is never the step's; the others carry on.
+        """
+        raise NotImplementedError("Your engine: Chapter 31: EngineCore.update")
+
     def _sample(self, logits: torch.Tensor, requests: list[Request], rows: dict[str, int],
-                own: dict[str, torch.Generator] | None = None
-                ) -> tuple[dict[str, list[int]], dict[str, object], dict[str, Exception]]:
+                own: dict[str, torch.Generator] | None = None) -> SampledTokens:
         """New tokens and logprobs by request id, and the error of each request whose sampling
         failed. One request must not cost the others their step: when the batched call fails,
         each request is sampled alone, from the generator states the step started with, so
@@ -390,7 +463,7 @@ class EngineCore:
         generators by request id (default self.generators; the asynchronous engine passes
         those it captured when it launched the step)."""
         if not requests:
-            return {}, {}, {}
+            return SampledTokens()
         own = self.generators if own is None else own
         ids = [r.request_id for r in requests]
         generators = [self.engine_generator] + [own[i] for i in ids if i in own]
@@ -399,7 +472,7 @@ class EngineCore:
             tokens, logprobs = self.sampler(logits, requests, own)
             if len(tokens) != len(requests) or (logprobs and len(logprobs) != len(requests)):
                 raise ValueError(f"the sampler returned {len(tokens)} token lists for {len(requests)} requests")
-            return dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {}, {}
+            return SampledTokens(dict(zip(ids, tokens)), dict(zip(ids, logprobs)) if logprobs else {})
         except Exception:
             for generator, state in zip(generators, states):
                 generator.set_state(state)
@@ -417,20 +490,19 @@ class EngineCore:
             except Exception as exc:
                 failed[request.request_id] = exc
             start += count
-        return alone, alone_logprobs, failed
+        return SampledTokens(alone, alone_logprobs, failed)
 
     def _keep_logprobs(self, request: Request, found: dict[str, Any]) -> list[TokenLogprobs] | None:
-        """Chapter 34: append this step's logprobs of a request to request.extra["logprobs"]
-        (one entry per output token); returns a copy of them all, or None if it asked for none."""
+        """Chapter 34: append this step's logprobs of a request to request.logprobs (one
+        entry per output token); returns a copy of them all, or None if it asked for none."""
         if request.params.logprobs is None:
             return None
-        kept: list[TokenLogprobs] = request.extra.setdefault("logprobs", [])
-        kept += found.get(request.request_id) or []
-        return list(kept)
+        request.logprobs += found.get(request.request_id) or []
+        return list(request.logprobs)
 
     def _record_prompt_logprobs(self, batch: Batch, rows: torch.Tensor) -> None:
         """Chapter 34: the log-probabilities of prompt tokens, one row per prompt position
-        that predicts a prompt token, kept in request.extra["prompt_logprobs"]: entry p
+        that predicts a prompt token, kept in request.prompt_logprobs: entry p
         belongs to prompt token p (entry 0 is None: nothing predicts the first token). A
         position already recorded (a prompt computed again after preemption) is kept."""
         targets = [token for _, _, tokens in batch.prompt_spans for token in tokens]
@@ -438,7 +510,9 @@ class EngineCore:
         found = token_logprobs(rows, torch.tensor(targets, dtype=torch.int64, device=rows.device), widths)
         offset = 0
         for request, start, tokens in batch.prompt_spans:
-            recorded: list[TokenLogprobs | None] = request.extra.setdefault("prompt_logprobs", [None])
+            recorded = request.prompt_logprobs
+            if not recorded:
+                recorded.append(None)
             for position, entry in enumerate(found[offset:offset + len(tokens)], start=start + 1):
                 if position == len(recorded):
                     recorded.append(entry)
@@ -455,7 +529,7 @@ class EngineCore:
     # --- helpers ----------------------------------------------------------------------------------
 
     def make_output(self, request: Request, new_tokens: list[int], logprobs: Any = None) -> RequestOutput:
-        prompt_logprobs = request.extra.get("prompt_logprobs")      # Chapter 34, once the prompt is computed
+        prompt_logprobs = request.prompt_logprobs                   # Chapter 34, once the prompt is computed
         return RequestOutput(request.request_id, new_tokens, request.output_token_ids, request.status.finished,
                              request.status, request.stop_reason, request.num_cached_tokens, logprobs,
                              list(prompt_logprobs) if prompt_logprobs else None, error=request.error)
@@ -474,8 +548,14 @@ class EngineCore:
         prompt, in order (a list of n of them when that prompt's params.n > 1).
 
         params: one SamplingParams for all prompts or one per prompt. Every prompt is
-        validated before any is queued. Other requests already in the engine advance too,
-        but only these prompts' outputs are returned."""
+        validated before any is queued. An engine that already holds requests is refused
+        (ValueError, nothing changed): generate would run them too, and their outputs would
+        reach no step() their owner sees."""
+        if self.has_unfinished:
+            held = sorted(self.scheduler.requests)[:4]
+            raise ValueError(f"generate: the engine already holds requests {held} (or an unread step); they would "
+                             f"run to their end inside generate and their outputs reach no caller. Drive them "
+                             f"with step(), or abort them, before calling generate")
         prompts = list(prompts)
         per_prompt: list[Any] = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -483,9 +563,9 @@ class EngineCore:
         priorities = list(priorities) if priorities is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"generate: {len(priorities)} priorities for {len(prompts)} prompts")
-        # n > 1 names samples "<id>:0" .. "<id>:<n-1>": those must be free too.
-        samples = max((p.n for p in per_prompt if isinstance(p, SamplingParams)), default=1)
-        ids = self._fresh_ids(len(prompts), samples)
+        # The engine holds nothing, so any ids are free; numbered per call, they are unique.
+        self._generate_calls += 1
+        ids = [f"generate{self._generate_calls}-{i}" for i in range(len(prompts))]
         added = []
         try:
             for rid, prompt, p, priority in zip(ids, prompts, per_prompt, priorities):
@@ -497,15 +577,6 @@ class EngineCore:
             for rid in ids[:len(added)]:
                 self.abort_request(rid)
             raise
-
-    def _fresh_ids(self, count: int, samples: int = 1) -> list[str]:
-        """Ids for generate's prompts that no request or group in the engine uses, nor the
-        ids "<id>:0" .. "<id>:<samples-1>" of their samples."""
-        while True:
-            self._generate_calls += 1
-            ids = [f"generate{self._generate_calls}-{i}" for i in range(count)]
-            if not any(self._id_taken(rid) or any(self._id_taken(f"{rid}:{j}") for j in range(samples)) for rid in ids):
-                return ids
 
     def _run_to_completion(self, added: list[Request | list[Request]]) -> list[RequestOutput | list[RequestOutput]]:
         final: dict[str, RequestOutput] = {}

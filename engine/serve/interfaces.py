@@ -2,22 +2,25 @@
 
 Nothing here runs: these classes say what an object must provide to take the place of
 Chapter 31's own (a faster attention backend in Chapter 32, the full sampler in Chapter 34,
-a constrained-decoding guide in Chapter 35, a drafter in Chapter 37). The engine keeps
-calling them exactly as it calls its defaults; `isinstance(x, AttentionBackend)` checks
+a constrained-decoding guide in Chapter 35, a drafter in Chapter 37) or to extend the
+update after sampling (its hooks). The engine keeps calling them exactly as it calls its
+defaults; `isinstance(x, AttentionBackend)` checks
 that the names exist (runtime_checkable), the docstrings state the rest of the contract.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:                       # annotations only: no import cycle at run time
-    from .batch import BatchMeta
+    from .batch import Batch, BatchMeta
     from .engine import EngineCore
-    from .request import Request, RequestOutput
+    from .request import Request, RequestOutput, Status
     from .scheduler import SchedulerOutput
+    from .update import SampledTokens
 
 
 @runtime_checkable
@@ -50,7 +53,7 @@ class AttentionBackend(Protocol):
 
 
 @runtime_checkable
-class Sampler(Protocol):
+class TokenSampler(Protocol):
     """Turns a step's sampling rows into tokens (serve.sampler.SimpleSampler, Chapter 34's
     full sampler).
 
@@ -74,8 +77,7 @@ class Sampler(Protocol):
 
 @runtime_checkable
 class Guide(Protocol):
-    """The constrained-decoding state of one request (Chapter 35), kept in
-    request.extra["guide"].
+    """The constrained-decoding state of one request (Chapter 35), kept in request.guide.
 
     Contract:
     - `allowed()` returns a bool tensor [vocab_size] on the CPU: True for every token whose
@@ -99,17 +101,81 @@ class Guide(Protocol):
 
 
 @runtime_checkable
-class Drafter(Protocol):
-    """Speculative decoding inside the engine (Chapter 37), installed as engine.drafter.
+class UpdateHooks(Protocol):
+    """What EngineCore.update asks of the way a step runs (serve.update.StepUpdate is
+    Chapter 31's; Chapters 33, 35 and 37 extend it).
 
-    Contract: `step(engine, plan)` replaces the sample-and-update half of EngineCore.step for
-    a scheduled plan (the swaps are done): it proposes draft tokens, runs the verification
-    rows, appends each request's accepted tokens, gives back the blocks of rejected drafts
-    (BlockManager.trim), applies the stop rules and returns one RequestOutput per request
-    that gained tokens or finished, exactly as EngineCore.step would have.
+    Contract:
+    - `advance(engine, request, n)`: the step computed the request's next n tokens (Chapter
+      31: num_computed_tokens grows by n; the asynchronous engine counted them at launch).
+    - `commit(engine, request, tokens)` puts the step's new tokens in the request and applies
+      the stop rules to each; returns (the tokens kept, a finish status or None). It does not
+      finish the request (update does, after reporting). It may raise: update then aborts
+      that request alone, its error saying `doing`.
+    - `report(engine, request, kept, logprobs)` -> the request's RequestOutput for the step.
+    - `after_update(engine, plan, advanced)` runs once per step after every request is
+      updated; advanced: (request, tokens kept) for those that gained tokens and still run.
+    """
+    doing: str
+
+    def advance(self, engine: EngineCore, request: Request, n: int) -> None: ...
+
+    def commit(self, engine: EngineCore, request: Request, tokens: list[int]) -> tuple[list[int], Status | None]: ...
+
+    def report(self, engine: EngineCore, request: Request, kept: list[int], logprobs: Any) -> RequestOutput: ...
+
+    def after_update(self, engine: EngineCore, plan: SchedulerOutput,
+                     advanced: list[tuple[Request, list[int]]]) -> None: ...
+
+
+@runtime_checkable
+class Drafter(UpdateHooks, Protocol):
+    """Speculative decoding inside the engine (Chapter 37), the engine's `drafter`.
+
+    Contract: `verify(engine, plan, batch, logits)` takes the place of sampling in
+    EngineCore.step: logits are the batch's sampling rows (1 + the drafts fed, per request);
+    it returns, per request, the accepted drafts then one token of the target's
+    (SampledTokens). Its update hooks then commit those tokens, give back the blocks of
+    rejected drafts (BlockManager.trim), and after the update propose the next drafts.
+    `forget(request_id)` drops what it keeps for a request that finished or was aborted;
+    `bind(engine)` is called once by the engine being built with it, before any request.
     """
 
-    def step(self, engine: EngineCore, plan: SchedulerOutput) -> list[RequestOutput]: ...
+    def verify(self, engine: EngineCore, plan: SchedulerOutput, batch: Batch,
+               logits: torch.Tensor) -> SampledTokens: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+    def bind(self, engine: EngineCore) -> None: ...
 
 
-__all__ = ["AttentionBackend", "Sampler", "Guide", "Drafter"]
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What a loaded model may declare beyond Qwen3ForCausalLM's modules, as attributes of
+    the same names; FlatModel reads them once (`of`), so nothing else in the engine asks a
+    model what it can do. A model that declares none gets these defaults.
+
+    context_limit: the positions it was trained for (Chapter 17; None: no limit known).
+    kv_spec() -> (layers, kv_heads, head_dim): a pool shape other than its config's
+      (latent attention, Chapter 42; a pipeline stage's layers, Chapter 41).
+    allocate_kv(shape, dtype, device) -> one layer's pool tuple: a cache layout of its own
+      (latent attention), used instead of the backend's.
+    kv_pools: tensors per layer the pool sizing counts (2: K and V; 1: one latent pool).
+    agree_num_blocks(n) -> the pool size every rank of a split model agrees on (Chapter 41).
+    rope_tables(positions, dtype) -> (cos, sin) [N, 1, head_dim]: scaled rotary
+      frequencies (Chapter 42).
+    """
+    context_limit: int | None = None
+    kv_spec: Callable[[], tuple[int, int, int]] | None = None
+    allocate_kv: Callable[[tuple[int, ...], torch.dtype, torch.device | str], tuple[torch.Tensor, ...]] | None = None
+    kv_pools: int = 2
+    agree_num_blocks: Callable[[int], int] | None = None
+    rope_tables: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def of(cls, model: object) -> ModelCapabilities:
+        """The capabilities `model` declares (the one place that looks)."""
+        return cls(**{f.name: getattr(model, f.name) for f in fields(cls) if hasattr(model, f.name)})
+
+
+__all__ = ["AttentionBackend", "TokenSampler", "Guide", "UpdateHooks", "Drafter", "ModelCapabilities"]

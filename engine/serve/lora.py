@@ -144,8 +144,7 @@ class AdapterBank:
                         torch.zeros(1, module.out_features, 0, device=self.device, dtype=self.dtype))
                     module.register_forward_hook(self._hook(index, target))
         self.active: torch.Tensor | None = None
-        # Where the runner finds the bank (nn.Module's __setattr__ is typed for tensors and modules).
-        flat.adapters = self  # type: ignore[assignment]
+        flat.adapters = self                 # where the runner finds the bank
 
     def __len__(self) -> int:
         return len(self.names) - 1
@@ -208,10 +207,10 @@ class AdapterBank:
         return add_update
 
 
-def adapter_inputs(flat: FlatModel, request_id: str, lora: object) -> tuple[dict[str, Any], tuple]:
+def adapter_inputs(flat: FlatModel, request_id: str, lora: object) -> tuple[int, tuple[tuple[str, str]]]:
     """What add_request stores for a request of adapter `lora` (a loaded adapter's name):
-    request.extra entries and the block-hash key. ValueError when it cannot be served."""
-    bank = getattr(flat, "adapters", None)
+    its slot (request.lora_slot) and its block-hash key. ValueError when it cannot be served."""
+    bank = flat.adapters
     if bank is None:
         raise ValueError(f"request {request_id!r}: asks for adapter {lora!r} but no AdapterBank is attached "
                          f"(AdapterBank(engine.runner.flat).add(load_peft_adapter(path)))")
@@ -221,4 +220,4 @@ def adapter_inputs(flat: FlatModel, request_id: str, lora: object) -> tuple[dict
         slot = bank.slot(lora)
     except ValueError as exc:
         raise ValueError(f"request {request_id!r}: {exc}") from None
-    return {"lora_slot": slot}, (bank.key(lora),)
+    return slot, (bank.key(lora),)

@@ -10,8 +10,9 @@ call of this module does, in this order:
     2. build step t+1's batch on the host and hand its device part (swaps, placeholder
        inputs filled from step t's sampled tokens, forward, sampling) to the device queue,
        behind step t: the device never waits for the host;
-    3. only now wait for step t's tokens, write them over the placeholders, apply the stop
-       rules, and report them.
+    3. only now wait for step t's tokens and hand them to EngineCore.update, whose hooks
+       this stepper extends: each token is written over its placeholder, the stop rules
+       apply to it, and the outputs are made there, as for a synchronous step.
 
 So step t's device work overlaps step t+1's host work. The cost: a request that stops at
 step t (an EOS nobody knew about yet) has already been given a row in step t+1, computed
@@ -50,6 +51,7 @@ from ..sampling import sample
 from .batch import build_batch
 from .request import PLACEHOLDER, Request, RequestOutput, Status
 from .sampler import SimpleSampler
+from .update import SampledTokens, StepUpdate
 
 if TYPE_CHECKING:
     from .batch import Batch
@@ -204,8 +206,14 @@ def upload(batch: Batch, device: torch.device) -> Batch:
                    logits_indices=move(batch.logits_indices, device))
 
 
-class AsyncStepper:
-    """EngineCore.step when EngineConfig.async_scheduling is on (see the module docstring)."""
+class AsyncStepper(StepUpdate):
+    """EngineCore.step when EngineConfig.async_scheduling is on (see the module docstring).
+
+    It extends Chapter 31's update through its hooks: rows are counted when a step is
+    launched (advance does nothing when its tokens arrive), a token is written over its
+    placeholder (commit), and outputs list only known tokens (report)."""
+
+    doing = "settling its token"
 
     def __init__(self, engine: EngineCore, mode: str | None = None) -> None:
         self.engine = engine
@@ -225,8 +233,6 @@ class AsyncStepper:
         self.host_seconds += time.perf_counter() - started
         outputs = self.settle(engine.inflight) if engine.inflight is not None else []
         engine.inflight = launched if launched is not None and launched.plan.scheduled else None
-        if launched is not None and launched.plan.scheduled:
-            engine.steps += 1
         if engine.checks is not None:
             engine.checks.check_scheduler(engine.scheduler, f"after async engine step {engine.steps}")
         return outputs
@@ -310,33 +316,32 @@ class AsyncStepper:
 
         row_of = previous.row_of if previous is not None else {}
         views = [settled_view(r, n, row_of.get(r.request_id), previous_tokens) for r, n in zip(step.sampling, lengths)]
-        gained, step.logprobs, step.failed = self.engine._sample(logits, views, counts, generators)
-        chosen = [gained[r.request_id][0] if r.request_id in gained else 0 for r in step.sampling]
+        sampled = self.engine._sample(logits, views, counts, generators)
+        step.logprobs, step.failed = sampled.logprobs, sampled.failed
+        chosen = [sampled.tokens[r.request_id][0] if r.request_id in sampled.tokens else 0 for r in step.sampling]
         return torch.tensor(chosen, dtype=torch.int64, device=logits.device)
 
     def settle(self, step: InflightStep) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and finish its bookkeeping: real tokens over
-        placeholders, stop rules, outputs."""
+        """Wait for a launched step's tokens and apply them through the engine's update."""
         engine = self.engine
         waited = time.perf_counter()
         tokens = self.queue.wait(step)
         self.wait_seconds += time.perf_counter() - waited
         if step.prompt_rows is not None and step.batch is not None:
             engine._record_prompt_logprobs(step.batch, step.prompt_rows)
-        outputs, now = [], time.monotonic()
-        for request, token in zip(step.sampling, tokens):
-            if request.status.finished:           # stopped or aborted while this step ran: not its token
-                continue
-            if request.request_id in step.failed:
-                outputs.append(engine._abort_with_error(request, step.failed[request.request_id], "sampling"))
-                continue
-            reason = settle_token(request, token, engine.check_stop)
-            engine.blocks.cache_full_blocks(request)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if reason is not None:
-                engine.generators.pop(request.request_id, None)
-                engine.scheduler.finish(request, reason)
-            kept = engine._keep_logprobs(request, step.logprobs)
-            outputs.append(replace(engine.make_output(request, [token], kept), output_token_ids=known_output(request)))
-        return outputs
+        sampled = SampledTokens({r.request_id: [token] for r, token in zip(step.sampling, tokens)},
+                                step.logprobs, step.failed)
+        return engine.update(step.plan, sampled)
+
+    # --- the update's hooks -------------------------------------------------------------------
+
+    def advance(self, engine: EngineCore, request: Request, n: int) -> None:
+        """Nothing: launch counted the rows (the next step was planned on them)."""
+
+    def commit(self, engine: EngineCore, request: Request, tokens: list[int]) -> tuple[list[int], Status | None]:
+        (token,) = tokens
+        return [int(token)], settle_token(request, token, engine.check_stop)
+
+    def report(self, engine: EngineCore, request: Request, kept: list[int], logprobs: Any) -> RequestOutput:
+        """The output lists only known tokens: a placeholder's value is not read yet."""
+        return replace(engine.make_output(request, kept, logprobs), output_token_ids=known_output(request))

@@ -13,9 +13,15 @@ import operator
 import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ..sampling import GREEDY_BELOW_TEMPERATURE
+
+if TYPE_CHECKING:
+    from .interfaces import Guide
+    from .sampler import TokenLogprobs
 
 # The value a token slot holds while the step that computes it is still running on the
 # device (Chapter 33's asynchronous scheduling). Nothing in Chapter 31 produces it.
@@ -157,6 +163,19 @@ class SamplingParams:
         return replace(self, n=1, seed=seed)
 
 
+@dataclass
+class ImageInputs:
+    """Chapter 43: what a request with images brings to every step that computes its prompt.
+
+    embeds [M, D]: the image rows, which replace the token embeddings at prompt positions
+    `positions` [M] int64; mrope_positions [3, P] int64: the three rotary axes of each
+    prompt position; mrope_delta: what positions after the prompt add on all three axes."""
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    mrope_positions: torch.Tensor
+    mrope_delta: int
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence inside the engine.
@@ -181,8 +200,13 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)            # per-feature state of later chapters
     error: str | None = None           # why the engine aborted it, when its own processing failed
+    # The state of later chapters' features, each in its own typed field:
+    logprobs: list[TokenLogprobs] = field(default_factory=list)         # one per output token (Chapter 34)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per prompt token (Chapter 34)
+    guide: Guide | None = None         # its constrained-decoding guide (Chapter 35)
+    lora_slot: int = 0                 # its adapter's slot in the AdapterBank; 0: none (Chapter 43)
+    images: ImageInputs | None = None  # its images' rows and 3-axis positions (Chapter 43)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

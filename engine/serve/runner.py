@@ -19,9 +19,6 @@ if TYPE_CHECKING:
     from .interfaces import AttentionBackend
     from .request import Request
 
-# request.extra entries that give a step inputs (Chapter 43): prepare_features maps them to rows.
-STEP_FEATURES = frozenset({"lora_slot", "image_embeds", "mrope_positions"})
-
 
 def distinct_pools(layer: KVCache) -> list[torch.Tensor]:
     """One layer's pool tensors, each once: a latent pool (Chapter 42) hands ONE tensor out as
@@ -92,14 +89,14 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, block_size
         layers, kv_heads, head_dim = self.flat.kv_spec()
         shape = (num_blocks + 1, block_size, kv_heads, head_dim)
-        place = getattr(self.flat, "layer_device", None)           # layers on several devices (Chapter 40)
-        own = getattr(self.flat.model, "allocate_kv", None)
+        own = self.flat.capabilities.allocate_kv
         make = own or self.backend.allocate
         # Ask about `own`, not `make`: every access to a bound method makes a new object.
         if own is not None and getattr(self.backend, "quantized", False):
             raise ValueError("this model allocates its own KV pool (latent attention, Chapter 42), which is never "
                              "quantized: use kv_cache_dtype='auto'")
-        self.kv_caches: list[KVCache] = [make(shape, self.dtype, place(i) if place else self.device)
+        # Layers placed on several devices (Chapter 40) keep their pools beside them.
+        self.kv_caches: list[KVCache] = [make(shape, self.dtype, self.flat.layer_device(i) or self.device)
                                          for i in range(layers)]
         # request id -> per layer, host copies of its blocks
         self.swapped: dict[str, list[list[torch.Tensor]]] = {}
@@ -149,7 +146,7 @@ class ModelRunner:
     def add_step_inputs(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:
         """prepare_features for a step some of whose requests carry Chapter 43's inputs, and
         nothing otherwise: the engines of Chapters 31-42 never reach that chapter's stub."""
-        if any(STEP_FEATURES & request.extra.keys() for request, _ in scheduled):
+        if any(request.lora_slot or request.images is not None for request, _ in scheduled):
             self.prepare_features(batch, scheduled)
         return batch
 
@@ -160,21 +157,21 @@ class ModelRunner:
         scheduled [(request, n)] in batch order: request i's n rows start at row
         batch.meta.query_start_loc_cpu[i] and hold its positions c .. c + n - 1
         (c = request.num_computed_tokens). Rows past the scheduled ones are padding.
-        Reads request.extra (written by add_request) and sets in batch.extra, on the
-        batch's device:
-        - "lora_ids" [N] int64: each row's request.extra["lora_slot"], 0 for rows of
-          requests without one and for padding. Only when some request has a slot.
+        Reads request.lora_slot and request.images (written by add_request) and sets in
+        batch.extra, on the batch's device:
+        - "lora_ids" [N] int64: each row's request.lora_slot, 0 for rows of requests without
+          an adapter and for padding. Only when some request has a slot.
         - "embeds" [N, D] in the model's dtype: the rows of
           self.flat.backbone.embed_tokens(batch.input_ids), except that a row at position p
-          with p in request.extra["image_positions"] ([M] int64) takes the matching row of
-          request.extra["image_embeds"] ([M, D]). Only when some image row is in this step.
-        - "mrope_positions" [3, N] int64: for a request with extra["mrope_positions"] ([3, P]
-          over its prompt), column p for positions p < P and p + extra["mrope_delta"] on all
-          three axes after the prompt; every other row its batch.positions value on all
-          three axes. Only when some request has M-RoPE positions.
+          with p in images.positions ([M] int64) takes the matching row of images.embeds
+          ([M, D]). Only when some image row is in this step.
+        - "mrope_positions" [3, N] int64: for a request with images, column p of
+          images.mrope_positions ([3, P] over its prompt) for positions p < P and
+          p + images.mrope_delta on all three axes after the prompt; every other row its
+          batch.positions value on all three axes. Only when some request has images.
         Trap: a prefill chunk can cut through an image, so place exactly the image rows whose
         positions fall in [c, c + n); a request recomputed after preemption gets the same
-        rows again from request.extra. Returns batch.
+        rows again from request.images. Returns batch.
         """
         raise NotImplementedError("Your engine: Chapter 43: ModelRunner.prepare_features")
 
@@ -187,7 +184,7 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(batch):  # a padded decode step, no step inputs (Chapter 33)
             return graphs.run(batch)
         extra = dict(batch.extra)
-        bank = getattr(self.flat, "adapters", None)
+        bank = self.flat.adapters
         lora_ids = extra.pop("lora_ids", None)
         positions = extra.pop("mrope_positions", batch.positions)
         with bank.activate(lora_ids) if bank is not None else nullcontext():

@@ -115,10 +115,10 @@ class Scheduler:
     def _adapter_waits(self, request: Request) -> bool:
         """Chapter 43: True when admitting `request` would make more than config.max_loras
         distinct LoRA adapters run at once (slot 0, no adapter, never counts)."""
-        slot = request.extra.get("lora_slot", 0)
+        slot = request.lora_slot
         if not slot:
             return False
-        running = {r.extra.get("lora_slot", 0) for r in self.running} - {0}
+        running = {r.lora_slot for r in self.running} - {0}
         return slot not in running and len(running) >= self.config.max_loras
 
     def _chunk(self, wanted: int, budget: int) -> int:

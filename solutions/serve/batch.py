@@ -165,7 +165,7 @@ def build_batch(scheduled: Sequence[tuple[Request, int]], block_tables: Mapping[
     width = max([1] + [len(t) for t in tables])
     padded = [list(t) + [0] * (width - len(t)) for t in tables]
 
-    def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+    def on_device(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
     meta = BatchMeta(

@@ -19,12 +19,15 @@ import torch
 from torch import nn
 
 from ..layers import apply_rope, rope_cos_sin
+from .interfaces import ModelCapabilities
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
     from .backends import KVCache
     from .batch import BatchMeta
     from .interfaces import AttentionBackend
+    from .lora import AdapterBank
+    from .vision import VisionInputs
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 
@@ -38,9 +41,12 @@ class FlatModel(nn.Module):
         self.backbone = model.model                  # embed_tokens, layers, norm
         self.layers = self.backbone.layers
         self.model = model.eval()
-        own_tables = getattr(model, "rope_tables", None)   # models with scaled RoPE bring their own
+        self.capabilities = ModelCapabilities.of(model)     # what the model declares, read once
+        own_tables = self.capabilities.rope_tables          # models with scaled RoPE bring their own
         self.rope = self.default_rope if own_tables is None else own_tables
         self.fused: bool | str = False               # Chapter 33: fused add + norm (serve/fused.py)
+        self.adapters: AdapterBank | None = None     # Chapter 43: set by AdapterBank(flat)
+        self.vision: VisionInputs | None = None      # Chapter 43: set by serve.vision.attach_vision
 
     def default_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos, sin for N positions, shaped [N, 1, head_dim] to broadcast over [N, H, head_dim]."""
@@ -49,10 +55,20 @@ class FlatModel(nn.Module):
 
     def kv_spec(self) -> tuple[int, int, int]:
         """(layers, kv_heads, head_dim) of the pool every attention layer writes."""
-        own = getattr(self.model, "kv_spec", None)    # a model with another cache shape (Chapter 42)
+        own = self.capabilities.kv_spec                # a model with another cache shape (Chapter 42)
         if own is not None:
             return own()
         return self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, self.cfg.head_dim
+
+    def layer_device(self, index: int) -> torch.device | None:
+        """Where layer `index` and its pool live; None: the model's one device (Chapter 40's
+        PlacedFlatModel spreads layers over several)."""
+        return None
+
+    def pool_blocks(self, block_bytes: int, cpu_pool_bytes: int, utilization: float) -> int | None:
+        """Blocks of `block_bytes` (one layer) that fit on every device the layers use, or
+        None when the layers share one device and the engine sizes the pool (Chapter 40)."""
+        return None
 
     # --- seams --------------------------------------------------------------------------
 

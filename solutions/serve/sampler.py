@@ -1,6 +1,6 @@
 """Chapters 31 and 34: turning the sampled rows' logits into tokens.
 
-The interface every sampler of the engine keeps (serve.interfaces.Sampler):
+The interface every sampler of the engine keeps (serve.interfaces.TokenSampler):
 
     sampler(logits [L, vocab], requests, generators) -> (tokens, logprobs)
 
@@ -295,7 +295,7 @@ def apply_token_rules(logits: torch.Tensor, requests: Sequence[Request]) -> torc
     and logit_bias. A Python loop collects (row, token) pairs; one indexed write per rule
     applies them. Returns `logits`."""
     device = logits.device
-    guided = [(row, r.extra["guide"]) for row, r in enumerate(requests) if r.extra.get("guide") is not None]
+    guided = [(row, r.guide) for row, r in enumerate(requests) if r.guide is not None]
     if guided:
         allowed = torch.stack([guide.allowed() for _, guide in guided]).to(device)
         rows = torch.tensor([row for row, _ in guided], device=device)
@@ -334,7 +334,7 @@ def apply_token_rules(logits: torch.Tensor, requests: Sequence[Request]) -> torc
 
 class Sampler:
     """Chapter 34's full sampler: every SamplingParams rule of vLLM, for the whole batch at
-    once (serve.interfaces.Sampler).
+    once (serve.interfaces.TokenSampler).
 
     generator: where unseeded sampled rows draw (the engine passes its own, seeded by
     EngineConfig.seed); a seeded request draws only from generators[its id], one vocabulary
@@ -361,7 +361,7 @@ class Sampler:
             apply_penalties(processed, *penalty_inputs(requests, vocab, logits.device),
                             params.repetition, params.presence, params.frequency)
         # Only the rules that forbid tokens can leave a row with nothing to draw.
-        can_die = any(r.extra.get("guide") is not None or r.params.allowed_token_ids is not None
+        can_die = any(r.guide is not None or r.params.allowed_token_ids is not None
                       or r.params.bad_words_token_ids or r.params.min_tokens for r in requests)
         dead = torch.isneginf(processed).all(dim=-1) if can_die else torch.zeros(rows, dtype=torch.bool,
                                                                                    device=logits.device)

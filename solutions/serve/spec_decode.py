@@ -13,8 +13,9 @@ all of them at once:
 
 Three proposers share one interface (`propose`): n-gram lookup in the request's own tokens,
 a smaller draft model with a KV pool of its own, and heads on the target's last hidden
-state (Medusa style). `Speculator` is the engine's `drafter` (serve.interfaces.Drafter): it
-takes over the sample-and-update half of EngineCore.step.
+state (Medusa style). `Speculator` is the engine's `drafter` (serve.interfaces.Drafter), handed to
+EngineCore when it is built: its `verify` takes the place of sampling in EngineCore.step,
+and it extends EngineCore.update through the update's hooks (serve.update).
 
 Acceptance: a greedy request keeps the drafts that equal the target's argmax (Chapter 26's
 accept_greedy), so its output is exactly the non-speculative engine's. A sampled request
@@ -27,7 +28,6 @@ resamples from p with x removed.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,11 +38,13 @@ from torch import nn
 from ..speculative import accept_greedy, accept_sampled
 from .batch import build_batch
 from .blocks import BlockManager
-from .request import Request, RequestOutput, SamplingParams, Status
+from .request import Request, SamplingParams, Status
 from .runner import ModelRunner
+from .update import SampledTokens, StepUpdate
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
+    from .batch import Batch
     from .engine import EngineCore
     from .scheduler import SchedulerOutput
 
@@ -161,6 +163,8 @@ class Proposer(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def bind(self, engine: EngineCore) -> None: ...
+
 
 @dataclass
 class NgramProposer:
@@ -180,6 +184,9 @@ class NgramProposer:
     def release(self, request_id: str) -> None:
         pass
 
+    def bind(self, engine: EngineCore) -> None:
+        pass
+
 
 class DraftModelProposer:
     """A smaller causal LM guesses k tokens per request, one batched forward per guess.
@@ -196,19 +203,27 @@ class DraftModelProposer:
     """
 
     name = "draft-model"
+    runner: ModelRunner            # the draft's own pool and forward, built by bind()
+    blocks: BlockManager
 
-    def __init__(self, draft: Qwen3ForCausalLM, num_blocks: int, block_size: int, backend: str = "reference") -> None:
-        self.runner = ModelRunner(draft, num_blocks, block_size, backend)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    def __init__(self, draft: Qwen3ForCausalLM, num_blocks: int | None = None, block_size: int | None = None,
+                 backend: str | None = None) -> None:
+        """num_blocks, block_size, backend: the draft pool's; None takes the target engine's
+        (the draft has fewer layers, so an equal pool takes fewer bytes)."""
+        self.draft, self.pool = draft, (num_blocks, block_size, backend)
         self.shadows: dict[str, Request] = {}
 
-    @classmethod
-    def for_engine(cls, draft: Qwen3ForCausalLM, engine: EngineCore) -> DraftModelProposer:
-        """A draft pool as large as the engine's (the draft has fewer layers, so fewer bytes)."""
-        if draft.cfg.vocab_size != engine.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the target's "
+    def bind(self, engine: EngineCore) -> None:
+        """Build the draft's pool for the engine being built, or refuse a draft that guesses
+        in another vocabulary."""
+        if self.draft.cfg.vocab_size != engine.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({self.draft.cfg.vocab_size}) differs from the target's "
                              f"({engine.vocab_size}): its guesses would be other tokens")
-        return cls(draft, engine.blocks.num_blocks, engine.config.block_size, engine.config.attention_backend)
+        num_blocks, block_size, backend = self.pool
+        num_blocks = num_blocks or engine.blocks.num_blocks
+        block_size = block_size or engine.config.block_size
+        self.runner = ModelRunner(self.draft, num_blocks, block_size, backend or engine.config.attention_backend)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
 
     def release(self, request_id: str) -> None:
         shadow = self.shadows.pop(request_id, None)
@@ -370,6 +385,9 @@ class HeadProposer:
     def release(self, request_id: str) -> None:
         pass
 
+    def bind(self, engine: EngineCore) -> None:
+        pass
+
 
 # --- the drafter the engine calls -----------------------------------------------------------
 
@@ -418,41 +436,39 @@ def refuse_with_drafter(request_id: str, params: SamplingParams, lora: object, f
 
 
 @dataclass
-class Speculator:
+class Speculator(StepUpdate):
     """engine.drafter: proposes up to `k` drafts per running request and verifies them.
 
-    Install with `Speculator(proposer, k).attach(engine)` on an engine with no request yet."""
+    It extends Chapter 31's update through its hooks: `verify` replaces sampling, `commit`
+    is `settle` (accepted drafts kept, rejected drafts' blocks given back), and
+    `after_update` proposes the next step's drafts.
+
+    Hand it to the engine when it is built: EngineCore(model, config, drafter=Speculator(proposer, k))."""
     proposer: Any
     k: int = 4
     stats: VerifyStats = field(default_factory=VerifyStats)
     draft_probs: dict[str, torch.Tensor] = field(default_factory=dict)   # request id -> q rows of its drafts
+    # The last step's target hidden rows (heads read them) and each request's first row there.
+    hidden: torch.Tensor | None = field(default=None, repr=False)
+    first_row: dict[str, int] = field(default_factory=dict, repr=False)
+
+    doing = "settling its verified tokens"
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"Speculator: k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
 
-    def attach(self, engine: EngineCore) -> Speculator:
-        if engine.has_unfinished:
-            raise ValueError("attach a drafter before adding requests: those were accepted without its rules")
-        if engine.drafter is not None:
-            raise ValueError("this engine already has a drafter")
-        previous = engine.scheduler.on_finish
-
-        def forget(request: Request) -> None:          # finished or aborted: drop what we keep for it
-            self.forget(request.request_id)
-            if previous is not None:
-                previous(request)
-
-        engine.scheduler.on_finish = forget
-        engine.drafter = self
-        return self
+    def bind(self, engine: EngineCore) -> None:
+        """Called by EngineCore when it is built with this drafter: the proposer sizes what
+        it keeps (a draft model's pool) for that engine."""
+        self.proposer.bind(engine)
 
     def forget(self, request_id: str) -> None:
         self.draft_probs.pop(request_id, None)
         self.proposer.release(request_id)
 
-    def verify(self, engine: EngineCore, request: Request, logits: torch.Tensor, drafts: list[int],
-               probs: torch.Tensor | None) -> list[int]:
+    def verify_one(self, engine: EngineCore, request: Request, logits: torch.Tensor, drafts: list[int],
+                   probs: torch.Tensor | None) -> list[int]:
         """The tokens this step emits for one request: accepted drafts, then one of the target's."""
         if request.params.greedy:
             return accept_greedy(logits, drafts)
@@ -463,51 +479,43 @@ class Speculator:
         generator = engine.generators.get(request.request_id, engine.engine_generator)
         return accept_sampled(target, probs.to(target), drafts, generator)
 
-    def step(self, engine: EngineCore, plan: SchedulerOutput) -> list[RequestOutput]:
+    def verify(self, engine: EngineCore, plan: SchedulerOutput, batch: Batch, logits: torch.Tensor) -> SampledTokens:
+        """Each request's emitted tokens (accepted drafts, then the target's own) from its
+        verification rows; a request whose verification raises fails alone."""
         for request in plan.preempted:                 # their K/V are gone: so is the draft's
             self.forget(request.request_id)
-        batch = engine.runner.prepare(plan.scheduled, engine.blocks.req_blocks)
-        logits = engine.runner.execute(batch)
-        hidden = getattr(engine.runner, "last_hidden", None)
-        outputs: list[RequestOutput] = []
-        advanced: list[tuple[Request, int]] = []       # running requests with new tokens, their newest row
-        now, row = time.monotonic(), 0
-        for (request, n), count in zip(plan.scheduled, batch.sample_counts):
+        self.hidden = engine.runner.last_hidden
+        self.first_row = {}
+        sampled = SampledTokens(doing="verifying its draft tokens")
+        row = 0
+        for (request, _), count in zip(plan.scheduled, batch.sample_counts):
             first, row = row, row + count
             drafts = request.spec_token_ids[:max(0, count - 1)]     # the budget may have cut some
             probs = self.draft_probs.pop(request.request_id, None)
             request.spec_token_ids = []
-            request.num_computed_tokens += n
             if count == 0:                              # a mid-prompt chunk
-                engine.blocks.cache_full_blocks(request)
                 continue
             try:
-                emitted = self.verify(engine, request, logits[first:row], drafts,
-                                      None if probs is None else probs[:len(drafts)])
-                new, reason = settle(engine, request, emitted)
+                emitted = self.verify_one(engine, request, logits[first:row], drafts,
+                                          None if probs is None else probs[:len(drafts)])
             except Exception as exc:
-                outputs.append(engine._abort_with_error(request, exc, "verifying its draft tokens"))
+                sampled.failed[request.request_id] = exc
                 continue
+            sampled.tokens[request.request_id] = emitted
+            self.first_row[request.request_id] = first
             self.stats.proposed += len(drafts)
             self.stats.accepted += len(emitted) - 1
-            self.stats.emitted += len(new)
             self.stats.verify_rows += count
             self.stats.verifications += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if reason is not None:
-                engine.generators.pop(request.request_id, None)
-                engine.scheduler.finish(request, reason)
-            else:
-                advanced.append((request, first + len(new) - 1))
-            outputs.append(engine.make_output(request, new))
-        self._propose(engine, advanced, hidden)
-        engine.steps += 1
-        if engine.checks is not None:
-            engine.checks.check_scheduler(engine.scheduler, f"after engine step {engine.steps}")
-        return outputs
+        return sampled
 
-    def _propose(self, engine: EngineCore, advanced: list[tuple[Request, int]], hidden: torch.Tensor | None) -> None:
+    def commit(self, engine: EngineCore, request: Request, tokens: list[int]) -> tuple[list[int], Status | None]:
+        kept, reason = settle(engine, request, tokens)
+        self.stats.emitted += len(kept)
+        return kept, reason
+
+    def after_update(self, engine: EngineCore, plan: SchedulerOutput,
+                     advanced: list[tuple[Request, list[int]]]) -> None:
         """Set next step's spec_token_ids: never more guesses than tokens the request may
         still emit minus one (the target always adds one), nor past max_model_len."""
         if not advanced:
@@ -515,13 +523,22 @@ class Speculator:
         requests = [r for r, _ in advanced]
         limits = [max(0, min(self.k, r.params.max_tokens - r.num_output_tokens - 1,
                              engine.max_model_len - r.num_tokens - 1)) for r in requests]
-        rows = hidden[[i for _, i in advanced]] if hidden is not None else None
+        newest = [self.first_row[r.request_id] + len(kept) - 1 for r, kept in advanced]
+        rows = self.hidden[newest] if self.hidden is not None else None
         for request, draft in zip(requests, self.proposer.propose(engine, requests, limits, rows)):
             request.spec_token_ids = [int(t) for t in draft.tokens]
             if draft.probs is not None and draft.tokens:
                 self.draft_probs[request.request_id] = draft.probs
+        self.hidden = None
+
+
+# Why an engine that schedules asynchronously takes no drafter (Chapter 33 with Chapter 37).
+ASYNC_REFUSAL = ("speculative decoding needs synchronous scheduling (EngineConfig(async_scheduling=False)): "
+                 "the drafts for step t + 1 are guessed from the tokens step t accepts, which the asynchronous "
+                 "engine has not read when it plans step t + 1, and a rejected draft rolls back rows that the "
+                 "step already in flight was planned on")
 
 
 __all__ = ["propose_ngram", "warped_probs", "settle", "Draft", "Proposer", "NgramProposer", "DraftModelProposer",
            "DraftHeads", "train_heads", "HeadProposer", "VerifyStats", "Speculator", "refuse_with_drafter",
-           "NOT_WITH_DRAFTS"]
+           "NOT_WITH_DRAFTS", "ASYNC_REFUSAL"]

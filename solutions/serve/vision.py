@@ -16,7 +16,7 @@ A vision-language model of the Qwen-VL kind reads an image in three moves:
    pairs are shared out between the three axes (Qwen3-VL interleaves them: T H W T H W ...).
 
 The encoder runs once per request when it is added (its output rows are kept in
-request.extra, so a preempted request recomputes from the same rows); the block hash of
+request.images, so a preempted request recomputes from the same rows); the block hash of
 every block of that request includes a hash of the image's pixels. `load_qwen3_vl` fills
 the encoder and a Qwen3 language model from a transformers Qwen3-VL state dict.
 """
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import apply_rope, rope_cos_sin
+from .request import ImageInputs
 
 if TYPE_CHECKING:
     from .flat_model import FlatModel, RopeTables
@@ -353,7 +354,7 @@ def attach_vision(flat: FlatModel, encoder: VisionEncoder, image_token_id: int,
     flat.rope = rope
     encoder.to(next(flat.parameters()).device)
     # nn.Module's __setattr__ is typed for tensors and modules; this is a plain record.
-    flat.vision = VisionInputs(encoder, image_token_id, tuple(sections))  # type: ignore[assignment]
+    flat.vision = VisionInputs(encoder, image_token_id, tuple(sections))
 
 
 def image_key(pixels: torch.Tensor) -> str:
@@ -365,11 +366,11 @@ def image_key(pixels: torch.Tensor) -> str:
 
 
 def image_inputs(flat: FlatModel, request_id: str, prompt: list[int], features: object
-                 ) -> tuple[dict[str, Any], tuple]:
+                 ) -> tuple[ImageInputs, tuple[tuple[str, tuple[str, ...]]]]:
     """What add_request stores for a request with images: features = {"images": [pixels
     [C, H, W], ...]} in prompt order, each matched by a run of rows * cols image tokens.
-    Returns (request.extra entries, block-hash keys); ValueError if anything does not fit."""
-    vision = getattr(flat, "vision", None)
+    Returns (request.images, block-hash keys); ValueError if anything does not fit."""
+    vision = flat.vision
     if vision is None:
         raise ValueError(f"request {request_id!r}: image features need a vision encoder attached with "
                          f"serve.vision.attach_vision (Chapter 43)")
@@ -403,5 +404,5 @@ def image_inputs(flat: FlatModel, request_id: str, prompt: list[int], features: 
     embeds = torch.cat([encoder.encode(pixels) for pixels in images])
     table, delta = mrope_positions(prompt, token, grids)
     where = torch.tensor([i for i, t in enumerate(prompt) if t == token], dtype=torch.int64)
-    extra = {"image_embeds": embeds, "image_positions": where, "mrope_positions": table, "mrope_delta": delta}
-    return extra, (("images", tuple(image_key(pixels) for pixels in images)),)
+    return (ImageInputs(embeds, where, table, delta),
+            (("images", tuple(image_key(pixels) for pixels in images)),))
