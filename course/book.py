@@ -365,8 +365,9 @@ def build(out: Path = DEFAULT_OUT, manifest: Manifest | None = None, quiet: bool
 
 # --- figures and tables on the page ----------------------------------------------------------
 
-# The width of the book's text column in CSS pixels (sphinx-book-theme at a 1280 px window):
-# a figure wider than this is scaled down to it, and its labels with it.
+# The width of the book's text column in CSS pixels, as the book's review measured it: a
+# figure wider than this is scaled down to it, and its labels with it. (A narrower window
+# narrows the column further: 676 px at 1280 px, measured in Chromium.)
 COLUMN_PX = 784
 # The smallest label a reader can read without zooming, in CSS pixels as shown on the page.
 MIN_LABEL_PX = 9.0
@@ -378,7 +379,7 @@ _PX_PER_PT = 96 / 72
 class FigureSize:
     """One figure of a chapter as the book shows it: its width on the page and its smallest
     label there, both in CSS pixels. `measured` is False for a raster figure, whose label
-    size is the size matplotlib's default text (rcParams font.size) would have on the page."""
+    size is estimated (png_figure_size)."""
     where: str
     width_px: float
     smallest_label_px: float
@@ -386,8 +387,10 @@ class FigureSize:
 
 
 def _svg_length_px(value: str) -> float:
-    number = float(re.match(r"[\d.eE+-]+", value).group(0))
-    return number * _PX_PER_PT if value.endswith("pt") else number
+    number = re.match(r"[\d.eE+-]+", value)
+    if number is None:
+        raise ValueError(f"an SVG length this check cannot read: {value!r}")
+    return float(number.group(0)) * _PX_PER_PT if value.endswith("pt") else float(number.group(0))
 
 
 def svg_figure_size(svg: str, where: str = "", column_px: float = COLUMN_PX) -> FigureSize:
@@ -395,9 +398,12 @@ def svg_figure_size(svg: str, where: str = "", column_px: float = COLUMN_PX) -> 
     to `column_px`. Text is found as matplotlib writes it, glyph paths under a
     `scale(s -s)` transform (font size 100 s user units) or, with svg.fonttype none, a
     `font`/`font-size` style in px."""
-    head = re.search(r"<svg\b[^>]*>", svg).group(0)
-    width_px = _svg_length_px(re.search(r'\bwidth="([^"]+)"', head).group(1))
-    view_box = re.search(r'\bviewBox="([^"]+)"', head)
+    head = re.search(r"<svg\b[^>]*>", svg)
+    width = re.search(r'\bwidth="([^"]+)"', head.group(0)) if head else None
+    if head is None or width is None:
+        raise ValueError(f"{where}: an SVG without a width, which the book cannot size")
+    width_px = _svg_length_px(width.group(1))
+    view_box = re.search(r'\bviewBox="([^"]+)"', head.group(0))
     user_width = float(view_box.group(1).split()[2]) if view_box else width_px
     px_per_unit = min(width_px, column_px) / user_width
     sizes = [100 * float(s) for s in re.findall(r"scale\(([\d.eE+-]+) -\1\)", svg)]
@@ -469,7 +475,9 @@ def markdown_table_min_width_px(rows: list[str]) -> float:
 
 def markdown_tables(text: str) -> list[tuple[int, list[str]]]:
     """The pipe tables of a Markdown or MyST text: (line number of the header, rows)."""
-    tables, rows, start, fenced = [], [], 0, False
+    tables: list[tuple[int, list[str]]] = []
+    rows: list[str] = []
+    start, fenced = 0, False
     for number, line in enumerate(text.splitlines() + [""], start=1):
         if line.lstrip().startswith(("```", "~~~")):
             fenced = not fenced

@@ -108,7 +108,7 @@ def draw_profile(profiles):
     colours = dict(zip(parts, ["#4c78a8", "#72b7b2", "#e45756", "#f58518", "#54a24b", "#b279a2", "#9d755d"]))
     fig = Figure(figsize=(COLUMN_INCHES, 0.6 * len(profiles) + 1.6))
     ax = fig.add_subplot()
-    for i, (label, shares) in enumerate(profiles.items()):
+    for i, shares in enumerate(profiles.values()):
         left = 0.0
         for part in parts:
             ax.barh(i, shares[part], left=left, color=colours[part], label=part if i == 0 else None)
