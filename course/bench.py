@@ -404,10 +404,14 @@ def plot(lines: list, path):
     from matplotlib import colormaps
     from matplotlib.figure import Figure  # not pyplot: leave a notebook's backend alone
     from matplotlib.patches import Rectangle
+
+    from course.diagrams import COLUMN_INCHES
     runs = [line for line in lines if "contender" in line]
     names = list(dict.fromkeys(line["workload"] for line in runs))
-    fig = Figure(figsize=(12, 4.2))
-    axes = fig.subplots(1, 2)
+    # One panel above the other, as wide as the book's column: side by side, the book would
+    # shrink the labels below what a reader can read.
+    fig = Figure(figsize=(COLUMN_INCHES, 7.0))
+    axes = fig.subplots(2, 1)
     labels = list(dict.fromkeys(line["contender"] for line in runs))
     colours = {label: colormaps["tab10"](i % 10) for i, label in enumerate(labels)}
     width = 0.8 / max(1, len(labels))
@@ -427,8 +431,8 @@ def plot(lines: list, path):
         ax.set_title(title)
     axes[0].axhline(1.0, color="grey", lw=0.8)
     handles = [Rectangle((0, 0), 1, 1, color=colours[label]) for label in labels]
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), frameon=False)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(3, len(labels)), frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     return path
 

@@ -16,6 +16,7 @@ another host (`python run.py book --check`, run in CI).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -501,7 +502,7 @@ def browser_driver(width: int, height: int):
         return None
 
 
-def layout_problems(html: Path) -> list[str] | None:
+def page_problems(html: Path) -> list[str] | None:
     """Open every page of the built book in headless Chromium at CHECK_WINDOW and list what
     a reader would trip over: a table wider than the column (its last columns hidden), a
     code block or printout that scrolls sideways, a figure without alt text, an error in
@@ -532,4 +533,159 @@ def layout_problems(html: Path) -> list[str] | None:
                 problems.append(f"{name}: a figure without alt text ({source})")
     finally:
         driver.quit()
+    return problems
+
+
+# --- figures and tables on the page ----------------------------------------------------------
+
+# The width of the book's text column in CSS pixels, as the book's review measured it: a
+# figure wider than this is scaled down to it, and its labels with it. (A narrower window
+# narrows the column further: 676 px at 1280 px, measured in Chromium.)
+COLUMN_PX = 784
+# The smallest label a reader can read without zooming, in CSS pixels as shown on the page.
+MIN_LABEL_PX = 9.0
+# CSS pixels per point: a browser draws an SVG whose width is in points at 96 px to 72 pt.
+_PX_PER_PT = 96 / 72
+
+
+@dataclasses.dataclass(frozen=True)
+class FigureSize:
+    """One figure of a chapter as the book shows it: its width on the page and its smallest
+    label there, both in CSS pixels. `measured` is False for a raster figure, whose label
+    size is estimated (png_figure_size)."""
+    where: str
+    width_px: float
+    smallest_label_px: float
+    measured: bool
+
+
+def _svg_length_px(value: str) -> float:
+    number = re.match(r"[\d.eE+-]+", value)
+    if number is None:
+        raise ValueError(f"an SVG length this check cannot read: {value!r}")
+    return float(number.group(0)) * _PX_PER_PT if value.endswith("pt") else float(number.group(0))
+
+
+def svg_figure_size(svg: str, where: str = "", column_px: float = COLUMN_PX) -> FigureSize:
+    """Measure an SVG as an <img> in the column: it is drawn at its own width, or scaled down
+    to `column_px`. Text is found as matplotlib writes it, glyph paths under a
+    `scale(s -s)` transform (font size 100 s user units) or, with svg.fonttype none, a
+    `font`/`font-size` style in px."""
+    head = re.search(r"<svg\b[^>]*>", svg)
+    width = re.search(r'\bwidth="([^"]+)"', head.group(0)) if head else None
+    if head is None or width is None:
+        raise ValueError(f"{where}: an SVG without a width, which the book cannot size")
+    width_px = _svg_length_px(width.group(1))
+    view_box = re.search(r'\bviewBox="([^"]+)"', head.group(0))
+    user_width = float(view_box.group(1).split()[2]) if view_box else width_px
+    px_per_unit = min(width_px, column_px) / user_width
+    sizes = [100 * float(s) for s in re.findall(r"scale\(([\d.eE+-]+) -\1\)", svg)]
+    sizes += [float(s) for s in re.findall(r"font(?:-size)?:[^;\"]*?([\d.]+)px", svg)]
+    smallest = min(sizes) * px_per_unit if sizes else float("inf")
+    return FigureSize(where, min(width_px, column_px), smallest, True)
+
+
+def png_figure_size(png_base64: str, display_width: float | None, code: str = "", where: str = "",
+                    column_px: float = COLUMN_PX) -> FigureSize:
+    """Measure a PNG as an <img> in the column: drawn at its display width (the output's
+    `width` metadata, else one CSS pixel per image pixel), scaled down to `column_px`. Its
+    text cannot be read back, so the label is taken to be the smallest `fontsize=`,
+    `size=` or `labelsize=` that `code` (the cell that drew it) names, or matplotlib's
+    default text size, at the PNG's resolution (its pHYs chunk; 100 dpi without one). Text
+    sized in a module the cell calls is not seen: draw such figures as SVG (course.diagrams.show)."""
+    import base64
+    import io
+
+    import matplotlib
+    from PIL import Image
+    image = Image.open(io.BytesIO(base64.b64decode(png_base64)))
+    dpi = float(image.info.get("dpi", (100, 100))[0])
+    width_px = float(display_width or image.size[0])
+    px_per_pt = dpi / 72 * (width_px / image.size[0]) * min(1.0, column_px / width_px)
+    named = [float(size) for size in re.findall(r"\b(?:fontsize|labelsize|size)\s*=\s*(\d+(?:\.\d+)?)\b", code)]
+    label_pt = min([float(matplotlib.rcParams["font.size"])] + named)
+    return FigureSize(where, min(width_px, column_px), label_pt * px_per_pt, False)
+
+
+def notebook_figure_sizes(notebook: Path, column_px: float = COLUMN_PX) -> list[FigureSize]:
+    """Every figure a notebook's saved outputs put on its page, in the book's order of
+    preference (the SVG of an output that also carries a PNG)."""
+    data = json.loads(notebook.read_text(encoding="utf-8"))
+    sizes = []
+    for index, cell in enumerate(data.get("cells", [])):
+        for output in cell.get("outputs", []):
+            bundle = output.get("data", {})
+            where = f"{notebook.stem} cell {index}"
+            if "image/svg+xml" in bundle:
+                svg = bundle["image/svg+xml"]
+                sizes.append(svg_figure_size("".join(svg) if isinstance(svg, list) else svg, where, column_px))
+            elif "image/png" in bundle:
+                width = output.get("metadata", {}).get("image/png", {}).get("width")
+                png = bundle["image/png"]
+                code = "".join(cell.get("source", ""))
+                sizes.append(png_figure_size("".join(png) if isinstance(png, list) else png, width, code, where,
+                                             column_px))
+    return sizes
+
+
+def markdown_table_min_width_px(rows: list[str]) -> float:
+    """A lower bound on a Markdown table's width on the page: a browser wraps a cell only
+    at spaces, so each column is at least as wide as its longest word (inline code counted
+    as one word, as the theme does not break it), plus the cell's padding."""
+    text_px, code_px, padding_px = 8.0, 8.4, 24.0   # body 16 px, code 14 px monospace
+    cells = [[cell.strip() for cell in row.strip().strip("|").split("|")] for row in rows
+             if not re.fullmatch(r"\|?[\s:|-]+\|?", row.strip())]
+    widths: dict[int, float] = {}
+    for row in cells:
+        for column, cell in enumerate(row):
+            words = [(w, code_px) for w in re.findall(r"`[^`]+`", cell)]
+            prose = re.sub(r"`[^`]+`|\[([^\]]*)\]\([^)]*\)", lambda m: f" {m.group(1) or ''} ", cell)
+            words += [(w, text_px) for w in prose.split()]
+            longest = max((len(w.strip("`")) * px for w, px in words), default=0.0)
+            widths[column] = max(widths.get(column, 0.0), longest + padding_px)
+    return sum(widths.values())
+
+
+def markdown_tables(text: str) -> list[tuple[int, list[str]]]:
+    """The pipe tables of a Markdown or MyST text: (line number of the header, rows)."""
+    tables: list[tuple[int, list[str]]] = []
+    rows: list[str] = []
+    start, fenced = 0, False
+    for number, line in enumerate(text.splitlines() + [""], start=1):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        if not fenced and line.lstrip().startswith("|"):
+            if not rows:
+                start = number
+            rows.append(line)
+        else:
+            if len(rows) >= 2:
+                tables.append((start, rows))
+            rows = []
+    return tables
+
+
+def figure_and_table_problems(manifest: Manifest, root: Path = ROOT, column_px: float = COLUMN_PX) -> list[str]:
+    """What does not fit the book's column: a figure whose smallest label, scaled to the
+    column, is under MIN_LABEL_PX, and a Markdown table that cannot be narrower than the
+    column. Empty when everything fits."""
+    problems = []
+    sources = [root / f"{path}.md" for path, _ in REFERENCE_PAGES if (root / f"{path}.md").is_file()]
+    for chapter in manifest.written:
+        folder = root / "chapters" / chapter.dirname
+        sources.append(folder / f"{chapter.dirname}.md")
+        for size in notebook_figure_sizes(folder / f"{chapter.dirname}.ipynb", column_px):
+            if size.smallest_label_px < MIN_LABEL_PX:
+                kind = "labels" if size.measured else "labels (estimated: a PNG)"
+                problems.append(f"Chapter {chapter.number}, {size.where}: {kind} {size.smallest_label_px:.1f} px "
+                                f"at {size.width_px:.0f} px wide (at least {MIN_LABEL_PX:g} px in the "
+                                f"{column_px} px column)")
+    for source in sources:
+        if not source.is_file():
+            continue
+        for line, rows in markdown_tables(source.read_text(encoding="utf-8")):
+            width = markdown_table_min_width_px(rows)
+            if width > column_px:
+                problems.append(f"{source.relative_to(root)}:{line}: a table at least {width:.0f} px wide "
+                                f"(the column is {column_px} px)")
     return problems

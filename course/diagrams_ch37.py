@@ -29,15 +29,15 @@ def verification_step(block_size: int = 4, computed: int = 6, accepted: int = 1,
     ax.text(0.1, 8.0, "before the step", fontsize=10, va="center", color=INK)
     for b in range(blocks):
         ax.plot([left + b * block_size] * 2, [7.35, 8.85], color=MUTED, lw=1)
-        ax.text(left + b * block_size + block_size / 2, 9.05, f"block {b}", ha="center", fontsize=8.5, color=MUTED)
+        ax.text(left + b * block_size + block_size / 2, 9.05, f"block {b}", ha="center", fontsize=9, color=MUTED)
     ax.plot([left + blocks * block_size] * 2, [7.35, 8.85], color=MUTED, lw=1)
     for p in range(computed):
         cell(p, 7.6, f"t{p}", PAD)
     cell(computed, 7.6, f"t{computed}", "white")
     for d in range(drafts):
         cell(computed + 1 + d, 7.6, f"d{d + 1}", "#F3E3D3")
-    ax.text(left + computed / 2, 7.1, "num_computed_tokens", ha="center", fontsize=8.5, color=INK)
-    ax.text(left + computed + (drafts + 1) / 2 + 0.5, 7.1, "scheduled: 1 + drafts", ha="center", fontsize=8.5,
+    ax.text(left + computed / 2, 7.1, "num_computed_tokens", ha="center", fontsize=9, color=INK)
+    ax.text(left + computed + (drafts + 1) / 2 + 0.5, 7.1, "scheduled: 1 + drafts", ha="center", fontsize=9,
             color=KEY)
 
     ax.text(0.1, 5.2, "sampled rows", fontsize=10, va="center", color=INK)
@@ -51,8 +51,10 @@ def verification_step(block_size: int = 4, computed: int = 6, accepted: int = 1,
             label, face, color = "--", PAD, MUTED
         cell(x + 1, 4.8, label, face, color)
         _arrow(ax, (left + x + 0.5, 7.55), (left + x + 1.45, 5.65), color=MUTED, lw=0.9)
-    ax.text(left + computed + drafts + 2.3, 5.2, f"row {accepted}: the target disagrees,\nits own token x ends "
-            f"the step", fontsize=8.5, va="center", color=INK)
+    # Notes end at the blocks' right edge, so that the figure stays as wide as the column.
+    right = left + blocks * block_size
+    ax.text(right, 4.35, f"row {accepted}: the target disagrees, its own token x ends the step", ha="right",
+            fontsize=9, va="center", color=INK)
 
     ax.text(0.1, 2.4, "after settle()", fontsize=10, va="center", color=INK)
     keep = computed + 1 + accepted
@@ -65,11 +67,11 @@ def verification_step(block_size: int = 4, computed: int = 6, accepted: int = 1,
         face = "none" if b < kept_blocks else REJECTED
         ax.add_patch(patches.Rectangle(
             (left + b * block_size, 1.75), block_size, 1.3, facecolor=face, alpha=0.15, edgecolor=MUTED))
-    ax.text(left + keep / 2, 1.35, f"num_computed_tokens = {keep} (rolled back)", ha="center", fontsize=8.5,
+    ax.text(left + keep / 2, 1.35, f"num_computed_tokens = {keep} (rolled back)", ha="center", fontsize=9,
             color=INK)
     if kept_blocks < blocks:
         ax.text(left + (kept_blocks + blocks) * block_size / 2, 1.35, "trimmed: back to the pool", ha="center",
-                fontsize=8.5, color=REJECTED)
-    ax.text(left + keep + 1.5, 0.6, "the newest token x has no K/V yet: next step feeds it with new drafts",
-            ha="center", fontsize=8.5, color=INK)
+                fontsize=9, color=REJECTED)
+    ax.text(right, 0.6, "the newest token x has no K/V yet: next step feeds it with new drafts",
+            ha="right", fontsize=9, color=INK)
     return fig

@@ -213,7 +213,7 @@ def test_the_layout_check_sees_what_a_reader_would_trip_over(tmp_path):
                     '<img src="a.svg" alt="a.svg"><img src="b.svg" alt="the pool after step 3">'
                     '<table><tr><td>narrow</td></tr></table><pre>short</pre>'
                     '<script>const A = 1;</script><script>const A = 2;</script></article></body></html>')
-    problems = book.layout_problems(tmp_path)
+    problems = book.page_problems(tmp_path)
     assert len(problems) == 4, problems
     assert "chapters/p.html: a table 900 px wide in the 600 px column ('wide table')" in problems
     assert any("a code block or printout scrolls sideways" in p for p in problems), problems
