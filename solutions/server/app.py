@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import socket
@@ -315,18 +314,15 @@ def check_guide(engine: EngineCore, params: SamplingParams, field: str) -> None:
                        param=field) from None
 
 
-def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64, max_body_bytes: int | None = None,
+def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
               limits: Limits | None = None) -> FastAPI:
     """The server for `engine` (an EngineCore the app will own: start no other thread on it).
 
     max_waiting: requests (samples) allowed to queue beyond the engine's max_num_seqs
-    running slots before new ones get 429. limits: what one request may ask (protocol.Limits;
-    max_body_bytes, when given, replaces its body size). The engine loop starts and stops
-    with the app (its lifespan), so run it under an ASGI server that runs lifespans (uvicorn
-    does)."""
+    running slots before new ones get 429. limits: what one request may ask (protocol.Limits,
+    whose defaults are the server's). The engine loop starts and stops with the app (its
+    lifespan), so run it under an ASGI server that runs lifespans (uvicorn does)."""
     limits = limits or Limits()
-    if max_body_bytes is not None:
-        limits = dataclasses.replace(limits, max_body_bytes=max_body_bytes)
     loop = EngineLoop(engine)
     admission = AdmissionControl(engine.config.max_num_seqs, max_waiting)
     state = ServerState(served, loop, admission, ServerMetrics(loop, admission), limits)
@@ -429,16 +425,49 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
     return app
 
 
+def header_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's HTTP/1.1 protocol that closes a connection whose first request has not
+    sent all its headers `timeout_s` seconds after it opened (a half-open or stalled
+    client would otherwise hold its socket forever; later requests on a kept-alive
+    connection are uvicorn's keep-alive timeout's business)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.header_timer: asyncio.TimerHandle | None = self.loop.call_later(timeout_s, self.headers_too_slow)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self.header_timer is not None:      # a request's headers came
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def headers_too_slow(self) -> None:
+            self.header_timer = None
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                    log_level: str = "warning") -> Iterator[str]:
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                    header_timeout_s: float = 10.0) -> Iterator[str]:
     """Run `app` under uvicorn on a thread; yields its base URL ("http://127.0.0.1:PORT").
-    port 0 takes a free port. The server stops (and the engine loop with it) on exit."""
+    port 0 takes a free port. A connection that has not sent its first request's headers
+    within header_timeout_s is closed. The server stops (and the engine loop with it) on exit."""
     import uvicorn
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2,
+                                           http=header_timeout_protocol(header_timeout_s)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

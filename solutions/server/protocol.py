@@ -578,6 +578,8 @@ def choice_object(parsed: ParsedRequest, index: int, text: str | None, finish_re
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if parsed.return_token_ids:
         choice["token_ids"] = list(token_ids or [])
+        if not delta or first:             # the prompt's ids once per choice (vLLM's field)
+            choice["prompt_token_ids"] = list(parsed.prompt_ids)
     return choice
 
 
