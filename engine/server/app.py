@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -31,14 +32,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from ..regex_dfa import compile_regex
 from ..serve.request import SamplingParams
 from .loop import ACCEPTED, AdmissionControl, Delivery, EngineLoop, QueueFull, Submission
 from .page import CHAT_PAGE
 from .protocol import (
     ApiError,
+    Limits,
     ParsedRequest,
     choice_object,
     envelope,
+    field_named,
+    guide_field,
     logprobs_object,
     parse_json_body,
     parse_request,
@@ -49,6 +54,8 @@ from .text import DetokenizerFactory, TextStream, TextTokenizer
 if TYPE_CHECKING:
     from ..serve.engine import EngineCore
     from ..serve.sampler import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -142,10 +149,10 @@ class Job:
         self.state.loop.submit(self.submission)
         self.submitted = True
         first = await self.queue.get()
-        if isinstance(first, ValueError):
-            self.submitted = False         # the engine holds nothing of it
-            raise ApiError(400, str(first), param="prompt")
         if isinstance(first, Exception):
+            self.submitted = False         # the engine holds nothing of it
+            if isinstance(first, ValueError):
+                raise ApiError(400, str(first), param=field_named(str(first), self.parsed))
             raise ApiError(500, str(first), type="server_error")
         assert first == ACCEPTED, first
 
@@ -176,14 +183,20 @@ class Job:
             self.token_times[i] += [now] * len(item.new_token_ids)
             self.token_ids[i] += item.new_token_ids
             stream = self.streams[i]
-            text = stream.push(item.new_token_ids)
+            try:                           # a detokenizer that breaks fails this request alone
+                text = stream.push(item.new_token_ids)
+                if item.finished and not stream.stopped:
+                    text += stream.flush()
+            except Exception as exc:
+                logger.exception("detokenizing request %r failed", self.submission.request_id)
+                raise ApiError(500, f"request {self.submission.request_id!r}: detokenizing its output failed: "
+                                    f"{type(exc).__name__}: {exc}", type="server_error") from None
             if stream.stopped:
                 self._finish(i, "stop")
                 if not item.finished:
                     self.state.loop.abort(self.submission, item.request_id)
             elif item.finished:
                 assert item.finish_reason is not None, "a finished output names why it finished"
-                text += stream.flush()
                 self._finish(i, item.finish_reason)
             new = len(item.new_token_ids)        # RequestOutput.logprobs covers every output token so far
             yield i, text, list(item.new_token_ids), self.finish[i], list(item.logprobs or [])[-new:] if new else []
@@ -263,7 +276,7 @@ class ServerState:
     loop: EngineLoop
     admission: AdmissionControl
     metrics: ServerMetrics
-    max_body_bytes: int
+    limits: Limits
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
@@ -284,16 +297,34 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+def check_guide(engine: EngineCore, params: SamplingParams, field: str) -> None:
+    """Compile the request's guide once, here, off the engine thread: a schema or pattern
+    that cannot be compiled (whatever the compiler raises) is the client's 400, naming the
+    field, and never reaches the engine loop. The engine compiles it again when it admits
+    the request (EngineCore.add_request takes no prebuilt guide)."""
+    if engine.guides is None or (params.guided_regex is None and params.guided_json is None):
+        return                             # the engine refuses these itself, with a ValueError
+    try:
+        compile_regex(engine.guides.pattern_of(params))
+    except NotImplementedError:            # a learner's unwritten compiler: the engine says so itself
+        return
+    except Exception as exc:               # RecursionError, TypeError, ...: all are about this input
+        raise ApiError(400, f"{field} cannot be compiled into a guide: {type(exc).__name__}: {exc}",
+                       param=field) from None
+
+
 def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
-              max_body_bytes: int = 1 << 20) -> FastAPI:
+              limits: Limits | None = None) -> FastAPI:
     """The server for `engine` (an EngineCore the app will own: start no other thread on it).
 
     max_waiting: requests (samples) allowed to queue beyond the engine's max_num_seqs
-    running slots before new ones get 429. The engine loop starts and stops with the app
-    (its lifespan), so run it under an ASGI server that runs lifespans (uvicorn does)."""
+    running slots before new ones get 429. limits: what one request may ask (protocol.Limits,
+    whose defaults are the server's). The engine loop starts and stops with the app (its
+    lifespan), so run it under an ASGI server that runs lifespans (uvicorn does)."""
+    limits = limits or Limits()
     loop = EngineLoop(engine)
     admission = AdmissionControl(engine.config.max_num_seqs, max_waiting)
-    state = ServerState(served, loop, admission, ServerMetrics(loop, admission), max_body_bytes)
+    state = ServerState(served, loop, admission, ServerMetrics(loop, admission), limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -322,13 +353,17 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
 
     async def generate(request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
-        body = parse_json_body(await _read_body(request, max_body_bytes), max_body_bytes)
+        body = parse_json_body(await _read_body(request, limits.max_body_bytes), limits)
         if not loop.alive:
-            raise ApiError(503, "the engine loop is not running", type="server_error")
+            raise ApiError(503, f"the engine loop is not running: {loop.error!r}", type="server_error")
         asked = body.get("model")                     # an adapter's name selects it (Chapter 43)
         model_name = asked if isinstance(asked, str) and asked in served.adapters else served.name
         parsed = parse_request(body, chat=chat, model_name=model_name, tokenizer=served.tokenizer,
-                               max_model_len=loop.snapshot["max_model_len"], sampling_params_class=SamplingParams)
+                               max_model_len=loop.snapshot["max_model_len"], sampling_params_class=SamplingParams,
+                               limits=limits, vocab_size=engine.vocab_size)
+        guide = guide_field(body)
+        if guide is not None:
+            await asyncio.to_thread(check_guide, engine, parsed.params, guide)
         try:
             admission.try_admit(parsed.params.n)
         except ValueError as exc:
@@ -375,7 +410,7 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
     @app.get("/health", response_model=None)
     async def health() -> JSONResponse | dict[str, str]:
         if not loop.alive:
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+            return JSONResponse({"status": "engine loop stopped", "error": repr(loop.error)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/")
@@ -389,16 +424,49 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
     return app
 
 
+def header_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's HTTP/1.1 protocol that closes a connection whose first request has not
+    sent all its headers `timeout_s` seconds after it opened (a half-open or stalled
+    client would otherwise hold its socket forever; later requests on a kept-alive
+    connection are uvicorn's keep-alive timeout's business)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.header_timer: asyncio.TimerHandle | None = self.loop.call_later(timeout_s, self.headers_too_slow)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self.header_timer is not None:      # a request's headers came
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def headers_too_slow(self) -> None:
+            self.header_timer = None
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                    log_level: str = "warning") -> Iterator[str]:
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                    header_timeout_s: float = 10.0) -> Iterator[str]:
     """Run `app` under uvicorn on a thread; yields its base URL ("http://127.0.0.1:PORT").
-    port 0 takes a free port. The server stops (and the engine loop with it) on exit."""
+    port 0 takes a free port. A connection that has not sent its first request's headers
+    within header_timeout_s is closed. The server stops (and the engine loop with it) on exit."""
     import uvicorn
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2,
+                                           http=header_timeout_protocol(header_timeout_s)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
