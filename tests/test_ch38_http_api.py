@@ -154,6 +154,9 @@ def test_sse_event_frames_one_json_line_then_a_blank_line(impl):
         f"an event is 'data: <payload>' and a blank line, got {frame!r}"
     assert frame.count("\n") == 2, f"the payload must stay on one line (a newline splits the event): {frame!r}"
     assert json.loads(frame[len("data: "):]) == data
+    compact = 'data: {"choices":[{"text":"line one\\nline two é"}],"n":1}\n\n'
+    assert frame == compact, f"the payload is compact JSON (no spaces after , and :) with non-ASCII written as " \
+                             f"itself: expected {compact!r}, got {frame!r}"
     assert sse_event("[DONE]") == "data: [DONE]\n\n"
 
 
@@ -181,6 +184,16 @@ def test_text_stream_cuts_at_stop_strings_and_holds_back_prefixes(impl):
     assert sent[3] == "Help", f"'Help' is no stop string: release it, got {sent[3]!r}"
     assert "".join(sent) == "abHelp ", f"text must end just before the stop string, got {''.join(sent)!r}"
     assert stream.stopped and stream.push([65]) == "" and stream.flush() == ""
+
+
+def test_text_stream_cuts_at_the_earliest_stop_string_not_the_first_listed(impl):
+    text = impl.load("server.text")
+    tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer())
+    for pieces in (["one two three"], ["one t", "wo thr", "ee"]):
+        stream = text.TextStream(text.DiffDetokenizer(tokenizer), stops=("three", "two"))
+        sent = "".join(stream.push(tokenizer.encode(piece)) for piece in pieces) + stream.flush()
+        assert sent == "one ", f"stops ('three', 'two') on 'one two three': the text ends before the EARLIEST " \
+                               f"occurrence ('two'), whichever stop string is listed first; got {sent!r}"
 
 
 def test_text_stream_equals_decode_then_cut(impl):
@@ -224,14 +237,15 @@ def test_engine_loop_applies_aborts_before_the_next_step(impl, device):
     bad = serve_loop.Submission("bad", [999], request.SamplingParams(max_tokens=5), deliverer("bad"))
     for s in (a, b, bad):
         loop.submit(s)
-    assert loop.run_once() is True
+    assert loop.run_once() is True, \
+        "with three submissions in the inbox, run_once must apply the inbox first and then take a step (True)"
     assert isinstance(got["bad"][0], ValueError) and len(got["bad"]) == 1, \
         f"a request the engine refuses gets its ValueError and nothing else, got {got['bad']}"
     assert got["a"][0] == serve_loop.ACCEPTED and got["b"][0] == serve_loop.ACCEPTED, \
         "each accepted submission hears ACCEPTED before any output"
     assert {o.request_id for o in got["b"][1:]} == {"b:0", "b:1"}, "both samples of n=2 report to their submission"
-    assert [o.new_token_ids for o in got["a"][1:]] == [solo(reference_tiny_qwen3(device),
-                                                            [1, 2, 3, 4, 5], 1)]
+    assert [o.new_token_ids for o in got["a"][1:]] == [solo(reference_tiny_qwen3(device), [1, 2, 3, 4, 5], 1)], \
+        "after one turn, submission a has exactly its first token (the prompt's step)"
     loop.abort(a)
     loop.abort(b, "b:1")                            # one sample of the group
     before = len(got["a"])
@@ -242,7 +256,13 @@ def test_engine_loop_applies_aborts_before_the_next_step(impl, device):
     loop.abort(b)
     assert loop.run_once() is False, "with nothing left the turn reports no step"
     assert engine.blocks.num_free == engine.blocks.num_blocks, "aborted requests must give every block back"
-    assert loop.routes == {}, f"finished and aborted requests leave the routing table, left {loop.routes}"
+    assert loop.routes == {}, f"aborted requests leave the routing table, left {loop.routes}"
+    short = serve_loop.Submission("short", [4, 4, 4], request.SamplingParams(max_tokens=2, n=2), deliverer("short"))
+    loop.submit(short)
+    while loop.run_once():
+        pass
+    assert [o.finished for o in got["short"][1:]].count(True) == 2, "both samples run to their end"
+    assert loop.routes == {}, f"a finished request's route is removed after its last output; left {loop.routes}"
 
 
 # --- over HTTP -----------------------------------------------------------------------------------------

@@ -76,12 +76,11 @@ class ServedModel:
 def sse_event(data: dict[str, Any] | str) -> str:
     """One server-sent event carrying `data`.  (Your engine: Chapter 38)
 
-    data: a JSON-serializable dict (a chunk or an error object) or the literal string
-    "[DONE]". Returns the exact text to write to the response: the field name "data: ",
-    the payload on ONE line (a dict as compact JSON; "[DONE]" as is), then a blank line,
-    which is what ends an event for the client's parser. Non-ASCII text may stay as is
-    (the stream is UTF-8); a newline inside the payload would split the event, and JSON
-    escapes every newline inside strings, so the payload never contains one.
+    data: a JSON-serializable dict (a chunk or an error object) or the string "[DONE]".
+    Returns exactly "data: " + payload + "\n\n", where payload is "[DONE]" as is, or the
+    dict as compact JSON: no spaces after "," and ":", non-ASCII characters written as
+    themselves (not \\u escapes; the stream is UTF-8). The payload is one line.
+    Trap: json.dumps' defaults add spaces and escape non-ASCII: valid JSON, wrong frame.
     """
     raise NotImplementedError("Your engine: Chapter 38: sse_event")
 

@@ -124,14 +124,12 @@ class TextStream:
 
         token_ids: the ids one engine step added to this choice (usually one). Returns a str,
         possibly empty. Contract:
-        - The concatenation of everything push and flush ever return equals the decoded
-          output, cut just BEFORE the first occurrence of any stop string (the stop string
-          itself is never sent).
-        - Text that ends with a proper prefix of a stop string is held back until the next
-          ids prove it is or is not one ("Hel" waits when "Hello" is a stop string).
-        - Once a stop string is found: `stopped` becomes True, the held text is cleared, and
-          every later push returns "" (the engine may still deliver a token or two before the
-          abort reaches it).
+        - Everything push and flush ever return, joined, equals the decoded output cut just
+          before the EARLIEST occurrence of any stop string in the text (not the first stop
+          string listed); the stop string itself is never sent.
+        - A tail that could still grow into a stop string is held back until later ids
+          settle it ("Hel" waits when "Hello" is a stop string).
+        - After a stop string: `stopped` is True, nothing is held, every later push is "".
         - Without stop strings nothing is held back beyond what the detokenizer holds.
         """
         raise NotImplementedError("Your engine: Chapter 38: TextStream.push")

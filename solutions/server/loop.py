@@ -133,26 +133,18 @@ class EngineLoop:
         """One turn of the engine loop: apply the inbox, take one step, hand out the outputs.
         (Your engine: Chapter 38)
 
-        Runs on the engine thread only. Returns True when a step ran (or was tried), False
-        when the engine had nothing to do (the caller then sleeps until woken). Contract:
-        - Everything waiting in self.inbox is applied in arrival order BEFORE the step, so a
-          request aborted during step k never runs in step k+1.
-        - ("add", s, None): the engine takes s (its request id, prompt ids, params and
-          adapter `s.lora`). If the engine refuses it, or anything else goes wrong while
-          admitting it, s gets `self.fail(s, exc)` and the engine holds nothing of it;
-          otherwise every id of s.engine_ids routes to s in self.routes and s hears
-          ACCEPTED (through self.hand) before any output.
-        - ("abort", s, engine_id): self.drop(s, engine_id) (the whole submission when
-          engine_id is s.request_id, else that one sample).
-        - The step: each RequestOutput reaches, through self.hand, the submission its id
-          routes to (outputs of unrouted ids are dropped); an output carrying an `error`
-          fails its submission (self.fail) instead; a finished id leaves self.routes after
-          its last delivery, so the table only ever holds live requests.
-        - Isolation: an exception raised for one request costs that request alone. A step
-          that raises as a whole goes to self.fail_step(exc). run_once itself never raises
-          for a request's sake.
-        Trap: delivering happens on this thread; a submission's deliver may raise, which is
-        why every delivery goes through self.hand.
+        Engine thread only. Returns True when a step ran or was tried, False when the engine
+        had nothing to do. Contract:
+        - Every ("add", s, None) and ("abort", s, engine_id) in self.inbox is applied, in
+          arrival order, before the step: a request aborted during step k never runs in k+1.
+        - An admitted s has every id of s.engine_ids in self.routes and hears ACCEPTED before
+          any output; a refused one (any exception) ends through self.fail and holds nothing.
+        - Each output reaches the submission its id routes to; unrouted ids are dropped; an
+          output with an `error` fails its submission; a finished id leaves self.routes.
+        - Isolation: a failure costs one submission (self.fail), or, for a step that raises
+          as a whole, the step's submissions (self.fail_step); run_once never raises for a
+          request's sake.
+        Trap: a submission's deliver may raise; deliver only through self.hand.
         """
         while True:
             try:
@@ -294,13 +286,11 @@ class AdmissionControl:
     def try_admit(self, count: int) -> None:
         """Let `count` more samples in, or refuse.  (Your engine: Chapter 38)
 
-        count: the request's n (int >= 1). Contract:
-        - count > self.capacity: ValueError (this request could never be served; the
-          client must change it, so it is a 400, not a 429), nothing changes.
-        - self.inside + count > self.capacity: raise QueueFull, nothing changes.
-        - otherwise self.inside grows by count.
-        Every admitted count is given back exactly once through release(), whatever way
-        the request ends (finished, stop string, client gone, engine error).
+        count: the request's n (int >= 1). Errors, each leaving self.inside unchanged:
+        ValueError when count exceeds self.capacity (never servable: a 400); QueueFull when
+        the server has no room for count more now (a 429). Otherwise self.inside grows by
+        count. Invariant: 0 <= self.inside <= self.capacity, and each admitted count is
+        released exactly once, however its request ends.
         """
         if count > self.capacity:
             raise ValueError(f"n={count} exceeds the {self.capacity} requests this server holds at once")
