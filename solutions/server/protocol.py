@@ -459,7 +459,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
     length_field = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         length_field = "max_completion_tokens"
-    default = min(DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS, room)
+    default = min(DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS, room, limits.max_tokens)
     max_tokens = _integer(body, length_field, default, 1, limits.max_tokens)
     if max_tokens > room:
         raise bad(length_field, f"the prompt's {len(prompt_ids)} tokens + {length_field}={max_tokens} exceed the "
