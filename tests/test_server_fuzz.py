@@ -55,11 +55,21 @@ FIELDS = {
     "presence_penalty": st.floats(-3, 3, allow_nan=False),
     "logit_bias": st.dictionaries(st.sampled_from(["1", "65", "999", "x", "²", "-3", "9" * 30]),
                                   st.floats(-150, 150, allow_nan=False), max_size=3),
-    "guided_regex": st.sampled_from(["[a-z]{2}", "(unclosed", "(" * 300 + "a" + ")" * 300, "a*"]),
-    "guided_json": st.sampled_from([{"type": "boolean"}, {"type": {}}, {"type": [{}]}, {"enum": ["x"]},
-                                    {"type": "object", "properties": {}, "required": 5}, "not json", 7]),
     "echo": st.booleans(),
     "max_token": small_ints,
+}
+# A guide is a field of its own kind: a compiler meets whatever the client wrote.
+schemas = st.sampled_from([{"type": "boolean"}, {"type": {}}, {"type": [{}]}, {"enum": ["x"]}, {"type": "null"},
+                           {"type": "object", "properties": {}, "required": 5},
+                           {"type": "object", "properties": {"a": {"type": "null"}}, "required": [["a"]]}])
+GUIDES = {
+    "guided_regex": st.one_of(st.sampled_from(["[a-z]{2}", "(unclosed", "(" * 300 + "a" + ")" * 300,
+                                               "(?:" * 300 + "a" + ")" * 300, "a{2,1}", "[z-a]"]),
+                              st.text(max_size=8)),
+    "guided_json": st.one_of(schemas, json_values),
+    "response_format": st.one_of(schemas.map(lambda schema: {"type": "json_schema",
+                                                             "json_schema": {"name": "x", "schema": schema}}),
+                                 st.sampled_from([{"type": "text"}, {"type": "json_object"}]), json_values),
 }
 messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "robot", 5]),
                                            "content": st.one_of(st.text(max_size=12), json_values)}),
@@ -72,12 +82,15 @@ def bodies(draw):
     chat = draw(st.booleans())
     body = {"model": MODEL, "max_tokens": 2, "temperature": 0}
     body["messages" if chat else "prompt"] = [{"role": "user", "content": "hi"}] if chat else "hi"
-    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=4, unique=True)):
-        body[name] = draw(st.one_of(FIELDS[name], json_values) if draw(st.booleans()) else FIELDS[name])
-    if chat and draw(st.booleans()):
-        body["messages"] = draw(messages)
+    # One thing changed at a time: two bad fields would hide each other behind the first 400.
+    name = draw(st.sampled_from(sorted(FIELDS) + sorted(GUIDES) * 3 + ["messages"]))
+    if name == "messages":
+        body["messages" if chat else "prompt"] = draw(messages)
+    else:
+        values = GUIDES.get(name) or FIELDS[name]
+        body[name] = draw(st.one_of(values, json_values) if draw(st.booleans()) else values)
     raw = json.dumps(body).encode()
-    mutation = draw(st.sampled_from(["none", "none", "cut", "flip", "nest"]))
+    mutation = draw(st.sampled_from(["none"] * 6 + ["cut", "flip", "nest"]))
     if mutation == "cut":
         raw = raw[:draw(st.integers(0, len(raw)))]
     elif mutation == "flip":
