@@ -87,7 +87,7 @@ def bodies(draw):
     if name == "messages":
         body["messages" if chat else "prompt"] = draw(messages)
     else:
-        values = GUIDES.get(name) or FIELDS[name]
+        values = GUIDES[name] if name in GUIDES else FIELDS[name]
         body[name] = draw(st.one_of(values, json_values) if draw(st.booleans()) else values)
     raw = json.dumps(body).encode()
     mutation = draw(st.sampled_from(["none"] * 6 + ["cut", "flip", "nest"]))
