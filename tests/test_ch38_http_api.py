@@ -314,8 +314,11 @@ def test_greedy_completions_equal_solo_generate(client, ref):
         want = solo(ref, prompt, 12)
         assert choice["token_ids"] == want, f"prompt {prompt[:6]}...: got {choice['token_ids']}, solo {want}"
         assert choice["finish_reason"] == ("stop" if want[-1] == EOS else "length")
-        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want),
-                                 "total_tokens": len(prompt) + len(want)}
+        usage = body["usage"]
+        cached = usage.pop("prompt_tokens_details")["cached_tokens"]
+        assert usage == {"prompt_tokens": len(prompt), "completion_tokens": len(want),
+                         "total_tokens": len(prompt) + len(want)}
+        assert 0 <= cached < len(prompt), f"cached_tokens counts prompt tokens the prefix cache supplied: {cached}"
 
 
 def test_text_prompt_is_the_byte_tokenizers_ids(client, ref):
@@ -334,7 +337,9 @@ def test_streaming_equals_non_streaming(client):
         choice = whole["choices"][0]
         assert ids[0] == choice["token_ids"] and text[0] == choice["text"] and finish[0] == choice["finish_reason"], \
             f"the stream's pieces must add up to the non-streamed answer: {text[0]!r} vs {choice['text']!r}"
-        assert events[-1]["usage"] == whole["usage"], "include_usage sends the usage as the last chunk"
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert {k: events[-1]["usage"][k] for k in counts} == {k: whole["usage"][k] for k in counts}, \
+            "include_usage sends the usage as the last chunk"
 
 
 def test_chat_uses_the_template_and_streams(client, ref):
@@ -507,8 +512,15 @@ BAD_REQUESTS = [
      "prompt_logprobs"),
     ("unknown field", "/v1/completions", {"model": MODEL, "prompt": "a", "max_token": 4}, 400, "max_token"),
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
-    ("unknown role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+    ("role not a string", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": 5, "content": "x"}]},
      400, "messages[0].role"),
+    ("a tool call in a message", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+     400, "messages[0].tool_calls"),
+    ("min_tokens above max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2,
+                                                         "min_tokens": 3}, 400, "min_tokens"),
+    ("echo in chat", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                              "echo": True}, 400, "echo"),
     ("content of the wrong type", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     # Bodies that once reached Python's own limits (5xx before): each is the client's 400.
@@ -1011,6 +1023,57 @@ def test_the_official_openai_client(server, ref):
     assert refused.value.body["param"] == "max_tokens", "the client reads our error object: it names the field"
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="gpt-4o", prompt="Hi")
+
+
+def test_the_openai_surface_clients_use(guided_server, ref):
+    """vLLM's and OpenAI's fields that clients send, through the official `openai` client:
+    echo (with logprobs), logprobs 0, extra message keys and custom roles, min_tokens with
+    ignore_eos, return_token_ids with prompt_token_ids, cached tokens in usage, /version, a
+    JSON body under another content type, and 400s naming the field for what is refused."""
+    openai = pytest.importorskip("openai", reason="pip install -r requirements.txt brings the openai client")
+    url, engine, _ = guided_server
+    api = openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0)
+    prompt = "Hello there"
+    ids = list(prompt.encode())
+    echoed = api.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1,
+                                    extra_body={"return_token_ids": True})
+    choice, want = echoed.choices[0], solo(ref, ids, 3)
+    assert choice.text.startswith(prompt) and choice.model_extra["token_ids"] == want, \
+        f"echo puts the prompt before the answer: {choice.text!r}"
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + len(want) and "".join(lp.tokens[:len(ids)]) == prompt, \
+        "with echo, logprobs cover the prompt's tokens and then the answer's"
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:]), \
+        "the first prompt token has no logprob (nothing predicts it); every other one is a log-probability"
+    assert lp.text_offset == [sum(map(len, lp.tokens[:k])) for k in range(len(lp.tokens))], \
+        "text_offset: where each token's string starts in the echoed text"
+    assert choice.model_extra["prompt_token_ids"] == ids, "return_token_ids also returns the prompt's ids"
+    zero = api.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, logprobs=0)
+    assert len(zero.choices[0].logprobs.token_logprobs) == 3 and \
+        all(x <= 0 for x in zero.choices[0].logprobs.token_logprobs), "logprobs: 0 still gives each token's logprob"
+    chat = api.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi", "client_note": "kept aside"}])
+    assert chat.choices[0].message.role == "assistant", "any role string and extra message keys are accepted"
+    forced = api.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=6, temperature=0,
+                                    extra_body={"min_tokens": 6, "ignore_eos": True})
+    assert forced.usage.completion_tokens == 6, "min_tokens with ignore_eos runs to max_tokens"
+    long_prompt = prompts(1, seed=13, low=40, high=40)[0]
+    for _ in range(2):
+        again = api.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32, \
+        f"a repeated 40-token prompt comes from the prefix cache: usage {again.usage}"
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"stop_token_ids": [10 ** 6]})
+    assert refused.value.body["param"] == "stop_token_ids"
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.completions.create(model=MODEL, prompt="Hi", max_tokens=2, suffix="!")
+    assert refused.value.body["param"] == "suffix", "an OpenAI field the server cannot honour is named"
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert http.get("/version").json()["version"], "GET /version names the server's version"
+        plain = http.post("/v1/completions", content=json.dumps(completion(ids, 2)),
+                          headers={"content-type": "text/plain"})
+        assert plain.status_code == 200, "a JSON body is read whatever content type it is sent with"
+    wait_idle(engine)
 
 
 def test_the_chat_page_is_served(client):

@@ -41,6 +41,7 @@ from .protocol import (
     Limits,
     ParsedRequest,
     choice_object,
+    echoed_logprobs,
     envelope,
     field_named,
     guide_field,
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+SERVER_VERSION = "course-38"        # what GET /version reports (clients probe it, as they do vLLM's)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -141,6 +143,8 @@ class Job:
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.token_times: list[list[float]] = [[] for _ in range(n)]
+        self.cached_tokens: int | None = None     # prompt tokens the prefix cache supplied (the first sample's)
+        self.prompt_logprobs: list[Any] | None = None     # echo with logprobs: the engine's, once known
         self.submitted = self.closed = False
 
     async def start(self) -> None:
@@ -179,6 +183,10 @@ class Job:
             if self.finish[i] is not None:             # tokens that raced a stop-string abort
                 continue
             now = time.monotonic()
+            if i == 0:
+                self.cached_tokens = item.num_cached_tokens
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs = list(item.prompt_logprobs)
             self.token_times[i] += [now] * len(item.new_token_ids)
             self.token_ids[i] += item.new_token_ids
             stream = self.streams[i]
@@ -209,8 +217,8 @@ class Job:
         if len(times) > 1:
             metrics.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
 
-    def usage(self) -> dict[str, int]:
-        return usage_object(len(self.parsed.prompt_ids), sum(len(ids) for ids in self.token_ids))
+    def usage(self) -> dict[str, Any]:
+        return usage_object(len(self.parsed.prompt_ids), sum(len(ids) for ids in self.token_ids), self.cached_tokens)
 
     def logprobs(self, entries: list[TokenLogprobs], text_offset: int = 0) -> dict[str, Any] | None:
         """The OpenAI "logprobs" object of these tokens, or None when the request asked for none."""
@@ -218,21 +226,35 @@ class Job:
             return None
         return logprobs_object(self.parsed.chat, entries, self.state.served.tokenizer.decode, text_offset)
 
+    def echoed(self) -> tuple[str, dict[str, Any] | None]:
+        """(the prompt's text, its logprobs object or None) that an echo puts first."""
+        decode = self.state.served.tokenizer.decode
+        prompt = decode(self.parsed.prompt_ids)
+        if self.parsed.params.logprobs is None:
+            return prompt, None
+        return prompt, echoed_logprobs(self.parsed.prompt_ids, self.prompt_logprobs or [None], decode)
+
     async def collect(self) -> dict[str, Any]:
         texts = [""] * len(self.finish)
         entries: list[list[TokenLogprobs]] = [[] for _ in self.finish]
         async for i, text, _, _, found in self.pieces():
             texts[i] += text
             entries[i] += found
-        choices = [choice_object(self.parsed, i, texts[i], self.finish[i], self.token_ids[i], delta=False,
-                                 logprobs=self.logprobs(entries[i])) for i in range(len(texts))]
+        prefix, prefix_logprobs = self.echoed() if self.parsed.echo else ("", None)
+        choices = []
+        for i, text in enumerate(texts):
+            logprobs = self.logprobs(entries[i], len(prefix))
+            if logprobs is not None and prefix_logprobs is not None:
+                logprobs = {key: prefix_logprobs[key] + logprobs[key] for key in logprobs}
+            choices.append(choice_object(self.parsed, i, prefix + text, self.finish[i], self.token_ids[i],
+                                         delta=False, logprobs=logprobs))
         return envelope(self.parsed, self.submission.request_id, int(time.time()), choices, chunk=False,
                         usage=self.usage())
 
     async def sse(self) -> AsyncIterator[str]:
         parsed, rid, created = self.parsed, self.submission.request_id, int(time.time())
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
             return sse_event(envelope(parsed, rid, created, choices, chunk=True, usage=usage))
 
         try:
@@ -240,6 +262,11 @@ class Job:
                 yield chunk([choice_object(parsed, i, "", None, [], delta=True, first=True)
                              for i in range(len(self.finish))])
             offsets = [0] * len(self.finish)
+            if parsed.echo:                # the prompt first (echo with logprobs is refused for streams)
+                prompt, _ = self.echoed()
+                yield chunk([choice_object(parsed, i, prompt, None, [], delta=True, first=True)
+                             for i in range(len(self.finish))])
+                offsets = [len(prompt)] * len(self.finish)
             async for i, text, ids, finish, found in self.pieces():
                 logprobs = self.logprobs(found, offsets[i])
                 if logprobs is not None and not parsed.chat:
@@ -405,6 +432,10 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
         base = {"object": "model", "created": 0, "owned_by": "course", "max_model_len": loop.snapshot["max_model_len"]}
         return {"object": "list", "data": [{"id": served.name, **base}]
                 + [{"id": name, **base, "parent": served.name} for name in served.adapters]}
+
+    @app.get("/version", response_model=None)
+    async def version() -> dict[str, str]:
+        return {"version": SERVER_VERSION}
 
     @app.get("/health", response_model=None)
     async def health() -> JSONResponse | dict[str, str]:

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_TOKENS = 16         # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256   # chat default: this many, or what the context has left
-CHAT_ROLES = ("system", "user", "assistant")
+# Message keys that carry tool calls: refused unless empty (the rest of a message's extra keys,
+# e.g. a client's own bookkeeping, are ignored, as vLLM does).
+TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "function_call")
 
 MAX_LOGPROBS = 5                # OpenAI's limit for /v1/completions' logprobs
 MAX_TOP_LOGPROBS = 20           # and for chat's top_logprobs
@@ -62,16 +64,16 @@ class Limits:
     max_guide_chars: int = 1 << 14      # a guided_regex, or a JSON schema written as compact JSON
 
 COMMON_FIELDS = {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                 "stream_options", "user", "stop_token_ids", "ignore_eos", "return_token_ids", "logprobs",
+                 "stream_options", "user", "stop_token_ids", "ignore_eos", "min_tokens", "return_token_ids", "logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
                  "guided_regex", "guided_json"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
 # Known OpenAI fields: the values that mean "off", and why anything else is refused.
 UNSUPPORTED_FIELDS = {
     "prompt_logprobs": ((None,), "this server does not return prompt log-probabilities"),
-    "echo": ((None, False), "echoing the prompt is not implemented"),
+    "echo": ((None, False), "chat completions do not echo the prompt (completions do)"),
     "suffix": ((None, ""), "insertion (suffix) needs a fill-in-the-middle model"),
     "best_of": ((None, 1), "best_of needs per-sample log-probabilities"),
     "tools": ((None,), "tool calls are not implemented"),
@@ -373,12 +375,14 @@ def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad(where, f"{where} must be an object with role and content")
-        extra = set(message) - {"role", "content", "name"}
-        if extra:
-            raise bad(where, f"{where} has unsupported key(s) {sorted(extra)}")
+        tools = [key for key in TOOL_MESSAGE_KEYS if message.get(key) not in (None, [], "")]
+        if tools:
+            raise bad(f"{where}.{tools[0]}", f"{where}.{tools[0]} is not supported: tool calls are not implemented",
+                      code="unsupported_field")
         role, content = message.get("role"), message.get("content")
-        if role not in CHAT_ROLES:
-            raise bad(f"{where}.role", f"{where}.role must be one of {list(CHAT_ROLES)}, got {_shown(role)}")
+        if not isinstance(role, str) or not role:
+            raise bad(f"{where}.role", f"{where}.role must be a non-empty string (the chat template decides which "
+                                       f"roles it knows), got {_shown(role)}")
         if isinstance(content, list):       # content parts: only text ones
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -387,7 +391,8 @@ def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise bad(f"{where}.content", f"{where}.content must be a string, got {_shown(content)}")
-        cleaned.append({"role": role, "content": content})
+        cleaned.append({"role": role, "content": content, **({"name": message["name"]}
+                                                              if isinstance(message.get("name"), str) else {})})
     total = sum(len(m["content"]) for m in cleaned)
     if total > limits.max_prompt_chars:
         raise bad("messages", f"the messages' contents have {total} characters; at most {limits.max_prompt_chars} "
@@ -431,6 +436,7 @@ class ParsedRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     sent: tuple[str, ...] = ()          # the body's fields, to name in errors found later
+    echo: bool = False                  # completions: the answer's text (and logprobs) start with the prompt
 
 
 def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenizer: TextTokenizer,
@@ -448,7 +454,14 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
         raise ApiError(404, f"model {model!r} does not exist; this server serves {model_name!r}", param="model",
                        code="model_not_found")
     if chat:
-        prompt_ids = tokenizer.encode_chat(_messages(body, limits), add_generation_prompt=True)
+        messages = _messages(body, limits)
+        try:
+            prompt_ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+        except ValueError as exc:          # e.g. a role this model's template refuses
+            raise bad("messages", f"the chat template cannot render these messages: {exc}") from None
+        except Exception as exc:           # a Jinja template's own exception (raise_exception)
+            raise bad("messages", f"the chat template refused these messages: {type(exc).__name__}: {exc}") \
+                from None
     else:
         prompt_ids = _completion_prompt(body, tokenizer, vocab_size)
     where = "messages" if chat else "prompt"
@@ -489,15 +502,23 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
         raise bad("repetition_penalty", f"repetition_penalty must be > 0, got {repetition}")
     regex, schema = _guided(body, limits)
     n = _integer(body, "n", 1, 1, limits.max_n)
+    min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens)
+    echo = not chat and _flag(body, "echo")
+    logprobs = _logprobs(body, chat)
+    if echo and logprobs is not None and stream:
+        raise bad("echo", "echo with logprobs is not streamed by this server; ask without stream",
+                  code="unsupported_field")
     params = sampling_params_class(
         n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         top_k=max(top_k, 0), min_p=min_p, seed=_integer(body, "seed", None, 0, SEED_RANGE - n),
         stop_token_ids=_stop_token_ids(body, limits, vocab_size), ignore_eos=_flag(body, "ignore_eos"),
-        logprobs=_logprobs(body, chat), presence_penalty=_penalty(body, "presence_penalty"),
+        min_tokens=min_tokens,
+        logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+        presence_penalty=_penalty(body, "presence_penalty"),
         frequency_penalty=_penalty(body, "frequency_penalty"), repetition_penalty=repetition,
         logit_bias=_logit_bias(body, limits, vocab_size), guided_regex=regex, guided_json=schema)
     return ParsedRequest(chat, model, list(prompt_ids), params, _stop_strings(body, limits), stream, include_usage,
-                         _flag(body, "return_token_ids"), sent=tuple(body))
+                         _flag(body, "return_token_ids"), sent=tuple(body), echo=echo)
 
 
 # Words of the engine's messages that stand for a field of the body.
@@ -561,6 +582,17 @@ def logprobs_object(chat: bool, entries: Sequence[TokenLogprobs], decode: Callab
             "top_logprobs": [top(e) for e in entries], "text_offset": offsets}
 
 
+def echoed_logprobs(prompt_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                    decode: Callable[[Sequence[int]], str]) -> dict[str, Any]:
+    """The completions "logprobs" of an echoed prompt: the engine's prompt_logprobs, one per
+    prompt token, the first None (nothing predicts it), as OpenAI writes them: None in
+    token_logprobs and top_logprobs there."""
+    known = logprobs_object(False, [e for e in entries[1:] if e is not None], decode, len(decode(prompt_ids[:1])))
+    first = decode(prompt_ids[:1])
+    return {"tokens": [first] + known["tokens"], "token_logprobs": [None] + known["token_logprobs"],
+            "top_logprobs": [None] + known["top_logprobs"], "text_offset": [0] + known["text_offset"]}
+
+
 def choice_object(parsed: ParsedRequest, index: int, text: str | None, finish_reason: str | None,
                   token_ids: list[int] | None, *, delta: bool, first: bool = False,
                   logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -584,7 +616,7 @@ def choice_object(parsed: ParsedRequest, index: int, text: str | None, finish_re
 
 
 def envelope(parsed: ParsedRequest, response_id: str, created: int, choices: list[dict[str, Any]], *,
-             chunk: bool, usage: dict[str, int] | None = None) -> dict[str, Any]:
+             chunk: bool, usage: dict[str, Any] | None = None) -> dict[str, Any]:
     if parsed.chat:
         kind = "chat.completion.chunk" if chunk else "chat.completion"
     else:
@@ -595,10 +627,14 @@ def envelope(parsed: ParsedRequest, response_id: str, created: int, choices: lis
     return body
 
 
-def usage_object(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens when the prefix cache's share is known."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 __all__ = ["ApiError", "Limits", "ParsedRequest", "parse_json_body", "parse_request", "field_named", "guide_field",
-           "choice_object", "logprobs_object", "envelope", "usage_object", "UNSUPPORTED_FIELDS"]
+           "choice_object", "logprobs_object", "envelope", "usage_object", "echoed_logprobs", "UNSUPPORTED_FIELDS"]
