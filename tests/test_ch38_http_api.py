@@ -519,6 +519,8 @@ BAD_REQUESTS = [
      400, "messages[0].tool_calls"),
     ("min_tokens above max_tokens", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2,
                                                          "min_tokens": 3}, 400, "min_tokens"),
+    ("a streamed list of prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "stream": True}, 400,
+     "prompt"),
     ("echo in chat", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                               "echo": True}, 400, "echo"),
     ("content of the wrong type", "/v1/chat/completions",
@@ -844,7 +846,7 @@ def test_every_limit_is_a_400_naming_its_field(impl, device):
     tight = impl.load("server.protocol").Limits(
         max_body_bytes=4096, max_json_depth=4, max_string_chars=16, max_prompt_chars=20, max_messages=2, max_n=2,
         max_tokens=5, max_stop_strings=1, max_stop_chars=3, max_stop_token_ids=1, max_logit_bias=1,
-        max_guide_chars=6)
+        max_guide_chars=6, max_prompts=2)
     assert {f.name for f in dataclasses.fields(tight)} >= {"max_body_bytes", "max_n", "max_tokens"}
     app, engine = _served(impl, device, guided=True, limits=tight, sampler="full")
     chat = [{"role": "user", "content": "hi"}]
@@ -856,6 +858,7 @@ def test_every_limit_is_a_400_naming_its_field(impl, device):
         ("stop_token_ids", {"stop_token_ids": [1, 2]}, {"stop_token_ids": [1]}),
         ("logit_bias", {"logit_bias": {"1": 1, "2": 1}}, {"logit_bias": {"1": 1}}),
         ("guided_regex", {"guided_regex": "[a-z]{10}"}, {"guided_regex": "[a-z]+"}),
+        ("prompt", {"prompt": ["p"] * 3}, {"prompt": ["p"] * 2}),
         ("user", {"user": "x" * 17}, {"user": "x" * 16}),
         ("prompt", {"prompt": "p" * 21}, {"prompt": "p" * 20}),
         ("messages", {"messages": chat * 3}, {"messages": chat * 2}),
@@ -1048,6 +1051,16 @@ def test_the_openai_surface_clients_use(guided_server, ref):
     assert lp.text_offset == [sum(map(len, lp.tokens[:k])) for k in range(len(lp.tokens))], \
         "text_offset: where each token's string starts in the echoed text"
     assert choice.model_extra["prompt_token_ids"] == ids, "return_token_ids also returns the prompt's ids"
+    batch = api.completions.create(model=MODEL, prompt=["Hi", "Yo!"], max_tokens=3, temperature=0, n=2,
+                                   extra_body={"return_token_ids": True})
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3] and \
+        [c.model_extra["token_ids"] for c in batch.choices] == [solo(ref, list(b"Hi"), 3)] * 2 + \
+        [solo(ref, list(b"Yo!"), 3)] * 2, "a list of prompts: prompt k's sample i is choice k * n + i"
+    assert batch.usage.prompt_tokens == 2 + 3, f"usage counts each prompt once: {batch.usage}"
+    token_lists = api.completions.create(model=MODEL, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, temperature=0,
+                                         extra_body={"return_token_ids": True})
+    assert [c.model_extra["token_ids"] for c in token_lists.choices] == [solo(ref, [1, 2, 3], 2),
+                                                                         solo(ref, [4, 5], 2)]
     zero = api.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0, logprobs=0)
     assert len(zero.choices[0].logprobs.token_logprobs) == 3 and \
         all(x <= 0 for x in zero.choices[0].logprobs.token_logprobs), "logprobs: 0 still gives each token's logprob"

@@ -52,6 +52,7 @@ LIMITS = {
     "max_stop_token_ids": "stop_token_ids per request",
     "max_logit_bias": "entries of logit_bias",
     "max_guide_chars": "characters of a guided_regex, or of a JSON schema as compact JSON",
+    "max_prompts": "prompts in one completions request (a list of prompts)",
 }
 
 

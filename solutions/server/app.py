@@ -48,6 +48,7 @@ from .protocol import (
     logprobs_object,
     parse_json_body,
     parse_request,
+    prompt_batch,
     usage_object,
 )
 from .text import DetokenizerFactory, TextStream, TextTokenizer
@@ -324,6 +325,24 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+def merge_answers(answers: list[dict[str, Any]], response_id: str) -> dict[str, Any]:
+    """One answer for a list of prompts: prompt k's choice i becomes choice k * n + i (as
+    OpenAI numbers them), the usages add up."""
+    if len(answers) == 1:
+        return answers[0]
+    merged = {**answers[0], "id": response_id, "choices": []}
+    for k, answer in enumerate(answers):
+        for choice in answer["choices"]:
+            merged["choices"].append({**choice, "index": k * len(answer["choices"]) + choice["index"]})
+    usages = [answer["usage"] for answer in answers]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    merged["usage"] = {key: sum(usage[key] for usage in usages) for key in counts}
+    if all("prompt_tokens_details" in usage for usage in usages):
+        merged["usage"]["prompt_tokens_details"] = {
+            "cached_tokens": sum(usage["prompt_tokens_details"]["cached_tokens"] for usage in usages)}
+    return merged
+
+
 def check_guide(engine: EngineCore, params: SamplingParams, field: str) -> None:
     """Compile the request's guide once, here, off the engine thread: a schema or pattern
     that cannot be compiled (whatever the compiler raises) is the client's 400, naming the
@@ -385,40 +404,48 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
             raise ApiError(503, f"the engine loop is not running: {loop.error!r}", type="server_error")
         asked = body.get("model")                     # an adapter's name selects it (Chapter 43)
         model_name = asked if isinstance(asked, str) and asked in served.adapters else served.name
-        parsed = parse_request(body, chat=chat, model_name=model_name, tokenizer=served.tokenizer,
-                               max_model_len=loop.snapshot["max_model_len"], sampling_params_class=SamplingParams,
-                               limits=limits, vocab_size=engine.vocab_size)
+        batch = None if chat else prompt_batch(body, limits)
+        parsed_all = [parse_request(one, chat=chat, model_name=model_name, tokenizer=served.tokenizer,
+                                    max_model_len=loop.snapshot["max_model_len"], sampling_params_class=SamplingParams,
+                                    limits=limits, vocab_size=engine.vocab_size)
+                      for one in ([body] if batch is None else [{**body, "prompt": p} for p in batch])]
         guide = guide_field(body)
         if guide is not None:
-            await asyncio.to_thread(check_guide, engine, parsed.params, guide)
+            await asyncio.to_thread(check_guide, engine, parsed_all[0].params, guide)
         try:
-            admission.try_admit(parsed.params.n)
+            admission.try_admit(sum(parsed.params.n for parsed in parsed_all))
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="n") from None
+            raise ApiError(400, str(exc), param="n" if batch is None else "prompt") from None
         except QueueFull as exc:
             state.metrics.rejected.inc()
             raise ApiError(429, f"{exc}; retry in {RETRY_AFTER_S} s", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        job = Job(state, parsed, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", arrival)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        # Each Job gives its own n back when closed, so closing them all returns what was admitted.
+        jobs = [Job(state, parsed, response_id if batch is None else f"{response_id}-{k}", arrival)
+                for k, parsed in enumerate(parsed_all)]
         try:
-            await job.start()
+            for job in jobs:
+                await job.start()
         except BaseException:
-            job.close()
+            for job in jobs:
+                job.close()
             raise
-        if parsed.stream:
-            return EngineStream(job.sse(), job.close, media_type="text/event-stream",
+        if parsed_all[0].stream:           # one prompt: prompt_batch refuses streamed lists
+            return EngineStream(jobs[0].sse(), jobs[0].close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})
-        collecting = asyncio.ensure_future(job.collect())
+        collecting = asyncio.ensure_future(asyncio.gather(*(job.collect() for job in jobs)))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():      # the client left: nobody reads an answer
                 return Response(status_code=499)
-            return JSONResponse(collecting.result())
+            return JSONResponse(merge_answers(collecting.result(), response_id))
         finally:
             for task in (collecting, gone):
                 task.cancel()
-            job.close()
+            for job in jobs:
+                job.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

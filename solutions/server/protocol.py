@@ -6,15 +6,18 @@ offending field. The policy for fields:
 
 - supported: model, prompt (completions) / messages (chat), max_tokens (chat also
   max_completion_tokens), n, temperature, top_p, top_k, min_p, seed, stop, stream,
-  stream_options.include_usage, user (accepted, unused), and three extensions vLLM also
-  has: stop_token_ids, ignore_eos, return_token_ids (each choice carries its token ids).
+  stream_options.include_usage, user (accepted, unused), echo (completions), and vLLM's
+  extensions stop_token_ids, ignore_eos, min_tokens, return_token_ids (each choice carries
+  its token ids and the prompt's). Messages take any role string the chat template
+  renders; keys besides role, content and name are ignored, except tool calls (refused).
   With Chapter 34's full sampler: logprobs (completions: how many top tokens, 0..5; chat:
   true/false with top_logprobs 0..20), presence_penalty and frequency_penalty (-2..2),
   logit_bias (token id -> -100..100) and vLLM's repetition_penalty (> 0). An engine with
   Chapter 31's simple sampler refuses those requests itself (a 400 naming the sampler).
-- OpenAI fields this engine cannot honour (prompt logprobs, echo, tools, ...):
+- OpenAI fields this engine cannot honour (prompt logprobs, suffix, tools, ...):
   accepted only at their neutral value (null, false, 0); anything else is a 400 that
   names the field and says why. A field silently ignored is a wrong answer nobody notices.
+- what one request may ask is bounded by `Limits` (options of `run.py serve`).
 - any other field: a 400 naming it (a typo such as "max_token" must not fall back to a
   default).
 """
@@ -62,6 +65,7 @@ class Limits:
     max_stop_token_ids: int = 16
     max_logit_bias: int = 300           # entries of logit_bias
     max_guide_chars: int = 1 << 14      # a guided_regex, or a JSON schema written as compact JSON
+    max_prompts: int = 16               # prompts in one completions request (a list of prompts)
 
 COMMON_FIELDS = {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                  "stream_options", "user", "stop_token_ids", "ignore_eos", "min_tokens", "return_token_ids", "logprobs",
@@ -400,6 +404,22 @@ def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
     return cleaned
 
 
+def prompt_batch(body: dict[str, Any], limits: Limits) -> list[Any] | None:
+    """The prompts of a completions request that sends several (a list of strings, or of
+    token-id lists), each to be parsed as its own request; None for a single prompt."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        return None
+    if len(prompt) > limits.max_prompts:
+        raise bad("prompt", f"prompt holds {len(prompt)} prompts; at most {limits.max_prompts} are allowed")
+    if body.get("stream"):
+        raise bad("prompt", "a list of prompts is answered whole: send stream: false, or one prompt per request",
+                  code="unsupported_field")
+    return prompt
+
+
 def _completion_prompt(body: dict[str, Any], tokenizer: TextTokenizer, vocab_size: int | None) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -418,7 +438,7 @@ def _completion_prompt(body: dict[str, Any], tokenizer: TextTokenizer, vocab_siz
                                     f"{len(outside)} such id(s)")
             return list(prompt)
         if all(isinstance(p, str) for p in prompt):
-            raise bad("prompt", "send one prompt per request (a list of strings is a batch; use n for samples)")
+            raise bad("prompt", "a list of prompts is a batch: split it with prompt_batch first")
     if prompt is None:
         raise bad("prompt", "prompt is required")
     raise bad("prompt", f"prompt must be a string or a list of token ids, got {_shown(prompt)}")
@@ -636,5 +656,6 @@ def usage_object(prompt_tokens: int, completion_tokens: int, cached_tokens: int 
     return usage
 
 
-__all__ = ["ApiError", "Limits", "ParsedRequest", "parse_json_body", "parse_request", "field_named", "guide_field",
+__all__ = ["ApiError", "Limits", "ParsedRequest", "parse_json_body", "parse_request", "prompt_batch", "field_named",
+           "guide_field",
            "choice_object", "logprobs_object", "envelope", "usage_object", "echoed_logprobs", "UNSUPPORTED_FIELDS"]
