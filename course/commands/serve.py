@@ -5,7 +5,7 @@
          -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}'
 
 Routes: /v1/completions, /v1/chat/completions (stream: true gives server-sent events),
-/v1/models, /health, /metrics (Prometheus text). --model names an entry of MODELS; each
+/v1/models, /health, /version, /metrics (Prometheus text). --model names an entry of MODELS; each
 entry builds (model, tokenizer, detokenizer factory). The tiny model speaks Chapter 3's
 byte tokenizer with the fallback chat template of solutions/server/text.py, so its
 replies are noise: it is there to exercise the server, not to talk. --model smollm2 serves
