@@ -111,7 +111,7 @@ def served(impl, device):
     engine = impl.load("serve.engine").EngineCore(model, config, eos_token_id=tokenizer.eos_token_id,
                                                   vocab_bytes=impl.load("serve.guided").token_bytes_of(tokenizer))
     served_model = app_module.ServedModel(MODEL, tokenizer, lambda: text.DiffDetokenizer(tokenizer))
-    app = app_module.build_app(engine, served_model, limits=impl.load("server.protocol").Limits(max_tokens=4))
+    app = app_module.build_app(engine, served_model, limits=impl.load("server.protocol").Limits(max_output_tokens=4))
     with app_module.serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         yield client, engine, app.state.server.loop
 

@@ -46,7 +46,7 @@ LIMITS = {
     "max_prompt_chars": "characters of a text prompt, or of a chat's message contents together",
     "max_messages": "messages of a chat",
     "max_n": "samples per request (n)",
-    "max_tokens": "max_tokens of a request",
+    "max_output_tokens": "the max_tokens a request may ask for",
     "max_stop_strings": "stop strings per request",
     "max_stop_chars": "characters of a stop string",
     "max_stop_token_ids": "stop_token_ids per request",
@@ -96,7 +96,7 @@ def build(args):
         # Each token's bytes let the engine build Chapter 35's guides (response_format, guided_regex).
         vocab_bytes = impl.load("serve.guided").token_bytes_of(tokenizer)
         engine = serve_engine.EngineCore(model, config, eos_token_id=tokenizer.eos_token_id, vocab_bytes=vocab_bytes)
-        chosen = {name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None}
+        chosen = {name: getattr(args, name) for name in LIMITS if getattr(args, name, None) is not None}
         limits = impl.load("server.protocol").Limits(**chosen)
         app = app_module.build_app(engine, app_module.ServedModel(args.model, tokenizer, new_detokenizer),
                                    max_waiting=args.max_waiting, limits=limits)

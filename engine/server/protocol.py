@@ -59,7 +59,7 @@ class Limits:
     max_prompt_chars: int = 1 << 19     # a text prompt, or all of a chat's message contents together
     max_messages: int = 512             # entries of a chat's messages
     max_n: int = 16                     # samples per request
-    max_tokens: int = 8192              # max_tokens (also bounded by what the context has left)
+    max_output_tokens: int = 8192       # a request's max_tokens (also bounded by what the context has left)
     max_stop_strings: int = 4           # OpenAI's limit
     max_stop_chars: int = 256           # characters of one stop string
     max_stop_token_ids: int = 16
@@ -492,8 +492,8 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
     length_field = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         length_field = "max_completion_tokens"
-    default = min(DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS, room, limits.max_tokens)
-    max_tokens = _integer(body, length_field, default, 1, limits.max_tokens)
+    default = min(DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_MAX_TOKENS, room, limits.max_output_tokens)
+    max_tokens = _integer(body, length_field, default, 1, limits.max_output_tokens)
     if max_tokens > room:
         raise bad(length_field, f"the prompt's {len(prompt_ids)} tokens + {length_field}={max_tokens} exceed the "
                                 f"model's context of {max_model_len} tokens", code="context_length_exceeded")
