@@ -847,7 +847,9 @@ def test_every_limit_is_a_400_naming_its_field(impl, device):
         max_body_bytes=4096, max_json_depth=4, max_string_chars=16, max_prompt_chars=20, max_messages=2, max_n=2,
         max_output_tokens=5, max_stop_strings=1, max_stop_chars=3, max_stop_token_ids=1, max_logit_bias=1,
         max_guide_chars=6, max_prompts=2)
-    assert {f.name for f in dataclasses.fields(tight)} >= {"max_body_bytes", "max_n", "max_output_tokens"}
+    from course.commands import serve
+    assert set(serve.LIMITS) == {f.name for f in dataclasses.fields(tight)}, \
+        "every field of Limits is an option of run.py serve (course/commands/serve.py's LIMITS), and no other"
     app, engine = _served(impl, device, guided=True, limits=tight, sampler="full")
     chat = [{"role": "user", "content": "hi"}]
     cases = [  # (field, body past the limit, body within it)
