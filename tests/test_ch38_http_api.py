@@ -223,6 +223,15 @@ def test_text_stream_cuts_at_the_earliest_stop_string_not_the_first_listed(impl)
                                f"occurrence ('two'), whichever stop string is listed first; got {sent!r}"
 
 
+def test_a_choice_ending_inside_a_character_still_sends_it(impl):
+    text = impl.load("server.text")
+    tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer())
+    stream = text.TextStream(text.DiffDetokenizer(tokenizer), stops=("zz",))
+    sent = stream.push(list(b"ok ")) + stream.push([0xC3])
+    assert sent + stream.flush() == "ok \ufffd", "the last, unfinished character reaches the client as U+FFFD " \
+                                                 "(its byte is counted in text_offset, so it must be in the text)"
+
+
 def test_text_stream_equals_decode_then_cut(impl):
     """Random byte ids (split UTF-8 characters included), random stops: what the stream sends
     equals the whole output decoded at once and cut before the first stop string."""

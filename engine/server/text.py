@@ -39,9 +39,12 @@ class TextTokenizer(Protocol):
 
 
 class Detokenizer(Protocol):
-    """Turns a request's output ids into text, one id at a time."""
+    """Turns a request's output ids into text, one id at a time; flush() hands out what it
+    still holds when the output ends (an unfinished character as U+FFFD)."""
 
     def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class DiffDetokenizer:
@@ -65,6 +68,11 @@ class DiffDetokenizer:
             return ""
         new, self.sent = text[self.sent:], len(text)
         return new
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        rest, self.sent = text[self.sent:], len(text)
+        return rest
 
 
 class ByteChatTokenizer:
@@ -135,8 +143,16 @@ class TextStream:
         raise NotImplementedError("Your engine: Chapter 38: TextStream.push")
 
     def flush(self) -> str:
-        """The held-back tail, once the choice has finished without meeting a stop string."""
-        text, self.pending = ("" if self.stopped else self.pending), ""
+        """The rest of the text once the choice has finished: what was held back for the stop
+        strings and what the detokenizer still holds (an unfinished character as U+FFFD,
+        so the text and the logprobs' text_offset count the same tokens), cut before a stop
+        string that only this last piece completes."""
+        if self.stopped:
+            return ""
+        text, self.pending = self.pending + self.detokenizer.flush(), ""
+        hits = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        if hits:
+            text, self.stopped = text[:min(hits)], True
         return text
 
 
