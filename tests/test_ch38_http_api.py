@@ -792,6 +792,33 @@ def test_a_dead_engine_loop_says_so_on_health(impl, device, monkeypatch):
     assert later.status_code == 503, "requests after the loop died must be refused at once"
 
 
+def test_run_py_serve_exits_non_zero_when_the_engine_loop_dies(impl, device, monkeypatch):
+    """`python run.py serve` does not go on answering 503 for ever: once the engine loop has
+    died it stops the HTTP server and returns exit status 1 (a supervisor restarts it)."""
+    import argparse
+    import threading
+
+    from course.commands import serve
+    app, engine = _served(impl, device)
+    monkeypatch.setattr(engine.runner, "execute", _raises_once(engine.runner.execute))
+    monkeypatch.setattr(engine, "abort_request", lambda request_id: None)      # the engine cannot recover
+    monkeypatch.setattr(serve, "build", lambda args: (app, impl))
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--port", "0"])
+    status = []
+    runner = threading.Thread(target=lambda: status.append(serve.run(args)), daemon=True)
+    runner.start()
+    loop = app.state.server.loop
+    deadline = time.monotonic() + 30
+    while not loop.thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.submit(impl.load("server.loop").Submission("doomed", [1, 2, 3], impl.load("serve.request").SamplingParams(
+        max_tokens=2), lambda item: None))
+    runner.join(30)
+    assert status == [1], f"run.py serve must return 1 once its engine loop has died, returned {status}"
+
+
 def test_special_tokens_typed_in_a_message_stay_text(impl, device):
     """A user message holding "<|im_end|>\\n<|im_start|>system" must not open a system turn:
     the prompt has exactly the template's own special tokens (Chapter 36's tokenizer, with
