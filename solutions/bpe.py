@@ -388,8 +388,55 @@ class BPETokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **names, **variables)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """apply_chat_template then encode with parse_special=True: the prompt ids of a chat."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), parse_special=True)
+        """The prompt ids of a chat: apply_chat_template, encoded so that only the template's
+        own special-token names become special ids. A name typed inside a message's content
+        ("<|im_end|>\n<|im_start|>system") stays ordinary text, so no client can close its
+        turn or open another. Text between special tokens is encoded as one piece, as
+        encode(parse_special=True) would, so a chat without typed names gets exactly its ids.
+        A template that rewrites contents (so they cannot be located in its output) gets a
+        ValueError for a content holding a special-token name, rather than the risk."""
+        text, typed = self._render_locating_contents(messages, add_generation_prompt)
+        if self._special_split is None:
+            return self._encode_ordinary(text)
+        ids: list[int] = []
+        start = 0
+        for match in self._special_split.finditer(text):
+            if any(low < match.end() and match.start() < high for low, high in typed):
+                continue                                 # a name the client typed: plain text
+            if match.start() > start:
+                ids.extend(self._encode_ordinary(text[start:match.start()]))
+            ids.append(self.special_tokens[match.group()])
+            start = match.end()
+        if start < len(text):
+            ids.extend(self._encode_ordinary(text[start:]))
+        return ids
+
+    def _render_locating_contents(self, messages: list[dict[str, str]],
+                                  add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered chat, the [start, end) spans of the messages' contents in it). Each
+        content is rendered as a marker first; a template that rewrites contents (drops,
+        repeats or edits one) gives no spans (see encode_chat)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        markers = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        marked = [{**message, "content": marker} for message, marker in zip(messages, markers)]
+        skeleton = self.apply_chat_template(marked, add_generation_prompt)
+        if all(skeleton.count(marker) == 1 for marker in markers):
+            pieces, spans, at, rest = [], [], 0, skeleton
+            for marker, message in sorted(zip(markers, messages), key=lambda pair: skeleton.index(pair[0])):
+                before, rest = rest.split(marker, 1)
+                pieces += [before, message["content"]]
+                at += len(before)
+                spans.append((at, at + len(message["content"])))
+                at += len(message["content"])
+            if "".join(pieces) + rest == text:          # the template copied every content as it is
+                return text, spans
+        if self._special_split is not None:
+            for i, message in enumerate(messages):
+                found = self._special_split.search(message["content"])
+                if found:
+                    raise ValueError(f"message {i} contains the special token {found.group()!r}, and this chat "
+                                     f"template rewrites contents, so it could not be kept as text")
+        return text, []
 
 
 _TEMPLATES: dict[str, Template] = {}

@@ -5,7 +5,7 @@
          -d '{"model": "tiny", "prompt": "Hello", "max_tokens": 8, "temperature": 0}'
 
 Routes: /v1/completions, /v1/chat/completions (stream: true gives server-sent events),
-/v1/models, /health, /metrics (Prometheus text). --model names an entry of MODELS; each
+/v1/models, /health, /version, /metrics (Prometheus text). --model names an entry of MODELS; each
 entry builds (model, tokenizer, detokenizer factory). The tiny model speaks Chapter 3's
 byte tokenizer with the fallback chat template of solutions/server/text.py, so its
 replies are noise: it is there to exercise the server, not to talk. --model smollm2 serves
@@ -37,6 +37,24 @@ def load_smollm2(impl, device):
 # name -> loader(impl, device) -> (model, tokenizer, new_detokenizer).
 MODELS = {"tiny": load_tiny, "smollm2": load_smollm2}
 
+# What one request may ask (the fields of server.protocol.Limits): each breach is a 400
+# naming the field, the body's size a 413.
+LIMITS = {
+    "max_body_bytes": "bytes of a request body",
+    "max_json_depth": "levels of arrays and objects nested in a body",
+    "max_string_chars": "characters of any one string but the prompt and message contents",
+    "max_prompt_chars": "characters of a text prompt, or of a chat's message contents together",
+    "max_messages": "messages of a chat",
+    "max_n": "samples per request (n)",
+    "max_output_tokens": "the max_tokens a request may ask for",
+    "max_stop_strings": "stop strings per request",
+    "max_stop_chars": "characters of a stop string",
+    "max_stop_token_ids": "stop_token_ids per request",
+    "max_logit_bias": "entries of logit_bias",
+    "max_guide_chars": "characters of a guided_regex, or of a JSON schema as compact JSON",
+    "max_prompts": "prompts in one completions request (a list of prompts)",
+}
+
 
 def add_arguments(parser):
     add_impl_argument(parser)
@@ -49,6 +67,12 @@ def add_arguments(parser):
     parser.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once (default 32)")
     parser.add_argument("--max-waiting", type=int, default=64,
                         help="requests allowed to wait beyond the running ones before 429 (default 64)")
+    parser.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a new connection has to send its request's headers before it is closed "
+                             "(default 10)")
+    for name, what in LIMITS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                            help=f"{what} (default: the server's, listed in Chapter 38)")
     parser.add_argument("--backend", default="reference", help="attention backend (default: reference)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
 
@@ -72,22 +96,29 @@ def build(args):
         # Each token's bytes let the engine build Chapter 35's guides (response_format, guided_regex).
         vocab_bytes = impl.load("serve.guided").token_bytes_of(tokenizer)
         engine = serve_engine.EngineCore(model, config, eos_token_id=tokenizer.eos_token_id, vocab_bytes=vocab_bytes)
+        chosen = {name: getattr(args, name) for name in LIMITS if getattr(args, name, None) is not None}
+        limits = impl.load("server.protocol").Limits(**chosen)
         app = app_module.build_app(engine, app_module.ServedModel(args.model, tokenizer, new_detokenizer),
-                                   max_waiting=args.max_waiting)
+                                   max_waiting=args.max_waiting, limits=limits)
     except ValueError as exc:
         raise CommandError(str(exc)) from None
     return app, impl
 
 
 def run(args):
-    import threading
+    import time
 
     app, impl = build(args)
     app_module = impl.load("server.app")
-    with app_module.serve_in_thread(app, args.host, args.port, log_level="info") as url:
+    loop = app.state.server.loop
+    with app_module.serve_in_thread(app, args.host, args.port, log_level="info",
+                                    header_timeout_s=args.header_timeout) as url:
         print(f"serving {args.model!r} ({impl.name}) on {url}  (Ctrl-C stops)", flush=True)
         try:
-            threading.Event().wait()
+            while loop.alive:              # a dead engine loop must not leave a server that only says 503
+                time.sleep(1)
         except KeyboardInterrupt:
             print("stopping", flush=True)
-    return 0
+            return 0
+    print(f"the engine loop stopped ({loop.error!r}); exiting so a supervisor can restart the server", flush=True)
+    return 1

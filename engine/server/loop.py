@@ -18,6 +18,8 @@ latency grow without bound for everyone.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
@@ -30,10 +32,17 @@ from ..serve.request import RequestOutput, SamplingParams
 if TYPE_CHECKING:
     from ..serve.engine import EngineCore
 
+logger = logging.getLogger(__name__)
+
 ACCEPTED = "accepted"          # delivered once add_request has taken a submission
 
-# What the engine thread hands a submission: ACCEPTED once, then outputs, or one Exception.
+# What the engine thread hands a submission: ACCEPTED once, then outputs, or one Exception
+# (a ValueError: the engine refused the client's input; a RequestFailed: the server failed).
 Delivery = str | RequestOutput | Exception
+
+
+class RequestFailed(Exception):
+    """The server, not the client, failed one request (an HTTP 500 for that request alone)."""
 
 
 @dataclass
@@ -104,7 +113,7 @@ class EngineLoop:
     def submit(self, submission: Submission) -> None:
         with self.failing:
             if self.error is not None:     # nobody would ever answer it
-                submission.deliver(RuntimeError(f"the engine loop stopped: {self.error!r}"))
+                submission.deliver(RequestFailed(f"the engine loop stopped: {self.error!r}"))
                 return
             self.inbox.put(("add", submission, None))
         self.wake.set()
@@ -124,22 +133,69 @@ class EngineLoop:
         """One turn of the engine loop: apply the inbox, take one step, hand out the outputs.
         (Your engine: Chapter 38)
 
-        Runs on the engine thread only. Returns True when a step ran, False when the engine
-        had nothing to do (the caller then sleeps until woken). Contract:
-        - Every ("add", s, None) and ("abort", s, engine_id) waiting in self.inbox is
-          applied, in arrival order, BEFORE the step, so a request aborted during step k
-          never runs in step k+1.
-        - add: self.engine.add_request(s.request_id, s.prompt_ids, s.params, lora=s.lora). A ValueError is
-          delivered to that submission (s.deliver(exc)) and nothing else happens; on success
-          every id in s.engine_ids routes to s (self.routes) and s.deliver(ACCEPTED).
-        - abort: self.engine.abort_request(engine_id). engine_id is s.request_id (the whole
-          submission; a group id aborts every sample) or one of s.engine_ids (one sample).
-          The aborted ids leave self.routes: nothing more is delivered for them.
-        - Then, if the engine has unfinished requests, one self.engine.step(); each
-          RequestOutput goes to the submission its request id routes to, and a finished
-          request's route is removed after its last delivery.
+        Engine thread only. Returns True when a step ran or was tried, False when the engine
+        had nothing to do. Contract:
+        - Every ("add", s, None) and ("abort", s, engine_id) in self.inbox is applied, in
+          arrival order, before the step: a request aborted during step k never runs in k+1.
+        - An admitted s has every id of s.engine_ids in self.routes and hears ACCEPTED before
+          any output; a refused one (any exception) ends through self.fail and holds nothing.
+        - Each output reaches the submission its id routes to; unrouted ids are dropped; an
+          output with an `error` fails its submission; a finished id leaves self.routes.
+        - Isolation: a failure costs one submission (self.fail), or, for a step that raises
+          as a whole, the step's submissions (self.fail_step); run_once never raises for a
+          request's sake.
+        Trap: a submission's deliver may raise; deliver only through self.hand.
         """
         raise NotImplementedError("Your engine: Chapter 38: EngineLoop.run_once")
+
+    # --- what run_once leans on: each costs one submission at most, and never raises --------
+
+    def hand(self, submission: Submission, item: Delivery) -> None:
+        """Deliver `item` to `submission`; a deliver that raises ends that submission alone."""
+        try:
+            submission.deliver(item)
+        except Exception:
+            logger.exception("delivering to request %r failed; it is aborted", submission.request_id)
+            self.drop(submission, submission.request_id)
+
+    def drop(self, submission: Submission, engine_id: str) -> None:
+        """Abort `engine_id` (the whole submission when it is submission.request_id, else one
+        sample) in the engine and forget its routes: nothing more is delivered for it."""
+        whole = engine_id == submission.request_id
+        for gone in (submission.engine_ids if whole else [engine_id]):
+            self.routes.pop(gone, None)
+        try:
+            self.engine.abort_request(engine_id)
+        except Exception:
+            logger.exception("aborting %r failed", engine_id)
+
+    def fail(self, submission: Submission, exc: Exception) -> None:
+        """End `submission` with an error: a ValueError as is (the client's input: a 400),
+        anything else as RequestFailed (the server's fault: a 500). Whatever of it the engine
+        still runs is aborted first."""
+        if any(self.routes.get(engine_id) is submission for engine_id in submission.engine_ids):
+            self.drop(submission, submission.request_id)
+        if not isinstance(exc, (ValueError, RequestFailed)):
+            logger.error("request %r failed", submission.request_id, exc_info=exc)
+            exc = RequestFailed(f"request {submission.request_id!r} failed: {type(exc).__name__}: {exc}")
+        try:
+            submission.deliver(exc)
+        except Exception:
+            logger.exception("telling request %r of its failure failed", submission.request_id)
+
+    def fail_step(self, exc: Exception) -> None:
+        """A step raised with no one request to blame: every routed submission fails with it.
+        The engine must come out whole (nothing unfinished, every block free); if it does
+        not, it cannot be trusted with more requests and the error is raised again, which
+        stops the loop (/health then answers 503 and names it)."""
+        logger.error("an engine step failed", exc_info=exc)
+        failure = RequestFailed(f"the engine step failed: {type(exc).__name__}: {exc}")
+        for submission in {id(s): s for s in self.routes.values()}.values():
+            self.fail(submission, failure)
+        blocks = self.engine.blocks
+        if self.engine.has_unfinished or blocks.num_free != blocks.num_blocks:
+            raise RuntimeError(f"the engine did not recover from a failed step ({blocks.num_free} of "
+                               f"{blocks.num_blocks} blocks free after aborting every request)") from exc
 
     def _run(self) -> None:
         try:
@@ -154,9 +210,10 @@ class EngineLoop:
             with self.failing:
                 self.error = exc
                 waiting = [item[1] for item in self._drain() if item[0] == "add"]
-            failure = RuntimeError(f"the engine loop stopped: {exc!r}")
+            failure = RequestFailed(f"the engine loop stopped: {exc!r}")
             for submission in {id(s): s for s in [*self.routes.values(), *waiting]}.values():
-                submission.deliver(failure)
+                with contextlib.suppress(Exception):
+                    submission.deliver(failure)
             self.routes.clear()
             self._publish()
 
@@ -194,13 +251,11 @@ class AdmissionControl:
     def try_admit(self, count: int) -> None:
         """Let `count` more samples in, or refuse.  (Your engine: Chapter 38)
 
-        count: the request's n (int >= 1). Contract:
-        - count > self.capacity: ValueError (this request could never be served; the
-          client must change it, so it is a 400, not a 429), nothing changes.
-        - self.inside + count > self.capacity: raise QueueFull, nothing changes.
-        - otherwise self.inside grows by count.
-        Every admitted count is given back exactly once through release(), whatever way
-        the request ends (finished, stop string, client gone, engine error).
+        count: the request's n (int >= 1). Errors, each leaving self.inside unchanged:
+        ValueError when count exceeds self.capacity (never servable: a 400); QueueFull when
+        the server has no room for count more now (a 429). Otherwise self.inside grows by
+        count. Invariant: 0 <= self.inside <= self.capacity, and each admitted count is
+        released exactly once, however its request ends.
         """
         raise NotImplementedError("Your engine: Chapter 38: AdmissionControl.try_admit")
 
@@ -208,4 +263,5 @@ class AdmissionControl:
         self.inside -= count
 
 
-__all__ = ["ACCEPTED", "Delivery", "Submission", "EngineSnapshot", "EngineLoop", "QueueFull", "AdmissionControl"]
+__all__ = ["ACCEPTED", "Delivery", "RequestFailed", "Submission", "EngineSnapshot", "EngineLoop", "QueueFull",
+           "AdmissionControl"]

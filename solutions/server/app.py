@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -31,17 +32,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from ..regex_dfa import compile_regex
 from ..serve.request import SamplingParams
 from .loop import ACCEPTED, AdmissionControl, Delivery, EngineLoop, QueueFull, Submission
 from .page import CHAT_PAGE
 from .protocol import (
     ApiError,
+    Limits,
     ParsedRequest,
     choice_object,
+    echoed_logprobs,
     envelope,
+    field_named,
+    guide_field,
     logprobs_object,
     parse_json_body,
     parse_request,
+    prompt_batch,
     usage_object,
 )
 from .text import DetokenizerFactory, TextStream, TextTokenizer
@@ -50,7 +57,10 @@ if TYPE_CHECKING:
     from ..serve.engine import EngineCore
     from ..serve.sampler import TokenLogprobs
 
+logger = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1
+SERVER_VERSION = "course-38"        # what GET /version reports (clients probe it, as they do vLLM's)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -69,12 +79,11 @@ class ServedModel:
 def sse_event(data: dict[str, Any] | str) -> str:
     """One server-sent event carrying `data`.  (Your engine: Chapter 38)
 
-    data: a JSON-serializable dict (a chunk or an error object) or the literal string
-    "[DONE]". Returns the exact text to write to the response: the field name "data: ",
-    the payload on ONE line (a dict as compact JSON; "[DONE]" as is), then a blank line,
-    which is what ends an event for the client's parser. Non-ASCII text may stay as is
-    (the stream is UTF-8); a newline inside the payload would split the event, and JSON
-    escapes every newline inside strings, so the payload never contains one.
+    data: a JSON-serializable dict (a chunk or an error object) or the string "[DONE]".
+    Returns exactly "data: " + payload + "\n\n", where payload is "[DONE]" as is, or the
+    dict as compact JSON: no spaces after "," and ":", non-ASCII characters written as
+    themselves (not \\u escapes; the stream is UTF-8). The payload is one line.
+    Trap: json.dumps' defaults add spaces and escape non-ASCII: valid JSON, wrong frame.
     """
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {payload}\n\n"
@@ -136,6 +145,8 @@ class Job:
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.token_times: list[list[float]] = [[] for _ in range(n)]
+        self.cached_tokens: int | None = None     # prompt tokens the prefix cache supplied (the first sample's)
+        self.prompt_logprobs: list[Any] | None = None     # echo with logprobs: the engine's, once known
         self.submitted = self.closed = False
 
     async def start(self) -> None:
@@ -143,10 +154,10 @@ class Job:
         self.state.loop.submit(self.submission)
         self.submitted = True
         first = await self.queue.get()
-        if isinstance(first, ValueError):
-            self.submitted = False         # the engine holds nothing of it
-            raise ApiError(400, str(first), param="prompt")
         if isinstance(first, Exception):
+            self.submitted = False         # the engine holds nothing of it
+            if isinstance(first, ValueError):
+                raise ApiError(400, str(first), param=field_named(str(first), self.parsed))
             raise ApiError(500, str(first), type="server_error")
         assert first == ACCEPTED, first
 
@@ -174,17 +185,27 @@ class Job:
             if self.finish[i] is not None:             # tokens that raced a stop-string abort
                 continue
             now = time.monotonic()
+            if i == 0:
+                self.cached_tokens = item.num_cached_tokens
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs = list(item.prompt_logprobs)
             self.token_times[i] += [now] * len(item.new_token_ids)
             self.token_ids[i] += item.new_token_ids
             stream = self.streams[i]
-            text = stream.push(item.new_token_ids)
+            try:                           # a detokenizer that breaks fails this request alone
+                text = stream.push(item.new_token_ids)
+                if item.finished and not stream.stopped:
+                    text += stream.flush()
+            except Exception as exc:
+                logger.exception("detokenizing request %r failed", self.submission.request_id)
+                raise ApiError(500, f"request {self.submission.request_id!r}: detokenizing its output failed: "
+                                    f"{type(exc).__name__}: {exc}", type="server_error") from None
             if stream.stopped:
                 self._finish(i, "stop")
                 if not item.finished:
                     self.state.loop.abort(self.submission, item.request_id)
             elif item.finished:
                 assert item.finish_reason is not None, "a finished output names why it finished"
-                text += stream.flush()
                 self._finish(i, item.finish_reason)
             new = len(item.new_token_ids)        # RequestOutput.logprobs covers every output token so far
             yield i, text, list(item.new_token_ids), self.finish[i], list(item.logprobs or [])[-new:] if new else []
@@ -198,8 +219,8 @@ class Job:
         if len(times) > 1:
             metrics.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
 
-    def usage(self) -> dict[str, int]:
-        return usage_object(len(self.parsed.prompt_ids), sum(len(ids) for ids in self.token_ids))
+    def usage(self) -> dict[str, Any]:
+        return usage_object(len(self.parsed.prompt_ids), sum(len(ids) for ids in self.token_ids), self.cached_tokens)
 
     def logprobs(self, entries: list[TokenLogprobs], text_offset: int = 0) -> dict[str, Any] | None:
         """The OpenAI "logprobs" object of these tokens, or None when the request asked for none."""
@@ -207,21 +228,35 @@ class Job:
             return None
         return logprobs_object(self.parsed.chat, entries, self.state.served.tokenizer.decode, text_offset)
 
+    def echoed(self) -> tuple[str, dict[str, Any] | None]:
+        """(the prompt's text, its logprobs object or None) that an echo puts first."""
+        decode = self.state.served.tokenizer.decode
+        prompt = decode(self.parsed.prompt_ids)
+        if self.parsed.params.logprobs is None:
+            return prompt, None
+        return prompt, echoed_logprobs(self.parsed.prompt_ids, self.prompt_logprobs or [None], decode)
+
     async def collect(self) -> dict[str, Any]:
         texts = [""] * len(self.finish)
         entries: list[list[TokenLogprobs]] = [[] for _ in self.finish]
         async for i, text, _, _, found in self.pieces():
             texts[i] += text
             entries[i] += found
-        choices = [choice_object(self.parsed, i, texts[i], self.finish[i], self.token_ids[i], delta=False,
-                                 logprobs=self.logprobs(entries[i])) for i in range(len(texts))]
+        prefix, prefix_logprobs = self.echoed() if self.parsed.echo else ("", None)
+        choices = []
+        for i, text in enumerate(texts):
+            logprobs = self.logprobs(entries[i], len(prefix))
+            if logprobs is not None and prefix_logprobs is not None:
+                logprobs = {key: prefix_logprobs[key] + logprobs[key] for key in logprobs}
+            choices.append(choice_object(self.parsed, i, prefix + text, self.finish[i], self.token_ids[i],
+                                         delta=False, logprobs=logprobs))
         return envelope(self.parsed, self.submission.request_id, int(time.time()), choices, chunk=False,
                         usage=self.usage())
 
     async def sse(self) -> AsyncIterator[str]:
         parsed, rid, created = self.parsed, self.submission.request_id, int(time.time())
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
             return sse_event(envelope(parsed, rid, created, choices, chunk=True, usage=usage))
 
         try:
@@ -229,6 +264,11 @@ class Job:
                 yield chunk([choice_object(parsed, i, "", None, [], delta=True, first=True)
                              for i in range(len(self.finish))])
             offsets = [0] * len(self.finish)
+            if parsed.echo:                # the prompt first (echo with logprobs is refused for streams)
+                prompt, _ = self.echoed()
+                yield chunk([choice_object(parsed, i, prompt, None, [], delta=True, first=True)
+                             for i in range(len(self.finish))])
+                offsets = [len(prompt)] * len(self.finish)
             async for i, text, ids, finish, found in self.pieces():
                 logprobs = self.logprobs(found, offsets[i])
                 if logprobs is not None and not parsed.chat:
@@ -264,7 +304,7 @@ class ServerState:
     loop: EngineLoop
     admission: AdmissionControl
     metrics: ServerMetrics
-    max_body_bytes: int
+    limits: Limits
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
@@ -285,16 +325,52 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+def merge_answers(answers: list[dict[str, Any]], response_id: str) -> dict[str, Any]:
+    """One answer for a list of prompts: prompt k's choice i becomes choice k * n + i (as
+    OpenAI numbers them), the usages add up."""
+    if len(answers) == 1:
+        return answers[0]
+    merged = {**answers[0], "id": response_id, "choices": []}
+    for k, answer in enumerate(answers):
+        for choice in answer["choices"]:
+            merged["choices"].append({**choice, "index": k * len(answer["choices"]) + choice["index"]})
+    usages = [answer["usage"] for answer in answers]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    merged["usage"] = {key: sum(usage[key] for usage in usages) for key in counts}
+    if all("prompt_tokens_details" in usage for usage in usages):
+        merged["usage"]["prompt_tokens_details"] = {
+            "cached_tokens": sum(usage["prompt_tokens_details"]["cached_tokens"] for usage in usages)}
+    return merged
+
+
+def check_guide(engine: EngineCore, params: SamplingParams, field: str) -> None:
+    """Compile the request's guide once, here, off the engine thread: a schema or pattern
+    that cannot be compiled (whatever the compiler raises) is the client's 400, naming the
+    field, and never reaches the engine loop. The engine compiles it again when it admits
+    the request (EngineCore.add_request takes no prebuilt guide)."""
+    if engine.guides is None or (params.guided_regex is None and params.guided_json is None):
+        return                             # the engine refuses these itself, with a ValueError
+    try:
+        compile_regex(engine.guides.pattern_of(params))
+    except NotImplementedError:            # a learner's unwritten compiler: the engine says so itself
+        return
+    except Exception as exc:               # RecursionError, TypeError, ...: all are about this input
+        raise ApiError(400, f"{field} cannot be compiled into a guide: {type(exc).__name__}: {exc}",
+                       param=field) from None
+
+
 def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
-              max_body_bytes: int = 1 << 20) -> FastAPI:
+              limits: Limits | None = None) -> FastAPI:
     """The server for `engine` (an EngineCore the app will own: start no other thread on it).
 
     max_waiting: requests (samples) allowed to queue beyond the engine's max_num_seqs
-    running slots before new ones get 429. The engine loop starts and stops with the app
-    (its lifespan), so run it under an ASGI server that runs lifespans (uvicorn does)."""
+    running slots before new ones get 429. limits: what one request may ask (protocol.Limits,
+    whose defaults are the server's). The engine loop starts and stops with the app (its
+    lifespan), so run it under an ASGI server that runs lifespans (uvicorn does)."""
+    limits = limits or Limits()
     loop = EngineLoop(engine)
     admission = AdmissionControl(engine.config.max_num_seqs, max_waiting)
-    state = ServerState(served, loop, admission, ServerMetrics(loop, admission), max_body_bytes)
+    state = ServerState(served, loop, admission, ServerMetrics(loop, admission), limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -323,41 +399,53 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
 
     async def generate(request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
-        body = parse_json_body(await _read_body(request, max_body_bytes), max_body_bytes)
+        body = parse_json_body(await _read_body(request, limits.max_body_bytes), limits)
         if not loop.alive:
-            raise ApiError(503, "the engine loop is not running", type="server_error")
+            raise ApiError(503, f"the engine loop is not running: {loop.error!r}", type="server_error")
         asked = body.get("model")                     # an adapter's name selects it (Chapter 43)
         model_name = asked if isinstance(asked, str) and asked in served.adapters else served.name
-        parsed = parse_request(body, chat=chat, model_name=model_name, tokenizer=served.tokenizer,
-                               max_model_len=loop.snapshot["max_model_len"], sampling_params_class=SamplingParams)
+        batch = None if chat else prompt_batch(body, limits)
+        parsed_all = [parse_request(one, chat=chat, model_name=model_name, tokenizer=served.tokenizer,
+                                    max_model_len=loop.snapshot["max_model_len"], sampling_params_class=SamplingParams,
+                                    limits=limits, vocab_size=engine.vocab_size)
+                      for one in ([body] if batch is None else [{**body, "prompt": p} for p in batch])]
+        guide = guide_field(body)
+        if guide is not None:
+            await asyncio.to_thread(check_guide, engine, parsed_all[0].params, guide)
         try:
-            admission.try_admit(parsed.params.n)
+            admission.try_admit(sum(parsed.params.n for parsed in parsed_all))
         except ValueError as exc:
-            raise ApiError(400, str(exc), param="n") from None
+            raise ApiError(400, str(exc), param="n" if batch is None else "prompt") from None
         except QueueFull as exc:
             state.metrics.rejected.inc()
             raise ApiError(429, f"{exc}; retry in {RETRY_AFTER_S} s", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        job = Job(state, parsed, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", arrival)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        # Each Job gives its own n back when closed, so closing them all returns what was admitted.
+        jobs = [Job(state, parsed, response_id if batch is None else f"{response_id}-{k}", arrival)
+                for k, parsed in enumerate(parsed_all)]
         try:
-            await job.start()
+            for job in jobs:
+                await job.start()
         except BaseException:
-            job.close()
+            for job in jobs:
+                job.close()
             raise
-        if parsed.stream:
-            return EngineStream(job.sse(), job.close, media_type="text/event-stream",
+        if parsed_all[0].stream:           # one prompt: prompt_batch refuses streamed lists
+            return EngineStream(jobs[0].sse(), jobs[0].close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})
-        collecting = asyncio.ensure_future(job.collect())
+        collecting = asyncio.ensure_future(asyncio.gather(*(job.collect() for job in jobs)))
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
             await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():      # the client left: nobody reads an answer
                 return Response(status_code=499)
-            return JSONResponse(collecting.result())
+            return JSONResponse(merge_answers(collecting.result(), response_id))
         finally:
             for task in (collecting, gone):
                 task.cancel()
-            job.close()
+            for job in jobs:
+                job.close()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -373,10 +461,14 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
         return {"object": "list", "data": [{"id": served.name, **base}]
                 + [{"id": name, **base, "parent": served.name} for name in served.adapters]}
 
+    @app.get("/version", response_model=None)
+    async def version() -> dict[str, str]:
+        return {"version": SERVER_VERSION}
+
     @app.get("/health", response_model=None)
     async def health() -> JSONResponse | dict[str, str]:
         if not loop.alive:
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+            return JSONResponse({"status": "engine loop stopped", "error": repr(loop.error)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/")
@@ -390,16 +482,49 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
     return app
 
 
+def header_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's HTTP/1.1 protocol that closes a connection whose first request has not
+    sent all its headers `timeout_s` seconds after it opened (a half-open or stalled
+    client would otherwise hold its socket forever; later requests on a kept-alive
+    connection are uvicorn's keep-alive timeout's business)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.header_timer: asyncio.TimerHandle | None = self.loop.call_later(timeout_s, self.headers_too_slow)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self.header_timer is not None:      # a request's headers came
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+            super().connection_lost(exc)
+
+        def headers_too_slow(self) -> None:
+            self.header_timer = None
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                    log_level: str = "warning") -> Iterator[str]:
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                    header_timeout_s: float = 10.0) -> Iterator[str]:
     """Run `app` under uvicorn on a thread; yields its base URL ("http://127.0.0.1:PORT").
-    port 0 takes a free port. The server stops (and the engine loop with it) on exit."""
+    port 0 takes a free port. A connection that has not sent its first request's headers
+    within header_timeout_s is closed. The server stops (and the engine loop with it) on exit."""
     import uvicorn
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2,
+                                           http=header_timeout_protocol(header_timeout_s)))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

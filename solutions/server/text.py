@@ -39,9 +39,12 @@ class TextTokenizer(Protocol):
 
 
 class Detokenizer(Protocol):
-    """Turns a request's output ids into text, one id at a time."""
+    """Turns a request's output ids into text, one id at a time; flush() hands out what it
+    still holds when the output ends (an unfinished character as U+FFFD)."""
 
     def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class DiffDetokenizer:
@@ -65,6 +68,11 @@ class DiffDetokenizer:
             return ""
         new, self.sent = text[self.sent:], len(text)
         return new
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        rest, self.sent = text[self.sent:], len(text)
+        return rest
 
 
 class ByteChatTokenizer:
@@ -124,14 +132,12 @@ class TextStream:
 
         token_ids: the ids one engine step added to this choice (usually one). Returns a str,
         possibly empty. Contract:
-        - The concatenation of everything push and flush ever return equals the decoded
-          output, cut just BEFORE the first occurrence of any stop string (the stop string
-          itself is never sent).
-        - Text that ends with a proper prefix of a stop string is held back until the next
-          ids prove it is or is not one ("Hel" waits when "Hello" is a stop string).
-        - Once a stop string is found: `stopped` becomes True, the held text is cleared, and
-          every later push returns "" (the engine may still deliver a token or two before the
-          abort reaches it).
+        - Everything push and flush ever return, joined, equals the decoded output cut just
+          before the EARLIEST occurrence of any stop string in the text (not the first stop
+          string listed); the stop string itself is never sent.
+        - A tail that could still grow into a stop string is held back until later ids
+          settle it ("Hel" waits when "Hello" is a stop string).
+        - After a stop string: `stopped` is True, nothing is held, every later push is "".
         - Without stop strings nothing is held back beyond what the detokenizer holds.
         """
         if self.stopped:
@@ -148,8 +154,16 @@ class TextStream:
         return text
 
     def flush(self) -> str:
-        """The held-back tail, once the choice has finished without meeting a stop string."""
-        text, self.pending = ("" if self.stopped else self.pending), ""
+        """The rest of the text once the choice has finished: what was held back for the stop
+        strings and what the detokenizer still holds (an unfinished character as U+FFFD,
+        so the text and the logprobs' text_offset count the same tokens), cut before a stop
+        string that only this last piece completes."""
+        if self.stopped:
+            return ""
+        text, self.pending = self.pending + self.detokenizer.flush(), ""
+        hits = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        if hits:
+            text, self.stopped = text[:min(hits)], True
         return text
 
 
