@@ -67,6 +67,11 @@ def complement(chars: CharSet) -> CharSet:
     return _normalise(gaps)
 
 
+def intersection(a: CharSet, b: CharSet) -> CharSet:
+    """The characters in both sets."""
+    return complement(_normalise(complement(a) + complement(b)))
+
+
 DIGITS = _normalise([(ord("0"), ord("9"))])
 WORD = _normalise([(ord("a"), ord("z")), (ord("A"), ord("Z")), (ord("0"), ord("9")), (ord("_"), ord("_"))])
 SPACE = _normalise([(ord(c), ord(c)) for c in " \t\n\r\f\v"])
@@ -119,7 +124,8 @@ class _Parser:
 
     def fail(self, rule: str, at: int | None = None) -> ValueError:
         where = self.pos if at is None else at
-        return ValueError(f"regex {self.pattern!r}, position {where}: {rule}")
+        shown = self.pattern if len(self.pattern) <= 60 else self.pattern[:57] + "..."
+        return ValueError(f"regex {shown!r}, position {where}: {rule}")
 
     def peek(self, text: str) -> bool:
         return self.pattern.startswith(text, self.pos)
@@ -557,7 +563,7 @@ def trim(dfa: DFA) -> DFA:
                 alive[source] = True
                 todo.append(source)
     if not alive[dfa.start]:
-        raise ValueError("the pattern matches no string")
+        raise ValueError("the pattern or schema matches no string: nothing could be written")
     order = breadth_first(columns, dfa.start, alive)
     return renumbered(dfa, order, np.where(alive, np.arange(dfa.num_states), -1))
 
@@ -602,14 +608,13 @@ def minimize(dfa: DFA) -> DFA:
                     pending.add((new, k))
                 else:
                     pending.add((new if len(part) <= len(blocks[block]) else block, k))
-    _, block = np.unique(np.array(block_of[:size], dtype=np.int64), return_inverse=True)
-    count = int(block.max()) + 1
+    _, dense = np.unique(np.array(block_of[:size], dtype=np.int64), return_inverse=True)
     # One representative per block, in breadth-first order from the start's block.
-    first_of_block = np.full(count, -1, dtype=np.int64)
-    first_of_block[block[::-1]] = np.arange(dfa.num_states)[::-1]
+    first_of_block = np.full(int(dense.max()) + 1, -1, dtype=np.int64)
+    first_of_block[dense[::-1]] = np.arange(dfa.num_states)[::-1]
     is_first = np.zeros(dfa.num_states, dtype=bool)
     is_first[first_of_block] = True
-    representative = first_of_block[block]           # every state -> its block's first state
+    representative = first_of_block[dense]           # every state -> its block's first state
     reduced = np.where(columns >= 0, representative[np.maximum(columns, 0)], -1)
     order = breadth_first(reduced, int(representative[dfa.start]), is_first)
     return renumbered(dfa, order, representative)
