@@ -415,10 +415,10 @@ def build_nfa(tree: Node) -> NFA:
 def epsilon_closure(nfa: NFA, states: Iterable[int]) -> frozenset[int]:
     """The NFA states reachable from `states` by empty moves alone, `states` included.  (Your engine: Chapter 35)
 
-    nfa: an NFA (nfa.empty[i] lists the targets of state i's empty moves; cycles of empty
-    moves exist, e.g. inside (a*)*). states: any NFA state numbers.
-    Returns a frozenset, so equal closures compare and hash equal (they name DFA states).
-    Must terminate on cycles of empty moves.
+    nfa.empty[i]: the targets of state i's empty moves (byte moves do not count). states:
+    any iterable of state numbers, possibly empty. Returns a frozenset[int]: DFA states are
+    named by these sets, so equal closures must compare and hash equal.
+    Trap: empty moves form cycles.
     """
     seen = set(states)
     stack = list(seen)
@@ -473,14 +473,13 @@ class DFA:
 def determinize(nfa: NFA) -> DFA:
     """The DFA of `nfa` by subset construction.  (Your engine: Chapter 35)
 
-    Each DFA state stands for the set of NFA states the NFA could be in after the same
-    bytes (an epsilon_closure). Returns a DFA with transitions int32 [S, 256] (-1 where the
-    set would be empty), accepting[s] True exactly when the set holds nfa.accept, and start
-    0 (the closure of nfa.start). It need not be minimal and may keep states from which no
-    accepting state is reachable (compile_regex trims those).
-    Trap: 256 byte columns per state are slow to fill one byte at a time in Python; bytes
-    of one byte_classes() class always move alike, so one move per class is enough.
-    Raises ValueError when more than MAX_DFA_STATES states would be needed.
+    Returns DFA(transitions int32 [S, 256], accepting bool [S], start 0). State s stands
+    for one epsilon_closure of NFA states, state 0 for nfa.start's; its move on byte b
+    leads to the closure of the states its set reaches on b (edges (lo, hi, target) read
+    bytes lo..hi), -1 when there are none; s accepts when its set holds nfa.accept. Equal
+    sets are one state; trimming and minimising come later (compile_nfa).
+    Errors: ValueError naming MAX_DFA_STATES once more states would be needed.
+    Trap: filling 256 columns byte by byte is slow in Python; see byte_classes().
     """
     cuts = byte_classes(nfa)
     bounds = cuts + [256]
@@ -500,7 +499,7 @@ def determinize(nfa: NFA) -> DFA:
             closure = epsilon_closure(nfa, moved)
             if closure not in number:
                 if len(order) >= MAX_DFA_STATES:
-                    raise ValueError(f"the pattern needs more than {MAX_DFA_STATES} DFA states")
+                    raise ValueError(f"the pattern needs more than MAX_DFA_STATES={MAX_DFA_STATES} DFA states")
                 number[closure] = len(order)
                 order.append(closure)
             row[cuts[k]:bounds[k + 1]] = number[closure]

@@ -103,15 +103,15 @@ class TokenIndex:
     def compute_mask(self, state: int) -> torch.Tensor:
         """Which tokens may come next in DFA state `state`.  (Your engine: Chapter 35)
 
-        Returns a bool tensor [vocabulary.vocab_size] on the CPU: True for token t exactly
-        when walking all of t's bytes from `state` through self.dfa.transitions (int32
-        [S, 256], -1: no match can follow) never meets -1; True for vocabulary.eos_token_id
-        exactly when self.dfa.accepting[state]; False for every token listed with no bytes
-        and every id past the byte list. The rows of vocabulary.byte_matrix (uint8
-        [n, longest], zero-padded) are the tokens vocabulary.token_ids, longest first, and
-        vocabulary.longer_than[p] of them have more than p bytes.
-        Trap: a Python loop over 49,152 tokens for every new state costs tens of
-        milliseconds per state; walk all tokens one byte position at a time instead.
+        Returns a bool tensor [vocabulary.vocab_size] on the CPU: token t is True exactly
+        when reading all of t's bytes from `state` through self.dfa.transitions (int32
+        [S, 256]) never meets -1; vocabulary.eos_token_id is True exactly when
+        self.dfa.accepting[state]; ids listed with b"" and ids past the byte list are False.
+        Given: vocabulary.token_ids (int64 [n], the tokens with bytes, longest first),
+        byte_matrix (uint8 [n, longest], rows zero-padded) and longer_than[p] (how many of
+        those n tokens have more than p bytes).
+        Traps: a padding 0 is not one of the token's bytes; a Python loop over 49,152
+        tokens costs tens of milliseconds per state (the mask is computed once per state).
         """
         vocabulary = self.vocabulary
         table = self.dfa.transitions
@@ -166,12 +166,13 @@ class RegexGuide:
     def advance(self, token_id: int) -> None:
         """Move past one accepted token.  (Your engine: Chapter 35)
 
-        token_id: the token the engine just appended to the request. EOS
-        (vocabulary.eos_token_id) is accepted only in an accepting state and ends the guide
-        (finished becomes True); any other token moves self.state to the DFA state after
-        its bytes (self.index.vocabulary.token_bytes). A token that is not allowed here (its
-        bytes lead to no live state, it has no bytes, it is EOS before a complete match, or
-        anything follows the end) raises ValueError naming the token and its bytes, and
+        token_id: the token the engine just appended to the request.
+        After it, self.state is the DFA state after the token's bytes
+        (self.index.vocabulary.token_bytes); EOS (vocabulary.eos_token_id) ends the guide
+        instead, so `finished` becomes True. advance(t) succeeds exactly when allowed()[t]
+        is True (and nothing succeeds after EOS).
+        Errors: ValueError for any other token, naming token_id and its bytes; refusing EOS
+        before the text is a complete match, the message contains "EOS". A refused token
         leaves the guide unchanged.
         """
         vocabulary = self.index.vocabulary
@@ -230,10 +231,12 @@ class GuideFactory:
                 raise ValueError(f"guided_json is not a JSON schema: {exc}") from None
         raise ValueError("the request asks for no guide (set guided_regex or guided_json)")
 
-    def index_for(self, key: tuple[str, str]) -> TokenIndex:
+    def index_for(self, text: str, kind: str = "regex") -> TokenIndex:
+        """The shared TokenIndex of a pattern (kind "regex") or a schema's JSON text (kind
+        "json"), compiled on first use."""
+        key = (kind, text)
         index = self.indexes.get(key)
         if index is None:
-            kind, text = key
             dfa = compile_regex(text) if kind == "regex" else compile_schema(text)
             index = self.indexes[key] = TokenIndex(dfa, self.vocabulary)
             if len(self.indexes) > self.max_patterns:
@@ -242,4 +245,5 @@ class GuideFactory:
         return index
 
     def __call__(self, params: SamplingParams) -> RegexGuide:
-        return RegexGuide(self.index_for(self.key_of(params)))
+        kind, text = self.key_of(params)
+        return RegexGuide(self.index_for(text, kind))
