@@ -64,7 +64,7 @@ from .regex_dfa import (
 
 OPTIONAL_SPACE = "[ ]?"
 MAX_REF_DEPTH = 3
-FREE_DEPTH = 3
+FREE_DEPTH = 2
 
 # One character of a JSON string: anything but a quote, a backslash or a control
 # character; or an escape. \\u escapes name non-surrogate code points only, so that every
@@ -312,8 +312,10 @@ class _SchemaCompiler:
         for k in kinds:
             if k not in KEYWORDS_BY_TYPE:
                 raise ValueError(f"schema at {where}: type {k!r} is not a JSON Schema type (known: {', '.join(TYPES)})")
-        if "integer" in kinds and "number" in kinds and not set(schema) & KEYWORDS_BY_TYPE["integer"]:
-            kinds = [k for k in kinds if k != "integer"]          # number already writes every integer
+        if "integer" in kinds and "number" in kinds:
+            # Unbounded, number writes every integer too; bounded, only integers are written.
+            bounded = bool(set(schema) & KEYWORDS_BY_TYPE["integer"])
+            kinds = [k for k in kinds if k != ("number" if bounded else "integer")]
         return kinds
 
     def reference(self, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
@@ -340,11 +342,22 @@ class _SchemaCompiler:
         if not isinstance(options, list) or not options:
             raise ValueError(f"schema at {where}: allOf must be a non-empty list")
         result = {k: v for k, v in schema.items() if k != "allOf"}
+        parts = [result]
         for i, option in enumerate(options):
             while isinstance(option, dict) and set(option) - ANNOTATIONS == {"$ref"}:
                 option = self.resolve(option["$ref"], f"{where}.allOf[{i}]")
             if not isinstance(option, dict):
                 raise ValueError(f"schema at {where}.allOf[{i}]: only object schemas can be merged")
+            parts.append(option)
+        # additionalProperties (items) sees only the properties (prefixItems) beside it: merged
+        # with another part's, it would wrongly stop applying to them.
+        for listed, rest in (("properties", "additionalProperties"), ("prefixItems", "items")):
+            owners = {i for i, part in enumerate(parts) if listed in part or rest in part}
+            if len(owners) > 1 and any(rest in parts[i] for i in owners):
+                raise ValueError(f"schema at {where}: allOf parts with {rest} and another part's {listed} do not "
+                                 f"merge into one schema")
+        for i, option in enumerate(options):
+            option = parts[i + 1]
             for key, item in option.items():
                 if key in ANNOTATIONS:
                     continue
@@ -415,8 +428,8 @@ class _SchemaCompiler:
         if kind == "boolean":
             return self.pattern("(?:true|false)")
         if kind == "number":
-            bounds = sorted({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(schema))
-            if bounds and "integer" not in self.types_of(schema, where):
+            bounds = sorted(KEYWORDS_BY_TYPE["integer"] & set(schema))
+            if bounds:
                 raise ValueError(f"schema at {where}: {bounds[0]!r} on a number is not supported (only integers "
                                  f"are bounded; give type integer)")
             return self.pattern(NUMBER)

@@ -11,6 +11,7 @@ Oracles, none of which shares code with the compiler:
   limit is refused with a ValueError that names it, and quickly.
 """
 import json
+import pathlib
 import random
 import time
 
@@ -83,7 +84,7 @@ SCHEMAS = {
     "allOf": ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                          {"properties": {"b": {"type": "boolean"}}}]},
               [{"a": 1}, {"a": 1, "b": True}], [{"b": True}]),
-    "true": (True, [None, 1, "x", [1, [2]], {"a": {"b": []}}], []),
+    "true": (True, [None, 1, "x", [1, [2]], {"a": {"b": 2}}], []),
     "types": ({"type": ["string", "null"], "maxLength": 1}, ["a", None], ["ab", 1]),
 }
 
@@ -199,3 +200,38 @@ def test_limits_are_refused_quickly_by_name(json_regex, rx, kind, source, words)
         rx.compile_regex(source) if kind == "regex" else json_regex.compile_schema(source)
     elapsed = time.perf_counter() - started
     assert elapsed < 2.0, f"refusing {kind} {str(source)[:40]} took {elapsed:.1f} s: the limit must stop it early"
+
+
+# --- the JSON-Schema-Test-Suite's draft 2020-12 cases (vendored, MIT licence beside them) --------
+
+SUITE = pathlib.Path(__file__).parent / "data" / "json-schema-test-suite" / "draft2020-12"
+# file -> (schemas compiled, valid instances accepted) when this test was written: the
+# compiler must not fall below them. Every invalid instance must always be refused.
+SUITE_REACHED = {
+    "additionalProperties": (4, 4), "allOf": (8, 6), "anyOf": (6, 9), "boolean_schema": (1, 9), "const": (17, 21),
+    "default": (2, 4), "enum": (14, 22), "exclusiveMaximum": (1, 1), "exclusiveMinimum": (1, 1), "items": (8, 14),
+    "maxItems": (1, 3), "maxLength": (1, 4), "maxProperties": (0, 0), "maximum": (2, 4), "minItems": (1, 3),
+    "minLength": (1, 3), "minProperties": (0, 0), "minimum": (2, 6), "oneOf": (1, 1), "pattern": (2, 8),
+    "prefixItems": (4, 9), "properties": (5, 11), "ref": (14, 15), "required": (3, 8), "type": (11, 21),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SUITE_REACHED))
+def test_the_test_suite_is_never_accepted_wrong(json_regex, name):
+    compiled = accepted = 0
+    for group in json.loads((SUITE / f"{name}.json").read_text(encoding="utf-8")):
+        try:
+            dfa = json_regex.compile_schema(group["schema"])
+        except ValueError:
+            continue
+        compiled += 1
+        for case in group["tests"]:
+            texts = (json.dumps(case["data"]), json.dumps(case["data"], separators=(",", ":"), ensure_ascii=False))
+            spelled = [text for text in texts if dfa.fullmatch(text.encode("utf-8"))]
+            assert case["valid"] or not spelled, (
+                f"{name}.json, {group['description']}: the automaton accepts {spelled[0]}, which the suite says "
+                f"is invalid ({case['description']})")
+            accepted += bool(spelled) and case["valid"]
+    assert compiled >= SUITE_REACHED[name][0] and accepted >= SUITE_REACHED[name][1], (
+        f"{name}.json: {compiled} schemas compiled and {accepted} valid instances accepted, fewer than the "
+        f"{SUITE_REACHED[name]} reached before")
