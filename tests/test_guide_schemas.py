@@ -165,6 +165,9 @@ def test_valid_instances_are_accepted_as_encoders_write_them(json_regex, name):
     ({"type": "object", "properties": {}, "required": 5}, "required must be a list"),
     ({"type": "object", "properties": {"a": {"type": "null"}}, "required": [["a"]]}, "required must be a list"),
     ([1], "a schema is an object"),
+    ({"type": "string", "format": {}}, "format"),
+    ({"const": json.loads("[" * 300 + "]" * 300)}, "MAX_JSON_DEPTH"),
+    ("[" * 5000 + "]" * 5000, "MAX_JSON_DEPTH"),
     ("{not json", "JSON"),
 ])
 def test_what_stays_out_is_refused_by_name(json_regex, schema, words):

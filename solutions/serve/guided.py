@@ -227,7 +227,7 @@ class GuideFactory:
             schema = params.guided_json
             try:                                    # the key keeps the order of properties
                 return "json", schema if isinstance(schema, str) else json.dumps(schema)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, RecursionError) as exc:
                 raise ValueError(f"guided_json is not a JSON schema: {exc}") from None
         raise ValueError("the request asks for no guide (set guided_regex or guided_json)")
 
