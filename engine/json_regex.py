@@ -64,7 +64,8 @@ from .regex_dfa import (
 
 OPTIONAL_SPACE = "[ ]?"
 MAX_REF_DEPTH = 3
-FREE_DEPTH = 3
+MAX_JSON_DEPTH = 256                 # lists and dicts nested in the schema's JSON, enum values included
+FREE_DEPTH = 2
 
 # One character of a JSON string: anything but a quote, a backslash or a control
 # character; or an escape. \\u escapes name non-surrogate code points only, so that every
@@ -240,15 +241,17 @@ class _SchemaCompiler:
         """A fragment that accepts no string: the place of a value that cannot be written."""
         return self.nfa.choice([])
 
-    def literal(self, value: Any) -> Fragment:
+    def literal(self, value: Any, depth: int = 0) -> Fragment:
         """One JSON value, every spelling of it this compiler writes: keys in the value's
         order, integral numbers with or without ".0", non-ASCII characters raw or escaped."""
+        if depth > MAX_NESTING:
+            raise ValueError(f"an enum or const value nested more than MAX_NESTING={MAX_NESTING} levels")
         if isinstance(value, dict):
-            members = [self.nfa.chain([self.literal(key), self.pattern(":" + self.whitespace), self.literal(item)])
-                       for key, item in value.items()]
+            members = [self.nfa.chain([self.literal(key), self.pattern(":" + self.whitespace),
+                                       self.literal(item, depth + 1)]) for key, item in value.items()]
             return self.joined("{", members, "}")
         if isinstance(value, list):
-            return self.joined("[", [self.literal(item) for item in value], "]")
+            return self.joined("[", [self.literal(item, depth + 1) for item in value], "]")
         if isinstance(value, str):
             return self.pattern('"' + "".join(self.spellings(char) for char in value) + '"')
         if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
@@ -312,8 +315,10 @@ class _SchemaCompiler:
         for k in kinds:
             if k not in KEYWORDS_BY_TYPE:
                 raise ValueError(f"schema at {where}: type {k!r} is not a JSON Schema type (known: {', '.join(TYPES)})")
-        if "integer" in kinds and "number" in kinds and not set(schema) & KEYWORDS_BY_TYPE["integer"]:
-            kinds = [k for k in kinds if k != "integer"]          # number already writes every integer
+        if "integer" in kinds and "number" in kinds:
+            # Unbounded, number writes every integer too; bounded, only integers are written.
+            bounded = bool(set(schema) & KEYWORDS_BY_TYPE["integer"])
+            kinds = [k for k in kinds if k != ("number" if bounded else "integer")]
         return kinds
 
     def reference(self, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
@@ -340,11 +345,22 @@ class _SchemaCompiler:
         if not isinstance(options, list) or not options:
             raise ValueError(f"schema at {where}: allOf must be a non-empty list")
         result = {k: v for k, v in schema.items() if k != "allOf"}
+        parts = [result]
         for i, option in enumerate(options):
             while isinstance(option, dict) and set(option) - ANNOTATIONS == {"$ref"}:
                 option = self.resolve(option["$ref"], f"{where}.allOf[{i}]")
             if not isinstance(option, dict):
                 raise ValueError(f"schema at {where}.allOf[{i}]: only object schemas can be merged")
+            parts.append(option)
+        # additionalProperties (items) sees only the properties (prefixItems) beside it: merged
+        # with another part's, it would wrongly stop applying to them.
+        for listed, rest in (("properties", "additionalProperties"), ("prefixItems", "items")):
+            owners = {i for i, part in enumerate(parts) if listed in part or rest in part}
+            if len(owners) > 1 and any(rest in parts[i] for i in owners):
+                raise ValueError(f"schema at {where}: allOf parts with {rest} and another part's {listed} do not "
+                                 f"merge into one schema")
+        for i, option in enumerate(options):
+            option = parts[i + 1]
             for key, item in option.items():
                 if key in ANNOTATIONS:
                     continue
@@ -415,8 +431,8 @@ class _SchemaCompiler:
         if kind == "boolean":
             return self.pattern("(?:true|false)")
         if kind == "number":
-            bounds = sorted({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"} & set(schema))
-            if bounds and "integer" not in self.types_of(schema, where):
+            bounds = sorted(KEYWORDS_BY_TYPE["integer"] & set(schema))
+            if bounds:
                 raise ValueError(f"schema at {where}: {bounds[0]!r} on a number is not supported (only integers "
                                  f"are bounded; give type integer)")
             return self.pattern(NUMBER)
@@ -468,7 +484,7 @@ class _SchemaCompiler:
         quote = self.pattern('"')
         if "format" in schema:
             name = schema["format"]
-            if name not in FORMATS:
+            if not isinstance(name, str) or name not in FORMATS:
                 raise ValueError(f"schema at {where}: format {name!r} is not supported (supported: "
                                  f"{', '.join(FORMATS)})")
             body = self.pattern(FORMATS[name])
@@ -665,12 +681,30 @@ def _hex_digit(char: str) -> str:
     return f"[{char.lower()}{char.upper()}]" if char.isalpha() else escape(char)
 
 
+def _json_depth(value: Any) -> int:
+    """How deeply lists and dicts nest in `value` (without recursion: it may be hostile)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > MAX_JSON_DEPTH:
+                break
+            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def _load(schema: Any) -> Any:
+    """The schema as Python values (parsed when it is JSON text), no deeper than MAX_JSON_DEPTH."""
     if isinstance(schema, str):
         try:
-            return json.loads(schema)
+            schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise ValueError(f"the schema is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"the schema nests deeper than MAX_JSON_DEPTH={MAX_JSON_DEPTH}") from None
+    if _json_depth(schema) > MAX_JSON_DEPTH:
+        raise ValueError(f"the schema nests objects and lists deeper than MAX_JSON_DEPTH={MAX_JSON_DEPTH}")
     return schema
 
 

@@ -510,10 +510,11 @@ def renumbered(dfa: DFA, order: list[int], group: np.ndarray) -> DFA:
 
 def _predecessors(columns: np.ndarray) -> list[list[int]]:
     """predecessors[t]: the states with a move to t (each once), from a [S, C] table."""
+    size = columns.shape[0]
     sources, _ = np.nonzero(columns >= 0)
-    pairs = np.unique(np.stack([columns[columns >= 0], sources], axis=1), axis=0)
-    result: list[list[int]] = [[] for _ in range(columns.shape[0])]
-    for target, source in pairs.tolist():
+    pairs = np.unique(columns[columns >= 0].astype(np.int64) * size + sources)   # target, source
+    result: list[list[int]] = [[] for _ in range(size)]
+    for target, source in zip((pairs // size).tolist(), (pairs % size).tolist()):
         result[target].append(source)
     return result
 
@@ -537,29 +538,34 @@ def trim(dfa: DFA) -> DFA:
 
 
 def minimize(dfa: DFA) -> DFA:
-    """The smallest DFA for the same language (Hopcroft's partition refinement, O(C S log S)
-    for S states and C byte classes): states that accept alike and move to the same blocks
-    on every byte merge. Expects a trimmed DFA."""
+    """The smallest DFA for the same language (Hopcroft's partition refinement, O(C E log S)
+    for S states, C byte classes and E moves): states that accept alike, have moves on the
+    same bytes and move to the same blocks on every byte merge. Expects a trimmed DFA (so a
+    -1 move and a move into a live state always differ)."""
     columns = distinct_columns(dfa.transitions)
     size, num_classes = columns.shape
-    sink = size                                      # -1 becomes one more, rejecting, state
-    moves = np.vstack([np.where(columns >= 0, columns, sink), np.full((1, num_classes), sink)])
-    # inverse[c]: the states sorted by their target on class c, and where each target's run starts.
+    # inverse[c]: the states sorted by their target on class c, and where each target's run
+    # starts (the -1 moves sort first and are never looked up).
     inverse = []
     for c in range(num_classes):
-        by_target = np.argsort(moves[:, c], kind="stable")
-        starts = np.searchsorted(moves[by_target, c], np.arange(size + 2))
+        by_target = np.argsort(columns[:, c], kind="stable")
+        starts = np.searchsorted(columns[by_target, c], np.arange(size + 1))
         inverse.append((by_target.tolist(), starts.tolist()))
-    accepting = dfa.accepting.tolist() + [False]
-    blocks = [set(i for i in range(size + 1) if accepting[i]), set(i for i in range(size + 1) if not accepting[i])]
-    block_of = [0 if flag else 1 for flag in accepting]
-    smaller = 0 if len(blocks[0]) <= len(blocks[1]) else 1
-    pending = {(smaller, c) for c in range(num_classes)}
+    # entered_on[c]: the states some move on class c leads to (most are entered on few classes).
+    entered_on = [set(np.unique(columns[:, c][columns[:, c] >= 0]).tolist()) for c in range(num_classes)]
+    # First blocks: same acceptance and moves on the same classes; all are splitters.
+    signatures = np.concatenate([dfa.accepting[:, None], columns >= 0], axis=1)
+    first_blocks: dict[bytes, int] = {}
+    block_of = [first_blocks.setdefault(row.tobytes(), len(first_blocks)) for row in signatures]
+    blocks: list[set[int]] = [set() for _ in first_blocks]
+    for state, block in enumerate(block_of):
+        blocks[block].add(state)
+    pending = {(block, c) for block in range(len(blocks)) for c in range(num_classes)}
     while pending:
         splitter, c = pending.pop()
         by_target, starts = inverse[c]
         reaching: dict[int, list[int]] = {}          # block -> its states that move into the splitter
-        for target in blocks[splitter]:
+        for target in blocks[splitter] & entered_on[c]:
             for source in by_target[starts[target]:starts[target + 1]]:
                 reaching.setdefault(block_of[source], []).append(source)
         for block, inside in reaching.items():
@@ -576,7 +582,7 @@ def minimize(dfa: DFA) -> DFA:
                     pending.add((new, k))
                 else:
                     pending.add((new if len(part) <= len(blocks[block]) else block, k))
-    _, dense = np.unique(np.array(block_of[:size], dtype=np.int64), return_inverse=True)
+    _, dense = np.unique(np.array(block_of, dtype=np.int64), return_inverse=True)
     # One representative per block, in breadth-first order from the start's block.
     first_of_block = np.full(int(dense.max()) + 1, -1, dtype=np.int64)
     first_of_block[dense[::-1]] = np.arange(dfa.num_states)[::-1]

@@ -5,7 +5,8 @@
                    computed the first time a state is reached and kept
     RegexGuide     one request's position in its pattern (serve.interfaces.Guide)
     GuideFactory   SamplingParams.guided_regex / guided_json -> a RegexGuide; compiles each
-                   pattern or schema once and shares its TokenIndex between requests
+                   pattern or schema once and shares its TokenIndex between requests;
+                   guided_json {"type": "json_object"} -> a pushdown JsonStackGuide
 
 A token is allowed in a DFA state when reading all of its bytes from there leaves the DFA
 in a live state (one from which a match can still be completed: compile_regex trims the
@@ -26,7 +27,12 @@ import torch
 
 from ..json_regex import compile_schema
 from ..regex_dfa import DFA, compile_regex
+from .json_stack import OBJECT, JsonStackGuide, JsonStackIndex
 from .request import SamplingParams
+
+# OpenAI's response_format for "any JSON object", accepted as guided_json: not a schema, and
+# not a regular language, so it gets the pushdown guide of json_stack.py.
+JSON_OBJECT = {"type": "json_object"}
 
 
 class Vocabulary:
@@ -199,7 +205,7 @@ class GuideFactory:
             schema = params.guided_json
             try:                                    # the key keeps the order of properties
                 return "json", schema if isinstance(schema, str) else json.dumps(schema)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, RecursionError) as exc:
                 raise ValueError(f"guided_json is not a JSON schema: {exc}") from None
         raise ValueError("the request asks for no guide (set guided_regex or guided_json)")
 
@@ -216,6 +222,13 @@ class GuideFactory:
         self.indexes.move_to_end(key)
         return index
 
-    def __call__(self, params: SamplingParams) -> RegexGuide:
+    @cached_property
+    def free_json(self) -> JsonStackIndex:
+        """The pushdown guides' shared masks (made on the first json_object request)."""
+        return JsonStackIndex(self.vocabulary)
+
+    def __call__(self, params: SamplingParams) -> RegexGuide | JsonStackGuide:
+        if params.guided_json == JSON_OBJECT:
+            return JsonStackGuide(self.free_json, OBJECT)
         kind, text = self.key_of(params)
         return RegexGuide(self.index_for(text, kind))
