@@ -526,3 +526,103 @@ def test_engine_state_machine_with_guided_requests(serve, tiny_model, request):
     GuidedMachine.serve, GuidedMachine.model = serve, tiny_model
     run_state_machine_as_test(GuidedMachine, settings=machines.machine_settings(
         request, 40, 40, stress_examples=1000, stress_steps=80))
+
+
+# --- the pushdown guide for free-form JSON (json_stack.py) ----------------------------------------
+
+@pytest.fixture
+def json_stack(impl):
+    return impl.load("serve.json_stack")
+
+
+def open_containers(text):
+    """The oracle of a stack's depth: brackets counted outside strings, by a scanner of its own."""
+    depth, in_string, escaped = 0, False, False
+    depths = []
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        depths.extend([depth] * len(char.encode("utf-8")))
+    return depths
+
+
+DOCUMENTS = [{}, {"a": [1, {"b": "[x]{"}], "c": None}, {"x": [[[]], {}], "y": "é\"\\", "z": -1.5e3},
+             {"deep": [[[[{"k": [True, False]}]]]]}]
+
+
+def test_the_stack_step_opens_and_closes_containers(guided, json_stack):
+    index = json_stack.JsonStackIndex(guided.Vocabulary([bytes([i]) for i in range(256)], None, 256))
+    for document in DOCUMENTS:
+        for text in (json.dumps(document), json.dumps(document, ensure_ascii=False, separators=(",", ":"))):
+            stack = [(json_stack.OBJECT, index.automata[json_stack.OBJECT].start)]
+            for position, (byte, depth) in enumerate(zip(text.encode("utf-8"), open_containers(text))):
+                given, snapshot = stack, list(stack)
+                stack = index.step(given, byte)
+                assert given == snapshot, "step must return a new stack and leave the one it is given as it was"
+                assert stack is not None, f"step refused byte {bytes([byte])!r} at {position} of {text}, valid JSON"
+                assert len(stack) == depth, (
+                    f"after {text.encode()[:position + 1]!r} there are {depth} open containers (brackets outside "
+                    f"strings), the stack has {len(stack)} frames")
+    stack = [(json_stack.OBJECT, index.automata[json_stack.OBJECT].start)]
+    for bad in (b"]", b"\x01", b"{]", b'{"a":}', b'{"a":1]'):
+        assert index.walk(stack, bad) is None, f"{bad!r} starts no JSON object, step must refuse it (None)"
+
+
+def test_the_stack_guide_writes_only_json_objects(guided):
+    vocab = synthetic_vocabulary() + [b"[{", b"}]", b"]}", b'"}', b"[]", b'":[', b", "]
+    eos = len(vocab)
+    vocab.append(b"")
+    factory = guided.GuideFactory(vocab, eos, len(vocab))
+    rng = random.Random(3)
+    complete = 0
+    for _ in range(60):
+        guide = factory(params_for(guided, guided_json={"type": "json_object"}))
+        text = b""
+        for _ in range(200):
+            choices = torch.nonzero(guide.allowed()).flatten().tolist()
+            assert choices, f"after {text!r} the guide allows nothing: a JSON object can always go on or end"
+            closing = [t for t in choices if t == eos or vocab[t][-1:] in (b"]", b"}", b'"')]
+            token = rng.choice(closing if closing and rng.random() < 0.6 else choices)
+            guide.advance(token)
+            if token == eos:
+                break
+            text += vocab[token]
+            if guide.finished:
+                break
+        if guide.finished:
+            complete += 1
+            assert isinstance(json.loads(text), dict), f"the json_object guide wrote {text!r}, not a JSON object"
+    assert complete >= 30, f"only {complete} of 60 random walks closed their object within 200 tokens"
+    for document in DOCUMENTS:
+        guide = factory(params_for(guided, guided_json={"type": "json_object"}))
+        for byte in json.dumps(document).encode():
+            guide.advance(byte)
+        assert guide.finished, f"{json.dumps(document)} is one complete object: its last byte ends the guide"
+
+
+def test_the_stack_guide_refuses_by_rule(guided, json_stack):
+    vocab = [bytes([i]) for i in range(256)] + [b""]
+    eos = 256
+    factory = guided.GuideFactory(vocab, eos, len(vocab))
+    guide = factory(params_for(guided, guided_json={"type": "json_object"}))
+    for byte in b'{"a":' + b"[" * (json_stack.MAX_DEPTH - 1):
+        guide.advance(byte)
+    assert not guide.allowed()[ord("[")], f"{json_stack.MAX_DEPTH} containers are open: MAX_DEPTH allows no more"
+    with pytest.raises(ValueError, match=str(ord("["))):
+        guide.advance(ord("["))
+        pytest.fail(f"advance accepted a container past MAX_DEPTH={json_stack.MAX_DEPTH}")
+    with pytest.raises(ValueError, match="EOS"):
+        guide.advance(eos)
+        pytest.fail("advance accepted EOS inside open containers: EOS needs one complete JSON value")
+    assert guide.allowed()[ord("1")] and guide.allowed()[ord("]")] and not guide.allowed()[ord("}")]
