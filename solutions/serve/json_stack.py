@@ -77,20 +77,14 @@ class JsonStackIndex:
     def step(self, stack: list[Frame], byte: int) -> list[Frame] | None:
         """The stack after one more byte, or None if no JSON text can continue that way.  (Your engine: Chapter 35)
 
-        stack: the open frames, bottom first; each (kind, state) is a state of
-        self.automata[kind] (ARRAY, OBJECT or VALUE), and the top frame reads the byte.
-        Returns a new list (the argument is never changed):
-        - "[" or "{" where the top frame's automaton can read CALL opens a container: the top
-          frame moves past CALL and a frame of the new kind is pushed, already past its
-          opening byte; past MAX_DEPTH open frames, None.
-        - any other byte moves the top frame by its automaton (None where that is -1); a
-          frame of kind ARRAY or OBJECT that has just read its closing byte (an accepting
-          state with no move left) is popped.
-        A VALUE frame is never popped: it is the bottom of a free-form value, and is
-        complete when its state accepts. An empty stack reads nothing, and CALL itself is
-        never text (None for both).
-        Trap: inside a string "[" is a character, not an opening: only CALL says where a
-        value may start.
+        stack: the open frames, bottom first, each (kind, state) a state of
+        self.automata[kind]; byte: 0..255. Returns a new list (`stack` stays as it was):
+        the top frame reads the byte, except that "[" or "{" where the top frame could read
+        CALL opens a nested container (one frame more, already past its bracket), and a
+        container's closing byte closes its frame (one frame fewer; a VALUE frame is never
+        removed). None: no continuation, the byte CALL itself, an empty stack, or a
+        container beyond MAX_DEPTH open frames.
+        Trap: "[" inside a string is text.
         """
         if not stack or byte == CALL:
             return None
