@@ -626,3 +626,23 @@ def test_the_stack_guide_refuses_by_rule(guided, json_stack):
         guide.advance(eos)
         pytest.fail("advance accepted EOS inside open containers: EOS needs one complete JSON value")
     assert guide.allowed()[ord("1")] and guide.allowed()[ord("]")] and not guide.allowed()[ord("}")]
+
+
+def test_json_object_requests_share_steps_with_free_ones(serve, tiny_model, ref_model, impl):
+    engine = guided_engine(serve, tiny_model)
+    P = serve.request.SamplingParams
+    engine.add_request("free", [3, 14, 15, 92], P(max_tokens=10))
+    for i in range(3):
+        engine.add_request(f"json{i}", [1, 2, 3 + i], P(max_tokens=150, temperature=1.0, seed=i,
+                                                        guided_json={"type": "json_object"}))
+    outputs = drain(engine)
+    assert outputs["free"].output_token_ids == solo(ref_model, [3, 14, 15, 92], 10)
+    for i in range(3):
+        out = outputs[f"json{i}"]
+        assert out.finish_reason == "stop" and out.stop_reason == "guided", f"json{i}: {out.finish_reason} {out.error}"
+        text = text_of(out.output_token_ids)
+        assert isinstance(json.loads(text), dict), f"a json_object request wrote {text!r}, not one JSON object"
+    guide = impl.load("serve.guided").GuideFactory(byte_vocabulary(tiny_model.cfg.vocab_size), TINY_EOS,
+                                                   tiny_model.cfg.vocab_size)(P(guided_json={"type": "json_object"}))
+    assert isinstance(guide, impl.load("serve.interfaces").Guide), "the stack guide implements interfaces.Guide"
+    assert_engine_idle(engine)
