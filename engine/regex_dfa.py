@@ -21,15 +21,19 @@ than silently ignore).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)           # not characters: UTF-8 cannot encode them
+# Stated limits, so that compiling a hostile pattern is refused in milliseconds instead of
+# running for minutes (every one is checked while the automaton is built, not afterwards):
 MAX_REPEAT = 1000                       # the largest count {m,n} may name
-MAX_DFA_STATES = 20000                  # a pattern whose DFA grows past this is refused
+MAX_NESTING = 64                        # groups (and schema levels) open at once
+MAX_NFA_STATES = 20000                  # the Thompson NFA (a "." is about 20 states, a JSON string character 40)
+MAX_DFA_STATES = 10000                  # the DFA before minimisation
 
 # A set of characters: sorted, disjoint, non-adjacent inclusive code-point intervals.
 CharSet = tuple[tuple[int, int], ...]
@@ -61,6 +65,11 @@ def complement(chars: CharSet) -> CharSet:
     if start <= MAX_CODE_POINT:
         gaps.append((start, MAX_CODE_POINT))
     return _normalise(gaps)
+
+
+def intersection(a: CharSet, b: CharSet) -> CharSet:
+    """The characters in both sets."""
+    return complement(_normalise(complement(a) + complement(b)))
 
 
 DIGITS = _normalise([(ord("0"), ord("9"))])
@@ -111,10 +120,12 @@ class _Parser:
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
         self.pos = 0
+        self.depth = 0                                  # groups open at self.pos
 
     def fail(self, rule: str, at: int | None = None) -> ValueError:
         where = self.pos if at is None else at
-        return ValueError(f"regex {self.pattern!r}, position {where}: {rule}")
+        shown = self.pattern if len(self.pattern) <= 60 else self.pattern[:57] + "..."
+        return ValueError(f"regex {shown!r}, position {where}: {rule}")
 
     def peek(self, text: str) -> bool:
         return self.pattern.startswith(text, self.pos)
@@ -181,12 +192,16 @@ class _Parser:
     def atom(self) -> Node:
         char = self.pattern[self.pos]
         if char == "(":
+            if self.depth >= MAX_NESTING:
+                raise self.fail(f"groups nested more than MAX_NESTING={MAX_NESTING} deep are refused")
             self.pos += 1
             if self.peek("?:"):
                 self.pos += 2
             elif self.peek("?"):
                 raise self.fail("only (...) and (?:...) groups are supported")
+            self.depth += 1
             inner = self.alternation()
+            self.depth -= 1
             if not self.peek(")"):
                 raise self.fail("missing ), unterminated subpattern")
             self.pos += 1
@@ -305,75 +320,105 @@ def utf8_sequences(lo: int, hi: int) -> list[list[tuple[int, int]]]:
 @dataclass
 class NFA:
     """A Thompson NFA over bytes: state i has `edges[i]` (lo, hi, target) byte-range moves
-    and `empty[i]` moves that read nothing; one start, one accepting state."""
+    and `empty[i]` moves that read nothing; one start, one accepting state. ValueError
+    once it would grow past MAX_NFA_STATES states."""
     edges: list[list[tuple[int, int, int]]] = field(default_factory=list)
     empty: list[list[int]] = field(default_factory=list)
     start: int = 0
     accept: int = 0
 
     def new_state(self) -> int:
+        if len(self.edges) >= MAX_NFA_STATES:
+            raise ValueError(f"the automaton needs more than MAX_NFA_STATES={MAX_NFA_STATES} NFA states "
+                             f"(a repeat count or a nesting too large)")
         self.edges.append([])
         self.empty.append([])
         return len(self.edges) - 1
+
+    def link(self, source: int, target: int) -> None:
+        """An empty move from `source` to `target`."""
+        self.empty[source].append(target)
+
+    def chain(self, fragments: list[tuple[int, int]]) -> tuple[int, int]:
+        """The fragments one after another (no fragments: the empty string)."""
+        if not fragments:
+            state = self.new_state()
+            return state, state
+        for (_, end), (start, _) in zip(fragments, fragments[1:]):
+            self.link(end, start)
+        return fragments[0][0], fragments[-1][1]
+
+    def choice(self, fragments: list[tuple[int, int]]) -> tuple[int, int]:
+        """Any one of the fragments (no fragments: no string at all)."""
+        start, end = self.new_state(), self.new_state()
+        for option_start, option_end in fragments:
+            self.link(start, option_start)
+            self.link(option_end, end)
+        return start, end
+
+
+def add_fragment(nfa: NFA, node: Node) -> tuple[int, int]:
+    """Add the states of `node` to `nfa`; returns (start, end): the paths from start to end
+    read exactly the UTF-8 encodings of the strings `node` matches."""
+    if isinstance(node, Chars):
+        start, end = nfa.new_state(), nfa.new_state()
+        for lo, hi in node.chars:
+            for sequence in utf8_sequences(lo, hi):
+                here = start
+                for k, (byte_lo, byte_hi) in enumerate(sequence):
+                    there = end if k == len(sequence) - 1 else nfa.new_state()
+                    nfa.edges[here].append((byte_lo, byte_hi, there))
+                    here = there
+        return start, end
+    if isinstance(node, Concat):
+        return nfa.chain([add_fragment(nfa, part) for part in node.parts])
+    if isinstance(node, Alt):
+        return nfa.choice([add_fragment(nfa, option) for option in node.options])
+    return add_repeat(nfa, lambda: add_fragment(nfa, node.node), node.low, node.high)
+
+
+def add_repeat(nfa: NFA, make: Callable[[], tuple[int, int]], low: int, high: int | None,
+               separator: Callable[[], tuple[int, int]] | None = None) -> tuple[int, int]:
+    """`make()`'s language low..high times (high None: no bound), `separator()`'s between
+    two copies. An unbounded repeat loops back into its last copy instead of adding one, so
+    x{1,} holds one copy of x, not two: nested repeats grow linearly, not by doubling."""
+    def unit(first: bool) -> tuple[int, int]:
+        return make() if first or separator is None else nfa.chain([separator(), make()])
+
+    start = here = nfa.new_state()
+    end = nfa.new_state()
+    copies = max(low, 1) if high is None else high
+    for k in range(copies):
+        if k >= low:                                      # an optional copy: may stop before it
+            nfa.link(here, end)
+        copy_start, copy_end = unit(k == 0)
+        nfa.link(here, copy_start)
+        here = copy_end
+    if high is None:                                      # loop back into the last copy
+        if separator is None or copies > 1:               # (its start reads the separator, if any)
+            nfa.link(here, copy_start)
+        else:
+            separator_start, separator_end = separator()
+            nfa.link(here, separator_start)
+            nfa.link(separator_end, copy_start)
+    nfa.link(here, end)
+    return start, end
 
 
 def build_nfa(tree: Node) -> NFA:
     """The NFA that accepts exactly the UTF-8 encodings of the strings `tree` matches."""
     nfa = NFA()
-
-    def fragment(node: Node) -> tuple[int, int]:
-        start, end = nfa.new_state(), nfa.new_state()
-        if isinstance(node, Chars):
-            for lo, hi in node.chars:
-                for sequence in utf8_sequences(lo, hi):
-                    here = start
-                    for k, (byte_lo, byte_hi) in enumerate(sequence):
-                        there = end if k == len(sequence) - 1 else nfa.new_state()
-                        nfa.edges[here].append((byte_lo, byte_hi, there))
-                        here = there
-        elif isinstance(node, Concat):
-            here = start
-            for part in node.parts:
-                part_start, part_end = fragment(part)
-                nfa.empty[here].append(part_start)
-                here = part_end
-            nfa.empty[here].append(end)
-        elif isinstance(node, Alt):
-            for option in node.options:
-                option_start, option_end = fragment(option)
-                nfa.empty[start].append(option_start)
-                nfa.empty[option_end].append(end)
-        else:
-            here = start
-            for _ in range(node.low):                     # the required copies
-                copy_start, copy_end = fragment(node.node)
-                nfa.empty[here].append(copy_start)
-                here = copy_end
-            if node.high is None:                         # then a loop
-                loop_start, loop_end = fragment(node.node)
-                nfa.empty[here].append(loop_start)
-                nfa.empty[loop_end].append(here)
-                nfa.empty[here].append(end)
-            else:                                         # then optional copies, each may stop
-                for _ in range(node.high - node.low):
-                    nfa.empty[here].append(end)
-                    copy_start, copy_end = fragment(node.node)
-                    nfa.empty[here].append(copy_start)
-                    here = copy_end
-                nfa.empty[here].append(end)
-        return start, end
-
-    nfa.start, nfa.accept = fragment(tree)
+    nfa.start, nfa.accept = add_fragment(nfa, tree)
     return nfa
 
 
 def epsilon_closure(nfa: NFA, states: Iterable[int]) -> frozenset[int]:
     """The NFA states reachable from `states` by empty moves alone, `states` included.  (Your engine: Chapter 35)
 
-    nfa: an NFA (nfa.empty[i] lists the targets of state i's empty moves; cycles of empty
-    moves exist, e.g. inside (a*)*). states: any NFA state numbers.
-    Returns a frozenset, so equal closures compare and hash equal (they name DFA states).
-    Must terminate on cycles of empty moves.
+    nfa.empty[i]: the targets of state i's empty moves (byte moves do not count). states:
+    any iterable of state numbers, possibly empty. Returns a frozenset[int]: DFA states are
+    named by these sets, so equal closures must compare and hash equal.
+    Trap: empty moves form cycles.
     """
     raise NotImplementedError("Your engine: Chapter 35: epsilon_closure")
 
@@ -421,14 +466,13 @@ class DFA:
 def determinize(nfa: NFA) -> DFA:
     """The DFA of `nfa` by subset construction.  (Your engine: Chapter 35)
 
-    Each DFA state stands for the set of NFA states the NFA could be in after the same
-    bytes (an epsilon_closure). Returns a DFA with transitions int32 [S, 256] (-1 where the
-    set would be empty), accepting[s] True exactly when the set holds nfa.accept, and start
-    0 (the closure of nfa.start). It need not be minimal and may keep states from which no
-    accepting state is reachable (compile_regex trims those).
-    Trap: 256 byte columns per state are slow to fill one byte at a time in Python; bytes
-    of one byte_classes() class always move alike, so one move per class is enough.
-    Raises ValueError when more than MAX_DFA_STATES states would be needed.
+    Returns DFA(transitions int32 [S, 256], accepting bool [S], start 0). State s stands
+    for one epsilon_closure of NFA states, state 0 for nfa.start's; its move on byte b
+    leads to the closure of the states its set reaches on b (edges (lo, hi, target) read
+    bytes lo..hi), -1 when there are none; s accepts when its set holds nfa.accept. Equal
+    sets are one state; trimming and minimising come later (compile_nfa).
+    Errors: ValueError naming MAX_DFA_STATES once more states would be needed.
+    Trap: filling 256 columns byte by byte is slow in Python; see byte_classes().
     """
     raise NotImplementedError("Your engine: Chapter 35: determinize")
 
@@ -436,8 +480,10 @@ def determinize(nfa: NFA) -> DFA:
 def distinct_columns(table: np.ndarray) -> np.ndarray:
     """The table with one column per distinct byte behaviour (bytes that move every state
     alike need one column): [S, 256] -> [S, C] with C usually a few dozen."""
-    _, first = np.unique(table, axis=1, return_index=True)
-    return table[:, np.sort(first)]
+    first_with: dict[bytes, int] = {}                # a column's bytes -> the first byte with them
+    for byte in range(table.shape[1]):
+        first_with.setdefault(np.ascontiguousarray(table[:, byte]).tobytes(), byte)
+    return table[:, sorted(first_with.values())]
 
 
 def breadth_first(columns: np.ndarray, start: int, keep: np.ndarray) -> list[int]:
@@ -462,50 +508,100 @@ def renumbered(dfa: DFA, order: list[int], group: np.ndarray) -> DFA:
     return DFA(moved.astype(np.int32), dfa.accepting[order].copy(), 0)
 
 
+def _predecessors(columns: np.ndarray) -> list[list[int]]:
+    """predecessors[t]: the states with a move to t (each once), from a [S, C] table."""
+    size = columns.shape[0]
+    sources, _ = np.nonzero(columns >= 0)
+    pairs = np.unique(columns[columns >= 0].astype(np.int64) * size + sources)   # target, source
+    result: list[list[int]] = [[] for _ in range(size)]
+    for target, source in zip((pairs // size).tolist(), (pairs % size).tolist()):
+        result[target].append(source)
+    return result
+
+
 def trim(dfa: DFA) -> DFA:
     """Drop the states from which no accepting state can be reached (moves into them become
     -1) and those the start cannot reach; renumber so the start is state 0."""
     columns = distinct_columns(dfa.transitions)
+    predecessors = _predecessors(columns)
     alive = dfa.accepting.copy()
-    while True:                                      # grow backwards from the accepting states
-        grown = alive | np.where(columns >= 0, alive[np.maximum(columns, 0)], False).any(axis=1)
-        if (grown == alive).all():
-            break
-        alive = grown
+    todo = np.flatnonzero(alive).tolist()
+    while todo:                                      # grow backwards from the accepting states
+        for source in predecessors[todo.pop()]:
+            if not alive[source]:
+                alive[source] = True
+                todo.append(source)
     if not alive[dfa.start]:
-        raise ValueError("the pattern matches no string")
+        raise ValueError("the pattern or schema matches no string: nothing could be written")
     order = breadth_first(columns, dfa.start, alive)
     return renumbered(dfa, order, np.where(alive, np.arange(dfa.num_states), -1))
 
 
 def minimize(dfa: DFA) -> DFA:
-    """The smallest DFA for the same language (Moore's partition refinement): states that
-    accept alike and move to the same blocks on every byte merge. Expects a trimmed DFA."""
+    """The smallest DFA for the same language (Hopcroft's partition refinement, O(C E log S)
+    for S states, C byte classes and E moves): states that accept alike, have moves on the
+    same bytes and move to the same blocks on every byte merge. Expects a trimmed DFA (so a
+    -1 move and a move into a live state always differ)."""
     columns = distinct_columns(dfa.transitions)
-    block = dfa.accepting.astype(np.int64)
-    count = len(np.unique(block))
-    while True:
-        moved = np.where(columns >= 0, block[np.maximum(columns, 0)], -1)
-        signatures = np.concatenate([block[:, None], moved], axis=1).tolist()
-        numbers: dict[tuple[int, ...], int] = {}      # a dict beats np.unique(axis=0) here by 3x
-        block = np.array([numbers.setdefault(tuple(row), len(numbers)) for row in signatures], dtype=np.int64)
-        if len(numbers) == count:
-            break
-        count = len(numbers)
+    size, num_classes = columns.shape
+    # inverse[c]: the states sorted by their target on class c, and where each target's run
+    # starts (the -1 moves sort first and are never looked up).
+    inverse = []
+    for c in range(num_classes):
+        by_target = np.argsort(columns[:, c], kind="stable")
+        starts = np.searchsorted(columns[by_target, c], np.arange(size + 1))
+        inverse.append((by_target.tolist(), starts.tolist()))
+    # entered_on[c]: the states some move on class c leads to (most are entered on few classes).
+    entered_on = [set(np.unique(columns[:, c][columns[:, c] >= 0]).tolist()) for c in range(num_classes)]
+    # First blocks: same acceptance and moves on the same classes; all are splitters.
+    signatures = np.concatenate([dfa.accepting[:, None], columns >= 0], axis=1)
+    first_blocks: dict[bytes, int] = {}
+    block_of = [first_blocks.setdefault(row.tobytes(), len(first_blocks)) for row in signatures]
+    blocks: list[set[int]] = [set() for _ in first_blocks]
+    for state, block in enumerate(block_of):
+        blocks[block].add(state)
+    pending = {(block, c) for block in range(len(blocks)) for c in range(num_classes)}
+    while pending:
+        splitter, c = pending.pop()
+        by_target, starts = inverse[c]
+        reaching: dict[int, list[int]] = {}          # block -> its states that move into the splitter
+        for target in blocks[splitter] & entered_on[c]:
+            for source in by_target[starts[target]:starts[target + 1]]:
+                reaching.setdefault(block_of[source], []).append(source)
+        for block, inside in reaching.items():
+            if len(inside) == len(blocks[block]):
+                continue
+            new = len(blocks)
+            part = set(inside)
+            blocks[block] -= part
+            blocks.append(part)
+            for state in inside:
+                block_of[state] = new
+            for k in range(num_classes):
+                if (block, k) in pending:
+                    pending.add((new, k))
+                else:
+                    pending.add((new if len(part) <= len(blocks[block]) else block, k))
+    _, dense = np.unique(np.array(block_of, dtype=np.int64), return_inverse=True)
     # One representative per block, in breadth-first order from the start's block.
-    first_of_block = np.full(count, -1, dtype=np.int64)
-    first_of_block[block[::-1]] = np.arange(dfa.num_states)[::-1]
+    first_of_block = np.full(int(dense.max()) + 1, -1, dtype=np.int64)
+    first_of_block[dense[::-1]] = np.arange(dfa.num_states)[::-1]
     is_first = np.zeros(dfa.num_states, dtype=bool)
     is_first[first_of_block] = True
-    representative = first_of_block[block]           # every state -> its block's first state
+    representative = first_of_block[dense]           # every state -> its block's first state
     reduced = np.where(columns >= 0, representative[np.maximum(columns, 0)], -1)
     order = breadth_first(reduced, int(representative[dfa.start]), is_first)
     return renumbered(dfa, order, representative)
 
 
+def compile_nfa(nfa: NFA) -> DFA:
+    """The trimmed, minimal DFA of an NFA."""
+    return minimize(trim(determinize(nfa)))
+
+
 def compile_regex(pattern: str) -> DFA:
     """The trimmed, minimal byte DFA of `pattern` (fullmatch semantics)."""
-    return minimize(trim(determinize(build_nfa(parse_regex(pattern)))))
+    return compile_nfa(build_nfa(parse_regex(pattern)))
 
 
 def escape(text: str) -> str:

@@ -193,39 +193,30 @@ PERSON = {"type": "object", "properties": {
 }, "required": ["name", "age"]}
 
 
-@settings(QUICK, max_examples=40)
-@given(data=st.data())
-def test_every_string_a_schema_pattern_matches_validates(json_regex, data):
-    pattern = json_regex.schema_to_regex(PERSON)
-    text = data.draw(st.from_regex(re.compile(pattern, re.ASCII), fullmatch=True))
-    document = json.loads(text)
-    jsonschema.validate(document, PERSON)
-
-
-def test_a_schema_pattern_accepts_what_json_dumps_writes(json_regex, rx):
-    dfa = rx.compile_regex(json_regex.schema_to_regex(PERSON))
+def test_a_schema_automaton_accepts_what_json_dumps_writes(json_regex):
+    dfa = json_regex.compile_schema(PERSON)
     document = {"name": "Zoë \"Z\"\n", "age": -3, "height": 1.5e3, "tags": ["red", 7, None],
                 "pet": {"kind": "cat", "legs": None}, "ok": True, "nothing": None, "exact": {"a": [1, "x"]}}
     for text in (json.dumps(document, ensure_ascii=False), json.dumps(document),
                  json.dumps(document, separators=(",", ":"))):
-        assert dfa.fullmatch(text.encode("utf-8")), f"the schema's pattern refused {text}"
+        assert dfa.fullmatch(text.encode("utf-8")), f"the schema's automaton refused {text}"
     too_long = dict(document, name="x" * 13)
     assert not dfa.fullmatch(json.dumps(too_long).encode()), "maxLength 12 must refuse 13 characters"
     assert not dfa.fullmatch(json.dumps(dict(document, age=1.5)).encode()), "an integer has no fraction"
+    assert dfa.fullmatch(b'{"name":"Ada","age":36}'), "properties not in required may be left out"
+    assert not dfa.fullmatch(b'{"age":36}'), "a property in required must be written"
 
 
 @pytest.mark.parametrize("schema, words", [
-    ({"type": "string", "pattern": "a+"}, "'pattern'"),
-    ({"type": "integer", "minimum": 0}, "'minimum'"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/x"}}}, r"\$\.properties\.a"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
+    ({"type": "object", "properties": {"a": {"$ref": "https://x.org/s"}}}, r"\$\.properties\.a"),
     ({"type": "object", "properties": {}, "required": ["a"]}, "'a'"),
-    ({"type": "array"}, "items"),
     ({"type": "date"}, "date"),
     ("{not json", "JSON"),
 ])
 def test_unsupported_schemas_are_refused_by_name(json_regex, schema, words):
     with pytest.raises(ValueError, match=words):
-        json_regex.schema_to_regex(schema)
+        json_regex.compile_schema(schema)
 
 
 # --- the token-level guide ---------------------------------------------------------------------
@@ -298,9 +289,17 @@ def test_advance_refuses_forbidden_tokens_and_eos_before_a_match(guided, impl):
     guide = guided.GuideFactory(vocab, eos, len(vocab))(params_for(guided, guided_regex="ab+"))
     assert isinstance(guide, impl.load("serve.interfaces").Guide), "a guide implements interfaces.Guide"
     state = guide.state
-    for bad, words in ((ord("b"), "98"), (eos, "EOS"), (len(vocab) - 1, str(len(vocab) - 1))):
-        with pytest.raises(ValueError, match=words):
+    for bad, rule, words in ((ord("b"), "its bytes b'b' cannot start a match of 'ab+'", "98"),
+                             (eos, "EOS before the text is a complete match", "EOS"),
+                             (len(vocab) - 1, "a token with no bytes is never allowed", str(len(vocab) - 1))):
+        try:
             guide.advance(bad)
+        except ValueError as error:
+            assert words in str(error), (
+                f"advance({bad}) must raise a ValueError that names {words!r} (the contract), got: {error}")
+        else:
+            pytest.fail(f"advance({bad}) accepted token {bad} in the start state of 'ab+': {rule}, so it must "
+                        f"raise ValueError")
         assert guide.state == state, "a refused token must leave the guide unchanged"
     guide.advance(ord("a"))
     guide.advance(vocab.index(b"b"))
@@ -309,6 +308,7 @@ def test_advance_refuses_forbidden_tokens_and_eos_before_a_match(guided, impl):
     assert guide.finished, "after EOS nothing may follow"
     with pytest.raises(ValueError):
         guide.advance(ord("b"))
+        pytest.fail("advance accepted a token after EOS ended the guide: nothing may follow EOS")
 
 
 def test_finished_once_no_byte_may_follow(guided):
@@ -526,3 +526,123 @@ def test_engine_state_machine_with_guided_requests(serve, tiny_model, request):
     GuidedMachine.serve, GuidedMachine.model = serve, tiny_model
     run_state_machine_as_test(GuidedMachine, settings=machines.machine_settings(
         request, 40, 40, stress_examples=1000, stress_steps=80))
+
+
+# --- the pushdown guide for free-form JSON (json_stack.py) ----------------------------------------
+
+@pytest.fixture
+def json_stack(impl):
+    return impl.load("serve.json_stack")
+
+
+def open_containers(text):
+    """The oracle of a stack's depth: brackets counted outside strings, by a scanner of its own."""
+    depth, in_string, escaped = 0, False, False
+    depths = []
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        depths.extend([depth] * len(char.encode("utf-8")))
+    return depths
+
+
+DOCUMENTS = [{}, {"a": [1, {"b": "[x]{"}], "c": None}, {"x": [[[]], {}], "y": "é\"\\", "z": -1.5e3},
+             {"deep": [[[[{"k": [True, False]}]]]]}]
+
+
+def test_the_stack_step_opens_and_closes_containers(guided, json_stack):
+    index = json_stack.JsonStackIndex(guided.Vocabulary([bytes([i]) for i in range(256)], None, 256))
+    for document in DOCUMENTS:
+        for text in (json.dumps(document), json.dumps(document, ensure_ascii=False, separators=(",", ":"))):
+            stack = [(json_stack.OBJECT, index.automata[json_stack.OBJECT].start)]
+            for position, (byte, depth) in enumerate(zip(text.encode("utf-8"), open_containers(text))):
+                given, snapshot = stack, list(stack)
+                stack = index.step(given, byte)
+                assert given == snapshot, "step must return a new stack and leave the one it is given as it was"
+                assert stack is not None, f"step refused byte {bytes([byte])!r} at {position} of {text}, valid JSON"
+                assert len(stack) == depth, (
+                    f"after {text.encode()[:position + 1]!r} there are {depth} open containers (brackets outside "
+                    f"strings), the stack has {len(stack)} frames")
+    stack = [(json_stack.OBJECT, index.automata[json_stack.OBJECT].start)]
+    for bad in (b"]", b"\x01", b"{]", b'{"a":}', b'{"a":1]'):
+        assert index.walk(stack, bad) is None, f"{bad!r} starts no JSON object, step must refuse it (None)"
+
+
+def test_the_stack_guide_writes_only_json_objects(guided):
+    vocab = synthetic_vocabulary() + [b"[{", b"}]", b"]}", b'"}', b"[]", b'":[', b", "]
+    eos = len(vocab)
+    vocab.append(b"")
+    factory = guided.GuideFactory(vocab, eos, len(vocab))
+    rng = random.Random(3)
+    complete = 0
+    for _ in range(60):
+        guide = factory(params_for(guided, guided_json={"type": "json_object"}))
+        text = b""
+        for _ in range(200):
+            choices = torch.nonzero(guide.allowed()).flatten().tolist()
+            assert choices, f"after {text!r} the guide allows nothing: a JSON object can always go on or end"
+            closing = [t for t in choices if t == eos or vocab[t][-1:] in (b"]", b"}", b'"')]
+            token = rng.choice(closing if closing and rng.random() < 0.6 else choices)
+            guide.advance(token)
+            if token == eos:
+                break
+            text += vocab[token]
+            if guide.finished:
+                break
+        if guide.finished:
+            complete += 1
+            assert isinstance(json.loads(text), dict), f"the json_object guide wrote {text!r}, not a JSON object"
+    assert complete >= 30, f"only {complete} of 60 random walks closed their object within 200 tokens"
+    for document in DOCUMENTS:
+        guide = factory(params_for(guided, guided_json={"type": "json_object"}))
+        for byte in json.dumps(document).encode():
+            guide.advance(byte)
+        assert guide.finished, f"{json.dumps(document)} is one complete object: its last byte ends the guide"
+
+
+def test_the_stack_guide_refuses_by_rule(guided, json_stack):
+    vocab = [bytes([i]) for i in range(256)] + [b""]
+    eos = 256
+    factory = guided.GuideFactory(vocab, eos, len(vocab))
+    guide = factory(params_for(guided, guided_json={"type": "json_object"}))
+    for byte in b'{"a":' + b"[" * (json_stack.MAX_DEPTH - 1):
+        guide.advance(byte)
+    assert not guide.allowed()[ord("[")], f"{json_stack.MAX_DEPTH} containers are open: MAX_DEPTH allows no more"
+    with pytest.raises(ValueError, match=str(ord("["))):
+        guide.advance(ord("["))
+        pytest.fail(f"advance accepted a container past MAX_DEPTH={json_stack.MAX_DEPTH}")
+    with pytest.raises(ValueError, match="EOS"):
+        guide.advance(eos)
+        pytest.fail("advance accepted EOS inside open containers: EOS needs one complete JSON value")
+    assert guide.allowed()[ord("1")] and guide.allowed()[ord("]")] and not guide.allowed()[ord("}")]
+
+
+def test_json_object_requests_share_steps_with_free_ones(serve, tiny_model, ref_model, impl):
+    engine = guided_engine(serve, tiny_model)
+    P = serve.request.SamplingParams
+    engine.add_request("free", [3, 14, 15, 92], P(max_tokens=10))
+    for i in range(3):
+        engine.add_request(f"json{i}", [1, 2, 3 + i], P(max_tokens=150, temperature=1.0, seed=i,
+                                                        guided_json={"type": "json_object"}))
+    outputs = drain(engine)
+    assert outputs["free"].output_token_ids == solo(ref_model, [3, 14, 15, 92], 10)
+    for i in range(3):
+        out = outputs[f"json{i}"]
+        assert out.finish_reason == "stop" and out.stop_reason == "guided", f"json{i}: {out.finish_reason} {out.error}"
+        text = text_of(out.output_token_ids)
+        assert isinstance(json.loads(text), dict), f"a json_object request wrote {text!r}, not one JSON object"
+    guide = impl.load("serve.guided").GuideFactory(byte_vocabulary(tiny_model.cfg.vocab_size), TINY_EOS,
+                                                   tiny_model.cfg.vocab_size)(P(guided_json={"type": "json_object"}))
+    assert isinstance(guide, impl.load("serve.interfaces").Guide), "the stack guide implements interfaces.Guide"
+    assert_engine_idle(engine)

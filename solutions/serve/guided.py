@@ -5,7 +5,8 @@
                    computed the first time a state is reached and kept
     RegexGuide     one request's position in its pattern (serve.interfaces.Guide)
     GuideFactory   SamplingParams.guided_regex / guided_json -> a RegexGuide; compiles each
-                   pattern once and shares its TokenIndex between requests
+                   pattern or schema once and shares its TokenIndex between requests;
+                   guided_json {"type": "json_object"} -> a pushdown JsonStackGuide
 
 A token is allowed in a DFA state when reading all of its bytes from there leaves the DFA
 in a live state (one from which a match can still be completed: compile_regex trims the
@@ -15,6 +16,7 @@ change nothing and could be drawn forever.
 """
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
@@ -23,9 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..json_regex import schema_to_regex
+from ..json_regex import compile_schema
 from ..regex_dfa import DFA, compile_regex
+from .json_stack import OBJECT, JsonStackGuide, JsonStackIndex
 from .request import SamplingParams
+
+# OpenAI's response_format for "any JSON object", accepted as guided_json: not a schema, and
+# not a regular language, so it gets the pushdown guide of json_stack.py.
+JSON_OBJECT = {"type": "json_object"}
 
 
 class Vocabulary:
@@ -102,15 +109,15 @@ class TokenIndex:
     def compute_mask(self, state: int) -> torch.Tensor:
         """Which tokens may come next in DFA state `state`.  (Your engine: Chapter 35)
 
-        Returns a bool tensor [vocabulary.vocab_size] on the CPU: True for token t exactly
-        when walking all of t's bytes from `state` through self.dfa.transitions (int32
-        [S, 256], -1: no match can follow) never meets -1; True for vocabulary.eos_token_id
-        exactly when self.dfa.accepting[state]; False for every token listed with no bytes
-        and every id past the byte list. The rows of vocabulary.byte_matrix (uint8
-        [n, longest], zero-padded) are the tokens vocabulary.token_ids, longest first, and
-        vocabulary.longer_than[p] of them have more than p bytes.
-        Trap: a Python loop over 49,152 tokens for every new state costs tens of
-        milliseconds per state; walk all tokens one byte position at a time instead.
+        Returns a bool tensor [vocabulary.vocab_size] on the CPU: token t is True exactly
+        when reading all of t's bytes from `state` through self.dfa.transitions (int32
+        [S, 256]) never meets -1; vocabulary.eos_token_id is True exactly when
+        self.dfa.accepting[state]; ids listed with b"" and ids past the byte list are False.
+        Given: vocabulary.token_ids (int64 [n], the tokens with bytes, longest first),
+        byte_matrix (uint8 [n, longest], rows zero-padded) and longer_than[p] (how many of
+        those n tokens have more than p bytes).
+        Traps: a padding 0 is not one of the token's bytes; a Python loop over 49,152
+        tokens costs tens of milliseconds per state (the mask is computed once per state).
         """
         vocabulary = self.vocabulary
         table = self.dfa.transitions
@@ -165,12 +172,13 @@ class RegexGuide:
     def advance(self, token_id: int) -> None:
         """Move past one accepted token.  (Your engine: Chapter 35)
 
-        token_id: the token the engine just appended to the request. EOS
-        (vocabulary.eos_token_id) is accepted only in an accepting state and ends the guide
-        (finished becomes True); any other token moves self.state to the DFA state after
-        its bytes (self.index.vocabulary.token_bytes). A token that is not allowed here (its
-        bytes lead to no live state, it has no bytes, it is EOS before a complete match, or
-        anything follows the end) raises ValueError naming the token and its bytes, and
+        token_id: the token the engine just appended to the request.
+        After it, self.state is the DFA state after the token's bytes
+        (self.index.vocabulary.token_bytes); EOS (vocabulary.eos_token_id) ends the guide
+        instead, so `finished` becomes True. advance(t) succeeds exactly when allowed()[t]
+        is True (and nothing succeeds after EOS).
+        Errors: ValueError for any other token, naming token_id and its bytes; refusing EOS
+        before the text is a complete match, the message contains "EOS". A refused token
         leaves the guide unchanged.
         """
         vocabulary = self.index.vocabulary
@@ -201,38 +209,54 @@ def token_bytes_of(tokenizer: Any) -> list[bytes]:
 class GuideFactory:
     """Makes the guide of a request's SamplingParams (EngineCore keeps one as self.guides).
 
-    Each distinct pattern (a guided_regex, or a guided_json schema compiled to one) is
-    compiled once; its TokenIndex is shared by every request that uses it, so a state's
-    mask is computed once per (pattern, vocabulary). The `max_patterns` most recently used
-    patterns are kept."""
+    Each distinct pattern (a guided_regex, or a guided_json schema compiled straight to an
+    automaton by json_regex.compile_schema) is compiled once; its TokenIndex is shared by
+    every request that uses it, so a state's mask is computed once per (pattern,
+    vocabulary). The `max_patterns` most recently used are kept. Compiling is bounded by
+    regex_dfa's stated limits (MAX_NFA_STATES, MAX_DFA_STATES, MAX_REPEAT, MAX_NESTING): a
+    pattern or schema over them is refused with a ValueError naming the limit."""
 
     def __init__(self, vocab_bytes: Sequence[bytes], eos_token_id: int | None, vocab_size: int,
                  max_patterns: int = 64) -> None:
         self.vocabulary = Vocabulary(vocab_bytes, eos_token_id, vocab_size)
         self.max_patterns = max_patterns
-        self.indexes: OrderedDict[str, TokenIndex] = OrderedDict()
+        self.indexes: OrderedDict[tuple[str, str], TokenIndex] = OrderedDict()
 
-    def pattern_of(self, params: SamplingParams) -> str:
-        """The regex a request is guided by (ValueError: neither field is set, or the schema
-        or the pattern is refused)."""
+    def key_of(self, params: SamplingParams) -> tuple[str, str]:
+        """("regex", the pattern) or ("json", the schema's JSON text) of a request
+        (ValueError: neither field is set, or the field has the wrong type)."""
         if params.guided_regex is not None:
             if not isinstance(params.guided_regex, str):
                 raise ValueError(f"guided_regex must be a str, got {type(params.guided_regex).__name__}")
-            return params.guided_regex
+            return "regex", params.guided_regex
         if params.guided_json is not None:
-            return schema_to_regex(params.guided_json)
+            schema = params.guided_json
+            try:                                    # the key keeps the order of properties
+                return "json", schema if isinstance(schema, str) else json.dumps(schema)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise ValueError(f"guided_json is not a JSON schema: {exc}") from None
         raise ValueError("the request asks for no guide (set guided_regex or guided_json)")
 
-    def index_for(self, pattern: str) -> TokenIndex:
-        index = self.indexes.get(pattern)
+    def index_for(self, text: str, kind: str = "regex") -> TokenIndex:
+        """The shared TokenIndex of a pattern (kind "regex") or a schema's JSON text (kind
+        "json"), compiled on first use."""
+        key = (kind, text)
+        index = self.indexes.get(key)
         if index is None:
-            index = TokenIndex(compile_regex(pattern), self.vocabulary)
-            self.indexes[pattern] = index
+            dfa = compile_regex(text) if kind == "regex" else compile_schema(text)
+            index = self.indexes[key] = TokenIndex(dfa, self.vocabulary)
             if len(self.indexes) > self.max_patterns:
                 self.indexes.popitem(last=False)
-        self.indexes.move_to_end(pattern)
+        self.indexes.move_to_end(key)
         return index
 
-    def __call__(self, params: SamplingParams) -> RegexGuide:
-        return RegexGuide(self.index_for(self.pattern_of(params)))
+    @cached_property
+    def free_json(self) -> JsonStackIndex:
+        """The pushdown guides' shared masks (made on the first json_object request)."""
+        return JsonStackIndex(self.vocabulary)
 
+    def __call__(self, params: SamplingParams) -> RegexGuide | JsonStackGuide:
+        if params.guided_json == JSON_OBJECT:
+            return JsonStackGuide(self.free_json, OBJECT)
+        kind, text = self.key_of(params)
+        return RegexGuide(self.index_for(text, kind))

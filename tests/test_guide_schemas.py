@@ -1,0 +1,240 @@
+"""Chapter 35: the JSON-schema compiler (json_regex.compile_schema) on the schemas clients send.
+
+Oracles, none of which shares code with the compiler:
+- soundness: thousands of random walks through each schema's automaton, start to an
+  accepting state; every document one spells must parse (`json.loads`) and validate
+  (`jsonschema`, formats checked);
+- completeness: hand-written valid instances, serialized compactly, the way `json.dumps`
+  writes by default (ASCII escapes, ", " and ": ") and with raw UTF-8, must be accepted;
+  hand-written invalid instances must be refused;
+- refusals: every keyword outside the subset, malformed schema or pattern over a stated
+  limit is refused with a ValueError that names it, and quickly.
+"""
+import json
+import pathlib
+import random
+import time
+
+import jsonschema
+import pytest
+
+pytestmark = pytest.mark.chapter(35)
+
+
+@pytest.fixture
+def json_regex(impl):
+    return impl.load("json_regex")
+
+
+@pytest.fixture
+def rx(impl):
+    return impl.load("regex_dfa")
+
+
+NODE = {"type": "object", "properties": {
+    "value": {"type": "integer"},
+    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["value"]}
+
+# name -> (schema, valid instances, invalid instances)
+SCHEMAS = {
+    "enum beside type": ({"type": "string", "enum": ["a", 1, "b"]}, ["a", "b"], [1, "c"]),
+    "enum and const": ({"enum": [1, 2], "const": 1}, [1, 1.0], [2]),
+    "number equality": ({"enum": [0, "x", True]}, [0, 0.0, "x", True], [False, 1, "y"]),
+    "integer": ({"type": "integer"}, [0, -17, 12345678901234, 3.0], [1.5, "1", None]),
+    "integer range": ({"type": "integer", "minimum": -12, "exclusiveMaximum": 107},
+                      [-12, -1, 0, 9, 10, 99, 100, 106], [-13, 107, 1000, -100]),
+    "exclusive minimum": ({"type": "integer", "exclusiveMinimum": 5, "maximum": 5000}, [6, 5000, 999], [5, 5001, 0]),
+    "strings": ({"type": "string", "minLength": 2, "maxLength": 4}, ["ab", "héé€", 'a"\n'], ["a", "abcde"]),
+    "pattern": ({"type": "string", "pattern": "^[A-Z]{2}-[0-9]+$"}, ["AB-12", "ZZ-0"], ["ab-12", "AB-", "xAB-1"]),
+    "pattern search": ({"type": "string", "pattern": "ab"}, ["ab", "xxaby"], ["a b", ""]),
+    "formats": ({"type": "array", "prefixItems": [
+        {"type": "string", "format": "date"}, {"type": "string", "format": "date-time"},
+        {"type": "string", "format": "uuid"}, {"type": "string", "format": "email"},
+        {"type": "string", "format": "ipv4"}, {"type": "string", "format": "time"}], "items": False},
+        [["2024-02-28", "2024-12-31T23:59:59Z", "12345678-1234-1234-1234-1234567890ab", "ada@example.org",
+          "192.168.0.255", "08:30:00+02:00"]],
+        [["2024-02-30"], ["2024-01-01", "2024-01-01"], ["2024-01-01", "2024-01-01T00:00:00Z", "x"]]),
+    "optional properties": ({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0},
+        "email": {"anyOf": [{"type": "string", "format": "email"}, {"type": "null"}]}}, "required": ["name"]},
+        [{"name": "Player"}, {"name": "Zoë", "age": 3}, {"name": "", "email": None}, {"name": "a", "age": 1,
+                                                                                         "email": "a@b.co"}],
+        [{}, {"age": 3}, {"name": "a", "age": -1}, {"name": 5}]),
+    "extra properties": ({"type": "object", "properties": {"id": {"type": "integer"}},
+                          "additionalProperties": {"type": "boolean"}},
+                         [{}, {"id": 1}, {"id": 1, "ok": True, "idx": False}, {"i": True}],
+                         [{"id": True}, {"x": 1}]),
+    "closed object": ({"type": "object", "properties": {"a": {"type": "null"}}, "additionalProperties": False},
+                      [{}, {"a": None}], [{"b": None}]),
+    "free object": ({"type": "object"}, [{}, {"a": [1, {"b": None}]}, {"x": "y", "z": 2.5e3}], [[], 1]),
+    "property counts": ({"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"},
+                                                           "c": {"type": "null"}},
+                         "minProperties": 1, "maxProperties": 2, "additionalProperties": False},
+                        [{"a": None}, {"a": None, "c": None}], [{}, {"a": None, "b": None, "c": None}]),
+    "arrays": ({"type": "array", "items": {"type": "array", "items": {"type": "boolean"}, "minItems": 1},
+                "maxItems": 3}, [[], [[True]], [[True, False], [False]]], [[[]], [[True]] * 4]),
+    "prefixItems": ({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}],
+                     "items": {"type": "null"}, "minItems": 1},
+                    [["a"], ["a", 2], ["a", 2, None, None]], [[], [1], ["a", 2, 3]]),
+    "refs": ({"$defs": {"node": NODE}, "$ref": "#/$defs/node"},
+             [{"value": 1}, {"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]}],
+             [{"value": 1, "children": [{}]}]),
+    "oneOf": ({"oneOf": [{"type": "integer", "maximum": 0}, {"type": "integer", "minimum": 1}]}, [0, 5, -5],
+              [1.5, "1"]),
+    "allOf": ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                         {"properties": {"b": {"type": "boolean"}}}]},
+              [{"a": 1}, {"a": 1, "b": True}], [{"b": True}]),
+    "true": (True, [None, 1, "x", [1, [2]], {"a": {"b": 2}}], []),
+    "types": ({"type": ["string", "null"], "maxLength": 1}, ["a", None], ["ab", 1]),
+}
+
+
+def walks(dfa, count, seed, max_bytes=240):
+    """`count` random paths from the start to an accepting state (fewer: long ones are
+    dropped). Each step picks one of the distinct next states, then a byte leading there, so
+    rare structure (a closing bracket beside 200 string bytes) is taken as often as the rest."""
+    rng = random.Random(seed)
+    moves = {}                                      # state -> [(next state, the bytes leading there)]
+    documents = set()
+    for _ in range(count):
+        state, out = dfa.start, bytearray()
+        while len(out) < max_bytes:
+            if state not in moves:
+                row = dfa.transitions[state].tolist()
+                by_target = {}
+                for byte, target in enumerate(row):
+                    if target >= 0:
+                        by_target.setdefault(target, []).append(byte)
+                moves[state] = list(by_target.items())
+            if dfa.accepting[state] and (not moves[state] or rng.random() < 0.12):
+                documents.add(bytes(out))
+                break
+            state, leading = rng.choice(moves[state])
+            out.append(rng.choice(leading))
+    return documents
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_document_the_automaton_accepts_validates(json_regex, name):
+    schema, _, _ = SCHEMAS[name]
+    dfa = json_regex.compile_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    documents = walks(dfa, 400, seed=len(name))
+    assert documents, f"{name}: no random walk reached an accepting state"
+    for text in documents:
+        try:
+            document = json.loads(text)
+        except (ValueError, UnicodeDecodeError):
+            pytest.fail(f"{name}: the automaton accepts {text!r}, which is not JSON")
+        errors = [error.message for error in validator.iter_errors(document)]
+        assert not errors, f"{name}: the automaton accepts {text!r}, which the schema refuses: {errors[0]}"
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_valid_instances_are_accepted_as_encoders_write_them(json_regex, name):
+    schema, valid, invalid = SCHEMAS[name]
+    dfa = json_regex.compile_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    for instance in valid:
+        assert validator.is_valid(instance), f"table error: {instance!r} is not valid for {name}"
+        for text in (json.dumps(instance), json.dumps(instance, ensure_ascii=False),
+                     json.dumps(instance, separators=(",", ":"), ensure_ascii=False)):
+            assert dfa.fullmatch(text.encode("utf-8")), f"{name}: the automaton refuses {text}, which is valid"
+    for instance in invalid:
+        assert not validator.is_valid(instance), f"table error: {instance!r} is valid for {name}"
+        for text in (json.dumps(instance), json.dumps(instance, separators=(",", ":"))):
+            assert not dfa.fullmatch(text.encode("utf-8")), f"{name}: the automaton accepts {text}, which is invalid"
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"not": {"type": "null"}}, "'not'"),
+    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}, r"\$\.properties\.a.*local"),
+    ({"$ref": "#/$defs/missing"}, "points at nothing"),
+    ({"type": "object", "properties": {}, "required": ["a"]}, "'a'"),
+    ({"type": "date"}, "'date'"),
+    ({"type": "string", "format": "hostname"}, "hostname"),
+    ({"type": "number", "minimum": 0.5}, "minimum"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "overlap"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "disagrees"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"),
+    ({"type": "string", "enum": [1]}, "no string"),
+    ({"type": {}}, "type must be"),
+    ({"type": [{}]}, "type must be"),
+    ({"type": "object", "properties": {}, "required": 5}, "required must be a list"),
+    ({"type": "object", "properties": {"a": {"type": "null"}}, "required": [["a"]]}, "required must be a list"),
+    ([1], "a schema is an object"),
+    ({"type": "string", "format": {}}, "format"),
+    ({"const": json.loads("[" * 300 + "]" * 300)}, "MAX_JSON_DEPTH"),
+    ("[" * 5000 + "]" * 5000, "MAX_JSON_DEPTH"),
+    ("{not json", "JSON"),
+])
+def test_what_stays_out_is_refused_by_name(json_regex, schema, words):
+    with pytest.raises(ValueError, match=words):
+        json_regex.compile_schema(schema)
+
+
+def nested_arrays(levels):
+    schema = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_nesting_grows_the_automaton_linearly(json_regex):
+    sizes = [json_regex.compile_schema(nested_arrays(levels)).num_states for levels in (4, 8, 16)]
+    assert sizes[2] - sizes[1] == 2 * (sizes[1] - sizes[0]), (
+        f"nested arrays must add the same number of states per level (each level's items are built "
+        f"once), got {sizes} for 4, 8 and 16 levels")
+
+
+@pytest.mark.parametrize("kind, source, words", [
+    ("regex", ".{1000}", "MAX_NFA_STATES"),
+    ("regex", "(?:(?:a{100}){100})", "MAX_NFA_STATES"),
+    ("regex", "(" * 500, "MAX_NESTING"),
+    ("regex", "(?:" * 400 + "a" + ")" * 400, "MAX_NESTING"),
+    ("json", nested_arrays(80), "MAX_NESTING"),
+    ("json", {"type": "array", "items": {"type": "string", "maxLength": 900}, "maxItems": 900}, "MAX_NFA_STATES"),
+])
+def test_limits_are_refused_quickly_by_name(json_regex, rx, kind, source, words):
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=words):
+        rx.compile_regex(source) if kind == "regex" else json_regex.compile_schema(source)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 2.0, f"refusing {kind} {str(source)[:40]} took {elapsed:.1f} s: the limit must stop it early"
+
+
+# --- the JSON-Schema-Test-Suite's draft 2020-12 cases (vendored, MIT licence beside them) --------
+
+SUITE = pathlib.Path(__file__).parent / "data" / "json-schema-test-suite" / "draft2020-12"
+# file -> (schemas compiled, valid instances accepted) when this test was written: the
+# compiler must not fall below them. Every invalid instance must always be refused.
+SUITE_REACHED = {
+    "additionalProperties": (4, 4), "allOf": (8, 6), "anyOf": (6, 9), "boolean_schema": (1, 9), "const": (17, 21),
+    "default": (2, 4), "enum": (14, 22), "exclusiveMaximum": (1, 1), "exclusiveMinimum": (1, 1), "items": (8, 14),
+    "maxItems": (1, 3), "maxLength": (1, 4), "maxProperties": (0, 0), "maximum": (2, 4), "minItems": (1, 3),
+    "minLength": (1, 3), "minProperties": (0, 0), "minimum": (2, 6), "oneOf": (1, 1), "pattern": (2, 8),
+    "prefixItems": (4, 9), "properties": (5, 11), "ref": (14, 15), "required": (3, 8), "type": (11, 21),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SUITE_REACHED))
+def test_the_test_suite_is_never_accepted_wrong(json_regex, name):
+    compiled = accepted = 0
+    for group in json.loads((SUITE / f"{name}.json").read_text(encoding="utf-8")):
+        try:
+            dfa = json_regex.compile_schema(group["schema"])
+        except ValueError:
+            continue
+        compiled += 1
+        for case in group["tests"]:
+            texts = (json.dumps(case["data"]), json.dumps(case["data"], separators=(",", ":"), ensure_ascii=False))
+            spelled = [text for text in texts if dfa.fullmatch(text.encode("utf-8"))]
+            assert case["valid"] or not spelled, (
+                f"{name}.json, {group['description']}: the automaton accepts {spelled[0]}, which the suite says "
+                f"is invalid ({case['description']})")
+            accepted += bool(spelled) and case["valid"]
+    assert compiled >= SUITE_REACHED[name][0] and accepted >= SUITE_REACHED[name][1], (
+        f"{name}.json: {compiled} schemas compiled and {accepted} valid instances accepted, fewer than the "
+        f"{SUITE_REACHED[name]} reached before")
