@@ -32,7 +32,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from ..regex_dfa import compile_regex
 from ..serve.request import SamplingParams
 from .loop import ACCEPTED, AdmissionControl, Delivery, EngineLoop, QueueFull, Submission
 from .page import CHAT_PAGE
@@ -343,14 +342,15 @@ def merge_answers(answers: list[dict[str, Any]], response_id: str) -> dict[str, 
 
 
 def check_guide(engine: EngineCore, params: SamplingParams, field: str) -> None:
-    """Compile the request's guide once, here, off the engine thread: a schema or pattern
-    that cannot be compiled (whatever the compiler raises) is the client's 400, naming the
-    field, and never reaches the engine loop. The engine compiles it again when it admits
-    the request (EngineCore.add_request takes no prebuilt guide)."""
+    """Compile the request's guide here, off the engine thread (the caller runs this in a
+    worker): a schema or pattern that cannot be compiled (whatever the compiler raises) is
+    the client's 400, naming the field, and never reaches the engine loop. The compiled
+    index lands in the engine's shared GuideFactory cache, so admitting the request on the
+    engine thread finds it there and compiles nothing."""
     if engine.guides is None or (params.guided_regex is None and params.guided_json is None):
         return                             # the engine refuses these itself, with a ValueError
     try:
-        compile_regex(engine.guides.pattern_of(params))
+        engine.guides.prepare(params)
     except NotImplementedError:            # a learner's unwritten compiler: the engine says so itself
         return
     except Exception as exc:               # RecursionError, TypeError, ...: all are about this input

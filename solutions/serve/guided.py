@@ -17,6 +17,7 @@ change nothing and could be drawn forever.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
@@ -214,13 +215,19 @@ class GuideFactory:
     every request that uses it, so a state's mask is computed once per (pattern,
     vocabulary). The `max_patterns` most recently used are kept. Compiling is bounded by
     regex_dfa's stated limits (MAX_NFA_STATES, MAX_DFA_STATES, MAX_REPEAT, MAX_NESTING): a
-    pattern or schema over them is refused with a ValueError naming the limit."""
+    pattern or schema over them is refused with a ValueError naming the limit.
+
+    A server calls `prepare(params)` from a worker thread before it hands the request to the
+    engine loop, so the compile (up to a second for a large schema) never stalls the other
+    requests' steps: the engine's own call then finds the index cached. The cache is shared
+    by those threads under a lock that is never held while compiling."""
 
     def __init__(self, vocab_bytes: Sequence[bytes], eos_token_id: int | None, vocab_size: int,
                  max_patterns: int = 64) -> None:
         self.vocabulary = Vocabulary(vocab_bytes, eos_token_id, vocab_size)
         self.max_patterns = max_patterns
         self.indexes: OrderedDict[tuple[str, str], TokenIndex] = OrderedDict()
+        self.lock = threading.Lock()
 
     def key_of(self, params: SamplingParams) -> tuple[str, str]:
         """("regex", the pattern) or ("json", the schema's JSON text) of a request
@@ -241,14 +248,28 @@ class GuideFactory:
         """The shared TokenIndex of a pattern (kind "regex") or a schema's JSON text (kind
         "json"), compiled on first use."""
         key = (kind, text)
-        index = self.indexes.get(key)
-        if index is None:
+        with self.lock:
+            index = self.indexes.get(key)
+        if index is None:                   # compiled outside the lock: another thread may look up meanwhile
             dfa = compile_regex(text) if kind == "regex" else compile_schema(text)
-            index = self.indexes[key] = TokenIndex(dfa, self.vocabulary)
+            index = TokenIndex(dfa, self.vocabulary)
+        with self.lock:
+            self.indexes[key] = index
+            self.indexes.move_to_end(key)
             if len(self.indexes) > self.max_patterns:
                 self.indexes.popitem(last=False)
-        self.indexes.move_to_end(key)
         return index
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Build what the guide of `params` needs (its TokenIndex, or the pushdown guide's
+        shared masks) into the shared cache, so that the guide the engine later makes for
+        it compiles nothing. Raises what compiling raises: ValueError for a pattern or
+        schema that is refused."""
+        if params.guided_json == JSON_OBJECT:
+            assert self.free_json is not None      # made (and cached) by reading it
+            return
+        kind, text = self.key_of(params)
+        self.index_for(text, kind)
 
     @cached_property
     def free_json(self) -> JsonStackIndex:
