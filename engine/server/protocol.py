@@ -314,7 +314,8 @@ def _shown(value: object, width: int = 80) -> str:
 
 def _guided(body: dict[str, Any], limits: Limits) -> tuple[str | None, Any]:
     """(guided_regex, guided_json) for Chapter 35's guides, from OpenAI's response_format
-    ({"type": "json_schema", "json_schema": {"schema": {...}}} or {"type": "text"}) or from
+    ({"type": "json_schema", "json_schema": {"schema": {...}}}, {"type": "json_object"}, which
+    becomes guided_json {"type": "json_object"}, or {"type": "text"}) or from
     vLLM's own fields guided_regex (a pattern) and guided_json (a schema, or its JSON text).
     Whether a pattern or schema can be compiled is the engine's check (a 400 all the same)."""
     regex, schema = body.get("guided_regex"), body.get("guided_json")
@@ -338,11 +339,12 @@ def _guided(body: dict[str, Any], limits: Limits) -> tuple[str | None, Any]:
             if schema is not None:
                 raise bad("response_format", "give the schema once: response_format or guided_json, not both")
             schema = inner["schema"]
-        elif kind == "json_object":
-            raise bad("response_format", 'response_format {"type": "json_object"} (any JSON) needs a grammar that '
-                                         'nests without limit; give a json_schema instead', code="unsupported_field")
+        elif kind == "json_object":          # any JSON object: Chapter 35's pushdown guide
+            if schema is not None:
+                raise bad("response_format", "give the schema once: response_format or guided_json, not both")
+            schema = {"type": "json_object"}
         elif kind != "text":
-            raise bad("response_format", f'response_format type must be "text" or "json_schema", '
+            raise bad("response_format", f'response_format type must be "text", "json_schema" or "json_object", '
                                          f"got {_shown(wanted)}")
     if regex is not None and schema is not None:
         raise bad("guided_regex", "a request is guided by a regular expression or a JSON schema, not both")
