@@ -27,7 +27,10 @@ engines also TTFT/TPOT percentiles, with Chapter 22's replay), then one summary 
 workload with the ratios, and with --profile the share of a core step spent in each part.
 Outputs are compared request by request with the first contender's: a difference is
 reported in its line and makes the command exit with status 2. --plot FILE draws the
-throughput and latency bars.
+throughput and latency bars. On CUDA with the triton backend, a last line times Chapter 32's
+paged-attention kernel alone on a decode step (64 requests of 2,048 tokens, one layer of the
+workload's heads): the bytes it reads and writes per second, and their share of the device's
+datasheet bandwidth (4.8 TB/s on an H200).
 """
 import json
 
@@ -130,6 +133,11 @@ def run(args):
         if args.profile:
             for backend in backends:
                 print(json.dumps(_profile(impl, bench, workload, backend, device)), flush=True)
+    if device.type == "cuda" and "triton" in backends:
+        # The kernel alone on one decode step of the first workload's shape: its share of the
+        # device's memory bandwidth says how far the engine's attention is from the hardware.
+        heads_of = next((w.shape for w in workloads if "num_attention_heads" in w.shape), bench.SERVING_SHAPE)
+        print(json.dumps(bench.kernel_bandwidth(impl, device, heads_of)), flush=True)
     if args.plot:
         bench.plot(lines, args.plot)
     if problems:
