@@ -396,6 +396,57 @@ def profile_shares(spent: dict) -> dict:
     return {part: round(100 * parts[part] / total, 1) for part in PROFILE_PARTS}
 
 
+# --- the Triton kernel's memory bandwidth ---------------------------------------------------------
+
+def kernel_bandwidth(impl, device: torch.device, shape: dict, requests: int = 64, context: int = 2048,
+                     block_size: int = 16, rounds: int = 20) -> dict:
+    """Time one launch of Chapter 32's paged_attention on a decode step of `requests`
+    requests with `context` tokens each, with one layer of `shape`'s heads; return the
+    bytes it must read (every context's keys and values, the queries) and write (the
+    output) over its median time, beside the device's datasheet bandwidth when known
+    (solutions' cost.GPUS). A decode step reads each key and value once, so a memory-bound
+    kernel's speed is exactly this share of the peak."""
+    kernels, batch = impl.load("paged_kernels"), impl.load("serve.batch")
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    dim = shape.get("head_dim") or shape["hidden_size"] // heads
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    per_request = -(-context // block_size)
+    generator = torch.Generator().manual_seed(0)
+    tables = torch.randperm(requests * per_request, generator=generator).view(requests, per_request)
+    pools = [torch.randn(requests * per_request + 1, block_size, kv_heads, dim, generator=generator).to(device, dtype)
+             for _ in "kv"]
+    q = torch.randn(requests, heads, dim, generator=generator).to(device, dtype)
+    starts, lengths = list(range(requests + 1)), [context] * requests
+    slots = [int(tables[r, (context - 1) // block_size]) * block_size + (context - 1) % block_size
+             for r in range(requests)]
+    meta = batch.BatchMeta(query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                           seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+                           block_table=tables.to(device=device, dtype=torch.int32),
+                           slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
+                           query_start_loc_cpu=starts, seq_lens_cpu=lengths, max_query_len=1, max_seq_len=context)
+    tiles = kernels.tile_tensors(meta, 16, device)
+    seconds = []
+    for round_ in range(rounds + 3):                # three warm-up launches (the first compiles)
+        _sync(device)
+        start = time.perf_counter()
+        kernels.paged_attention(q, pools[0], pools[1], meta, tiles=tiles)
+        _sync(device)
+        if round_ >= 3:
+            seconds.append(time.perf_counter() - start)
+    median = sorted(seconds)[len(seconds) // 2]
+    moved = (2 * requests * context * kv_heads + 2 * requests * heads) * dim * q.element_size()
+    line = {"kernel": "paged_attention (Chapter 32, Triton)", "requests": requests, "context": context,
+            "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "dtype": str(dtype).removeprefix("torch."),
+            "bytes_moved": moved, "median_us": round(median * 1e6, 1), "achieved_GB_s": round(moved / median / 1e9, 1)}
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        known = [hw for key, hw in impl.load("cost").GPUS.items() if key.split("-")[0] in name]
+        if known:
+            line.update(datasheet=known[0].name, datasheet_GB_s=round(known[0].bandwidth / 1e9),
+                        share_of_datasheet=round(moved / median / known[0].bandwidth, 3))
+    return line
+
+
 # --- the plot ----------------------------------------------------------------------------------
 
 def plot(lines: list, path):

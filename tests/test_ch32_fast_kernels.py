@@ -324,7 +324,8 @@ def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
     from course import cli
     picture = tmp_path / "bench.png"
     status = cli.main(["bench", "--impl", impl.spec.text, "--device", str(device), "--workloads", "seed",
-                       "--scale", "0.15", "--vocab-size", "320", "--repeat", "1", "--profile", "--quiet",
+                       "--scale", "0.15", "--vocab-size", "320", "--backends", "reference,vectorised", "--repeat", "1",
+                       "--profile", "--quiet",
                        "--plot", str(picture)])
     out, err = capsys.readouterr()
     assert status == 0, f"run.py bench failed:\n{out}{err}"

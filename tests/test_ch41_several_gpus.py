@@ -324,3 +324,44 @@ def test_run_py_core_tp2(impl, device, capsys, request):
     assert engines["ch31 core, ample pool"]["steps"] == engines["ch31 core, ample pool, tp=2"]["steps"], \
         "the split engine ran a different schedule from the single-process one"
     assert lines[-1]["outputs_identical"] is True
+
+
+def test_torchrun_starts_the_ranks_and_they_match_one_process(impl, tmp_path):
+    """Past one machine, PyTorch's launcher starts the ranks: `torchrun --standalone
+    --nproc-per-node 2 run.py core --tp 2` (gloo on the CPU) joins them through torchrun's
+    environment (env://) and serves the core's workload with the same schedule and the
+    same tokens as one process (the command compares, token for token)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(root / "run.py"), "core", "--tp", "2", "--impl", impl.spec.text, "--device", "cpu",
+               "--requests", "3", "--repeat", "1", "--vocab-size", "320"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, f"torchrun ... run.py core --tp 2 failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    engines = {line["engine"]: line for line in lines if "engine" in line}
+    want = ["ch31 core, ample pool", "ch31 core, ample pool, tp=2", "ch31 core, 24-block pool, tp=2"]
+    assert list(engines) == want, f"rank 0 alone prints the one-process line and the two split ones: {list(engines)}"
+    assert engines["ch31 core, ample pool"]["steps"] == engines["ch31 core, ample pool, tp=2"]["steps"], \
+        "the ranks torchrun started ran a different schedule from the single-process engine"
+    assert lines[-1]["outputs_identical"] is True, "the ranks' tokens differ from one process's"
+
+
+def test_half_a_torchrun_environment_is_refused(impl, monkeypatch):
+    """A process with RANK but not the rest of torchrun's variables was not started by
+    torchrun: the launcher says which are missing instead of waiting at a rendezvous."""
+    launch = impl.load("parallel.launch")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.torchrun_rank() is None, "no torchrun variables: not started by torchrun"
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR"):
+        launch.torchrun_rank()

@@ -8,6 +8,11 @@ NCCL and cuda:<rank> on GPUs. Every rank loads the model, keeps its shard
 the same deterministic scheduler. Rank 0 reports; the parent then runs the
 single-process core on the same workload and prints its line too, and the summary says
 whether every output is identical.
+
+Under torchrun (`torchrun --nproc-per-node 2 run.py core --tp 2`, or --nnodes N with a
+rendezvous host for several machines) the processes already exist: each one is a rank,
+joins the group through torchrun's environment (env://), and rank 0 runs the
+single-process core itself and prints everything; --tp must equal torchrun's world size.
 """
 from __future__ import annotations
 
@@ -44,8 +49,8 @@ def _serve(impl: Any, model: Any, args: Any, suffix: str, device: Any) -> tuple[
     return [c.line() for c in contenders], [c.fastest()[2] for c in contenders]
 
 
-def core_rank(rank: int, world: int, port: int, args: Any, out_dir: str) -> None:
-    """One rank of `run.py core --tp`: its shard, the workload, rank 0 writes the result."""
+def _tp_lines(rank: int, world: int, port: int | None, args: Any) -> tuple[list[dict], list[dict]]:
+    """Join the group (port None: through torchrun's environment), shard, serve."""
     from course.commands._setup import load_model
     from course.impl import load
     from course.models import QWEN3_VOCAB_SIZE
@@ -53,23 +58,60 @@ def core_rank(rank: int, world: int, port: int, args: Any, out_dir: str) -> None
     device = impl.load("parallel.launch").init_group(rank, world, port, resolve_device(args.device), timeout_s=60)
     vocab_size = QWEN3_VOCAB_SIZE if args.vocab_size is None and args.model is None else args.vocab_size
     model = impl.load("parallel.tp").shard_model(load_model(impl, device, args.model, vocab_size), rank, world)
-    lines, outputs = _serve(impl, model, args, f", tp={world}", device)
+    return _serve(impl, model, args, f", tp={world}", device)
+
+
+def core_rank(rank: int, world: int, port: int, args: Any, out_dir: str) -> None:
+    """One rank of `run.py core --tp` started by `launch`: rank 0 writes the result."""
+    lines, outputs = _tp_lines(rank, world, port, args)
     if rank == 0:
         Path(out_dir, "result.json").write_text(json.dumps({"lines": lines, "outputs": outputs}))
 
 
 def run_tensor_parallel(args: Any) -> int:
-    from course.commands._setup import load_model, set_threads
     from course.impl import load
-    from course.models import QWEN3_VOCAB_SIZE
     impl = load(args.impl)
     launch = impl.load("parallel.launch")
+    try:
+        started_by_torchrun = launch.torchrun_rank()
+    except RuntimeError as exc:
+        raise CommandError(str(exc)) from None
+    if started_by_torchrun is not None:
+        return _run_under_torchrun(impl, args, *started_by_torchrun)
     with tempfile.TemporaryDirectory(prefix="core-tp-") as out_dir:
         try:
             launch.launch(core_rank, args.tp, args, out_dir, timeout_s=args.tp_timeout)
         except launch.RankFailure as exc:
             raise CommandError(f"tensor-parallel run failed: {exc}") from None
         result = json.loads(Path(out_dir, "result.json").read_text())
+    return _compare_with_one_process(impl, args, result)
+
+
+def _run_under_torchrun(impl: Any, args: Any, rank: int, world: int) -> int:
+    """This process is one of torchrun's ranks: serve our shard; rank 0 then compares with
+    the single-process core and prints, the others print nothing."""
+    import torch.distributed as dist
+
+    from course.commands._setup import set_threads
+    if world != args.tp:
+        raise CommandError(f"--tp {args.tp} but torchrun started {world} ranks (--nnodes x --nproc-per-node): "
+                           f"they must be equal")
+    set_threads(resolve_device(args.device), args.threads)
+    try:
+        lines, outputs = _tp_lines(rank, world, None, args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    return _compare_with_one_process(impl, args, {"lines": lines, "outputs": outputs})
+
+
+def _compare_with_one_process(impl: Any, args: Any, result: dict) -> int:
+    """Serve the same workload with the single-process core, print its line beside the
+    ranks', and fail when any output token differs."""
+    from course.commands._setup import load_model, set_threads
+    from course.models import QWEN3_VOCAB_SIZE
     device = resolve_device(args.device)
     set_threads(device, args.threads)
     vocab_size = QWEN3_VOCAB_SIZE if args.vocab_size is None and args.model is None else args.vocab_size

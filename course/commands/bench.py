@@ -27,7 +27,10 @@ engines also TTFT/TPOT percentiles, with Chapter 22's replay), then one summary 
 workload with the ratios, and with --profile the share of a core step spent in each part.
 Outputs are compared request by request with the first contender's: a difference is
 reported in its line and makes the command exit with status 2. --plot FILE draws the
-throughput and latency bars.
+throughput and latency bars. On CUDA with the triton backend, a last line times Chapter 32's
+paged-attention kernel alone on a decode step (64 requests of 2,048 tokens, one layer of the
+workload's heads): the bytes it reads and writes per second, and their share of the device's
+datasheet bandwidth (4.8 TB/s on an H200).
 """
 import json
 
@@ -47,8 +50,8 @@ def add_arguments(parser):
     parser.add_argument("--workloads", default="seed,serving",
                         help=f"comma-separated, from {', '.join(WORKLOADS)} (default: seed,serving)")
     parser.add_argument("--backends", default=None,
-                        help="attention backends of the core, comma-separated (default: reference,vectorised; "
-                             "plus triton on CUDA)")
+                        help="attention backends of the core, comma-separated (default: the fastest measured: "
+                             "vectorised on a CPU, triton then vectorised on CUDA; add reference to see the loop)")
     parser.add_argument("--vocab-size", type=int, default=QWEN3_VOCAB_SIZE,
                         help=f"vocabulary of the seed workload's tiny model (default {QWEN3_VOCAB_SIZE:,}; "
                              f"{TINY_VOCAB_SIZE} shows the overhead-bound regime)")
@@ -83,8 +86,10 @@ def run(args):
         raise CommandError("--repeat must be at least 1, --scale and --rate positive")
     if args.vocab_size < TINY_VOCAB_SIZE:
         raise CommandError(f"--vocab-size must be at least {TINY_VOCAB_SIZE} (bytes and special ids)")
+    # The default is the fastest backend measured on each kind of device (Chapter 32's "Run
+    # it": the vectorised one beats the reference loop on every workload on a CPU).
     backends = (args.backends.split(",") if args.backends else
-                ["reference", "vectorised"] + (["triton"] if device.type == "cuda" else []))
+                ["triton", "vectorised"] if device.type == "cuda" else ["vectorised"])
     shape = bench.QWEN3_0_6B_SHAPE if args.config == "qwen3-0.6b" else None
     try:
         workloads = bench.make_workloads(impl, names, args.scale, args.vocab_size, args.rate, shape)
@@ -130,6 +135,11 @@ def run(args):
         if args.profile:
             for backend in backends:
                 print(json.dumps(_profile(impl, bench, workload, backend, device)), flush=True)
+    if device.type == "cuda" and "triton" in backends:
+        # The kernel alone on one decode step of the first workload's shape: its share of the
+        # device's memory bandwidth says how far the engine's attention is from the hardware.
+        heads_of = next((w.shape for w in workloads if "num_attention_heads" in w.shape), bench.SERVING_SHAPE)
+        print(json.dumps(bench.kernel_bandwidth(impl, device, heads_of)), flush=True)
     if args.plot:
         bench.plot(lines, args.plot)
     if problems:

@@ -24,8 +24,11 @@ three. By default torch uses one thread on a CPU (--threads), for steadier timin
 
 --tp N (Chapter 41) splits the core's model over N processes by tensor parallelism and
 prints the single-process core's line beside the split ones (course/commands/_tensor_parallel_core.py).
+Started by torchrun, the ranks are torchrun's processes, possibly on several machines:
+`torchrun --standalone --nproc-per-node 2 run.py core --tp 2`.
 """
 import json
+import os
 import time
 from typing import Any
 
@@ -132,7 +135,7 @@ def run(args):
     set_threads(device, args.threads)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
-    if args.tp > 1:                            # Chapter 41: the core's model split over processes
+    if args.tp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:   # Chapter 41: split over processes
         from course.commands._tensor_parallel_core import run_tensor_parallel
         return run_tensor_parallel(args)
 

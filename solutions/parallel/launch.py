@@ -6,6 +6,12 @@ the ranks, waits for them with a deadline, gives the survivors of a failed rank 
 seconds to notice on their own, then kills whatever is left and reports which rank failed
 and why. A distributed program that hangs is worse than one that crashes: the crash says
 where it broke.
+
+`launch` starts every rank on this host. Past one machine, PyTorch's own launcher starts
+them instead (`torchrun --nnodes N --nproc-per-node M ...`, one torchrun per node): it sets
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in each process, `torchrun_rank`
+reads them, and `init_group(..., port=None)` meets the others through them (the env://
+rendezvous) instead of a port on 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -44,16 +50,38 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def init_group(rank: int, world_size: int, port: int, device: torch.device | str = "cpu",
+# What torchrun (torch.distributed.run) puts in every rank's environment.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world_size) when this process was started by torchrun, else None. A process
+    with some of torchrun's variables but not all was started by hand half-way: an error."""
+    present = [name for name in TORCHRUN_VARIABLES if name in os.environ]
+    if not present:
+        return None
+    if len(present) < len(TORCHRUN_VARIABLES):
+        missing = sorted(set(TORCHRUN_VARIABLES) - set(present))
+        raise RuntimeError(f"the environment has {', '.join(present)} but not {', '.join(missing)}: "
+                           f"start the ranks with torchrun, which sets all of {', '.join(TORCHRUN_VARIABLES)}")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def init_group(rank: int, world_size: int, port: int | None, device: torch.device | str = "cpu",
                timeout_s: float = 30.0) -> torch.device:
-    """Join the process group of `world_size` ranks meeting at 127.0.0.1:port; returns this
-    rank's device (cuda:<rank> on GPUs). Every collective then fails after timeout_s instead
-    of waiting forever for a peer that will never come."""
+    """Join the process group of `world_size` ranks; returns this rank's device. The ranks
+    meet at 127.0.0.1:port (all on this host, started by `launch`) or, with port None, where
+    torchrun's MASTER_ADDR and MASTER_PORT say (env://: the ranks may be on several hosts).
+    On GPUs a rank takes cuda:<its index on its host> (LOCAL_RANK under torchrun). Every
+    collective then fails after timeout_s instead of waiting forever for a peer that will
+    never come."""
     device = torch.device(device)
     if device.type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+        local_rank = int(os.environ["LOCAL_RANK"]) if port is None else rank
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    meeting_point = "env://" if port is None else f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(backend_for(device), init_method=meeting_point, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     return device
 
