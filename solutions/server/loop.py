@@ -225,12 +225,21 @@ class EngineLoop:
         stops the loop (/health then answers 503 and names it)."""
         logger.error("an engine step failed", exc_info=exc)
         failure = RequestFailed(f"the engine step failed: {type(exc).__name__}: {exc}")
-        for submission in {id(s): s for s in self.routes.values()}.values():
-            self.fail(submission, failure)
+        submissions = list({id(s): s for s in self.routes.values()}.values())
+        for submission in submissions:
+            self.drop(submission, submission.request_id)
         blocks = self.engine.blocks
+        broken = None
         if self.engine.has_unfinished or blocks.num_free != blocks.num_blocks:
-            raise RuntimeError(f"the engine did not recover from a failed step ({blocks.num_free} of "
-                               f"{blocks.num_blocks} blocks free after aborting every request)") from exc
+            broken = RuntimeError(f"the engine did not recover from a failed step ({blocks.num_free} of "
+                                  f"{blocks.num_blocks} blocks free after aborting every request)")
+            broken.__cause__ = exc
+            with self.failing:             # before any client hears of the failure, /health knows
+                self.error = broken
+        for submission in submissions:
+            self.fail(submission, failure)
+        if broken is not None:
+            raise broken
 
     def _run(self) -> None:
         try:
