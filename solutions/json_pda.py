@@ -314,7 +314,7 @@ class JsonIndex:
 
     def mask(self, state: int, stack: list[int]) -> torch.Tensor:
         """bool [vocab_size]: the tokens allowed in `state` over `stack` (cached and shared:
-        never modify it)."""
+        never modify it). ValueError when the vocabulary cannot spell any continuation."""
         room = self.max_depth - len(stack)
         key = (state, tuple(stack[-self.reach:]), min(room, self.max_opens + 1))
         found = self.masks.get(key)
@@ -331,6 +331,8 @@ class JsonIndex:
         found[torch.from_numpy(vocabulary.token_ids[allowed_rows])] = True
         if vocabulary.eos_token_id is not None and self.tables.accepting[state]:
             found[vocabulary.eos_token_id] = True
+        if not bool(found.any()):
+            raise ValueError(f"no token of the vocabulary can continue the JSON text from lexer state {state}")
         self.masks[key] = found
         if len(self.masks) > self.max_masks:
             self.masks.popitem(last=False)
@@ -357,10 +359,7 @@ class JsonGuide:
 
     def allowed(self) -> torch.Tensor:
         """bool [vocab_size]: the tokens that may come next (shared: read, never write)."""
-        mask = self.index.mask(self.state, self.stack)
-        if not self.ended and not bool(mask.any()):
-            raise ValueError(f"no token of the vocabulary can continue the JSON text from lexer state {self.state}")
-        return mask
+        return self.index.mask(self.state, self.stack)
 
     def advance(self, token_id: int) -> None:
         """Move past one accepted token; a refused one raises ValueError naming it and
