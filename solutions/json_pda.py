@@ -129,7 +129,7 @@ def json_tables(object_only: bool = True, max_whitespace: int = 20) -> JsonTable
                 if kind == "after":
                     after_value(here, top)
         for role in ("value", "key"):
-            def part(name: str, role: str = role) -> int:
+            def part(name: str, role: str = role, top: int = top) -> int:
                 return state(("string", role, name), top)
             inside = part("in")
             allow(inside, bytes(b for b in range(0x20, 0x80) if b not in b'"\\'), inside)
@@ -251,7 +251,7 @@ class JsonIndex:
         self.max_opens = max((t.count(b"{") + t.count(b"[") for t in tokens), default=0)
         self.stack_free: dict[int, StackFreeMasks] = {}
         self.masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self.dead_end = (self.tables.next < 0).all(axis=1)
+        self.dead_end = np.asarray((self.tables.next < 0).all(axis=1))   # no byte may follow
 
     def walk_tokens(self, rows: np.ndarray, state: int, stack: list[int] | None) -> tuple[np.ndarray, np.ndarray,
                                                                                            np.ndarray]:

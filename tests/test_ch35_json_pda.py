@@ -91,7 +91,8 @@ def test_every_finished_random_walk_is_json(pda, guided, object_only):
         try:
             value = json.loads(text)
         except ValueError as error:
-            raise AssertionError(f"the guide let a walk finish with {text!r}, which json.loads refuses: {error}")
+            raise AssertionError(f"the guide let a walk finish with {text!r}, "
+                                 f"which json.loads refuses: {error}") from None
         if object_only:
             assert isinstance(value, dict), f"json_object guide finished {text!r}, which is not an object"
     assert finished > 300, f"only {finished} of 1500 walks finished: the guide should let JSON close"
