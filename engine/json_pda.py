@@ -25,11 +25,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .serve.guided import Vocabulary
+if TYPE_CHECKING:        # only a type here, so serve/guided.py may import this module
+    from .serve.guided import Vocabulary
 
 NONE, OBJECT, ARRAY, UNKNOWN = 0, 1, 2, 3        # container kinds (UNKNOWN: below what a walk knows)
 KEEP, PUSH, POP = 0, 1, 2                          # what a byte does to the stack
