@@ -528,55 +528,11 @@ def test_engine_state_machine_with_guided_requests(serve, tiny_model, request):
         request, 40, 40, stress_examples=1000, stress_steps=80))
 
 
-# --- the pushdown guide for free-form JSON (json_stack.py) ----------------------------------------
-
-@pytest.fixture
-def json_stack(impl):
-    return impl.load("serve.json_stack")
-
-
-def open_containers(text):
-    """The oracle of a stack's depth: brackets counted outside strings, by a scanner of its own."""
-    depth, in_string, escaped = 0, False, False
-    depths = []
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        depths.extend([depth] * len(char.encode("utf-8")))
-    return depths
-
+# --- json_object through the factory: Chapter 35's pushdown guide (json_pda.py; its own
+# milestone, tests/test_ch35_json_pda.py, checks the recogniser and the masks) ----------------
 
 DOCUMENTS = [{}, {"a": [1, {"b": "[x]{"}], "c": None}, {"x": [[[]], {}], "y": "é\"\\", "z": -1.5e3},
              {"deep": [[[[{"k": [True, False]}]]]]}]
-
-
-def test_the_stack_step_opens_and_closes_containers(guided, json_stack):
-    index = json_stack.JsonStackIndex(guided.Vocabulary([bytes([i]) for i in range(256)], None, 256))
-    for document in DOCUMENTS:
-        for text in (json.dumps(document), json.dumps(document, ensure_ascii=False, separators=(",", ":"))):
-            stack = [(json_stack.OBJECT, index.automata[json_stack.OBJECT].start)]
-            for position, (byte, depth) in enumerate(zip(text.encode("utf-8"), open_containers(text))):
-                given, snapshot = stack, list(stack)
-                stack = index.step(given, byte)
-                assert given == snapshot, "step must return a new stack and leave the one it is given as it was"
-                assert stack is not None, f"step refused byte {bytes([byte])!r} at {position} of {text}, valid JSON"
-                assert len(stack) == depth, (
-                    f"after {text.encode()[:position + 1]!r} there are {depth} open containers (brackets outside "
-                    f"strings), the stack has {len(stack)} frames")
-    stack = [(json_stack.OBJECT, index.automata[json_stack.OBJECT].start)]
-    for bad in (b"]", b"\x01", b"{]", b'{"a":}', b'{"a":1]'):
-        assert index.walk(stack, bad) is None, f"{bad!r} starts no JSON object, step must refuse it (None)"
 
 
 def test_the_stack_guide_writes_only_json_objects(guided):
@@ -611,17 +567,18 @@ def test_the_stack_guide_writes_only_json_objects(guided):
         assert guide.finished, f"{json.dumps(document)} is one complete object: its last byte ends the guide"
 
 
-def test_the_stack_guide_refuses_by_rule(guided, json_stack):
+def test_the_stack_guide_refuses_by_rule(guided, impl):
     vocab = [bytes([i]) for i in range(256)] + [b""]
     eos = 256
     factory = guided.GuideFactory(vocab, eos, len(vocab))
     guide = factory(params_for(guided, guided_json={"type": "json_object"}))
-    for byte in b'{"a":' + b"[" * (json_stack.MAX_DEPTH - 1):
+    max_depth = guide.index.max_depth
+    for byte in b'{"a":' + b"[" * (max_depth - 1):
         guide.advance(byte)
-    assert not guide.allowed()[ord("[")], f"{json_stack.MAX_DEPTH} containers are open: MAX_DEPTH allows no more"
+    assert not guide.allowed()[ord("[")], f"{max_depth} containers are open: max_depth allows no more"
     with pytest.raises(ValueError, match=str(ord("["))):
         guide.advance(ord("["))
-        pytest.fail(f"advance accepted a container past MAX_DEPTH={json_stack.MAX_DEPTH}")
+        pytest.fail(f"advance accepted a container past max_depth={max_depth}")
     with pytest.raises(ValueError, match="EOS"):
         guide.advance(eos)
         pytest.fail("advance accepted EOS inside open containers: EOS needs one complete JSON value")

@@ -6,7 +6,7 @@
     RegexGuide     one request's position in its pattern (serve.interfaces.Guide)
     GuideFactory   SamplingParams.guided_regex / guided_json -> a RegexGuide; compiles each
                    pattern or schema once and shares its TokenIndex between requests;
-                   guided_json {"type": "json_object"} -> a pushdown JsonStackGuide
+                   guided_json {"type": "json_object"} -> a pushdown json_pda.JsonGuide
 
 A token is allowed in a DFA state when reading all of its bytes from there leaves the DFA
 in a live state (one from which a match can still be completed: compile_regex trims the
@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..json_pda import JsonGuide, JsonIndex
 from ..json_regex import compile_schema
 from ..regex_dfa import DFA, compile_regex
-from .json_stack import OBJECT, JsonStackGuide, JsonStackIndex
 from .request import SamplingParams
 
 # OpenAI's response_format for "any JSON object", accepted as guided_json: not a schema, and
-# not a regular language, so it gets the pushdown guide of json_stack.py.
+# not a regular language, so it gets the pushdown guide of json_pda.py.
 JSON_OBJECT = {"type": "json_object"}
 
 
@@ -272,12 +272,12 @@ class GuideFactory:
         self.index_for(text, kind)
 
     @cached_property
-    def free_json(self) -> JsonStackIndex:
+    def free_json(self) -> JsonIndex:
         """The pushdown guides' shared masks (made on the first json_object request)."""
-        return JsonStackIndex(self.vocabulary)
+        return JsonIndex(self.vocabulary)
 
-    def __call__(self, params: SamplingParams) -> RegexGuide | JsonStackGuide:
+    def __call__(self, params: SamplingParams) -> RegexGuide | JsonGuide:
         if params.guided_json == JSON_OBJECT:
-            return JsonStackGuide(self.free_json, OBJECT)
+            return JsonGuide(self.free_json)
         kind, text = self.key_of(params)
         return RegexGuide(self.index_for(text, kind))
