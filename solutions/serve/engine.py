@@ -469,9 +469,9 @@ class EngineCore:
 
         Outputs follow plan order. hooks is self.update_hooks, the seam through which Chapters
         33 and 37 change how tokens land: call its methods, never inline Chapter 31's bodies.
-        Every (request, n) of plan.scheduled is advanced by hooks.advance(self, request, n) (Chapter 31's:
-        num_computed_tokens grows by n), except one already finished (aborted while its step
-        ran), which is skipped entirely. Each advanced request ends in exactly one state:
+        Every (request, n) of plan.scheduled is advanced by hooks.advance(self, request, n)
+        (Chapter 31's: num_computed_tokens grows by n), except one already finished (aborted
+        while its step ran), which is skipped entirely. Each advanced request ends in exactly one state:
           - failed (in sampled.failed, or hooks.commit raised): finished alone, as aborted,
             its output carrying the error with sampled.doing or hooks.doing
             (self._abort_with_error);
