@@ -207,8 +207,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     - rank = 1 + the number of tokens with a STRICTLY greater logprob (ties share a rank);
     - top_token_ids / top_logprobs: the row's num_top[p] most likely tokens, most likely
       first.
-    Vectorised over rows (one log_softmax, one topk of the largest num_top); read the
-    results back to the host in as few transfers as possible.
+    Cost: a fixed number of device operations and device-to-host transfers, whatever P is
+    (nothing done per row on the device, no per-row .item()).
     """
     raise NotImplementedError("Your engine: Chapter 34: token_logprobs")
 

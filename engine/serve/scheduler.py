@@ -153,22 +153,21 @@ class Scheduler:
         pairs for the runner. Invariants of the plan:
           - sum of n <= config.max_num_batched_tokens; each n <= self._chunk's cap; no more than
             config.max_num_seqs requests run;
-          - every scheduled request holds blocks for num_computed_tokens + n tokens
-            (blocks.allocate_slots) and has them published at once (blocks.cache_full_blocks(
-            request, computed + n)), so a request admitted later in the same step can adopt them;
+          - every scheduled request holds blocks for num_computed_tokens + n tokens, and the
+            full ones among them are published before schedule returns (before the forward
+            pass writes them), so a request admitted later in the same step can adopt them;
           - running requests are served in order (sorted by (priority, arrival_time) under policy
             "priority"); one that already has params.max_tokens output tokens gets no row (its
             last token may still be a placeholder, Chapter 33). When blocks run short, the LAST
-            running request is preempted (self._preempt), repeatedly, and if that is the request
-            being served, the running pass ends;
+            running request is preempted (as _preempt defines), as often as needed; once the
+            request being served is itself the victim, no further running request is served;
           - waiting requests are admitted from the front, never by preempting, and not at all in a
             step that preempted; the first that cannot be admitted stops admission (no skipping);
             a request for which self._adapter_waits(request) holds (Chapter 43) waits before any
             lookup;
-          - a fresh request (no computed tokens) adopts its cached prefix (blocks.
-            find_cached_prefix), which counts as computed; a swapped-out request keeps its tokens,
-            gets fresh blocks, goes to out.swap_in with a copy of its new block list and is no
-            longer swapped_out;
+          - a fresh request (no computed tokens) adopts its longest cached prefix, which counts
+            as computed; a swapped-out request keeps its tokens, gets fresh blocks, goes to
+            out.swap_in with a copy of its new block list and is no longer swapped_out;
           - with chunked prefill off, a request whose remaining tokens do not fit the budget left
             waits, unless they exceed a whole budget (then it is chunked anyway);
           - a request that looked up and still waits is passed to blocks.forget_lookup(request,

@@ -57,12 +57,13 @@ def propose_ngram(token_ids: Sequence[int], k: int, max_n: int = 3, min_n: int =
     """Prompt lookup: guess the next tokens by finding the sequence's own tail earlier in it.  (Your engine: Chapter 37)
 
     token_ids: the request's tokens so far (prompt + output); k >= 0 guesses wanted;
-    1 <= min_n <= max_n. Try n = max_n, then max_n - 1, ..., min_n: the tail is the last
-    n tokens; find its LATEST earlier occurrence (one that starts before the tail itself
-    starts) and return the (up to k) tokens that followed that occurrence. The first n
-    that matches decides. Returns a list of 0..k ints: [] when k == 0, when the sequence
-    is not longer than n for any n, or when no tail recurs. The continuation may run into
-    the tail itself (a repeating pattern continues) but never past the end of token_ids.
+    1 <= min_n <= max_n. For a size n, the tail is the last n tokens, and it recurs when the
+    same n tokens also start at an earlier index (before the tail's own start). The answer
+    comes from the LONGEST n in min_n..max_n whose tail recurs and, for that n, from the
+    LATEST earlier occurrence: the (up to k) tokens that followed it. Returns a list of
+    0..k ints: [] when k == 0, when the sequence is not longer than n for any n, or when no
+    tail recurs. The continuation may run into the tail itself (a repeating pattern
+    continues) but never past the end of token_ids.
     """
     raise NotImplementedError("Your engine: Chapter 37: propose_ngram")
 
@@ -90,14 +91,16 @@ def settle(engine: EngineCore, request: Request, emitted: Sequence[int]) -> tupl
     Called after the step's forward, when request.num_computed_tokens already counts every
     scheduled row (the real token AND the drafts fed behind it). emitted: the accepted
     drafts followed by the target's own token (1 .. k + 1 ints), in order.
-    - Append them one at a time and apply engine.check_stop after each: the first token
-      that ends the request is kept, every token after it is dropped.
-    - Only the rows of kept tokens hold valid K/V: roll num_computed_tokens back to at
-      most request.num_tokens - 1 (the newest token is never computed, Chapter 31's
-      invariant), then engine.blocks.trim(request, num_computed_tokens) so the blocks that
-      held only rejected drafts return to the pool, unpublished.
-    - Publish the full blocks of accepted tokens: engine.blocks.cache_full_blocks(request).
-      Keys come from request.token_ids only, so a rejected draft is never published.
+    Afterwards:
+    - request.token_ids ends with emitted up to and including the first token that
+      engine.check_stop says ends the request (each token judged as the newest, with those
+      before it appended); every token after that one is dropped;
+    - num_computed_tokens is min(its value, num_tokens - 1): only rows of kept tokens hold
+      valid K/V, and the newest token is never computed (Chapter 31's invariant);
+    - the request holds no block past its first num_computed_tokens tokens (those that held
+      only rejected drafts are back in the pool, unpublished: engine.blocks.trim), and
+      every full block of accepted tokens is published. Keys come from request.token_ids only, so a rejected draft is
+      never published.
     Returns (the tokens appended, the stop status or None). It does not finish the request
     (the caller does, so it can report the output first); check_stop may raise, and then
     the tokens appended before the failure stay appended.

@@ -115,7 +115,8 @@ def build_batch(scheduled: Sequence[tuple[Request, int]], block_tables: Mapping[
     for a chunk in the middle of a prompt, and every row from the last real token on when
     draft tokens are scheduled. Prompt-logprob rows are the rows whose next token is a prompt
     token. Raises ValueError naming the request when fewer than n tokens exist from c.
-    Runs every step: build host lists, then make each tensor once.
+    Trap: it runs every step, and each element written into a device tensor costs a copy of
+    its own; make each tensor once, in one transfer.
     """
     ids: list[int] = []
     positions: list[int] = []

@@ -416,24 +416,24 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns a RequestOutput per request that gained a token or
-        finished this step.  (Your engine: Chapter 31)
+        finished this step, in plan order.  (Your engine: Chapter 31)
 
-        Plans with self.scheduler.schedule() (kept in self.last_plan; len(plan.preempted) added
-        to self.preemptions), carries out the plan's swaps with self.runner.swap_out(request,
-        blocks) and self.runner.swap_in(request, blocks), then runs the scheduled rows:
-        self.runner.prepare(plan.scheduled, self.blocks.req_blocks) -> Batch, and
-        self.runner.execute(batch) -> float32 logits [L, vocab] for batch.logits_indices.
-        Tokens come from self._sample(logits, requests, {id: rows}) -> SampledTokens, over the
-        requests with sampled rows, in plan order; self.update(plan, sampled) applies them
-        and returns the outputs. Returns [] when nothing is scheduled (swaps still happen).
-        Ordering: every swap-out before any swap-in (a block freed by one may be reused by the
+        Afterwards self.last_plan is this step's SchedulerOutput and self.preemptions has grown
+        by len(plan.preempted). Returns [] when nothing is scheduled (swaps still happen).
+        Seams, which later chapters replace (go through them, never around): the plan comes
+        from self.scheduler; block copies and compute from self.runner (swap_out / swap_in
+        per (request, blocks) pair; prepare(plan.scheduled, self.blocks.req_blocks) -> Batch;
+        execute(batch) -> float32 logits [L, vocab] for batch.logits_indices); tokens from
+        self._sample(logits, requests, {id: sampled rows}) -> SampledTokens over exactly the
+        requests with sampled rows, in plan order; self.update applies them.
+        Order: every swap-out before any swap-in (a block freed by one may be reused by the
         other), both before any compute.
-        Delegations, one line each: with self.async_steps set (Chapter 33) the step is
-        self.async_steps.step(); prompt-logprob rows, which follow the sampling rows, go to
-        self._record_prompt_logprobs(batch, rows) (Chapter 34); with self.drafter set
-        (Chapter 37) self.drafter.verify(self, plan, batch, logits) gives the SampledTokens.
-        With self.checks set (EngineConfig.debug_checks): checks.check_plan(plan, scheduler,
-        where) after scheduling.
+        Later chapters: with self.async_steps set (Chapter 33) the step is
+        self.async_steps.step(); prompt-logprob rows, after the first batch.num_sample_rows,
+        go to self._record_prompt_logprobs(batch, rows), never to the sampler (Chapter 34);
+        with self.drafter set (Chapter 37) self.drafter.verify(self, plan, batch, logits)
+        gives the SampledTokens. With self.checks set (EngineConfig.debug_checks):
+        checks.check_plan(plan, scheduler, where) on every plan before it is carried out.
         """
         if self.async_steps is not None:                  # Chapter 33: plan t + 1 while t runs
             return self.async_steps.step()
@@ -467,22 +467,24 @@ class EngineCore:
     def update(self, plan: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
         """Apply a step's results to its scheduled requests; returns their outputs.  (Your engine: Chapter 31)
 
-        For every (request, n) of plan.scheduled, in order, except requests already finished
-        (one aborted while its step ran): hooks.advance(self, request, n), where hooks is
-        self.update_hooks (Chapter 31's: num_computed_tokens grows by n). Then:
-          - failed in sampled.failed: finished alone, as aborted, with the error on its
-            output (self._abort_with_error(request, exc, sampled.doing));
-          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published
-            (self.blocks.cache_full_blocks(request)), nothing reported;
-          - else kept, status = hooks.commit(self, request, tokens) (appends them, applies
-            the stop rules); an exception there finishes the request alone as above, with
-            hooks.doing; then its full blocks published, first_token_time set once, and on a
-            status self.scheduler.finish(request, status) at once (its blocks are free for
-            the next step) and its generator dropped from self.generators; it gets
-            hooks.report(self, request, kept, self._keep_logprobs(request, sampled.logprobs)).
-        Afterwards hooks.after_update(self, plan, advanced) with the (request, kept) pairs
-        still running, then self.steps grows by one. With self.checks set:
-        checks.check_scheduler(scheduler, where) at the end.
+        Outputs follow plan order. hooks is self.update_hooks, the seam through which Chapters
+        33 and 37 change how tokens land: call its methods, never inline Chapter 31's bodies.
+        Every (request, n) of plan.scheduled is advanced by hooks.advance(self, request, n)
+        (Chapter 31's: num_computed_tokens grows by n), except one already finished (aborted
+        while its step ran), which is skipped entirely. Each advanced request ends in exactly one state:
+          - failed (in sampled.failed, or hooks.commit raised): finished alone, as aborted,
+            its output carrying the error with sampled.doing or hooks.doing
+            (self._abort_with_error);
+          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published,
+            no output;
+          - tokens: kept, status = hooks.commit(self, request, tokens) (appended, stop rules
+            applied); full blocks published; first_token_time set once; a status finishes
+            it within this call (self.scheduler.finish: its blocks serve the next step) and
+            drops its generator from self.generators; its output is hooks.report(self,
+            request, kept, self._keep_logprobs(request, sampled.logprobs)).
+        Then hooks.after_update(self, plan, advanced) sees the (request, kept) pairs still
+        running, and self.steps grows by one. With self.checks set:
+        checks.check_scheduler(scheduler, where) once the step is applied.
         Isolation: one request's failure is never the step's; the others carry on.
         """
         hooks = self.update_hooks
