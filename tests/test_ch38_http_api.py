@@ -1138,6 +1138,59 @@ def test_the_openai_surface_clients_use(guided_server, ref):
     wait_idle(engine)
 
 
+def test_the_openai_client_parses_structured_outputs(guided_server):
+    """`client.chat.completions.parse` with a Pydantic model (a nested model, an enum, an
+    optional field), which sends its strict JSON schema as response_format, and
+    response_format json_object: the client parses what comes back. The tiny model's random
+    weights could write one string or number until max_tokens, so a logit bias towards the
+    bytes that end a value ('"', ',', '}'; only '}' for free-form JSON, whose keys it would
+    otherwise repeat without end) keeps the answers short; the guide's mask still decides
+    what may come next, so the answer must validate whatever the bias."""
+    openai = pytest.importorskip("openai", reason="pip install -r requirements.txt brings the openai client")
+    pydantic = pytest.importorskip("pydantic")
+    import enum
+
+    class Colour(str, enum.Enum):
+        RED = "red"
+        GREEN = "green"
+
+    class City(pydantic.BaseModel):
+        name: str
+        population: int
+
+    class Answer(pydantic.BaseModel):
+        city: City
+        colour: Colour
+        note: str | None = None
+
+    url, engine, _ = guided_server
+    api = openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0)
+    short = {"logit_bias": {str(ord(c)): 100 for c in '",}'}}
+    messages = [{"role": "user", "content": "Which city?"}]
+    parsed = api.chat.completions.parse(model=MODEL, messages=messages, max_tokens=200, temperature=0,
+                                        response_format=Answer, **short)
+    answer = parsed.choices[0]
+    assert answer.finish_reason == "stop" and isinstance(answer.message.parsed, Answer), \
+        f"the client parses the guided answer into the Pydantic model: {answer.message.content!r}"
+    anything = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                           response_format={"type": "json_object"},
+                                           logit_bias={str(ord("}")): 100})   # free keys: only "}" ends it
+    assert isinstance(json.loads(anything.choices[0].message.content), dict), \
+        f"json_object answers with one JSON object: {anything.choices[0].message.content!r}"
+    so = api.completions.create(model=MODEL, prompt="Pick", max_tokens=8, temperature=0,
+                                extra_body={"structured_outputs": {"choice": ["yes (a)", "no"]}})
+    assert so.choices[0].text in ("yes (a)", "no"), \
+        f"vLLM 0.11's structured_outputs.choice: the answer is one of the choices, got {so.choices[0].text!r}"
+    for refused_body, why in (({"grammar": "root ::= x"}, "a grammar is refused by name"),
+                              ({"regex": "a", "choice": ["a"]}, "two constraints at once are refused"),
+                              ({"choice": []}, "an empty choice list is refused")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                   extra_body={"structured_outputs": refused_body})
+        assert refused.value.body["param"] == "structured_outputs", why
+    wait_idle(engine)
+
+
 def test_the_chat_page_is_served(client):
     r = client.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")

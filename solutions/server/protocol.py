@@ -70,7 +70,7 @@ class Limits:
 COMMON_FIELDS = {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                  "stream_options", "user", "stop_token_ids", "ignore_eos", "min_tokens", "return_token_ids", "logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
-                 "guided_regex", "guided_json"}
+                 "guided_regex", "guided_json", "structured_outputs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -319,6 +319,10 @@ def _guided(body: dict[str, Any], limits: Limits) -> tuple[str | None, Any]:
     vLLM's own fields guided_regex (a pattern) and guided_json (a schema, or its JSON text).
     Whether a pattern or schema can be compiled is the engine's check (a 400 all the same)."""
     regex, schema = body.get("guided_regex"), body.get("guided_json")
+    if body.get("structured_outputs") is not None:
+        if regex is not None or schema is not None:
+            raise bad("structured_outputs", "give the guide once: structured_outputs or guided_regex / guided_json")
+        regex, schema = _structured_outputs(body["structured_outputs"])
     if regex is not None and not isinstance(regex, str):
         raise bad("guided_regex", f"guided_regex must be a string (a regular expression), got {_shown(regex)}")
     if isinstance(schema, str):
@@ -355,9 +359,44 @@ def _guided(body: dict[str, Any], limits: Limits) -> tuple[str | None, Any]:
     return regex, schema
 
 
+# vLLM 0.11's structured_outputs keys this server can honour, and what each becomes.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "json_object")
+
+
+def _structured_outputs(value: Any) -> tuple[str | None, Any]:
+    """(guided_regex, guided_json) of vLLM 0.11's `structured_outputs` object, which names
+    exactly one constraint: "json" (a schema, or its JSON text), "regex", "choice" (a list of
+    strings: the answer is one of them, exactly) or "json_object": true (any JSON object).
+    Its other constraints (grammar, structural_tag) are refused by name."""
+    if not isinstance(value, dict):
+        raise bad("structured_outputs", f"structured_outputs must be an object, got {_shown(value)}")
+    given = {key: item for key, item in value.items() if item is not None and item is not False}
+    unknown = sorted(set(given) - set(STRUCTURED_OUTPUT_KINDS))
+    if unknown:
+        raise bad("structured_outputs", f"structured_outputs.{unknown[0]} is not supported by this server; it "
+                                        f"honours one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+                  code="unsupported_field")
+    if len(given) != 1:
+        raise bad("structured_outputs", f"structured_outputs must name exactly one of "
+                                        f"{', '.join(STRUCTURED_OUTPUT_KINDS)}, got {sorted(given) or 'none'}")
+    kind, item = next(iter(given.items()))
+    if kind == "json":
+        return None, item
+    if kind == "regex":
+        return item, None
+    if kind == "json_object":
+        if item is not True:
+            raise bad("structured_outputs", f"structured_outputs.json_object must be true, got {_shown(item)}")
+        return None, {"type": "json_object"}
+    if not isinstance(item, list) or not item or not all(isinstance(choice, str) and choice for choice in item):
+        raise bad("structured_outputs", "structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                        f"got {_shown(item)}")
+    return "|".join(re.escape(choice) for choice in item), None
+
+
 def guide_field(body: dict[str, Any]) -> str | None:
     """The field a request's guide came from, to name in its errors."""
-    for name in ("guided_regex", "guided_json", "response_format"):
+    for name in ("guided_regex", "guided_json", "structured_outputs", "response_format"):
         if body.get(name) is not None:
             return name
     return None
@@ -545,7 +584,7 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
 
 # Words of the engine's messages that stand for a field of the body.
 _FIELD_WORDS = {"penalties": ("presence_penalty", "frequency_penalty", "repetition_penalty"),
-                "guided": ("guided_regex", "guided_json", "response_format"),
+                "guided": ("guided_regex", "guided_json", "structured_outputs", "response_format"),
                 "token": ("prompt", "messages"), "prompt": ("prompt", "messages")}
 
 
