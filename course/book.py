@@ -521,6 +521,7 @@ def page_problems(html: Path) -> list[str] | None:
             for entry in driver.get_log("browser"):
                 message = entry.get("message", "")
                 if entry.get("level") == "SEVERE" and not any(known in message for known in IGNORED_CONSOLE):
+                    message = message.replace(page.resolve().as_uri(), name)   # the book's folder says nothing
                     problems.append(f"{name}: console error: {message[:160]}")
             if not found:
                 continue

@@ -18,7 +18,8 @@ What is honoured (anything else is refused with a ValueError naming the keyword,
   disjoint: checked on their automata), "allOf" (options merged into one schema when their
   keywords do not disagree), local "$ref" ("#", "#/$defs/...", "#/definitions/...").
 - integers: "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" (digit-range
-  automata); an integer is written without exponent, "1.0" counts as the integer 1.
+  automata); an integer is written without exponent, "1.0" counts as the integer 1 (one
+  zero after the point, as encoders of floats write it; never "1.00").
 - strings: "minLength"/"maxLength" (characters, as JSON Schema counts them), "pattern"
   (a search, as JSON Schema reads it, through regex_dfa; the matched part is written with
   unescaped characters only), "format" in FORMATS.
@@ -74,7 +75,9 @@ STRING_CHARACTER = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
                     r"|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))")
 RAW_CHARACTERS: CharSet = complement(((0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))))
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-INTEGER_FRACTION = r"(?:\.0+)?"                   # 1.0 is the integer 1 in JSON Schema
+# 1.0 is the integer 1 in JSON Schema, and encoders of floats write it so; one zero only,
+# because a model that may add zeros forever (SmolLM2 did, "11.000...") never ends the number.
+INTEGER_FRACTION = r"(?:\.0)?"
 _DATE = (r"[1-9][0-9]{3}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
          r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")        # February 29 left out: every date written exists
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
