@@ -69,10 +69,13 @@ MAX_JSON_DEPTH = 256                 # lists and dicts nested in the schema's JS
 FREE_DEPTH = 2
 
 # One character of a JSON string: anything but a quote, a backslash or a control
-# character; or an escape. \\u escapes name non-surrogate code points only, so that every
-# unit here is exactly one character of the decoded string (minLength and maxLength count).
+# character; or an escape. A \\u escape names a non-surrogate code point, or a high and a
+# low surrogate together (how json.dumps writes a character past U+FFFF, an emoji say);
+# never a lone surrogate, so that every unit here is exactly one character of the decoded
+# string (minLength and maxLength count characters).
 STRING_CHARACTER = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
-                    r"|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))")
+                    r"|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
+                    r"|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 RAW_CHARACTERS: CharSet = complement(((0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))))
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 # 1.0 is the integer 1 in JSON Schema, and encoders of floats write it so; one zero only,
