@@ -631,15 +631,17 @@ def notebook_figure_sizes(notebook: Path, column_px: float = COLUMN_PX) -> list[
 
 def markdown_table_min_width_px(rows: list[str]) -> float:
     """A lower bound on a Markdown table's width on the page: a browser wraps a cell only
-    at spaces, so each column is at least as wide as its longest word (inline code counted
-    as one word, as the theme does not break it), plus the cell's padding."""
+    at spaces, so each column is at least as wide as its longest word, plus the cell's
+    padding. Inline code also breaks after a dot or an underscore (finish_pages puts a
+    <wbr> there), so its longest piece between those counts."""
     text_px, code_px, padding_px = 8.0, 8.4, 24.0   # body 16 px, code 14 px monospace
     cells = [[cell.strip() for cell in row.strip().strip("|").split("|")] for row in rows
              if not re.fullmatch(r"\|?[\s:|-]+\|?", row.strip())]
     widths: dict[int, float] = {}
     for row in cells:
         for column, cell in enumerate(row):
-            words = [(w, code_px) for w in re.findall(r"`[^`]+`", cell)]
+            words = [(piece, code_px) for code in re.findall(r"`([^`]+)`", cell)
+                     for piece in re.split(r"(?<=[._])(?=\w)", code)]
             prose = re.sub(r"`[^`]+`|\[([^\]]*)\]\([^)]*\)", lambda m: f" {m.group(1) or ''} ", cell)
             words += [(w, text_px) for w in prose.split()]
             longest = max((len(w.strip("`")) * px for w, px in words), default=0.0)
