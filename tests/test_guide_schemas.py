@@ -120,7 +120,7 @@ def test_every_document_the_automaton_accepts_validates(json_regex, name):
     schema, _, _ = SCHEMAS[name]
     dfa = json_regex.compile_schema(schema)
     validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
-    documents = walks(dfa, 400, seed=len(name))
+    documents = walks(dfa, 2000, seed=len(name))
     assert documents, f"{name}: no random walk reached an accepting state"
     for text in documents:
         try:
