@@ -12,18 +12,38 @@ or the exception's one-line message), or NOT IMPLEMENTED YET (naming the stub to
 It never lets a learner's exception escape as a traceback, so a notebook always runs top to
 bottom, with or without the learner's work: that is what lets nbval execute every notebook
 in CI against the bare skeleton.
+
+In a learner's edition (no solutions/) the reference's answers come from the release:
+`python run.py release` runs every notebook with COURSE_CHECK_LOG set, and each check keeps
+its answer and its line (`record_check`); the edition's checks replay those answers
+(`recorded_answer`), so they still say PASS or FAIL. There the demonstration cells run the
+learner's engine, and `EditionGuard` (an IPython AST transformer, installed by
+`reference_or_engine` and `load_impl`) turns a stub's NotImplementedError in any cell into
+one NOT IMPLEMENTED YET line, so a notebook still runs to its end with a bare engine.
 """
 from __future__ import annotations
 
+import ast
+import gzip
 import html
+import inspect
+import json
 import os
 import re
+import types
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from . import impl as impl_module
 
 DEFAULT_IMPL_VARIABLE = "COURSE_IMPL"
+# A folder: every check a kernel runs appends one JSON line to its own file there (what the
+# release records, and what `release --verify` compares).
+CHECK_LOG_ENV = "COURSE_CHECK_LOG"
+# In an edition: the reference's answer to every check of every notebook, by chapter and key.
+CHECK_ANSWERS = Path("tests") / "oracle_records" / "notebook-checks.gz"
 _STUB_MESSAGE = re.compile(r"Your engine: Chapter (\d+): (\S+)")
 
 
@@ -35,6 +55,8 @@ def load_impl(name: str | None = None) -> impl_module.Impl:
     kernel still has the old code. Restart the kernel (Kernel > Restart), or call
     reload_impl(). load_impl prints a note when it finds files changed since the import.
     """
+    if not impl_module.have_reference():
+        EditionGuard.install()
     loaded = impl_module.load(name or os.environ.get(DEFAULT_IMPL_VARIABLE) or "engine")
     changed = impl_module.changed_since_loaded(loaded)
     if changed:
@@ -54,17 +76,20 @@ def reload_impl(name: str | None = None) -> impl_module.Impl:
 def reference_or_engine() -> impl_module.Impl:
     """What a chapter's demonstrations run on: the reference (solutions/) where the checkout has
     it; in a learner's edition, which leaves the reference out, the learner's engine (their
-    stubs fill in the demonstrations as they write them; checks still say "no reference")."""
+    stubs fill in the demonstrations as they write them; the checks compare with the
+    reference's answers recorded for the edition)."""
     if impl_module.have_reference():
         return impl_module.reference()
-    print("note: no reference engine in this edition: the demonstrations below run your engine/")
+    print("note: this edition has no reference engine: the demonstrations below run your engine/ "
+          "(a cell that needs a stub you have not written says so), and the checks compare with the "
+          "reference's answers recorded for this edition")
     return load_impl()
 
 
 @dataclass
 class CheckResult:
     """The outcome of one check. `status` is "pass", "fail", "not implemented" or "unchecked"
-    (it ran, but there is no reference here to compare with: a learner's edition);
+    (it ran, but a learner's edition has no recorded answer for these inputs);
     the object displays itself as one line in a notebook, and is truthy only on pass."""
     name: str
     status: str
@@ -155,6 +180,12 @@ def differences(got, expected, atol: float = 1e-5, rtol: float = 1e-4, path: str
             if found:
                 return found
         return None
+    if isinstance(expected, SimpleNamespace):     # a recorded dataclass: its fields by name
+        for field, value in vars(expected).items():
+            found = differences(getattr(got, field, None), value, atol, rtol, f"{path}.{field}")
+            if found:
+                return found
+        return None
     if isinstance(expected, float) and isinstance(got, (int, float)):
         return None if abs(got - expected) <= atol + rtol * abs(expected) else \
             f"got {got!r}{where}, expected {expected!r}"
@@ -176,14 +207,28 @@ def check(target, *args, expected=None, impl=None, reference=None, name: str | N
         callable taking the implementation (`lambda impl: impl.layers.rms_norm(x, w)`),
         for checks that need more than one call.
     expected: the right answer; when omitted, the reference computes it from the same
-        arguments (so a check can never drift from the reference).
+        arguments (so a check can never drift from the reference). A function of no
+        arguments is called for it only when needed (an edition replays the recorded answer
+        instead, so a cell can name the reference's computation without running it).
     compare: optional `compare(got, expected) -> str | None` replacing the default
         `differences` (None means equal).
     Arguments are passed as they are: a function that mutates its inputs should get copies.
+    In a learner's edition (no solutions/) the answer is the one the release recorded for this
+    check (same name, same arguments); a check it never recorded says RAN.
     """
     label = name or (target if isinstance(target, str) else str(getattr(target, "__name__", "check")))
     if label == "<lambda>":
         label = "check"
+    key = _check_key(label, args, kwargs)           # before the call, which may change the arguments
+    answer: list[Any] = []                          # the answer judged by, once there is one
+    result = _judge(label, key, answer, target, args, kwargs, expected, impl, reference,
+                    compare or (lambda g, e: differences(g, e, atol, rtol)))
+    if os.environ.get(CHECK_LOG_ENV):
+        _log_check(label, key, result, answer)
+    return result
+
+
+def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, compare) -> CheckResult:
     try:
         mine = impl if impl is not None else load_impl()
         mine = impl_module.load(mine) if isinstance(mine, str) else mine
@@ -200,17 +245,213 @@ def check(target, *args, expected=None, impl=None, reference=None, name: str | N
     except NotImplementedError as exc:
         return CheckResult(label, "not implemented", _not_implemented(exc))
     except Exception as exc:                    # the learner's bug, shown as one line
+        if isinstance(exc, NameError) and EditionGuard.cut_short:
+            return CheckResult(label, "not implemented", EditionGuard.needs(exc))
         return CheckResult(label, "fail", f"{type(exc).__name__}: {exc}")
-    if expected is None:
-        try:
+    if impl_module.have_reference():
+        if expected is None:
             ref = reference if reference is not None else impl_module.reference()
-        except impl_module.ImplError:           # a learner's edition: the milestone is the judge
-            return CheckResult(label, "unchecked", "no reference here to compare with; run the milestone", got)
-        expected = call(impl_module.load(ref) if isinstance(ref, str) else ref)
-    problem = (compare or (lambda g, e: differences(g, e, atol, rtol)))(got, expected)
+            expected = call(impl_module.load(ref) if isinstance(ref, str) else ref)
+        elif _is_lazy(expected):
+            expected = expected()
+    else:
+        found = recorded_answer(key)
+        if found is not None:
+            expected = found
+        elif expected is None:
+            return CheckResult(label, "unchecked", "this edition has no recorded answer for these inputs "
+                               "(run the notebook from the top, or the chapter's milestone)", got)
+        elif _is_lazy(expected):
+            try:
+                expected = expected()
+            except NotImplementedError as exc:
+                return CheckResult(label, "not implemented", _not_implemented(exc))
+    answer.append(expected)
+    problem = compare(got, expected)
     if problem:
         return CheckResult(label, "fail", problem, got)
     return CheckResult(label, "pass", "", got)
+
+
+def _is_lazy(expected: Any) -> bool:
+    """Whether `expected` is a function of no arguments standing for the answer."""
+    if not isinstance(expected, types.FunctionType):
+        return False
+    return not any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   for p in inspect.signature(expected).parameters.values())
+
+
+# --- recorded answers (a learner's edition) -------------------------------------------------
+
+def _chapter() -> str:
+    """The chapter folder a kernel runs in (Jupyter starts it in the notebook's folder), or ""."""
+    folder = Path.cwd().name
+    return folder if re.match(r"\d\d-", folder) else ""
+
+
+def _check_key(label: str, args: tuple, kwargs: dict) -> str:
+    from .oracle_records import key_of
+    try:
+        return key_of(f"check {label}", (args, kwargs))
+    except TypeError:       # arguments the key cannot hash (an engine object): the name alone
+        return key_of(f"check {label}", [type(value).__name__ for value in (*args, *kwargs.values())])
+
+
+def _log_check(label: str, key: str, result: CheckResult, answer: list[Any]) -> None:
+    """Append one line for this check to COURSE_CHECK_LOG's folder: its chapter, name, key and
+    line, and (where the reference answered) the answer, for the release to record."""
+    from .oracle_records import encode
+    entry: dict[str, Any] = {"chapter": _chapter(), "label": label, "key": key, "line": repr(result)}
+    if answer and impl_module.have_reference():
+        try:
+            entry["value"] = encode(answer[0])
+        except TypeError as exc:
+            entry["unrecordable"] = str(exc)
+    folder = Path(os.environ[CHECK_LOG_ENV])
+    with open(folder / f"checks-{os.getpid()}.jsonl", "a", encoding="utf-8") as log:
+        log.write(json.dumps(entry) + "\n")
+
+
+def read_check_log(folder: Path) -> list[dict[str, Any]]:
+    """Every check line the kernels wrote to `folder` (COURSE_CHECK_LOG), per file in order."""
+    return [json.loads(line) for path in sorted(Path(folder).glob("checks-*.jsonl"))
+            for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def write_check_answers(path: Path, answers: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """{chapter: {key: {"label", "line", "value"}}} into the edition's CHECK_ANSWERS."""
+    with gzip.open(path, "wt", encoding="utf-8") as out:
+        json.dump(answers, out, sort_keys=True)
+
+
+_answers: dict[str, dict[str, dict[str, Any]]] | None = None
+
+
+def check_answers() -> dict[str, dict[str, dict[str, Any]]]:
+    """The edition's recorded answers ({} where the release recorded none)."""
+    global _answers
+    if _answers is None:
+        path = impl_module.ROOT / CHECK_ANSWERS
+        _answers = {}
+        if path.is_file():
+            with gzip.open(path, "rt", encoding="utf-8") as source:
+                _answers = json.load(source)
+    return _answers
+
+
+def recorded_answer(key: str) -> Any:
+    """The reference's recorded answer to the check `key` (this notebook's chapter first), or
+    None where the release recorded none."""
+    from .oracle_records import decode
+    answers = check_answers()
+    entry = answers.get(_chapter(), {}).get(key)
+    if entry is None:
+        entry = next((found[key] for found in answers.values() if key in found), None)
+    return None if entry is None else decode(entry["value"])
+
+
+# --- a learner's edition: cells that need a stub not written yet ------------------------------
+
+class EditionGuard(ast.NodeTransformer):
+    """Makes a cell that stops on a stub's NotImplementedError print one line instead of a
+    traceback, so a notebook runs to its end on a bare engine; a later cell that needs a
+    name such a cell did not get to define (NameError) says so the same way. Every other
+    exception still stops the notebook. The cell's last expression is still displayed.
+
+    Installed into IPython once per kernel, only in a learner's edition: in the full course
+    the demonstrations run the reference, and a failing cell there is a bug nbval must see."""
+
+    cut_short: str = ""          # the first stub a cell stopped on (why later names are missing)
+    _GUARD = "__import__('course.notebook', fromlist=['EditionGuard']).EditionGuard"
+
+    @classmethod
+    def install(cls) -> None:
+        try:
+            from IPython import get_ipython
+        except ImportError:
+            return
+        shell = get_ipython()
+        if shell is None:
+            return
+        if not any(isinstance(t, cls) for t in shell.ast_transformers):
+            shell.ast_transformers.append(cls())
+
+    @classmethod
+    def needs(cls, exc: BaseException) -> str:
+        """The NOT IMPLEMENTED YET detail of an exception this guard stands for, or "" for one it
+        does not (which must propagate)."""
+        if isinstance(exc, NotImplementedError):
+            detail = _not_implemented(exc)
+            cls.cut_short = cls.cut_short or detail
+            return detail
+        if isinstance(exc, NameError) and cls.cut_short:
+            return f"{exc}: an earlier cell stopped before making it ({cls.cut_short})"
+        return ""
+
+    @classmethod
+    def stopped(cls, exc: BaseException) -> bool:
+        """Print the cell's one line and report True, or False for an exception to re-raise."""
+        detail = cls.needs(exc)
+        if detail:
+            print(f"[NOT IMPLEMENTED YET] this cell stopped: {detail}")
+        return bool(detail)
+
+    @classmethod
+    def last(cls, value: Callable[[], Any]) -> Any:
+        try:
+            return value()
+        except (NotImplementedError, NameError) as exc:
+            if not cls.stopped(exc):
+                raise
+            return None
+
+    def visit_Module(self, module: ast.Module) -> ast.Module:
+        body = list(module.body)
+        if not body:
+            return module
+        last = body[-1]
+        # The last expression is what the cell displays: it stays the cell's last statement,
+        # guarded on its own (one with await, yield or a walrus stays inside the try, undisplayed).
+        shown = last.value if isinstance(last, ast.Expr) and self._liftable(last.value) else None
+        if shown is not None:
+            body.pop()
+        guard = ast.parse(self._GUARD, mode="eval").body
+        statements: list[ast.stmt] = []
+        if body:
+            statements += ast.parse("__course_cell_ran = False").body
+            handler = ast.parse("try:\n    pass\nexcept (NotImplementedError, NameError) as __course_stop:\n"
+                                f"    if not {self._GUARD}.stopped(__course_stop):\n        raise").body[0]
+            assert isinstance(handler, ast.Try)
+            handler.body = body + ast.parse("__course_cell_ran = True").body
+            statements.append(handler)
+        if shown is not None:
+            lazy = ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[],
+                                                 defaults=[]), body=shown)
+            call = ast.Call(func=ast.Attribute(value=guard, attr="last", ctx=ast.Load()), args=[lazy], keywords=[])
+            value: ast.expr = ast.IfExp(test=ast.Name("__course_cell_ran", ast.Load()), body=call,
+                                        orelse=ast.Constant(None)) if body else call
+            statements.append(ast.Expr(value))
+        module.body = statements
+        _make_lazy_expected(module)
+        return ast.fix_missing_locations(module)
+
+    @staticmethod
+    def _liftable(node: ast.expr) -> bool:
+        """Whether an expression means the same inside a lambda (no await, yield or walrus)."""
+        return not any(isinstance(n, (ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr)) for n in ast.walk(node))
+
+
+def _make_lazy_expected(module: ast.Module) -> None:
+    """`check(..., expected=E)` becomes `check(..., expected=lambda: E)`: an edition answers
+    from its records, so E (often computed by the reference, here the learner's engine) runs
+    only for a check the release did not record."""
+    for node in ast.walk(module):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "check":
+            for keyword in node.keywords:
+                if (keyword.arg == "expected" and not isinstance(keyword.value, ast.Lambda)
+                        and EditionGuard._liftable(keyword.value)):
+                    keyword.value = ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[],
+                                                                  kw_defaults=[], defaults=[]), body=keyword.value)
 
 
 class Table:

@@ -57,14 +57,15 @@ def _load(impl, args, device, dtype):
         tokenizer = impl.load("tokenizer").ByteTokenizer(model.cfg.vocab_size)
         return model, tokenizer, (tokenizer.eos_token_id,), "tiny"
     if dtype is None:
-        from course import reference
-        dtype = reference().devices.default_dtype(device)
-    from course.commands._setup import gguf_tokenizer, model_source
+        from course.cli import default_dtype
+        dtype = default_dtype(device)
+    from course.commands._setup import SMOLLM2_CHAPTERS, gguf_tokenizer, model_source, needs_chapters
     path = model_source(args.model)
     if str(path).endswith(".gguf"):              # Chapters 36, 39, 42: the file brings weights and tokenizer
         try:
-            model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
-            tokenizer = gguf_tokenizer(impl, path)
+            with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS):
+                model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
+                tokenizer = gguf_tokenizer(impl, path)
         except (OSError, ValueError) as exc:
             raise CommandError(f"--model {args.model}: {exc}") from None
         return model, tokenizer, (tokenizer.eos_token_id,), str(args.model)
