@@ -76,10 +76,12 @@ LEFT_OUT = ("[left out of the learner's edition: this cell calls a stub of the r
 
 
 def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None = ALL_MILESTONES,
-                  timeout: float = 3600.0) -> list[Path]:
+                  timeout: float = 3600.0, notebooks: tuple[str, ...] = ("",)) -> list[Path]:
     """Copy the edition into dest (which must not exist or be empty), with its notebooks made
     answer-free and, unless `record` is None, the reference's answers to the milestones that
-    `record` selects (pytest arguments, run here) in tests/oracle_records/. Returns the files."""
+    `record` selects (pytest arguments, run here) and to the checks of the chapter notebooks
+    whose folder names start with one of `notebooks` (all by default) in tests/oracle_records/.
+    Returns the files."""
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise ReleaseError(f"{dest} is not empty: the edition is written into a new folder")
@@ -99,7 +101,7 @@ def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None 
         (dest / RECORDS_FILE).parent.mkdir(parents=True, exist_ok=True)
         oracle_records.write_store(dest / RECORDS_FILE, record_oracles(root, record, timeout))
         files.append(RECORDS_FILE)
-        notebook.write_check_answers(dest / notebook.CHECK_ANSWERS, record_checks(root))
+        notebook.write_check_answers(dest / notebook.CHECK_ANSWERS, record_checks(root, notebooks=notebooks))
         files.append(notebook.CHECK_ANSWERS)
     return files
 
@@ -121,9 +123,11 @@ def record_oracles(root: Path, selection: tuple[str, ...], timeout: float) -> di
         return oracle_records.read_stores(Path(folder))
 
 
-def chapter_notebooks(root: Path) -> list[Path]:
-    """Every chapter's notebook (.ipynb) under root/chapters, in chapter order."""
-    return sorted((root / "chapters").glob("[0-9][0-9]-*/[0-9][0-9]-*.ipynb"))
+def chapter_notebooks(root: Path, chapters: tuple[str, ...] = ("",)) -> list[Path]:
+    """The chapter notebooks (.ipynb) under root/chapters whose folder names start with one of
+    `chapters` (all by default), in chapter order."""
+    return sorted(path for path in (root / "chapters").glob("[0-9][0-9]-*/[0-9][0-9]-*.ipynb")
+                  if path.parent.name.startswith(chapters))
 
 
 def _cores() -> int:
@@ -131,7 +135,7 @@ def _cores() -> int:
 
 
 def execute_notebooks(root: Path, env: dict[str, str], timeout: float = NOTEBOOK_TIMEOUT,
-                      jobs: int | None = None) -> dict[str, str]:
+                      jobs: int | None = None, chapters: tuple[str, ...] = ("",)) -> dict[str, str]:
     """Execute every chapter notebook of root (a checkout or an edition) top to bottom, `jobs`
     at a time (default: one per core), each in a fresh kernel started in its folder with
     `env`, into a scratch copy (the files stay as they are). Returns {chapter folder: why it
@@ -149,7 +153,7 @@ def execute_notebooks(root: Path, env: dict[str, str], timeout: float = NOTEBOOK
             return path.parent.name, ""
         lines = [line for line in ran.stderr.splitlines() if line.strip()]
         return path.parent.name, "\n".join(lines[-12:])
-    notebooks = chapter_notebooks(root)
+    notebooks = chapter_notebooks(root, chapters)
     with ThreadPoolExecutor(max_workers=jobs or _cores()) as pool:
         return {name: why for name, why in pool.map(execute, notebooks) if why}
 
@@ -163,14 +167,15 @@ def _notebook_env(root: Path, log: Path, impl: str | None) -> dict[str, str]:
     return env
 
 
-def record_checks(root: Path = ROOT, timeout: float = NOTEBOOK_TIMEOUT) -> dict[str, dict[str, dict]]:
+def record_checks(root: Path = ROOT, timeout: float = NOTEBOOK_TIMEOUT,
+                  notebooks: tuple[str, ...] = ("",)) -> dict[str, dict[str, dict]]:
     """Execute every chapter notebook of root with the reference as the learner's engine and
     return each check's answer and line, {chapter folder: {key: {"label", "line", "value"}}}.
     Raises ReleaseError when a notebook does not run to its end, when an answer cannot be
     recorded, or when two checks of a notebook share a name and inputs but not an answer
     (the edition could not tell them apart: give them different names)."""
     with tempfile.TemporaryDirectory(prefix="notebook-checks-") as folder:
-        failed = execute_notebooks(root, _notebook_env(root, Path(folder), "solutions"), timeout)
+        failed = execute_notebooks(root, _notebook_env(root, Path(folder), "solutions"), timeout, chapters=notebooks)
         if failed:
             raise ReleaseError("recording the notebooks' checks: these notebooks fail with the reference as "
                                "engine:\n" + "\n".join(f"{name}: {why}" for name, why in failed.items()))
@@ -357,25 +362,27 @@ def verify_release(dest: Path, root: Path = ROOT, timeout: float = 3600.0,
     return dict(sorted(results.items()))
 
 
-def verify_bare_notebooks(dest: Path, timeout: float = NOTEBOOK_TIMEOUT) -> tuple[list[str], int]:
+def verify_bare_notebooks(dest: Path, timeout: float = NOTEBOOK_TIMEOUT,
+                          notebooks: tuple[str, ...] = ("",)) -> tuple[list[str], int]:
     """Every notebook of the edition in dest, run on its engine/ as released (the bare
     skeleton), must reach its end. Returns (problems, how many NOT IMPLEMENTED YET lines the
     checks printed)."""
     dest = Path(dest)
     with tempfile.TemporaryDirectory(prefix="bare-notebooks-") as folder:
-        failed = execute_notebooks(dest, _notebook_env(dest, Path(folder), None), timeout)
+        failed = execute_notebooks(dest, _notebook_env(dest, Path(folder), None), timeout, chapters=notebooks)
         entries = notebook.read_check_log(Path(folder))
     problems = [f"{name} stops with the bare engine/:\n{why}" for name, why in failed.items()]
     return problems, sum("[NOT IMPLEMENTED YET]" in entry["line"] for entry in entries)
 
 
-def verify_reference_notebooks(dest: Path, timeout: float = NOTEBOOK_TIMEOUT) -> tuple[list[str], int]:
+def verify_reference_notebooks(dest: Path, timeout: float = NOTEBOOK_TIMEOUT,
+                               notebooks: tuple[str, ...] = ("",)) -> tuple[list[str], int]:
     """With the reference as the edition's engine/ (after verify_release), every notebook must
     run to its end and every check line must be the one the full course printed when the
     edition was released. Returns (problems, how many check lines matched)."""
     dest = Path(dest)
     with tempfile.TemporaryDirectory(prefix="reference-notebooks-") as folder:
-        failed = execute_notebooks(dest, _notebook_env(dest, Path(folder), None), timeout)
+        failed = execute_notebooks(dest, _notebook_env(dest, Path(folder), None), timeout, chapters=notebooks)
         entries = notebook.read_check_log(Path(folder))
     problems = [f"{name} stops with the reference as engine/:\n{why}" for name, why in failed.items()]
     with gzip.open(dest / notebook.CHECK_ANSWERS, "rt", encoding="utf-8") as source:

@@ -103,7 +103,7 @@ def run(args):
 
     import torch
 
-    from course.impl import load, reference
+    from course.impl import have_reference, load, reference
     impl = load(args.impl)
     device = resolve_device(args.device)
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
@@ -122,8 +122,9 @@ def run(args):
         raise CommandError(f"the prompt has {len(ids)} tokens; the model's context holds {model.context_limit}")
 
     # Measurement tools come from the reference, so a learner's engine is timed fairly
-    # whatever chapter it has reached; what runs is the engine's own model and generate.
-    ref = reference()
+    # whatever chapter it has reached; what runs is the engine's own model and generate. A
+    # learner's edition has no reference: there the engine's own Chapter 14 tools time it.
+    ref = reference() if have_reference() else impl
     use_cache = not args.no_cache
     prompt = torch.tensor([ids], device=device)
 
