@@ -95,6 +95,10 @@ def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None 
         if rel.parts[0] == "chapters" and rel.suffix in (".ipynb", ".md"):
             target.write_text(edition_notebook(rel.suffix, (root / rel).read_text(encoding="utf-8"), stubs),
                               encoding="utf-8")
+        elif rel == Path("README.md"):      # its layout table's row for solutions/, which the edition lacks
+            kept = [line for line in (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
+                    if not line.startswith("| `solutions/`")]
+            target.write_text("".join(kept), encoding="utf-8")
         else:
             shutil.copy2(root / rel, target)
     if record is not None:
@@ -222,9 +226,11 @@ def stub_names(package: Path) -> dict[str, set[str]]:
 
 
 _REFERENCE_CALL = re.compile(r"\bcourse\.reference\(\)")
-# `ref = course.reference()`, `B = course.reference().bpe`: the names a notebook gives the reference;
+# `ref = course.reference()`, `ref = load_impl("solutions")`, `B = course.reference().bpe`: the names a
+# notebook gives the reference;
 # then `cost = ref.cost`, `engine = ref.load("serve.engine")`: names of its modules.
-_ALIAS = re.compile(r"^\s*(\w+)\s*=\s*course\.reference\(\)((?:\.\w+)*)\s*(?:#.*)?$", re.MULTILINE)
+_ALIAS = re.compile(r"""^\s*(\w+)\s*=\s*(?:course\.reference\(\)|load_impl\(["']solutions["']\))"""
+                    r"((?:\.\w+)*)\s*(?:#.*)?$", re.MULTILINE)
 _MODULE_ALIAS = re.compile(r"^\s*(\w+)\s*=\s*(\w+)(?:\.load\([\"']([\w.]+)[\"']\)|((?:\.\w+)+))\s*(?:#.*)?$",
                            re.MULTILINE)
 
