@@ -202,9 +202,10 @@ def test_keys_hash_content_and_values_come_back_whole():
     a, b = torch.arange(6.0).view(2, 3), torch.arange(6.0).view(2, 3)
     assert oracle_records.key_of("x", (a, [1, 2])) == oracle_records.key_of("x", (b, [1, 2]))
     assert oracle_records.key_of("x", (a, [1, 2])) != oracle_records.key_of("x", (a.T.contiguous(), [1, 2]))
-    value = (a.bfloat16(), [3, 4], {"bytes": b"\x00"}, None, 1.5)
+    value = (a.bfloat16(), [3, 4], {"bytes": b"\x00"}, None, 1.5, frozenset({(1, 2), 3}), {("a", "b"): 2})
     back = oracle_records.decode(json.loads(json.dumps(oracle_records.encode(value))))
     assert torch.equal(back[0], a.bfloat16()) and back[1:] == value[1:]
+    assert isinstance(back[5], frozenset)
 
 
 def test_notebook_cells_that_call_a_stub_lose_their_outputs():
