@@ -127,6 +127,10 @@ def resolve_device(choice: str | None):
     from course.impl import have_reference
     choice = choice or ("cuda" if torch.cuda.is_available() else "cpu")
     if not have_reference():            # a learner's edition: torch's own answer, no stub consulted
+        if choice == "auto":
+            present = [kind for kind in ("cuda", "mps", "xpu")
+                       if getattr(torch, kind, None) is not None and getattr(torch, kind).is_available()]
+            return torch.device(present[0] if present else "cpu")
         if choice.startswith("cuda") and not torch.cuda.is_available():
             raise CommandError(f"--device {choice}: torch sees no CUDA device here")
         return torch.device(choice)

@@ -17,9 +17,9 @@ In a learner's edition (no solutions/) the reference's answers come from the rel
 `python run.py release` runs every notebook with COURSE_CHECK_LOG set, and each check keeps
 its answer and its line (`record_check`); the edition's checks replay those answers
 (`recorded_answer`), so they still say PASS or FAIL. There the demonstration cells run the
-learner's engine, and `EditionGuard` (an IPython AST transformer, installed by
-`reference_or_engine` and `load_impl`) turns a stub's NotImplementedError in any cell into
-one NOT IMPLEMENTED YET line, so a notebook still runs to its end with a bare engine.
+learner's engine, and `EditionGuard` (installed into IPython by `reference_or_engine` and
+`load_impl`) turns a stub's NotImplementedError in any cell into one NOT IMPLEMENTED YET
+line, so a notebook still runs to its end with a bare engine.
 """
 from __future__ import annotations
 
@@ -245,7 +245,7 @@ def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, 
     except NotImplementedError as exc:
         return CheckResult(label, "not implemented", _not_implemented(exc))
     except Exception as exc:                    # the learner's bug, shown as one line
-        if isinstance(exc, NameError) and EditionGuard.cut_short:
+        if EditionGuard.cut_short:              # in an edition, after a stub stopped a cell
             return CheckResult(label, "not implemented", EditionGuard.needs(exc))
         return CheckResult(label, "fail", f"{type(exc).__name__}: {exc}")
     if impl_module.have_reference():
@@ -353,16 +353,20 @@ def recorded_answer(key: str) -> Any:
 # --- a learner's edition: cells that need a stub not written yet ------------------------------
 
 class EditionGuard(ast.NodeTransformer):
-    """Makes a cell that stops on a stub's NotImplementedError print one line instead of a
-    traceback, so a notebook runs to its end on a bare engine; a later cell that needs a
-    name such a cell did not get to define (NameError) says so the same way. Every other
-    exception still stops the notebook. The cell's last expression is still displayed.
+    """In a learner's edition, a cell that stops on a stub's NotImplementedError prints one
+    NOT IMPLEMENTED YET line instead of a traceback and counts as run, so a notebook runs to
+    its end on a bare engine. After that, a later cell's error (a name that cell never got to
+    define, a table left half full) is shown the same way, with its own message, as a likely
+    consequence. Before any stub stopped a cell, every other error is a traceback as usual.
 
-    Installed into IPython once per kernel, only in a learner's edition: in the full course
-    the demonstrations run the reference, and a failing cell there is a bug nbval must see."""
+    Installed into IPython once per kernel, only in a learner's edition (in the full course
+    the demonstrations run the reference, and a failing cell there is a bug nbval must see):
+    it catches the exception where IPython runs each statement of a cell (`run_code`), so it
+    covers the rest of the very cell that installs it; and as an AST transformer it makes
+    `check(..., expected=E)` lazy (`_make_lazy_expected`)."""
 
-    cut_short: str = ""          # the first stub a cell stopped on (why later names are missing)
-    _GUARD = "__import__('course.notebook', fromlist=['EditionGuard']).EditionGuard"
+    cut_short: str = ""          # the first stub a cell stopped on (why later cells may fail)
+    _handled: set[int] = set()   # ids of the exceptions shown as one line (not errors of the cell)
 
     @classmethod
     def install(cls) -> None:
@@ -371,10 +375,27 @@ class EditionGuard(ast.NodeTransformer):
         except ImportError:
             return
         shell = get_ipython()
-        if shell is None:
+        if shell is None or any(isinstance(t, cls) for t in shell.ast_transformers):
             return
-        if not any(isinstance(t, cls) for t in shell.ast_transformers):
-            shell.ast_transformers.append(cls())
+        shell.ast_transformers.append(cls())
+        run_code = shell.run_code
+
+        def show(etype, value, tb, tb_offset=None):
+            if cls.stopped(value):
+                cls._handled.add(id(value))
+            else:
+                shell.showtraceback((etype, value, tb), tb_offset=tb_offset, running_compiled_code=True)
+
+        async def guarded_run_code(code_obj, result=None, *, async_=False):
+            failed = await run_code(code_obj, result, async_=async_)
+            if failed and result is not None and id(result.error_in_exec) in cls._handled:
+                cls._handled.discard(id(result.error_in_exec))
+                result.error_in_exec = None          # the cell stops here, and counts as run
+            return failed
+
+        shell.custom_exceptions = (Exception,)
+        shell.CustomTB = show
+        shell.run_code = guarded_run_code
 
     @classmethod
     def needs(cls, exc: BaseException) -> str:
@@ -384,54 +405,19 @@ class EditionGuard(ast.NodeTransformer):
             detail = _not_implemented(exc)
             cls.cut_short = cls.cut_short or detail
             return detail
-        if isinstance(exc, NameError) and cls.cut_short:
-            return f"{exc}: an earlier cell stopped before making it ({cls.cut_short})"
+        if isinstance(exc, Exception) and cls.cut_short:
+            return f"{type(exc).__name__}: {exc}, likely because an earlier cell stopped ({cls.cut_short})"
         return ""
 
     @classmethod
     def stopped(cls, exc: BaseException) -> bool:
-        """Print the cell's one line and report True, or False for an exception to re-raise."""
+        """Print the cell's one line and report True, or False for an exception to show as usual."""
         detail = cls.needs(exc)
         if detail:
             print(f"[NOT IMPLEMENTED YET] this cell stopped: {detail}")
         return bool(detail)
 
-    @classmethod
-    def last(cls, value: Callable[[], Any]) -> Any:
-        try:
-            return value()
-        except (NotImplementedError, NameError) as exc:
-            if not cls.stopped(exc):
-                raise
-            return None
-
     def visit_Module(self, module: ast.Module) -> ast.Module:
-        body = list(module.body)
-        if not body:
-            return module
-        last = body[-1]
-        # The last expression is what the cell displays: it stays the cell's last statement,
-        # guarded on its own (one with await, yield or a walrus stays inside the try, undisplayed).
-        shown = last.value if isinstance(last, ast.Expr) and self._liftable(last.value) else None
-        if shown is not None:
-            body.pop()
-        guard = ast.parse(self._GUARD, mode="eval").body
-        statements: list[ast.stmt] = []
-        if body:
-            statements += ast.parse("__course_cell_ran = False").body
-            handler = ast.parse("try:\n    pass\nexcept (NotImplementedError, NameError) as __course_stop:\n"
-                                f"    if not {self._GUARD}.stopped(__course_stop):\n        raise").body[0]
-            assert isinstance(handler, ast.Try)
-            handler.body = body + ast.parse("__course_cell_ran = True").body
-            statements.append(handler)
-        if shown is not None:
-            lazy = ast.Lambda(args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[],
-                                                 defaults=[]), body=shown)
-            call = ast.Call(func=ast.Attribute(value=guard, attr="last", ctx=ast.Load()), args=[lazy], keywords=[])
-            value: ast.expr = ast.IfExp(test=ast.Name("__course_cell_ran", ast.Load()), body=call,
-                                        orelse=ast.Constant(None)) if body else call
-            statements.append(ast.Expr(value))
-        module.body = statements
         _make_lazy_expected(module)
         return ast.fix_missing_locations(module)
 
