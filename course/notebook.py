@@ -15,7 +15,7 @@ in CI against the bare skeleton.
 
 In a learner's edition (no solutions/) the reference's answers come from the release:
 `python run.py release` runs every notebook with COURSE_CHECK_LOG set, and each check keeps
-its answer and its line (`record_check`); the edition's checks replay those answers
+its answer and its line (`_log_check`); the edition's checks replay those answers
 (`recorded_answer`), so they still say PASS or FAIL. There the demonstration cells run the
 learner's engine, and `EditionGuard` (installed into IPython by `reference_or_engine` and
 `load_impl`) turns a stub's NotImplementedError in any cell into one NOT IMPLEMENTED YET
@@ -245,7 +245,7 @@ def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, 
     except NotImplementedError as exc:
         return CheckResult(label, "not implemented", _not_implemented(exc))
     except Exception as exc:                    # the learner's bug, shown as one line
-        if EditionGuard.cut_short:              # in an edition, after a stub stopped a cell
+        if isinstance(exc, NameError) and EditionGuard.cut_short:   # a name a stopped cell never made
             return CheckResult(label, "not implemented", EditionGuard.needs(exc))
         return CheckResult(label, "fail", f"{type(exc).__name__}: {exc}")
     if impl_module.have_reference():
@@ -255,8 +255,8 @@ def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, 
         elif _is_lazy(expected):
             expected = expected()
     else:
-        found = recorded_answer(key)
-        if found is not None:
+        recorded, found = recorded_answer(key)
+        if recorded:
             expected = found
         elif expected is None:
             return CheckResult(label, "unchecked", "this edition has no recorded answer for these inputs "
@@ -339,15 +339,15 @@ def check_answers() -> dict[str, dict[str, dict[str, Any]]]:
     return _answers
 
 
-def recorded_answer(key: str) -> Any:
-    """The reference's recorded answer to the check `key` (this notebook's chapter first), or
-    None where the release recorded none."""
+def recorded_answer(key: str) -> tuple[bool, Any]:
+    """(True, the reference's recorded answer to the check `key`), this notebook's chapter
+    first, or (False, None) where the release recorded none."""
     from .oracle_records import decode
     answers = check_answers()
     entry = answers.get(_chapter(), {}).get(key)
     if entry is None:
         entry = next((found[key] for found in answers.values() if key in found), None)
-    return None if entry is None else decode(entry["value"])
+    return (False, None) if entry is None else (True, decode(entry["value"]))
 
 
 # --- a learner's edition: cells that need a stub not written yet ------------------------------
