@@ -51,12 +51,12 @@ def load_model(impl, device, model_path=None, vocab_size=None):
         raise CommandError(f"--model needs {impl.name}.checkpoint (Chapter 11): {exc}") from exc
     from course.cli import default_dtype
     dtype = default_dtype(device)
-    model_path = model_source(model_path)
+    named, model_path = model_path, model_source(model_path)
     # load_model (Chapters 39, 42) reads GGUF files and every family; older checkouts have Qwen3 only.
     loader = getattr(checkpoint, "load_model", checkpoint.load_checkpoint)
     try:
         if str(model_path).endswith(".gguf"):          # a GGUF file: Chapter 39's reader, Llama or Qwen3
-            with needs_chapters(f"--model {model_path}", SMOLLM2_CHAPTERS[1:]):
+            with needs_chapters(f"--model {named}", SMOLLM2_CHAPTERS[1:]):
                 return loader(model_path, dtype=dtype, device=device).eval()
         return loader(model_path, dtype=dtype, device=device).eval()
     except (OSError, ValueError) as exc:          # CheckpointError and GGUFError are ValueErrors
