@@ -200,7 +200,8 @@ def _not_implemented(exc: NotImplementedError) -> str:
 
 
 def check(target, *args, expected=None, impl=None, reference=None, name: str | None = None,
-          atol: float = 1e-5, rtol: float = 1e-4, compare: Callable | None = None, **kwargs) -> CheckResult:
+          atol: float = 1e-5, rtol: float = 1e-4, compare: Callable | None = None, measured: bool = False,
+          **kwargs) -> CheckResult:
     """Run `target` from the learner's implementation on the arguments and judge the result.
 
     target: a dotted name looked up in both implementations ("layers.rms_norm"), or a
@@ -212,9 +213,13 @@ def check(target, *args, expected=None, impl=None, reference=None, name: str | N
         instead, so a cell can name the reference's computation without running it).
     compare: optional `compare(got, expected) -> str | None` replacing the default
         `differences` (None means equal).
+    measured: the inputs are a measurement this kernel took (timings), so no recorded answer
+        applies to them: an edition runs the learner's function and says RAN.
     Arguments are passed as they are: a function that mutates its inputs should get copies.
     In a learner's edition (no solutions/) the answer is the one the release recorded for this
-    check (same name, same arguments); a check it never recorded says RAN.
+    check (same name, same arguments); a check it never recorded says RAN. The reference's
+    computation leaves the random number generators as the learner's call left them, so the
+    cells after a check draw the same numbers with or without the reference.
     """
     label = name or (target if isinstance(target, str) else str(getattr(target, "__name__", "check")))
     if label == "<lambda>":
@@ -222,13 +227,40 @@ def check(target, *args, expected=None, impl=None, reference=None, name: str | N
     key = _check_key(label, args, kwargs)           # before the call, which may change the arguments
     answer: list[Any] = []                          # the answer judged by, once there is one
     result = _judge(label, key, answer, target, args, kwargs, expected, impl, reference,
-                    compare or (lambda g, e: differences(g, e, atol, rtol)))
+                    compare or (lambda g, e: differences(g, e, atol, rtol)), measured)
     if os.environ.get(CHECK_LOG_ENV):
-        _log_check(label, key, result, answer)
+        _log_check(label, key, result, answer, measured)
     return result
 
 
-def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, compare) -> CheckResult:
+def _generators() -> list[Any]:
+    """The states of the random number generators a cell draws from (torch's CPU one, Python's,
+    numpy's)."""
+    import random
+
+    import numpy
+    import torch
+    return [torch.get_rng_state(), random.getstate(), numpy.random.get_state()]
+
+
+def _restore_generators(states: list[Any]) -> None:
+    import random
+
+    import numpy
+    import torch
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    numpy.random.set_state(states[2])
+
+
+def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, compare, measured) -> CheckResult:
+    if not impl_module.have_reference() and _is_lazy(expected):
+        # The full course computed `expected=` before the call (the edition made it lazy): do the
+        # same, so that the random numbers drawn after it are the same; its errors wait for later.
+        try:
+            expected = _Computed(expected())
+        except Exception:
+            pass
     try:
         mine = impl if impl is not None else load_impl()
         mine = impl_module.load(mine) if isinstance(mine, str) else mine
@@ -240,6 +272,7 @@ def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, 
             return _resolve(target, which)(*args, **kwargs)
         return target(which, *args, **kwargs)
 
+    before = _generators()
     try:
         got = call(mine)
     except NotImplementedError as exc:
@@ -251,16 +284,25 @@ def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, 
     if impl_module.have_reference():
         if expected is None:
             ref = reference if reference is not None else impl_module.reference()
-            expected = call(impl_module.load(ref) if isinstance(ref, str) else ref)
+            after = _generators()
+            _restore_generators(before)           # the reference draws what the learner's call drew
+            try:
+                expected = call(impl_module.load(ref) if isinstance(ref, str) else ref)
+            finally:
+                _restore_generators(after)
         elif _is_lazy(expected):
             expected = expected()
     else:
         recorded, found = recorded_answer(key)
-        if recorded:
+        if recorded and not measured:
             expected = found
+        elif isinstance(expected, _Computed):
+            expected = expected.value
         elif expected is None:
-            return CheckResult(label, "unchecked", "this edition has no recorded answer for these inputs "
-                               "(run the notebook from the top, or the chapter's milestone)", got)
+            why = "its inputs were measured here" if measured else \
+                "this edition has no recorded answer for these inputs"
+            return CheckResult(label, "unchecked",
+                               f"{why} (run the notebook from the top, or the chapter's milestone)", got)
         elif _is_lazy(expected):
             try:
                 expected = expected()
@@ -271,6 +313,12 @@ def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, 
     if problem:
         return CheckResult(label, "fail", problem, got)
     return CheckResult(label, "pass", "", got)
+
+
+@dataclass
+class _Computed:
+    """An `expected=` the edition computed ahead, as the full course does."""
+    value: Any
 
 
 def _is_lazy(expected: Any) -> bool:
@@ -297,12 +345,14 @@ def _check_key(label: str, args: tuple, kwargs: dict) -> str:
         return key_of(f"check {label}", [type(value).__name__ for value in (*args, *kwargs.values())])
 
 
-def _log_check(label: str, key: str, result: CheckResult, answer: list[Any]) -> None:
+def _log_check(label: str, key: str, result: CheckResult, answer: list[Any], measured: bool) -> None:
     """Append one line for this check to COURSE_CHECK_LOG's folder: its chapter, name, key and
     line, and (where the reference answered) the answer, for the release to record."""
     from .oracle_records import encode
     entry: dict[str, Any] = {"chapter": _chapter(), "label": label, "key": key, "line": repr(result)}
-    if answer and impl_module.have_reference():
+    if measured:
+        entry["measured"] = True
+    elif answer and impl_module.have_reference():
         try:
             entry["value"] = encode(answer[0])
         except TypeError as exc:

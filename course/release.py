@@ -103,9 +103,10 @@ def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None 
             shutil.copy2(root / rel, target)
     if record is not None:
         (dest / RECORDS_FILE).parent.mkdir(parents=True, exist_ok=True)
-        oracle_records.write_store(dest / RECORDS_FILE, record_oracles(root, record, timeout))
+        answers, asked = record_checks(root, notebooks=notebooks)
+        oracle_records.write_store(dest / RECORDS_FILE, {**asked, **record_oracles(root, record, timeout)})
         files.append(RECORDS_FILE)
-        notebook.write_check_answers(dest / notebook.CHECK_ANSWERS, record_checks(root, notebooks=notebooks))
+        notebook.write_check_answers(dest / notebook.CHECK_ANSWERS, answers)
         files.append(notebook.CHECK_ANSWERS)
     return files
 
@@ -174,18 +175,22 @@ def _notebook_env(root: Path, log: Path, impl: str | None) -> dict[str, str]:
 
 
 def record_checks(root: Path = ROOT, timeout: float = NOTEBOOK_TIMEOUT,
-                  notebooks: tuple[str, ...] = ("",)) -> dict[str, dict[str, dict]]:
+                  notebooks: tuple[str, ...] = ("",)) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
     """Execute every chapter notebook of root with the reference as the learner's engine and
-    return each check's answer and line, {chapter folder: {key: {"label", "line", "value"}}}.
+    return each check's answer and line, {chapter folder: {key: {"label", "line", "value"}}},
+    and the oracle records (course.oracle_records) the notebooks' code asked for.
     Raises ReleaseError when a notebook does not run to its end, when an answer cannot be
     recorded, or when two checks of a notebook share a name and inputs but not an answer
     (the edition could not tell them apart: give them different names)."""
     with tempfile.TemporaryDirectory(prefix="notebook-checks-") as folder:
-        failed = execute_notebooks(root, _notebook_env(root, Path(folder), "solutions"), timeout, chapters=notebooks)
+        env = _notebook_env(root, Path(folder), "solutions")
+        env[oracle_records.RECORD_ENV] = folder
+        failed = execute_notebooks(root, env, timeout, chapters=notebooks)
         if failed:
             raise ReleaseError("recording the notebooks' checks: these notebooks fail with the reference as "
                                "engine:\n" + "\n".join(f"{name}: {why}" for name, why in failed.items()))
         entries = notebook.read_check_log(Path(folder))
+        asked = oracle_records.read_stores(Path(folder))
     answers: dict[str, dict[str, dict]] = {}
     problems = []
     for entry in entries:
@@ -201,7 +206,7 @@ def record_checks(root: Path = ROOT, timeout: float = NOTEBOOK_TIMEOUT,
                             f"have different answers; name them apart")
     if problems:
         raise ReleaseError("recording the notebooks' checks:\n" + "\n".join(problems))
-    return answers
+    return answers, asked
 
 
 def _workers(selection: tuple[str, ...]) -> list[str]:
@@ -402,6 +407,8 @@ def verify_reference_notebooks(dest: Path, timeout: float = NOTEBOOK_TIMEOUT,
     for entry in entries:
         expected = recorded.get(entry["chapter"], {}).get(entry["key"])
         seen.add((entry["chapter"], entry["key"]))
+        if entry.get("measured"):           # its inputs are this run's measurements: nothing recorded
+            continue
         if expected is None:
             problems.append(f"{entry['chapter']}: check {entry['label']!r} has no recorded answer: {entry['line']}")
         elif entry["line"] != expected["line"]:
