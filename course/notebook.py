@@ -224,7 +224,7 @@ def check(target, *args, expected=None, impl=None, reference=None, name: str | N
     label = name or (target if isinstance(target, str) else str(getattr(target, "__name__", "check")))
     if label == "<lambda>":
         label = "check"
-    key = _check_key(label, args, kwargs)           # before the call, which may change the arguments
+    key = _check_key(label, args, kwargs, target)   # before the call, which may change the arguments
     answer: list[Any] = []                          # the answer judged by, once there is one
     result = _judge(label, key, answer, target, args, kwargs, expected, impl, reference,
                     compare or (lambda g, e: differences(g, e, atol, rtol)), measured)
@@ -241,6 +241,17 @@ def _generators() -> list[Any]:
     import numpy
     import torch
     return [torch.get_rng_state(), random.getstate(), numpy.random.get_state()]
+
+
+def seed_generators(seed: int = 0) -> None:
+    """Seed the generators a notebook draws from (torch's, Python's, numpy's)."""
+    import random
+
+    import numpy
+    import torch
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)
 
 
 def _restore_generators(states: list[Any]) -> None:
@@ -337,12 +348,41 @@ def _chapter() -> str:
     return folder if re.match(r"\d\d-", folder) else ""
 
 
-def _check_key(label: str, args: tuple, kwargs: dict) -> str:
+def _check_key(label: str, args: tuple, kwargs: dict, target: Any = None) -> str:
+    """The key of a check's recorded answer: its name, its arguments, and the data (tensors,
+    numbers, text) its function reads from the notebook's globals, so that other inputs (a
+    cell re-run with new random numbers) never meet an answer recorded for different ones."""
     from .oracle_records import key_of
+    read = _globals_read(target)
     try:
-        return key_of(f"check {label}", (args, kwargs))
-    except TypeError:       # arguments the key cannot hash (an engine object): the name alone
-        return key_of(f"check {label}", [type(value).__name__ for value in (*args, *kwargs.values())])
+        return key_of(f"check {label}", (args, kwargs, read))
+    except TypeError:       # arguments the key cannot hash (an engine object): their types
+        return key_of(f"check {label}", ([type(value).__name__ for value in (*args, *kwargs.values())], read))
+
+
+def _globals_read(target: Any) -> dict[str, Any]:
+    """{name: value} of the plain data (tensors, numbers, text, lists of them) that a function
+    target reads from its module's globals, its nested functions' reads included."""
+    from .oracle_records import key_of
+    if not isinstance(target, types.FunctionType):
+        return {}
+    names: set[str] = set()
+    codes = [target.__code__]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
+    read = {}
+    for name in sorted(names):
+        value = target.__globals__.get(name)
+        if value is None or callable(value) or isinstance(value, types.ModuleType):
+            continue
+        try:
+            key_of("", value)
+        except TypeError:
+            continue
+        read[name] = value
+    return read
 
 
 def _log_check(label: str, key: str, result: CheckResult, answer: list[Any], measured: bool) -> None:
@@ -397,7 +437,7 @@ def recorded_answer(key: str) -> tuple[bool, Any]:
     entry = answers.get(_chapter(), {}).get(key)
     if entry is None:
         entry = next((found[key] for found in answers.values() if key in found), None)
-    return (False, None) if entry is None else (True, decode(entry["value"]))
+    return (False, None) if entry is None or "value" not in entry else (True, decode(entry["value"]))
 
 
 # --- a learner's edition: cells that need a stub not written yet ------------------------------
@@ -428,6 +468,9 @@ class EditionGuard(ast.NodeTransformer):
         if shell is None or any(isinstance(t, cls) for t in shell.ast_transformers):
             return
         shell.ast_transformers.append(cls())
+        # The release ran every notebook from these seeds, so unseeded random inputs are the
+        # ones its answers were recorded for.
+        seed_generators()
         run_code = shell.run_code
 
         def show(etype, value, tb, tb_offset=None):

@@ -148,8 +148,12 @@ def execute_notebooks(root: Path, env: dict[str, str], timeout: float = NOTEBOOK
     def execute(path: Path) -> tuple[str, str]:
         with tempfile.TemporaryDirectory(prefix="edition-notebook-") as scratch:
             # Cells nbval skips in CI (nbval-skip: a slow session the milestone runs) are left out here too.
+            # Every kernel starts from the same seeds (course.notebook.seed_generators, as an edition's
+            # kernel does when it sets up), so unseeded random inputs are the same in every run.
+            seeding = "--InteractiveShellApp.exec_lines=['import course.notebook; course.notebook.seed_generators()']"
             command = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                        f"--ExecutePreprocessor.timeout={int(timeout)}", "--TagRemovePreprocessor.enabled=True",
+                       f'--ExecutePreprocessor.extra_arguments=["{seeding}"]',
                        "--TagRemovePreprocessor.remove_cell_tags=nbval-skip", "--output-dir", scratch, path.name]
             try:
                 ran = subprocess.run(command, cwd=path.parent, env=env, capture_output=True, text=True,
@@ -197,11 +201,10 @@ def record_checks(root: Path = ROOT, timeout: float = NOTEBOOK_TIMEOUT,
         if "unrecordable" in entry:
             problems.append(f"{entry['chapter']}: check {entry['label']!r}: {entry['unrecordable']}")
             continue
-        if "value" not in entry:
+        if entry.get("measured"):
             continue
-        kept = answers.setdefault(entry["chapter"], {}).setdefault(
-            entry["key"], {"label": entry["label"], "line": entry["line"], "value": entry["value"]})
-        if kept["value"] != entry["value"]:
+        kept = answers.setdefault(entry["chapter"], {}).setdefault(entry["key"], dict(entry))
+        if kept.get("value") != entry.get("value"):
             problems.append(f"{entry['chapter']}: two checks named {entry['label']!r} with the same inputs "
                             f"have different answers; name them apart")
     if problems:
