@@ -146,6 +146,21 @@ def test_an_edition_check_judges_by_the_recorded_answer(monkeypatch, tmp_path):
         "[NOT IMPLEMENTED YET] double: fill in rms_norm (Chapter 4)"
 
 
+def test_a_checks_key_follows_the_data_its_function_reads():
+    """A lambda's inputs often live in the notebook's globals: new random numbers there (a
+    re-run cell) must not meet the answer recorded for the old ones."""
+    import torch
+
+    from course import notebook
+    namespace = {"torch": torch, "xs": torch.zeros(3)}
+    target = eval("lambda impl: impl.f(xs, torch.ones(2))", namespace)
+    first = notebook._check_key("f", (), {}, target)
+    namespace["xs"] = torch.ones(3)
+    assert notebook._check_key("f", (), {}, target) != first
+    namespace["xs"] = torch.zeros(3)
+    assert notebook._check_key("f", (), {}, target) == first
+
+
 def test_in_an_edition_a_cell_that_needs_an_unwritten_stub_says_so_and_the_notebook_goes_on(capsys):
     """EditionGuard: NotImplementedError (then any error of a later cell) becomes one line and
     the cell counts as run, from the statement after the install on; before a stub stopped a
