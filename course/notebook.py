@@ -265,6 +265,7 @@ def _restore_generators(states: list[Any]) -> None:
 
 
 def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, compare, measured) -> CheckResult:
+    import torch
     if not impl_module.have_reference() and _is_lazy(expected):
         # The full course computed `expected=` before the call (the edition made it lazy): do the
         # same, so that the random numbers drawn after it are the same; its errors wait for later.
@@ -278,7 +279,11 @@ def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, 
     except impl_module.ImplError as exc:        # no engine/ yet: nothing implemented
         return CheckResult(label, "not implemented", str(exc))
 
-    def call(which):
+    # The reference gets the arguments as they were before the learner's call, which may change
+    # them in place (else a function that mutates its input would be compared with itself).
+    untouched = [arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args]
+
+    def call(which, args=args):
         if isinstance(target, str):
             return _resolve(target, which)(*args, **kwargs)
         return target(which, *args, **kwargs)
@@ -298,7 +303,7 @@ def _judge(label, key, answer, target, args, kwargs, expected, impl, reference, 
             after = _generators()
             _restore_generators(before)           # the reference draws what the learner's call drew
             try:
-                expected = call(impl_module.load(ref) if isinstance(ref, str) else ref)
+                expected = call(impl_module.load(ref) if isinstance(ref, str) else ref, untouched)
             finally:
                 _restore_generators(after)
         elif _is_lazy(expected):
@@ -366,11 +371,12 @@ def _globals_read(target: Any) -> dict[str, Any]:
     from .oracle_records import key_of
     if not isinstance(target, types.FunctionType):
         return {}
+    import dis
     names: set[str] = set()
     codes = [target.__code__]
     while codes:
         code = codes.pop()
-        names.update(code.co_names)
+        names.update(str(op.argval) for op in dis.get_instructions(code) if op.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
         codes.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
     read = {}
     for name in sorted(names):
