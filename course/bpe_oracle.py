@@ -56,3 +56,22 @@ def library_tokenizer(metadata: dict[str, Any]):
     control = [t for t, kind in zip(tokens, metadata["tokenizer.ggml.token_type"]) if kind == CONTROL_TOKEN]
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     return tokenizer
+
+
+def _byte_of_character() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: each printable stand-in character -> its byte
+    (bytes that print as themselves keep their character; the others were moved to 256 + n)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    moved = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + n): b for n, b in enumerate(moved)})
+    return table
+
+
+def vocabulary_bytes(metadata: dict[str, Any]) -> list[bytes]:
+    """Every token's bytes (b"" for control tokens such as <|im_end|>), from the file's token
+    strings: the guide's vocabulary (Chapter 35) without Chapter 36's tokenizer."""
+    byte_of = _byte_of_character()
+    return [b"" if kind == CONTROL_TOKEN else bytes(byte_of[c] for c in token)
+            for token, kind in zip(metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"])]

@@ -13,6 +13,10 @@ import ast
 import importlib
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 COMMANDS_DIR = Path(__file__).resolve().parent / "commands"
 
@@ -75,10 +79,30 @@ def main(argv: list[str] | None = None) -> int:
 
 # --- shared options, so every command spells them the same way -------------------------------
 
-def add_impl_argument(parser, default: str = "solutions") -> None:
+def add_impl_argument(parser, default: str | None = None) -> None:
+    """--impl; its default is the reference (solutions) where the checkout has it, else (a
+    learner's edition) the learner's engine."""
+    from .impl import have_reference
+    choices = "solutions, engine" if have_reference() else "engine"
+    default = default or ("solutions" if have_reference() else "engine")
     parser.add_argument("--impl", default=default, metavar="SPEC",
-                        help=f"implementation: solutions, engine, a checkout path, optionally @N "
-                             f"(default: {default})")
+                        help=f"implementation: {choices}, a checkout path, optionally @N (default: {default})")
+
+
+def default_dtype(device) -> "torch.dtype":
+    """The dtype a real checkpoint is loaded in (Chapter 40's rule, kept here so that a command
+    never needs the learner's stub or the reference for it): float32 on a CPU, bfloat16 where
+    the device computes it, else float16 on MPS and float32 elsewhere."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.float32
+    if device.type == "cuda" and torch.cuda.is_available():      # Ampere and later (or ROCm) compute bfloat16
+        fast = bool(torch.version.hip) or torch.cuda.get_device_properties(device).major >= 8
+        return torch.bfloat16 if fast else torch.float32
+    if device.type == "xpu":
+        return torch.bfloat16
+    return torch.float16 if device.type == "mps" else torch.float32
 
 
 def add_device_argument(parser) -> None:
@@ -103,6 +127,10 @@ def resolve_device(choice: str | None):
     from course.impl import have_reference
     choice = choice or ("cuda" if torch.cuda.is_available() else "cpu")
     if not have_reference():            # a learner's edition: torch's own answer, no stub consulted
+        if choice == "auto":
+            present = [kind for kind in ("cuda", "mps", "xpu")
+                       if getattr(torch, kind, None) is not None and getattr(torch, kind).is_available()]
+            return torch.device(present[0] if present else "cpu")
         if choice.startswith("cuda") and not torch.cuda.is_available():
             raise CommandError(f"--device {choice}: torch sees no CUDA device here")
         return torch.device(choice)

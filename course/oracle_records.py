@@ -18,7 +18,8 @@ adds what tells them apart, as Chapter 42 adds the family's name), generators by
 dataclasses by their fields. So a test asks the same
 question in both worlds as long as its inputs are deterministic (seeded; Hypothesis runs
 derandomized while recording and in an edition, see course.pytest_plugin).
-Values are JSON with tensors, tuples and bytes tagged, gzip-compressed.
+Values are JSON with tensors, tuples, bytes, sets and dicts with other than str keys
+tagged, gzip-compressed.
 """
 from __future__ import annotations
 
@@ -132,6 +133,10 @@ def encode(value: Any) -> Any:
         return [encode(v) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {"__dict__": {k: encode(v) for k, v in value.items()}}
+    if isinstance(value, dict):             # other keys (a Counter of pairs): a list of items
+        return {"__items__": [[encode(k), encode(v)] for k, v in value.items()]}
+    if isinstance(value, (set, frozenset)):  # in a stable order, so equal sets record equal
+        return {"__set__": sorted((encode(v) for v in value), key=repr), "frozen": isinstance(value, frozenset)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = [f.name for f in dataclasses.fields(value)]
         names += [name for name, member in vars(type(value)).items() if isinstance(member, property)]
@@ -153,6 +158,10 @@ def decode(value: Any) -> Any:
         return base64.b64decode(value["__bytes__"])
     if "__tuple__" in value:
         return tuple(decode(v) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {decode(k): decode(v) for k, v in value["__items__"]}
+    if "__set__" in value:
+        return (frozenset if value["frozen"] else set)(decode(v) for v in value["__set__"])
     if "__fields__" in value:          # a dataclass of the reference: its fields and properties by name
         return SimpleNamespace(**{k: decode(v) for k, v in value["__fields__"].items()})
     return {k: decode(v) for k, v in value["__dict__"].items()}

@@ -12,12 +12,14 @@ from functools import cache
 from typing import Any
 
 from . import reference
-from .smollm2 import smollm2_gguf_path
+from .impl import have_reference, load
+from .smollm2 import SmolLM2Unavailable, smollm2_gguf_path
 
 
 @cache
 def smollm2() -> tuple[Any, Any]:
-    """(model, tokenizer) of SmolLM2-135M-Instruct through the reference implementation.
+    """(model, tokenizer) of SmolLM2-135M-Instruct through the reference implementation (in a
+    learner's edition, through the learner's engine).
 
     The model is Chapter 42's Llama-family model, read from the GGUF file by Chapter 39's
     loader into float32 on the CPU, in eval mode; the tokenizer is Chapter 36's BPE
@@ -27,7 +29,16 @@ def smollm2() -> tuple[Any, Any]:
     process: every call returns the same two objects, so callers must not modify the model.
     """
     path = smollm2_gguf_path(quiet=True)
-    ref = reference()
-    model = ref.checkpoint.load_model(path).eval()
-    tokenizer = ref.bpe.BPETokenizer.from_gguf_metadata(ref.gguf.GGUFFile(path).metadata)
+    if not have_reference():        # a learner's edition: SmolLM2 runs on the learner's engine
+        try:
+            return _load(load("engine"), path)
+        except NotImplementedError as exc:
+            raise SmolLM2Unavailable(f"SmolLM2 runs on your engine once Chapters 36, 39 and 42 are done "
+                                     f"({exc} is not written yet)") from None
+    return _load(reference(), path)
+
+
+def _load(impl: Any, path: Any) -> tuple[Any, Any]:
+    model = impl.checkpoint.load_model(path).eval()
+    tokenizer = impl.bpe.BPETokenizer.from_gguf_metadata(impl.gguf.GGUFFile(path).metadata)
     return model, tokenizer

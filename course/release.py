@@ -12,15 +12,24 @@ configuration) and leaves out solutions/ and the maintainer's own tooling. It al
   (`ref.layers.rms_norm(...)`, `ref.tokenizer.ByteTokenizer(...)`: a function or a class
   with stub methods) shows one line instead of its saved output, because that output is
   what the stub computes. Figures and tables made by other code keep their outputs.
+  `load_impl("solutions")` becomes `load_impl("engine")`, and text that points at a file of
+  `solutions/` points at the same file of `engine/`, the learner's;
+- records every notebook check's answer: it executes each chapter's notebook here with the
+  reference as the engine (`record_checks`), and keeps each check's answer and line in
+  tests/oracle_records/ (course.notebook.CHECK_ANSWERS), from which the edition's checks
+  say PASS or FAIL.
 `check_release(dest)` then proves, in a subprocess that imports only the edition, that the
 tests collect and that Chapter 1's milestone fails with "not implemented yet" for the
 stubs rather than with an import or collection error, and that `run.py progress` counts
 the stubs from engine/'s markers. `verify_release(dest)` is the full proof: with the
 reference copied into the edition's engine/, every written chapter's milestone passes with
-`--impl engine` (minutes; CI runs it after the book).
+`--impl engine`, and every notebook runs there with each check line the full course's; and
+before that, with the bare skeleton, every notebook runs to its end (minutes; CI runs it
+after the book).
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -30,15 +39,17 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from . import manifest, oracle_records, skeleton
+from . import manifest, notebook, oracle_records, skeleton
 from .manifest import ROOT
 
 # Top-level entries a learner's edition leaves out: the reference answers, the
 # maintainer's guide and CI script (both drive solutions/), and local caches.
 EXCLUDED = ("solutions", "CONTRIBUTING.md", ".ci", ".course_cache", ".git")
 NOT_IMPLEMENTED = "not implemented yet"
+NOTEBOOK_TIMEOUT = 600.0        # seconds one notebook may take to run top to bottom
 
 
 class ReleaseError(RuntimeError):
@@ -65,10 +76,12 @@ LEFT_OUT = ("[left out of the learner's edition: this cell calls a stub of the r
 
 
 def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None = ALL_MILESTONES,
-                  timeout: float = 3600.0) -> list[Path]:
+                  timeout: float = 3600.0, notebooks: tuple[str, ...] = ("",)) -> list[Path]:
     """Copy the edition into dest (which must not exist or be empty), with its notebooks made
     answer-free and, unless `record` is None, the reference's answers to the milestones that
-    `record` selects (pytest arguments, run here) in tests/oracle_records/. Returns the files."""
+    `record` selects (pytest arguments, run here) and to the checks of the chapter notebooks
+    whose folder names start with one of `notebooks` (all by default) in tests/oracle_records/.
+    Returns the files."""
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise ReleaseError(f"{dest} is not empty: the edition is written into a new folder")
@@ -82,12 +95,19 @@ def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None 
         if rel.parts[0] == "chapters" and rel.suffix in (".ipynb", ".md"):
             target.write_text(edition_notebook(rel.suffix, (root / rel).read_text(encoding="utf-8"), stubs),
                               encoding="utf-8")
+        elif rel == Path("README.md"):      # its layout table's row for solutions/, which the edition lacks
+            kept = [line for line in (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
+                    if not line.startswith("| `solutions/`")]
+            target.write_text("".join(kept), encoding="utf-8")
         else:
             shutil.copy2(root / rel, target)
     if record is not None:
         (dest / RECORDS_FILE).parent.mkdir(parents=True, exist_ok=True)
-        oracle_records.write_store(dest / RECORDS_FILE, record_oracles(root, record, timeout))
+        answers, asked = record_checks(root, notebooks=notebooks)
+        oracle_records.write_store(dest / RECORDS_FILE, {**asked, **record_oracles(root, record, timeout)})
         files.append(RECORDS_FILE)
+        notebook.write_check_answers(dest / notebook.CHECK_ANSWERS, answers)
+        files.append(notebook.CHECK_ANSWERS)
     return files
 
 
@@ -108,13 +128,97 @@ def record_oracles(root: Path, selection: tuple[str, ...], timeout: float) -> di
         return oracle_records.read_stores(Path(folder))
 
 
+def chapter_notebooks(root: Path, chapters: tuple[str, ...] = ("",)) -> list[Path]:
+    """The chapter notebooks (.ipynb) under root/chapters whose folder names start with one of
+    `chapters` (all by default), in chapter order."""
+    return sorted(path for path in (root / "chapters").glob("[0-9][0-9]-*/[0-9][0-9]-*.ipynb")
+                  if path.parent.name.startswith(chapters))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def execute_notebooks(root: Path, env: dict[str, str], timeout: float = NOTEBOOK_TIMEOUT,
+                      jobs: int | None = None, chapters: tuple[str, ...] = ("",)) -> dict[str, str]:
+    """Execute every chapter notebook of root (a checkout or an edition) top to bottom, `jobs`
+    at a time (default: one per core), each in a fresh kernel started in its folder with
+    `env`, into a scratch copy (the files stay as they are). Returns {chapter folder: why it
+    did not run to its end}, empty when every one did; a notebook gets `timeout` seconds."""
+    def execute(path: Path) -> tuple[str, str]:
+        with tempfile.TemporaryDirectory(prefix="edition-notebook-") as scratch:
+            # Cells nbval skips in CI (nbval-skip: a slow session the milestone runs) are left out here too.
+            # Every kernel starts from the same seeds (course.notebook.seed_generators, as an edition's
+            # kernel does when it sets up), so unseeded random inputs are the same in every run.
+            seeding = "--InteractiveShellApp.exec_lines=['import course.notebook; course.notebook.seed_generators()']"
+            command = [sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
+                       f"--ExecutePreprocessor.timeout={int(timeout)}", "--TagRemovePreprocessor.enabled=True",
+                       f'--ExecutePreprocessor.extra_arguments=["{seeding}"]',
+                       "--TagRemovePreprocessor.remove_cell_tags=nbval-skip", "--output-dir", scratch, path.name]
+            try:
+                ran = subprocess.run(command, cwd=path.parent, env=env, capture_output=True, text=True,
+                                     timeout=timeout + 60)
+            except subprocess.TimeoutExpired:
+                return path.parent.name, f"did not finish in {timeout:.0f}s"
+        if ran.returncode == 0:
+            return path.parent.name, ""
+        lines = [line for line in ran.stderr.splitlines() if line.strip()]
+        return path.parent.name, "\n".join(lines[-12:])
+    notebooks = chapter_notebooks(root, chapters)
+    with ThreadPoolExecutor(max_workers=jobs or _cores()) as pool:
+        return {name: why for name, why in pool.map(execute, notebooks) if why}
+
+
+def _notebook_env(root: Path, log: Path, impl: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COURSE_IMPL")}
+    env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               **{notebook.CHECK_LOG_ENV: str(log)})
+    if impl is not None:
+        env["COURSE_IMPL"] = impl
+    return env
+
+
+def record_checks(root: Path = ROOT, timeout: float = NOTEBOOK_TIMEOUT,
+                  notebooks: tuple[str, ...] = ("",)) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
+    """Execute every chapter notebook of root with the reference as the learner's engine and
+    return each check's answer and line, {chapter folder: {key: {"label", "line", "value"}}},
+    and the oracle records (course.oracle_records) the notebooks' code asked for.
+    Raises ReleaseError when a notebook does not run to its end, when an answer cannot be
+    recorded, or when two checks of a notebook share a name and inputs but not an answer
+    (the edition could not tell them apart: give them different names)."""
+    with tempfile.TemporaryDirectory(prefix="notebook-checks-") as folder:
+        env = _notebook_env(root, Path(folder), "solutions")
+        env[oracle_records.RECORD_ENV] = folder
+        failed = execute_notebooks(root, env, timeout, chapters=notebooks)
+        if failed:
+            raise ReleaseError("recording the notebooks' checks: these notebooks fail with the reference as "
+                               "engine:\n" + "\n".join(f"{name}: {why}" for name, why in failed.items()))
+        entries = notebook.read_check_log(Path(folder))
+        asked = oracle_records.read_stores(Path(folder))
+    answers: dict[str, dict[str, dict]] = {}
+    problems = []
+    for entry in entries:
+        if "unrecordable" in entry:
+            problems.append(f"{entry['chapter']}: check {entry['label']!r}: {entry['unrecordable']}")
+            continue
+        if entry.get("measured"):
+            continue
+        kept = answers.setdefault(entry["chapter"], {}).setdefault(entry["key"], dict(entry))
+        if kept.get("value") != entry.get("value"):
+            problems.append(f"{entry['chapter']}: two checks named {entry['label']!r} with the same inputs "
+                            f"have different answers; name them apart")
+    if problems:
+        raise ReleaseError("recording the notebooks' checks:\n" + "\n".join(problems))
+    return answers, asked
+
+
 def _workers(selection: tuple[str, ...]) -> list[str]:
     """pytest-xdist workers for a run of every milestone; a few chosen tests run serially
     (starting workers would cost more than it saves)."""
     import importlib.util
     if selection != ALL_MILESTONES:
         return []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     if cores < 2 or importlib.util.find_spec("xdist") is None:
         return []
     return ["-n", str(min(cores, 8)), "--dist", "loadfile"]
@@ -132,9 +236,11 @@ def stub_names(package: Path) -> dict[str, set[str]]:
 
 
 _REFERENCE_CALL = re.compile(r"\bcourse\.reference\(\)")
-# `ref = course.reference()`, `B = course.reference().bpe`: the names a notebook gives the reference;
+# `ref = course.reference()`, `ref = load_impl("solutions")`, `B = course.reference().bpe`: the names a
+# notebook gives the reference;
 # then `cost = ref.cost`, `engine = ref.load("serve.engine")`: names of its modules.
-_ALIAS = re.compile(r"^\s*(\w+)\s*=\s*course\.reference\(\)((?:\.\w+)*)\s*(?:#.*)?$", re.MULTILINE)
+_ALIAS = re.compile(r"""^\s*(\w+)\s*=\s*(?:course\.reference\(\)|load_impl\(["']solutions["']\))"""
+                    r"((?:\.\w+)*)\s*(?:#.*)?$", re.MULTILINE)
 _MODULE_ALIAS = re.compile(r"^\s*(\w+)\s*=\s*(\w+)(?:\.load\([\"']([\w.]+)[\"']\)|((?:\.\w+)+))\s*(?:#.*)?$",
                            re.MULTILINE)
 
@@ -163,23 +269,42 @@ def reveals_a_stub(source: str, stubs: dict[str, set[str]], aliases: dict[str, s
     return False
 
 
+# `ref = load_impl("solutions")  # the reference engine`: the learner's engine in an edition.
+_LOAD_REFERENCE = re.compile(r"""load_impl\((["'])solutions\1\)([ \t]*#[^\n"]*)?""")
+# `solutions/bpe.py`, `solutions/server/`, `ROOT / "solutions"`, `--impl solutions`: the learner's copy is engine/.
+_REFERENCE_PATH = re.compile(r"\bsolutions/")
+_REFERENCE_NAME = re.compile(r"""(["'])solutions\1""")
+
+
+def edition_text(text: str) -> str:
+    """A notebook's source (or a string of its JSON) as the edition has it: the reference's
+    setup lines and the name "solutions" name the learner's engine, and paths into
+    solutions/ point into engine/."""
+    text = _REFERENCE_CALL.sub("course.notebook.reference_or_engine()", text)
+    text = _LOAD_REFERENCE.sub('load_impl("engine")', text)
+    text = _REFERENCE_NAME.sub(r"\1engine\1", text)
+    return _REFERENCE_PATH.sub("engine/", text)
+
+
 def edition_notebook(suffix: str, text: str, stubs: dict[str, set[str]]) -> str:
-    """A chapter's notebook (.ipynb) or its paired MyST text (.md) as the edition has it: the
-    reference replaced by `reference_or_engine()`, and in .ipynb the outputs of cells that
-    call a stub of the reference replaced by one line (LEFT_OUT)."""
+    """A chapter's notebook (.ipynb) or its paired MyST text (.md) as the edition has it
+    (`edition_text`), and in .ipynb the outputs of cells that call a stub of the reference
+    replaced by one line (LEFT_OUT)."""
     if suffix == ".md":
-        return _REFERENCE_CALL.sub("course.notebook.reference_or_engine()", text)
-    notebook = json.loads(text)
-    cells = [cell for cell in notebook.get("cells", []) if cell.get("cell_type") == "code"]
+        return edition_text(text)
+    document = json.loads(text)
+    cells = [cell for cell in document.get("cells", []) if cell.get("cell_type") == "code"]
     aliases = _aliases(["".join(cell.get("source", [])) for cell in cells])
     for cell in cells:
         source = "".join(cell.get("source", []))
         if cell.get("outputs") and reveals_a_stub(source, stubs, aliases):
             cell["outputs"] = [{"name": "stdout", "output_type": "stream", "text": [LEFT_OUT]}]
-        if _REFERENCE_CALL.search(source):
-            replaced = _REFERENCE_CALL.sub("course.notebook.reference_or_engine()", source)
-            cell["source"] = replaced.splitlines(keepends=True)
-    return json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+    for cell in document.get("cells", []):
+        cell["source"] = edition_text("".join(cell.get("source", []))).splitlines(keepends=True)
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream":
+                output["text"] = edition_text("".join(output["text"])).splitlines(keepends=True)
+    return json.dumps(document, indent=1, ensure_ascii=False) + "\n"
 
 
 def _edition_env(dest: Path) -> dict[str, str]:
@@ -254,6 +379,50 @@ def verify_release(dest: Path, root: Path = ROOT, timeout: float = 3600.0,
         results[chapter] = (passed + (not failed), failures + failed)
     report.unlink()
     return dict(sorted(results.items()))
+
+
+def verify_bare_notebooks(dest: Path, timeout: float = NOTEBOOK_TIMEOUT,
+                          notebooks: tuple[str, ...] = ("",)) -> tuple[list[str], int]:
+    """Every notebook of the edition in dest, run on its engine/ as released (the bare
+    skeleton), must reach its end. Returns (problems, how many NOT IMPLEMENTED YET lines the
+    checks printed)."""
+    dest = Path(dest)
+    with tempfile.TemporaryDirectory(prefix="bare-notebooks-") as folder:
+        failed = execute_notebooks(dest, _notebook_env(dest, Path(folder), None), timeout, chapters=notebooks)
+        entries = notebook.read_check_log(Path(folder))
+    problems = [f"{name} stops with the bare engine/:\n{why}" for name, why in failed.items()]
+    return problems, sum("[NOT IMPLEMENTED YET]" in entry["line"] for entry in entries)
+
+
+def verify_reference_notebooks(dest: Path, timeout: float = NOTEBOOK_TIMEOUT,
+                               notebooks: tuple[str, ...] = ("",)) -> tuple[list[str], int]:
+    """With the reference as the edition's engine/ (after verify_release), every notebook must
+    run to its end and every check line must be the one the full course printed when the
+    edition was released. Returns (problems, how many check lines matched)."""
+    dest = Path(dest)
+    with tempfile.TemporaryDirectory(prefix="reference-notebooks-") as folder:
+        failed = execute_notebooks(dest, _notebook_env(dest, Path(folder), None), timeout, chapters=notebooks)
+        entries = notebook.read_check_log(Path(folder))
+    problems = [f"{name} stops with the reference as engine/:\n{why}" for name, why in failed.items()]
+    with gzip.open(dest / notebook.CHECK_ANSWERS, "rt", encoding="utf-8") as source:
+        recorded: dict[str, dict[str, dict]] = json.load(source)
+    matched, seen = 0, set()
+    for entry in entries:
+        expected = recorded.get(entry["chapter"], {}).get(entry["key"])
+        seen.add((entry["chapter"], entry["key"]))
+        if entry.get("measured"):           # its inputs are this run's measurements: nothing recorded
+            continue
+        if expected is None:
+            problems.append(f"{entry['chapter']}: check {entry['label']!r} has no recorded answer: {entry['line']}")
+        elif entry["line"] != expected["line"]:
+            problems.append(f"{entry['chapter']}: check {entry['label']!r} says {entry['line']!r} in the edition, "
+                            f"{expected['line']!r} in the full course")
+        else:
+            matched += 1
+    problems += [f"{chapter}: check {entry['label']!r} did not run in the edition"
+                 for chapter, keys in recorded.items() for key, entry in keys.items() if (chapter, key) not in seen
+                 and chapter not in failed]
+    return problems, matched
 
 
 def _chapter_of_file(path: Path) -> int | None:

@@ -14,10 +14,14 @@ PROOF = ("tests/test_ch16_kv_cache.py::test_greedy_cached_equals_recompute",
          "tests/test_ch31_engine_v2.py::test_five_requests_match_solo_generate")
 
 
+# A quick notebook whose checks the fixture's edition records, and then runs twice.
+NOTEBOOK = ("04-",)
+
+
 @pytest.fixture(scope="module")
 def edition(tmp_path_factory):
     dest = tmp_path_factory.mktemp("release") / "edition"
-    return dest, {str(f) for f in release.write_release(dest, record=PROOF)}
+    return dest, {str(f) for f in release.write_release(dest, record=PROOF, notebooks=NOTEBOOK)}
 
 
 def test_the_edition_leaves_out_the_answers_and_keeps_what_a_learner_needs(edition):
@@ -32,12 +36,18 @@ def test_the_edition_leaves_out_the_answers_and_keeps_what_a_learner_needs(editi
 
 
 def test_an_edition_replays_the_references_answers_without_solutions(edition):
-    # The edition's own course/ answers its imports, not this repository's (release._pytest).
+    """The notebook runs to its end on the bare engine (its checks say NOT IMPLEMENTED YET);
+    then, with the reference as engine/, the milestones pass and every check line is the
+    full course's. The edition's own course/ answers its imports (release._edition_env)."""
     dest, _ = edition
+    problems, not_yet = release.verify_bare_notebooks(dest, notebooks=NOTEBOOK)
+    assert not problems and not_yet > 0, problems
     results = release.verify_release(dest, selection=PROOF + (
         "tests/test_ch01_the_engine_you_will_build.py::test_count_is_an_int_and_builds_nothing",))
     assert not (dest / "solutions").exists()
     assert set(results) == {1, 16, 31} and all(failed == 0 and passed for passed, failed in results.values()), results
+    problems, matched = release.verify_reference_notebooks(dest, notebooks=NOTEBOOK)
+    assert not problems and matched > 0, problems
 
 
 def test_refuses_a_folder_that_is_not_empty_or_inside_the_repository(tmp_path):
@@ -97,14 +107,101 @@ def test_progress_without_the_reference_reads_the_markers_in_engine(tmp_path, mo
     assert states == {"add": True, "mul": False}
 
 
-def test_a_check_cell_without_the_reference_reports_that_it_ran(monkeypatch, tmp_path):
+def _without_reference(monkeypatch, tmp_path, answers):
     from course import impl as impl_module
-    from course.notebook import check
+    from course import notebook
     monkeypatch.setitem(impl_module.NAMED, "solutions", tmp_path / "no-solutions")
-    result = check(lambda impl: 2 + 3, impl=impl_module.load("engine"), name="add")
-    assert result.status == "unchecked" and not result and result.value == 5
-    assert repr(result).startswith("[RAN] add: no reference here")
+    monkeypatch.setattr(notebook, "_answers", answers)
+    monkeypatch.chdir(tmp_path)
+    return impl_module.load("engine")
 
+
+def test_a_check_without_a_recorded_answer_reports_that_it_ran(monkeypatch, tmp_path):
+    from course.notebook import check
+    engine = _without_reference(monkeypatch, tmp_path, {})
+    result = check(lambda impl: 2 + 3, impl=engine, name="add")
+    assert result.status == "unchecked" and not result and result.value == 5
+    assert repr(result).startswith("[RAN] add: this edition has no recorded answer")
+
+
+def test_an_edition_check_judges_by_the_recorded_answer(monkeypatch, tmp_path):
+    """Same name and inputs: the recorded answer decides, whatever `expected` the cell computes
+    (in an edition that is often the learner's own engine), even one that fails."""
+    import torch
+
+    from course import notebook
+    x = torch.arange(4.0)
+    key = notebook._check_key("double", (x,), {})
+    answers = {"": {key: {"label": "double", "line": "", "value": oracle_records.encode(x * 2)}}}
+    engine = _without_reference(monkeypatch, tmp_path, answers)
+    assert repr(notebook.check(lambda impl, t: t * 2, x, impl=engine, name="double")) == "[PASS] double"
+    wrong = notebook.check(lambda impl, t: t * 3, x, impl=engine, name="double", expected=x * 3)
+    assert repr(wrong).startswith("[FAIL] double: max abs difference 3 at (3,)")
+    for lazy in (lambda: x * 5, lambda: engine.layers.rms_norm(x, x, 1e-6)):   # wrong, or not written yet
+        assert notebook.check(lambda impl, t: t * 2, x, impl=engine, name="double", expected=lazy).status == "pass"
+
+    def unwritten(impl, t):
+        raise NotImplementedError("Your engine: Chapter 4: rms_norm")
+    assert repr(notebook.check(unwritten, x, impl=engine, name="double")) == \
+        "[NOT IMPLEMENTED YET] double: fill in rms_norm (Chapter 4)"
+
+
+def test_a_checks_key_follows_the_data_its_function_reads():
+    """A lambda's inputs often live in the notebook's globals: new random numbers there (a
+    re-run cell) must not meet the answer recorded for the old ones."""
+    import torch
+
+    from course import notebook
+    namespace = {"torch": torch, "xs": torch.zeros(3)}
+    target = eval("lambda impl: impl.f(xs, torch.ones(2))", namespace)
+    first = notebook._check_key("f", (), {}, target)
+    namespace["xs"] = torch.ones(3)
+    assert notebook._check_key("f", (), {}, target) != first
+    namespace["xs"] = torch.zeros(3)
+    assert notebook._check_key("f", (), {}, target) == first
+
+
+def test_in_an_edition_a_cell_that_needs_an_unwritten_stub_says_so_and_the_notebook_goes_on(capsys):
+    """EditionGuard: NotImplementedError (then any error of a later cell) becomes one line and
+    the cell counts as run, from the statement after the install on; before a stub stopped a
+    cell, other errors stay errors; the last expression is still displayed."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        assert not shell.run_cell("1 / 0").success            # no guard yet
+        install = ("from course.notebook import EditionGuard\nEditionGuard.install()\n"
+                   "def f():\n    raise NotImplementedError('Your engine: Chapter 3: f')\n"
+                   "assert not EditionGuard.cut_short\nmade = f()\nprint('after')")
+        assert shell.run_cell(install).success
+        assert shell.run_cell("a = 1\na + 1").result == 2
+        assert shell.run_cell("made + 1").success
+        shown = capsys.readouterr().out
+        assert "[NOT IMPLEMENTED YET] this cell stopped: fill in f (Chapter 3)" in shown and "after" not in shown
+        assert "NameError: name 'made' is not defined, likely because an earlier cell stopped (fill in f" in shown
+    finally:
+        from course.notebook import EditionGuard
+        EditionGuard.cut_short = ""
+        InteractiveShell.clear_instance()
+
+
+def test_commands_default_to_the_engine_where_there_is_no_reference(monkeypatch):
+    import argparse
+
+    from course import cli
+    from course import impl as impl_module
+    monkeypatch.setattr(impl_module, "have_reference", lambda: False)
+    parser = argparse.ArgumentParser()
+    cli.add_impl_argument(parser)
+    assert parser.parse_args([]).impl == "engine" and "solutions" not in parser.format_help()
+
+
+def test_the_editions_text_points_at_engine_not_solutions():
+    text = ('ref = load_impl("solutions")            # the reference engine\n'
+            "This chapter builds `solutions/bpe.py` and `solutions/server/`.\nref = course.reference()\n")
+    edited = release.edition_text(text)
+    assert "solutions" not in edited
+    assert 'ref = load_impl("engine")\n' in edited and "`engine/bpe.py` and `engine/server/`" in edited
 
 
 def test_a_missing_record_says_so_in_one_line(monkeypatch, tmp_path):
@@ -121,9 +218,10 @@ def test_keys_hash_content_and_values_come_back_whole():
     a, b = torch.arange(6.0).view(2, 3), torch.arange(6.0).view(2, 3)
     assert oracle_records.key_of("x", (a, [1, 2])) == oracle_records.key_of("x", (b, [1, 2]))
     assert oracle_records.key_of("x", (a, [1, 2])) != oracle_records.key_of("x", (a.T.contiguous(), [1, 2]))
-    value = (a.bfloat16(), [3, 4], {"bytes": b"\x00"}, None, 1.5)
+    value = (a.bfloat16(), [3, 4], {"bytes": b"\x00"}, None, 1.5, frozenset({(1, 2), 3}), {("a", "b"): 2})
     back = oracle_records.decode(json.loads(json.dumps(oracle_records.encode(value))))
     assert torch.equal(back[0], a.bfloat16()) and back[1:] == value[1:]
+    assert isinstance(back[5], frozenset)
 
 
 def test_notebook_cells_that_call_a_stub_lose_their_outputs():

@@ -1,6 +1,24 @@
 """What the model-running commands share: threads, and the model to run (not a command:
 the dispatcher skips files whose name starts with an underscore)."""
+from contextlib import contextmanager
+
 from course.cli import CommandError
+
+# What running SmolLM2 on an implementation takes: Chapter 36's BPE tokenizer, Chapter 39's
+# GGUF reader and Chapter 42's Llama-family model.
+SMOLLM2_CHAPTERS = (36, 39, 42)
+
+
+@contextmanager
+def needs_chapters(what, chapters):
+    """Turn a stub's NotImplementedError inside the block into one line naming every chapter
+    `what` needs (a learner who has not reached them learns which, not only the first stub)."""
+    try:
+        yield
+    except NotImplementedError as exc:
+        listed = ", ".join(str(n) for n in chapters[:-1]) + f" and {chapters[-1]}" if len(chapters) > 1 \
+            else str(chapters[0])
+        raise CommandError(f"{what} needs Chapters {listed} done in your engine: {exc} is not written yet") from None
 
 
 def set_threads(device, threads):
@@ -31,12 +49,15 @@ def load_model(impl, device, model_path=None, vocab_size=None):
         checkpoint = impl.load("checkpoint")
     except ModuleNotFoundError as exc:
         raise CommandError(f"--model needs {impl.name}.checkpoint (Chapter 11): {exc}") from exc
-    from course import reference
-    dtype = reference().devices.default_dtype(device)
-    model_path = model_source(model_path)
+    from course.cli import default_dtype
+    dtype = default_dtype(device)
+    named, model_path = model_path, model_source(model_path)
     # load_model (Chapters 39, 42) reads GGUF files and every family; older checkouts have Qwen3 only.
     loader = getattr(checkpoint, "load_model", checkpoint.load_checkpoint)
     try:
+        if str(model_path).endswith(".gguf"):          # a GGUF file: Chapter 39's reader, Llama or Qwen3
+            with needs_chapters(f"--model {named}", SMOLLM2_CHAPTERS[1:]):
+                return loader(model_path, dtype=dtype, device=device).eval()
         return loader(model_path, dtype=dtype, device=device).eval()
     except (OSError, ValueError) as exc:          # CheckpointError and GGUFError are ValueErrors
         raise CommandError(f"--model {model_path}: {exc}") from None

@@ -48,7 +48,7 @@ def reply(engine, tokenizer, detokenizer_class, prompt_ids, params, request_id, 
 def run(args):
     import torch
 
-    from course.commands._setup import gguf_tokenizer, model_source, set_threads
+    from course.commands._setup import SMOLLM2_CHAPTERS, gguf_tokenizer, model_source, needs_chapters, set_threads
     from course.impl import load
     impl = load(args.impl)
     device = resolve_device(args.device)
@@ -60,8 +60,9 @@ def run(args):
         raise CommandError(f"--model {args.model}: chat needs a .gguf file (its metadata carries the tokenizer)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
-        tokenizer = gguf_tokenizer(impl, path)
+        with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS):
+            model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
+            tokenizer = gguf_tokenizer(impl, path)
     except (OSError, ValueError) as exc:
         raise CommandError(f"--model {args.model}: {exc}") from None
     serve_engine, config, request = (impl.load(f"serve.{name}") for name in ("engine", "config", "request"))

@@ -57,14 +57,15 @@ def _load(impl, args, device, dtype):
         tokenizer = impl.load("tokenizer").ByteTokenizer(model.cfg.vocab_size)
         return model, tokenizer, (tokenizer.eos_token_id,), "tiny"
     if dtype is None:
-        from course import reference
-        dtype = reference().devices.default_dtype(device)
-    from course.commands._setup import gguf_tokenizer, model_source
+        from course.cli import default_dtype
+        dtype = default_dtype(device)
+    from course.commands._setup import SMOLLM2_CHAPTERS, gguf_tokenizer, model_source, needs_chapters
     path = model_source(args.model)
     if str(path).endswith(".gguf"):              # Chapters 36, 39, 42: the file brings weights and tokenizer
         try:
-            model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
-            tokenizer = gguf_tokenizer(impl, path)
+            with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS):
+                model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
+                tokenizer = gguf_tokenizer(impl, path)
         except (OSError, ValueError) as exc:
             raise CommandError(f"--model {args.model}: {exc}") from None
         return model, tokenizer, (tokenizer.eos_token_id,), str(args.model)
@@ -102,7 +103,7 @@ def run(args):
 
     import torch
 
-    from course.impl import load, reference
+    from course.impl import have_reference, load, reference
     impl = load(args.impl)
     device = resolve_device(args.device)
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
@@ -121,8 +122,9 @@ def run(args):
         raise CommandError(f"the prompt has {len(ids)} tokens; the model's context holds {model.context_limit}")
 
     # Measurement tools come from the reference, so a learner's engine is timed fairly
-    # whatever chapter it has reached; what runs is the engine's own model and generate.
-    ref = reference()
+    # whatever chapter it has reached; what runs is the engine's own model and generate. A
+    # learner's edition has no reference: there the engine's own Chapter 14 tools time it.
+    ref = reference() if have_reference() else impl
     use_cache = not args.no_cache
     prompt = torch.tensor([ids], device=device)
 

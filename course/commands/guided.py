@@ -61,7 +61,7 @@ def add_arguments(parser):
 
 def vocabularies(guided, which):
     """(name, vocab_bytes, eos_token_id) for the byte vocabulary and/or, if available, SmolLM2's."""
-    from course import bpe_oracle, reference, smollm2
+    from course import bpe_oracle, smollm2
     from course.models import TINY_VOCAB_SIZE
     from course.oracles import byte_vocabulary
     byte_vocab = byte_vocabulary(TINY_VOCAB_SIZE)
@@ -69,11 +69,12 @@ def vocabularies(guided, which):
     if which == "bytes":
         return found
     try:
-        tokenizer = reference().bpe.BPETokenizer.from_gguf_metadata(bpe_oracle.smollm2_metadata())
+        metadata = bpe_oracle.smollm2_metadata()
     except smollm2.SmolLM2Unavailable as missing:
         print(json.dumps({"vocabulary": "smollm2", "skipped": str(missing)}))
         return found
-    found.append(("smollm2", guided.token_bytes_of(tokenizer), tokenizer.eos_token_id))
+    # The file's own token strings (not Chapter 36's tokenizer, which a learner here may not have written).
+    found.append(("smollm2", bpe_oracle.vocabulary_bytes(metadata), metadata["tokenizer.ggml.eos_token_id"]))
     return found
 
 

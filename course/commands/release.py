@@ -6,9 +6,11 @@ the reference's answers the milestones compare with, recorded here by running th
 solutions/ (tests/oracle_records/; --no-record skips that, and the edition's engine
 milestones then cannot run). Afterwards it checks, importing only the edition, that the
 tests collect and that Chapter 1's milestone reports its stubs as not implemented yet
-(--no-check skips that). --verify then proves the edition whole: the reference copied into
-the edition's engine/, every written chapter's milestone runs with --impl engine there
-(solutions/ absent), one line per chapter (minutes; CI runs it). Exit status 1 on a problem.
+(--no-check skips that). --verify then proves the edition whole: every notebook runs to its
+end on the bare engine/; then, the reference copied into the edition's engine/, every written
+chapter's milestone runs with --impl engine there (solutions/ absent), one line per chapter,
+and every notebook runs again with each check line the full course's (minutes; CI runs it).
+Exit status 1 on a problem.
 """
 from pathlib import Path
 
@@ -43,6 +45,11 @@ def run(args):
         print("checked: the tests collect, and Chapter 1's milestone reports its stubs as not implemented yet")
     if not args.verify:
         return 0
+    (bare_problems, not_yet), seconds = release.timed(release.verify_bare_notebooks, args.dir)
+    for problem in bare_problems:
+        print(f"problem: {problem}")
+    print(f"verify: the notebooks on the bare engine/: {len(release.chapter_notebooks(args.dir)) - len(bare_problems)}"
+          f" run to their end, {not_yet} checks say NOT IMPLEMENTED YET ({seconds:.0f}s)")
     try:
         results, seconds = release.timed(release.verify_release, args.dir)
     except release.ReleaseError as exc:
@@ -53,4 +60,9 @@ def run(args):
     failing = [chapter for chapter, (_, failed) in results.items() if failed]
     print(f"verify: {len(results) - len(failing)}/{len(results)} chapters pass with the reference as engine/ and "
           f"no solutions/ ({seconds:.0f}s)" + (f"; failing: {failing}" if failing else ""))
-    return 1 if failing else 0
+    (problems, matched), seconds = release.timed(release.verify_reference_notebooks, args.dir)
+    for problem in problems:
+        print(f"problem: {problem}")
+    print(f"verify: the notebooks with the reference as engine/: {matched} check lines as in the full course, "
+          f"{len(problems)} problems ({seconds:.0f}s)")
+    return 1 if failing or problems or bare_problems else 0

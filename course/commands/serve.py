@@ -7,7 +7,7 @@
 Routes: /v1/completions, /v1/chat/completions (stream: true gives server-sent events),
 /v1/models, /health, /version, /metrics (Prometheus text). --model names an entry of MODELS; each
 entry builds (model, tokenizer, detokenizer factory). The tiny model speaks Chapter 3's
-byte tokenizer with the fallback chat template of solutions/server/text.py, so its
+byte tokenizer with the fallback chat template of server/text.py (Chapter 38), so its
 replies are noise: it is there to exercise the server, not to talk. --model smollm2 serves
 SmolLM2-135M-Instruct (Chapters 36, 39, 42), which answers in real sentences. --port 0 picks a free
 port and prints it.
@@ -27,9 +27,11 @@ def load_tiny(impl, device):
 def load_smollm2(impl, device):
     """SmolLM2-135M-Instruct (fetched on first use) with Chapter 36's BPE tokenizer read from
     the same GGUF file, and that tokenizer's incremental detokenizer."""
+    from course.commands import _setup
     from course.commands._setup import SMOLLM2, gguf_tokenizer, load_model, model_source
-    model = load_model(impl, device, SMOLLM2)
-    tokenizer = gguf_tokenizer(impl, model_source(SMOLLM2))
+    with _setup.needs_chapters("--model smollm2", _setup.SMOLLM2_CHAPTERS):
+        model = load_model(impl, device, SMOLLM2)
+        tokenizer = gguf_tokenizer(impl, model_source(SMOLLM2))
     bpe = impl.load("bpe")
     return model, tokenizer, lambda: bpe.IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
 
