@@ -228,6 +228,7 @@ class GuideFactory:
         self.max_patterns = max_patterns
         self.indexes: OrderedDict[tuple[str, str], TokenIndex] = OrderedDict()
         self.lock = threading.Lock()
+        self.json_index: JsonIndex | None = None
 
     def key_of(self, params: SamplingParams) -> tuple[str, str]:
         """("regex", the pattern) or ("json", the schema's JSON text) of a request
@@ -266,18 +267,23 @@ class GuideFactory:
         it compiles nothing. Raises what compiling raises: ValueError for a pattern or
         schema that is refused."""
         if params.guided_json == JSON_OBJECT:
-            assert self.free_json is not None      # made (and cached) by reading it
+            self.free_json()
             return
         kind, text = self.key_of(params)
         self.index_for(text, kind)
 
-    @cached_property
     def free_json(self) -> JsonIndex:
-        """The pushdown guides' shared masks (made on the first json_object request)."""
-        return JsonIndex(self.vocabulary)
+        """The pushdown guides' shared masks, made on the first json_object request (built
+        outside the lock, like a compile; a thread that loses the race drops its copy)."""
+        if self.json_index is None:
+            index = JsonIndex(self.vocabulary)
+            with self.lock:
+                if self.json_index is None:
+                    self.json_index = index
+        return self.json_index
 
     def __call__(self, params: SamplingParams) -> RegexGuide | JsonGuide:
         if params.guided_json == JSON_OBJECT:
-            return JsonGuide(self.free_json)
+            return JsonGuide(self.free_json())
         kind, text = self.key_of(params)
         return RegexGuide(self.index_for(text, kind))
