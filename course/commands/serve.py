@@ -85,7 +85,12 @@ def build(args):
     from course.cli import resolve_device
     from course.commands._setup import set_threads
     from course.impl import load
+    from course.oracles import unwritten_server_stubs
     impl = load(args.impl)
+    missing = unwritten_server_stubs(impl)
+    if missing:                 # the loop would start, then stop on the first of them
+        raise CommandError(f"serving needs Chapter 38's stubs written in your engine; not implemented yet: "
+                           f"{', '.join(missing)}")
     device = resolve_device(args.device)
     set_threads(device, args.threads)
     model, tokenizer, new_detokenizer = MODELS[args.model](impl, device)
