@@ -223,11 +223,14 @@ class GuideFactory:
         key = (kind, text)
         with self.lock:
             index = self.indexes.get(key)
-        if index is None:                   # compiled outside the lock: another thread may look up meanwhile
-            dfa = compile_regex(text) if kind == "regex" else compile_schema(text)
-            index = TokenIndex(dfa, self.vocabulary)
+            if index is not None:
+                self.indexes.move_to_end(key)
+                return index
+        # Compiled outside the lock, so other threads' lookups never wait for it; a thread
+        # that compiled the same text meanwhile wins, and its index is the one shared.
+        dfa = compile_regex(text) if kind == "regex" else compile_schema(text)
         with self.lock:
-            self.indexes[key] = index
+            index = self.indexes.setdefault(key, TokenIndex(dfa, self.vocabulary))
             self.indexes.move_to_end(key)
             if len(self.indexes) > self.max_patterns:
                 self.indexes.popitem(last=False)

@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..serve.guided import JSON_OBJECT
+
 if TYPE_CHECKING:
     from ..serve.request import SamplingParams
     from ..serve.sampler import TokenLogprobs
@@ -346,7 +348,7 @@ def _guided(body: dict[str, Any], limits: Limits) -> tuple[str | None, Any]:
         elif kind == "json_object":          # any JSON object: Chapter 35's pushdown guide
             if schema is not None:
                 raise bad("response_format", "give the schema once: response_format or guided_json, not both")
-            schema = {"type": "json_object"}
+            schema = dict(JSON_OBJECT)
         elif kind != "text":
             raise bad("response_format", f'response_format type must be "text", "json_schema" or "json_object", '
                                          f"got {_shown(wanted)}")
@@ -387,7 +389,7 @@ def _structured_outputs(value: Any) -> tuple[str | None, Any]:
     if kind == "json_object":
         if item is not True:
             raise bad("structured_outputs", f"structured_outputs.json_object must be true, got {_shown(item)}")
-        return None, {"type": "json_object"}
+        return None, dict(JSON_OBJECT)
     if not isinstance(item, list) or not item or not all(isinstance(choice, str) and choice for choice in item):
         raise bad("structured_outputs", "structured_outputs.choice must be a non-empty list of non-empty strings, "
                                         f"got {_shown(item)}")
