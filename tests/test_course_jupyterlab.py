@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from course import manifest
+from course import book, manifest
 from course.manifest import ROOT
 
 # The chapter opened in the browser: it has hints, answers, a diagram and display math.
@@ -54,26 +54,20 @@ def test_every_diagram_has_a_picture_an_untrusted_notebook_shows():
                           "course.diagrams.show and re-execute the notebook): " + ", ".join(svg_only))
 
 
-def _browser_or_skip() -> tuple[str, str]:
-    """Chromium and its driver, or a one-line skip saying how to get them."""
+def _browser_or_skip() -> None:
+    """Skip in one line, saying how to get them, where Chromium or its driver is missing."""
     pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not (chromium and driver):
+    if not ((shutil.which("chromium") or shutil.which("chromium-browser")) and shutil.which("chromedriver")):
         pytest.skip("no browser here: `apt-get install chromium chromium-driver` (Debian) runs this test")
-    return chromium, driver
 
 
 def _browser():
-    from selenium import webdriver
-
-    chromium, driver = _browser_or_skip()
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--window-size=1400,1000"):
-        options.add_argument(flag)
-    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
+    """The headless Chromium the book's page check drives (course.book.browser_driver)."""
+    _browser_or_skip()
+    browser = book.browser_driver(1400, 1000)
+    if browser is None:
+        pytest.skip("headless Chromium did not start")
+    return browser
 
 
 def _free_port() -> int:
