@@ -30,7 +30,9 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class TextTokenizer(Protocol):
-    """What the pipeline needs of a tokenizer: ByteTokenizer, HFTokenizer, Chapter 36's BPE."""
+    """What the pipeline needs of a tokenizer (ByteTokenizer, HFTokenizer): text to ids, with
+    the checkpoint's BOS in front when asked, and back, special tokens skipped. The server's
+    chat tokenizer is another protocol (server.text.ChatTokenizer)."""
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 

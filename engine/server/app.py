@@ -50,7 +50,7 @@ from .protocol import (
     prompt_batch,
     usage_object,
 )
-from .text import DetokenizerFactory, TextStream, TextTokenizer
+from .text import ChatTokenizer, DetokenizerFactory, TextStream
 
 if TYPE_CHECKING:
     from ..serve.engine import EngineCore
@@ -70,7 +70,7 @@ class ServedModel:
     adapters loaded in the engine's AdapterBank that clients may ask for as their `model`
     (Chapter 43, as vLLM serves them)."""
     name: str
-    tokenizer: TextTokenizer
+    tokenizer: ChatTokenizer
     new_detokenizer: DetokenizerFactory
     adapters: tuple[str, ...] = ()
 

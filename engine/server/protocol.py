@@ -35,7 +35,7 @@ from ..serve.guided import JSON_OBJECT
 if TYPE_CHECKING:
     from ..serve.request import SamplingParams
     from ..serve.sampler import TokenLogprobs
-    from .text import TextTokenizer
+    from .text import ChatTokenizer
 
 DEFAULT_MAX_TOKENS = 16         # OpenAI's default for /v1/completions
 DEFAULT_CHAT_MAX_TOKENS = 256   # chat default: this many, or what the context has left
@@ -463,7 +463,7 @@ def prompt_batch(body: dict[str, Any], limits: Limits) -> list[Any] | None:
     return prompt
 
 
-def _completion_prompt(body: dict[str, Any], tokenizer: TextTokenizer, vocab_size: int | None) -> list[int]:
+def _completion_prompt(body: dict[str, Any], tokenizer: ChatTokenizer, vocab_size: int | None) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if not prompt:
@@ -502,7 +502,7 @@ class ParsedRequest:
     echo: bool = False                  # completions: the answer's text (and logprobs) start with the prompt
 
 
-def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenizer: TextTokenizer,
+def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenizer: ChatTokenizer,
                   max_model_len: int, sampling_params_class: type[SamplingParams], limits: Limits = Limits(),
                   vocab_size: int | None = None) -> ParsedRequest:
     """A JSON object of /v1/completions (chat=False) or /v1/chat/completions (chat=True) ->

@@ -1,6 +1,6 @@
 """Chapter 38: from token ids to the text a client sees, one step at a time.
 
-The server needs four things from a tokenizer (the `TextTokenizer` protocol) and one
+The server needs four things from a tokenizer (the `ChatTokenizer` protocol) and one
 from a detokenizer (`push(token_id) -> str`, the text that became certain). Chapter 3's
 byte tokenizer has no chat template, so `ByteChatTokenizer` gives the tiny model a
 documented fallback; a real tokenizer (Chapter 36's BPE) brings its own template and its
@@ -21,8 +21,10 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 @runtime_checkable
-class TextTokenizer(Protocol):
-    """What the HTTP server needs from a tokenizer."""
+class ChatTokenizer(Protocol):
+    """What the HTTP server needs from a tokenizer: text both ways, the end-of-sequence id and
+    a chat template (ByteChatTokenizer, Chapter 36's BPETokenizer). Chapter 17's
+    pipeline.TextTokenizer asks for less and differently: no chat, and an optional BOS."""
     eos_token_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
@@ -56,7 +58,7 @@ class DiffDetokenizer:
     every id costs O(n^2) characters over a request: fine for the tiny model's short replies;
     Chapter 36's detokenizer decodes only a window."""
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.sent = 0                       # characters of decode(ids) already handed out
@@ -158,5 +160,5 @@ class TextStream:
 
 DetokenizerFactory = Callable[[], Detokenizer]
 
-__all__ = ["TextTokenizer", "Detokenizer", "DetokenizerFactory", "DiffDetokenizer", "ByteChatTokenizer",
+__all__ = ["ChatTokenizer", "Detokenizer", "DetokenizerFactory", "DiffDetokenizer", "ByteChatTokenizer",
            "stop_prefix_overlap", "TextStream", "REPLACEMENT_CHAR"]
