@@ -9,6 +9,7 @@ have margins far above the ~1e-6 by which cached and recomputed logits differ.
 import pytest
 import torch
 
+from course.milestone_helpers import prompt_ids, step_difference
 from course.models import tiny_qwen3
 from course.oracles import reference_call, reference_generate, reference_tiny_qwen3
 
@@ -16,18 +17,6 @@ pytestmark = pytest.mark.chapter(16)
 
 # (prompt length, new tokens): one-token prompts, a single new token, long and short runs.
 CASES = [(1, 24), (2, 5), (7, 1), (7, 24), (31, 12), (100, 8)]
-
-
-def prompt(length, seed, vocab=256):
-    """A reproducible prompt of `length` byte ids."""
-    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def first_difference(expected, got):
-    for step, (e, g) in enumerate(zip(expected, got)):
-        if e != g:
-            return f"step {step}: expected token {e}, got {g}"
-    return f"lengths differ: expected {len(expected)} tokens, got {len(got)}"
 
 
 def small_cache(impl, batch=2, max_len=10, layers=2, kv_heads=2, head_dim=4):
@@ -100,7 +89,7 @@ def test_cache_memory_is_the_formula(impl, dtype):
 
 @torch.inference_mode()
 def test_cached_logits_equal_full_recompute(impl, tiny_model, ref_model, device):
-    ids = prompt(23, seed=1)
+    ids = prompt_ids(23, seed=1)
     cache = impl.kv_cache.KVCache.for_model(tiny_model, 1, 40)
     step_logits = []
     for chunk in (ids[:9], ids[9:10], ids[10:]):            # a prefill in three uneven pieces
@@ -122,16 +111,16 @@ def test_cached_logits_equal_full_recompute(impl, tiny_model, ref_model, device)
 
 def test_greedy_cached_equals_recompute(impl, tiny_model, ref_model):
     for length, new in CASES:
-        ids = prompt(length, seed=100 * length + new)
+        ids = prompt_ids(length, seed=100 * length + new)
         expected = reference_generate(ref_model, ids, new, use_cache=False)
         got = impl.sampling.generate(tiny_model, ids, new, use_cache=True)
         assert got == expected, (f"prompt of {length} tokens, {new} new: cached generate differs from "
-                                 f"full recompute at {first_difference(expected, got)}")
+                                 f"full recompute at {step_difference(expected, got)}")
 
 
 def test_cached_generate_feeds_the_prompt_once_then_one_token_per_call(impl, tiny_model):
     """The cost contract: one call for the whole prompt, then exactly the newest token."""
-    ids, new = prompt(9, seed=3), 6
+    ids, new = prompt_ids(9, seed=3), 6
     fed = []
     handle = tiny_model.register_forward_pre_hook(
         lambda module, args, kwargs: fed.append((args[0] if args else kwargs["input_ids"])[0].tolist()),
@@ -146,7 +135,7 @@ def test_cached_generate_feeds_the_prompt_once_then_one_token_per_call(impl, tin
 
 
 def test_rows_of_a_batch_share_one_cache(impl, ref_model, device, tiny_model):
-    rows = [prompt(12, seed=7), prompt(12, seed=8)]
+    rows = [prompt_ids(12, seed=7), prompt_ids(12, seed=8)]
     cache = impl.kv_cache.KVCache.for_model(tiny_model, 2, 12 + 8)
     feed = torch.tensor(rows, device=device)
     outputs = [[], []]
@@ -158,7 +147,7 @@ def test_rows_of_a_batch_share_one_cache(impl, ref_model, device, tiny_model):
                 outputs[row].append(token)
     for row, ids in enumerate(rows):
         expected = reference_generate(ref_model, ids, 8, use_cache=False)
-        assert outputs[row] == expected, f"row {row} of a 2-row cache: {first_difference(expected, outputs[row])}"
+        assert outputs[row] == expected, f"row {row} of a 2-row cache: {step_difference(expected, outputs[row])}"
 
 
 @pytest.mark.parametrize("length,new", [(40, 20), (47, 5), (48, 3), (30, 18)])
@@ -166,27 +155,27 @@ def test_generation_stops_at_the_context_limit(impl, device, length, new):
     limit = 48
     model = tiny_qwen3(impl.package, device=device, max_position_embeddings=limit)
     oracle = reference_tiny_qwen3(device, max_position_embeddings=limit)
-    ids = prompt(length, seed=length)
+    ids = prompt_ids(length, seed=length)
     expected = reference_generate(oracle, ids, new, use_cache=False)
     assert len(expected) == min(new, limit - length)
     got = impl.sampling.generate(model, ids, new, use_cache=True)
     assert got == expected, (f"prompt {length}, {new} new, context limit {limit}: "
-                             f"{first_difference(expected, got)} (the sequence may grow to exactly {limit} tokens)")
+                             f"{step_difference(expected, got)} (the sequence may grow to exactly {limit} tokens)")
 
 
 def test_a_prompt_that_fills_the_default_context(impl, tiny_model, ref_model):
     limit = tiny_model.context_limit
     if limit > 2048:
         pytest.skip(f"a {limit}-token context is too long to recompute in a test")
-    ids = prompt(limit - 4, seed=3)
+    ids = prompt_ids(limit - 4, seed=3)
     expected = reference_generate(ref_model, ids, 10, use_cache=False)
     got = impl.sampling.generate(tiny_model, ids, 10, use_cache=True)
     assert len(expected) == 4
-    assert got == expected, f"prompt of {limit - 4} tokens, context {limit}: {first_difference(expected, got)}"
+    assert got == expected, f"prompt of {limit - 4} tokens, context {limit}: {step_difference(expected, got)}"
 
 
 def test_stop_tokens_end_cached_generation(impl, tiny_model, ref_model):
-    ids = prompt(9, seed=11)
+    ids = prompt_ids(9, seed=11)
     free = reference_generate(ref_model, ids, 12, use_cache=False)
     stop = free[5]
     expected = free[:free.index(stop) + 1]

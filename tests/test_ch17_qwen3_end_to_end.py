@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import course
+from course.milestone_helpers import step_difference
 from course.models import fill_deterministic, tiny_config_values
 from course.oracle_records import recorded
 from course.oracles import reference_generate, reference_tiny_qwen3
@@ -62,10 +63,8 @@ def hf_greedy(model, ids, new_tokens, device="cpu", **kwargs):
 
 
 def first_difference(expected, got):
-    for step, (e, g) in enumerate(zip(expected, got)):
-        if e != g:
-            return f"first difference at step {step}: transformers {e}, ours {g}"
-    return f"transformers gave {len(expected)} tokens, ours {len(got)}"
+    """Where ours first parts from transformers, in words."""
+    return step_difference(expected, got, "transformers", "ours")
 
 
 def write_configs(directory, config_eos, generation_eos):

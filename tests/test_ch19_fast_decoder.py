@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from course import oracles
+from course.milestone_helpers import assert_same_tokens
 
 pytestmark = pytest.mark.chapter(19)
 
@@ -32,15 +33,6 @@ def prompts_for(seed, count, low=1, high=40):
 
 # These chapters' outputs run on past EOS unless a test names one.
 solo = functools.partial(oracles.solo, eos_token_id=None)
-
-
-def assert_same_tokens(what, expected, got):
-    if expected != got:
-        i = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
-        exp_tok = expected[i] if i < len(expected) else "(end)"
-        got_tok = got[i] if i < len(got) else "(end)"
-        pytest.fail(f"{what}: differs from solo generate at output token {i}: expected {exp_tok}, got {got_tok}"
-                    f"\n  expected {expected}\n  got      {got}")
 
 
 def test_static_cache_update_writes_at_device_length(impl, device):

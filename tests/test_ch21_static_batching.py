@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from course import oracles
+from course.milestone_helpers import assert_same_tokens
 
 pytestmark = pytest.mark.chapter(21)
 
@@ -35,11 +36,7 @@ def assert_rows_match(label, prompts, expected, got):
     assert len(got) == len(prompts), f"{label}: {len(prompts)} prompts but {len(got)} outputs"
     for row, (want, have) in enumerate(zip(expected, got)):
         if want != have:
-            i = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
-            exp_tok = want[i] if i < len(want) else "(end)"
-            got_tok = have[i] if i < len(have) else "(end)"
-            pytest.fail(f"{label}: row {row} ({len(prompts[row])}-token prompt) differs from solo generate at "
-                        f"output token {i}: expected {exp_tok}, got {got_tok}\n  expected {want}\n  got      {have}")
+            assert_same_tokens(f"{label}: row {row} ({len(prompts[row])}-token prompt)", want, have)
 
 
 def test_left_pad(impl, device):

@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+from course.milestone_helpers import assert_same_tokens
 from course.oracles import TINY_EOS as EOS
 from course.oracles import solo
 
@@ -28,20 +29,8 @@ def make_prompts(seed, count, low=3, high=60, vocab=256):
     return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
 
 
-def first_difference(expected, got):
-    for i, (a, b) in enumerate(zip(expected, got)):
-        if a != b:
-            return i
-    return min(len(expected), len(got))
-
-
-def assert_same_tokens(request_id, expected, got):
-    if expected != got:
-        i = first_difference(expected, got)
-        exp_tok = expected[i] if i < len(expected) else "(end)"
-        got_tok = got[i] if i < len(got) else "(end)"
-        pytest.fail(f"request {request_id}: output differs from solo generate at output token {i}: "
-                    f"expected {exp_tok}, got {got_tok}\n  expected {expected}\n  got      {got}")
+def assert_same_request_tokens(request_id, expected, got):
+    assert_same_tokens(f"request {request_id}", expected, got)
 
 
 def serve(engine, requests):
@@ -90,7 +79,7 @@ def test_every_request_matches_solo_generate(impl, tiny_model, ref_model, chunk_
     requests = [(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, max_new))]
     outputs, _ = serve(engine, requests)
     for request_id, prompt, n in requests:
-        assert_same_tokens(request_id, solo(ref_model, prompt, n), outputs[request_id])
+        assert_same_request_tokens(request_id, solo(ref_model, prompt, n), outputs[request_id])
 
 
 def test_run_helper_serves_work_items(impl, tiny_model, ref_model):
@@ -100,7 +89,7 @@ def test_run_helper_serves_work_items(impl, tiny_model, ref_model):
     outputs = engine.run(items)
     assert set(outputs) == {it.request_id for it in items}
     for it in items:
-        assert_same_tokens(it.request_id, solo(ref_model, it.prompt_ids, it.max_tokens), outputs[it.request_id])
+        assert_same_request_tokens(it.request_id, solo(ref_model, it.prompt_ids, it.max_tokens), outputs[it.request_id])
 
 
 def test_one_prefill_call_per_request_and_one_decode_call_per_step(impl, tiny_model, ref_model):
@@ -112,7 +101,7 @@ def test_one_prefill_call_per_request_and_one_decode_call_per_step(impl, tiny_mo
     prompts = [make_prompts(seed=5 + n, count=1, low=n, high=n)[0] for n in (5, 9, 13, 17)]
     outputs, history = serve(engine, [(f"r{i}", p, 6) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
-        assert_same_tokens(f"r{i}", solo(ref_model, p, 6), outputs[f"r{i}"])
+        assert_same_request_tokens(f"r{i}", solo(ref_model, p, 6), outputs[f"r{i}"])
     expected_calls = [(1, 5), (1, 9), (1, 13), (1, 17)] + [(4, 1)] * 5
     assert sorted(recorder.calls[:4]) == expected_calls[:4] and recorder.calls[4:] == expected_calls[4:], (
         f"forward calls (batch, tokens) were {recorder.calls}; expected one [1, P] prefill call per request "
@@ -157,8 +146,8 @@ def test_chunked_prefill_does_not_stall_decoding(impl, tiny_model, ref_model):
     assert long_first_token_step == 5, (
         f"a 30-token prompt in chunks of 8 should produce its first token at step 5 (4 chunk steps "
         f"starting at step 2), got step {long_first_token_step}")
-    assert_same_tokens("short", solo(ref_model, short, 12), outputs["short"])
-    assert_same_tokens("long", solo(ref_model, long, 5), outputs["long"])
+    assert_same_request_tokens("short", solo(ref_model, short, 12), outputs["short"])
+    assert_same_request_tokens("long", solo(ref_model, long, 5), outputs["long"])
 
 
 def test_freed_slot_is_reused_at_the_next_step(impl, tiny_model, ref_model):
@@ -188,7 +177,7 @@ def test_freed_slot_is_reused_at_the_next_step(impl, tiny_model, ref_model):
             f"{first_step[request_id]} (expected step {free_step + 1})")
         frees = sorted(frees + [finish_step[request_id]])
     for request_id, prompt, n in requests:
-        assert_same_tokens(request_id, solo(ref_model, prompt, n), outputs[request_id])
+        assert_same_request_tokens(request_id, solo(ref_model, prompt, n), outputs[request_id])
 
 
 def test_stop_tokens_and_eos_end_a_request(impl, tiny_model, ref_model):
@@ -198,9 +187,9 @@ def test_stop_tokens_and_eos_end_a_request(impl, tiny_model, ref_model):
     stop = plain[0][4]
     engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=3, slot_len=64, eos_token_id=EOS)
     outputs, history = serve(engine, [("r0", prompts[0], 16, (stop,)), ("r1", prompts[1], 16)])
-    assert_same_tokens("r0", solo(ref_model, prompts[0], 16, stop_token_ids=(stop,)), outputs["r0"])
+    assert_same_request_tokens("r0", solo(ref_model, prompts[0], 16, stop_token_ids=(stop,)), outputs["r0"])
     assert outputs["r0"][-1] == stop, f"request r0: the stop token {stop} must end the output (got {outputs['r0']})"
-    assert_same_tokens("r1", plain[1], outputs["r1"])
+    assert_same_request_tokens("r1", plain[1], outputs["r1"])
     finished = [e[0] for events in history for e in events if e[2]]
     assert sorted(finished) == ["r0", "r1"], f"finished events {finished}: each request finishes exactly once"
     # The engine's eos_token_id: make request 2's 3rd greedy token the EOS.
@@ -208,7 +197,7 @@ def test_stop_tokens_and_eos_end_a_request(impl, tiny_model, ref_model):
     engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=2, slot_len=64, eos_token_id=eos)
     outputs, _ = serve(engine, [("r2", prompts[2], 16)])
     expected = solo(ref_model, prompts[2], 16, eos_token_id=eos)
-    assert_same_tokens("r2", expected, outputs["r2"])
+    assert_same_request_tokens("r2", expected, outputs["r2"])
 
 
 def test_request_that_cannot_fit_a_slot_is_refused(impl, tiny_model):

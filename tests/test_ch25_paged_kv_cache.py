@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from course.milestone_helpers import assert_same_tokens
 from course.oracles import TINY_EOS as EOS
 from course.oracles import solo
 
@@ -205,13 +206,8 @@ def kv_blocks_prefix(cache, tokens, n):
 
 # --- the engine -----------------------------------------------------------------------------
 
-def assert_same_tokens(request_id, expected_tokens, got, config):
-    if expected_tokens != got:
-        i = next((j for j, (a, b) in enumerate(zip(expected_tokens, got)) if a != b),
-                 min(len(expected_tokens), len(got)))
-        pytest.fail(f"[{config}] request {request_id}: output differs from solo generate at output token {i}: "
-                    f"expected {expected_tokens[i] if i < len(expected_tokens) else '(end)'}, "
-                    f"got {got[i] if i < len(got) else '(end)'}\n  expected {expected_tokens}\n  got      {got}")
+def assert_same_request_tokens(request_id, expected_tokens, got, config):
+    assert_same_tokens(f"[{config}] request {request_id}", expected_tokens, got)
 
 
 def shared_requests(seed, count=7, system=21, block_size=4):
@@ -250,7 +246,7 @@ def test_engine_matches_solo_generate(impl, tiny_model, ref_model, config):
             outputs[request_id].extend(tokens)
         check_accounting(engine.kv, f"[{config}] step {steps}")
     for request_id, prompt, max_new in requests:
-        assert_same_tokens(request_id, solo(ref_model, prompt, max_new), outputs[request_id], config)
+        assert_same_request_tokens(request_id, solo(ref_model, prompt, max_new), outputs[request_id], config)
     if engine.prefix_cache is not None:
         assert engine.stats["cached_tokens"] > 0, f"[{config}] no prompt token came from the prefix cache"
     if config.startswith("12-block"):
@@ -308,5 +304,5 @@ def test_shared_prefix_is_not_recomputed(impl, tiny_model, ref_model):
     while engine.has_unfinished:
         for request_id, tokens, _ in engine.step():
             outputs[request_id].extend(tokens)
-    assert_same_tokens("a", solo(ref_model, a, 6), outputs["a"], "shared prefix")
-    assert_same_tokens("b", solo(ref_model, b, 6), outputs["b"], "shared prefix")
+    assert_same_request_tokens("a", solo(ref_model, a, 6), outputs["a"], "shared prefix")
+    assert_same_request_tokens("b", solo(ref_model, b, 6), outputs["b"], "shared prefix")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import course
+from course.milestone_helpers import prompt_ids, step_difference
 from course.models import tiny_qwen3
 from course.oracles import reference_generate, reference_tiny_qwen3
 from course.pytest_plugin import build_model
@@ -22,17 +23,6 @@ from course.pytest_plugin import build_model
 pytestmark = pytest.mark.chapter(26)
 
 PROMPT_LENGTHS = (1, 6, 19, 40)
-
-
-def prompt(length, seed, vocab=256):
-    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def first_difference(expected, got):
-    for step, (e, g) in enumerate(zip(expected, got)):
-        if e != g:
-            return f"step {step}: expected token {e}, got {g}"
-    return f"lengths differ: expected {len(expected)} tokens, got {len(got)}"
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +72,11 @@ def test_accept_greedy_keeps_the_matching_prefix_plus_one(impl, target_choices, 
 def test_propose_guesses_what_the_draft_would_generate(impl, drafts, device):
     draft = drafts["first layer of the target"]
     for length in PROMPT_LENGTHS:
-        p = prompt(length, seed=length)
+        p = prompt_ids(length, seed=length)
         expected = reference_generate(draft, p, 5)
         cache = impl.kv_cache.KVCache.for_model(draft, 1, length + 8)
         tokens, probs = impl.speculative.propose(draft, cache, p, 5)
-        assert list(tokens) == expected, f"prompt of {length} tokens: {first_difference(expected, list(tokens))}"
+        assert list(tokens) == expected, f"prompt of {length} tokens: {step_difference(expected, list(tokens))}"
         assert probs is None, "greedy proposals carry no probabilities"
         assert cache.length == length + 4, (
             f"after 5 guesses the draft cache should hold the prompt and guesses 1..4 "
@@ -97,13 +87,13 @@ def test_propose_guesses_what_the_draft_would_generate(impl, drafts, device):
 def test_greedy_output_equals_target_solo_generate(impl, solo, tiny_model, drafts, k):
     for name, draft in drafts.items():
         for length in PROMPT_LENGTHS:
-            p = prompt(length, seed=100 + length)
+            p = prompt_ids(length, seed=100 + length)
             for new in ((1, 2, 17) if length == 6 else (2, 17)):
                 expected = solo(p, new)
                 got = impl.speculative.speculative_generate(tiny_model, draft, p, new, k=k)
                 assert list(got) == expected, (
                     f"draft '{name}', k={k}, prompt of {length} tokens, {new} new tokens: "
-                    f"{first_difference(expected, list(got))}")
+                    f"{step_difference(expected, list(got))}")
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -112,7 +102,7 @@ def test_perfect_draft_counts(impl, tiny_model, k):
     verify per k + 1 tokens (fewer guesses near the end, never past max_new_tokens)."""
     stats = impl.speculative.SpecStats()
     new = 20
-    out = impl.speculative.speculative_generate(tiny_model, tiny_model, prompt(9, 1), new, k=k, stats=stats)
+    out = impl.speculative.speculative_generate(tiny_model, tiny_model, prompt_ids(9, 1), new, k=k, stats=stats)
     assert len(out) == new
     verifies = math.ceil((new - 1) / (k + 1))
     assert stats.target_forwards == 1 + verifies, (
@@ -130,7 +120,7 @@ def test_acceptance_rate_reflects_the_draft(impl, tiny_model, drafts, model_path
     for name, draft in drafts.items():
         stats = impl.speculative.SpecStats()
         for length in PROMPT_LENGTHS:
-            impl.speculative.speculative_generate(tiny_model, draft, prompt(length, 7), 16, k=3, stats=stats)
+            impl.speculative.speculative_generate(tiny_model, draft, prompt_ids(length, 7), 16, k=3, stats=stats)
         assert 0 <= stats.accepted <= stats.proposed, f"draft '{name}': accepted more guesses than proposed"
         assert stats.emitted == 16 * len(PROMPT_LENGTHS)
         rates[name] = stats.acceptance_rate
@@ -142,13 +132,13 @@ def test_acceptance_rate_reflects_the_draft(impl, tiny_model, drafts, model_path
 
 
 def test_stops_at_a_stop_token_like_generate(impl, solo, tiny_model, drafts):
-    p = prompt(12, 3)
+    p = prompt_ids(12, 3)
     stop = solo(p, 20)[6]                               # a token the target emits at step 6 (or earlier)
     expected = solo(p, 20, eos_token_id=stop)
     for name in ("target itself", "first layer of the target"):
         got = impl.speculative.speculative_generate(tiny_model, drafts[name], p, 20, k=4, eos_token_id=stop)
         assert list(got) == expected, (
-            f"draft '{name}', stop token {stop}: {first_difference(expected, list(got))} "
+            f"draft '{name}', stop token {stop}: {step_difference(expected, list(got))} "
             f"(the stop token is the last token returned; accepted guesses after it are dropped)")
 
 
@@ -200,7 +190,7 @@ def test_sampled_generation_is_seeded(impl, tiny_model, drafts):
     runs = []
     for _ in range(2):
         g = torch.Generator(device=next(tiny_model.parameters()).device).manual_seed(11)
-        runs.append(impl.speculative.speculative_generate(tiny_model, draft, prompt(8, 2), 12, k=3,
+        runs.append(impl.speculative.speculative_generate(tiny_model, draft, prompt_ids(8, 2), 12, k=3,
                                                           temperature=0.8, generator=g))
     assert len(runs[0]) == 12
     assert runs[0] == runs[1], f"same seed, different samples: {runs[0]} vs {runs[1]}"

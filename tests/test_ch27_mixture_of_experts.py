@@ -10,6 +10,7 @@ so both implementations pick the same experts and greedy parity is deterministic
 import pytest
 import torch
 
+from course.milestone_helpers import prompt_ids
 from course.moe_models import hf_config_values, tiny_moe_config, tiny_qwen3_moe
 
 transformers = pytest.importorskip("transformers")
@@ -25,10 +26,6 @@ VARIANTS = {
     "dense first layer, 3 layers": dict(num_hidden_layers=3, mlp_only_layers=[0]),
     "every second layer sparse": dict(num_hidden_layers=4, decoder_sparse_step=2),
 }
-
-
-def prompt(length, seed, vocab=256):
-    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def to_transformers(state_dict):
@@ -142,7 +139,7 @@ def test_state_dict_loads_both_ways(impl, pair):
 
 def test_logits_match_transformers(pair, device):
     name, ours, hf = pair
-    ids = torch.tensor([prompt(23, 1), prompt(23, 2)], device=device)
+    ids = torch.tensor([prompt_ids(23, 1), prompt_ids(23, 2)], device=device)
     with torch.no_grad():
         expected = hf(ids).logits.float()
         got = ours(ids)
@@ -153,7 +150,7 @@ def test_logits_match_transformers(pair, device):
 def test_greedy_generate_matches_transformers(impl, pair, device):
     name, ours, hf = pair
     for length in (1, 9, 30):
-        p = prompt(length, seed=length + 50)
+        p = prompt_ids(length, seed=length + 50)
         ids = torch.tensor([p], device=device)
         expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, length:].tolist()
@@ -163,7 +160,7 @@ def test_greedy_generate_matches_transformers(impl, pair, device):
 
 def test_expert_load_counts_every_choice(impl, device):
     model = tiny_qwen3_moe(impl.package, device=device)
-    ids = torch.tensor([prompt(30, 4), prompt(30, 5)], device=device)
+    ids = torch.tensor([prompt_ids(30, 4), prompt_ids(30, 5)], device=device)
     load = impl.moe.expert_load(model, ids)
     hf = hf_twin(model, device)
     with torch.no_grad():

@@ -13,15 +13,12 @@ import torch
 from torch.nn import functional as F
 
 import course
+from course.milestone_helpers import prompt_ids
 from course.oracle_records import recorded
 from course.oracles import reference_tiny_qwen3
 from course.pytest_plugin import build_model
 
 pytestmark = pytest.mark.chapter(28)
-
-
-def prompt(length, seed, vocab=256):
-    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 16), (1, 1, 1, 8), (4, 64)])
@@ -115,7 +112,7 @@ def test_logits_and_greedy_tokens_close_to_float_cache(impl, tiny_model, device,
                                                                                model_path)
     steps, agree, worst = 0, 0, 0.0
     for seed in range(12):
-        p = prompt(4 + 3 * seed, seed)
+        p = prompt_ids(4 + 3 * seed, seed)
 
         def float_run(p=p):
             reference = course.reference()

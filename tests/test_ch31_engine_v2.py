@@ -20,6 +20,7 @@ import torch
 
 from course import oracles, reference
 from course.engine_checks import engine_state
+from course.milestone_helpers import first_difference, token_at
 from course.oracle_records import recorded
 from course.oracles import TINY_EOS as EOS
 from course.oracles import ScriptedRunner, solo
@@ -88,11 +89,11 @@ class Trace:
         got = self.outputs.get(request_id, [])
         if got == expected:
             return
-        i = next((k for k, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+        i = first_difference(expected, got)
         step = self.token_steps[request_id][i] if i < len(got) else "(never)"
         pytest.fail(f"{label}request {request_id}: output token {i} (step {step}) differs from solo generate: "
-                    f"expected {expected[i] if i < len(expected) else '(end)'}, got "
-                    f"{got[i] if i < len(got) else '(end)'}\n  expected {expected}\n  got      {got}")
+                    f"expected {token_at(expected, i)}, got {token_at(got, i)}"
+                    f"\n  expected {expected}\n  got      {got}")
 
 
 class FakeRequest:

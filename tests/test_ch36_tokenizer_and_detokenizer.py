@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from course import bpe_oracle
+from course.milestone_helpers import first_difference
 
 pytestmark = pytest.mark.chapter(36)
 
@@ -72,13 +73,6 @@ def oracle_ids(oracle, text, parse_special=False):
         return oracle.encode(text, add_special_tokens=False).ids
     finally:
         oracle.encode_special_tokens = False
-
-
-def first_difference(got, expected):
-    for i, (a, b) in enumerate(zip(got, expected)):
-        if a != b:
-            return i
-    return min(len(got), len(expected))
 
 
 # --- the byte alphabet and the pre-tokenizer -------------------------------------------------
