@@ -117,6 +117,11 @@ def add_model_argument(parser) -> None:
                              "fetched on first use; default: the tiny test model)")
 
 
+def add_threads_argument(parser, help: str = "torch threads (default: 1 on CPU, torch's choice on CUDA)") -> None:
+    """--threads, which course.commands._setup.set_threads applies."""
+    parser.add_argument("--threads", type=int, default=None, help=help)
+
+
 def resolve_device(choice: str | None):
     """The torch.device a command should use for `--device` (None: cuda when available),
     checked by the reference's Chapter 40 device module (the machinery never depends on a

@@ -1,8 +1,9 @@
 """What the model-running commands share: threads, and the model to run (not a command:
 the dispatcher skips files whose name starts with an underscore)."""
 from contextlib import contextmanager
+from types import SimpleNamespace
 
-from course.cli import CommandError
+from course.cli import CommandError, resolve_device
 
 # What running SmolLM2 on an implementation takes: Chapter 36's BPE tokenizer, Chapter 39's
 # GGUF reader and Chapter 42's Llama-family model.
@@ -30,6 +31,27 @@ def set_threads(device, threads):
         if threads < 1:
             raise CommandError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
+
+
+def prepare_device(args):
+    """The device --device names (cli.resolve_device), with torch's threads set from
+    --threads (set_threads)."""
+    device = resolve_device(args.device)
+    set_threads(device, args.threads)
+    return device
+
+
+def prepare(args):
+    """(impl, device) for a command that runs a model: the implementation --impl names, and
+    prepare_device's device."""
+    from course.impl import load
+    return load(args.impl), prepare_device(args)
+
+
+def serve_modules(impl, *more):
+    """Chapter 31's serve.engine, serve.config and serve.request of `impl` (and serve.<name>
+    for each name in `more`) as attributes, like the milestones' `serve` fixture."""
+    return SimpleNamespace(**{name: impl.load(f"serve.{name}") for name in ("engine", "config", "request", *more)})
 
 
 def load_model(impl, device, model_path=None, vocab_size=None):
@@ -76,6 +98,19 @@ def model_source(model):
         return smollm2.smollm2_gguf_path(quiet=False)
     except smollm2.SmolLM2Unavailable as missing:
         raise CommandError(str(missing)) from None
+
+
+def load_gguf(impl, named, path, device, dtype):
+    """(model, tokenizer) from one GGUF file: Chapter 39's reader and Chapter 42's families
+    load the weights, Chapter 36's BPE tokenizer comes from its metadata. `named` is what
+    --model said, for the messages."""
+    try:
+        with needs_chapters(f"--model {named}", SMOLLM2_CHAPTERS):
+            model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
+            tokenizer = gguf_tokenizer(impl, path)
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"--model {named}: {exc}") from None
+    return model, tokenizer
 
 
 def gguf_tokenizer(impl, path):

@@ -34,13 +34,9 @@ def _contenders(serve: Any, model: Any, args: Any, suffix: str) -> list[Any]:
 
 def _serve(impl: Any, model: Any, args: Any, suffix: str, device: Any) -> tuple[list[dict], list[dict]]:
     """Warm up, time --repeat rounds; the contenders' JSON lines and outputs."""
-    class Serve:
-        engine = impl.load("serve.engine")
-        config = impl.load("serve.config")
-        request = impl.load("serve.request")
-
+    from course.commands._setup import serve_modules
     items = impl.load("workloads").shared_prefix_workload(num_requests=args.requests, seed=args.seed)
-    contenders = _contenders(Serve, model, args, suffix)
+    contenders = _contenders(serve_modules(impl), model, args, suffix)
     for contender in contenders:
         contender.serve(contender.make(), items[:2])
     for _ in range(args.repeat):
@@ -52,12 +48,11 @@ def _serve(impl: Any, model: Any, args: Any, suffix: str, device: Any) -> tuple[
 def _tp_lines(rank: int, world: int, port: int | None, args: Any) -> tuple[list[dict], list[dict]]:
     """Join the group (port None: through torchrun's environment), shard, serve."""
     from course.commands._setup import load_model
+    from course.commands.core import vocab_size_of
     from course.impl import load
-    from course.models import QWEN3_VOCAB_SIZE
     impl = load(args.impl)
     device = impl.load("parallel.launch").init_group(rank, world, port, resolve_device(args.device), timeout_s=60)
-    vocab_size = QWEN3_VOCAB_SIZE if args.vocab_size is None and args.model is None else args.vocab_size
-    model = impl.load("parallel.tp").shard_model(load_model(impl, device, args.model, vocab_size), rank, world)
+    model = impl.load("parallel.tp").shard_model(load_model(impl, device, args.model, vocab_size_of(args)), rank, world)
     return _serve(impl, model, args, f", tp={world}", device)
 
 
@@ -92,11 +87,11 @@ def _run_under_torchrun(impl: Any, args: Any, rank: int, world: int) -> int:
     the single-process core and prints, the others print nothing."""
     import torch.distributed as dist
 
-    from course.commands._setup import set_threads
+    from course.commands._setup import prepare_device
     if world != args.tp:
         raise CommandError(f"--tp {args.tp} but torchrun started {world} ranks (--nnodes x --nproc-per-node): "
                            f"they must be equal")
-    set_threads(resolve_device(args.device), args.threads)
+    prepare_device(args)
     try:
         lines, outputs = _tp_lines(rank, world, None, args)
     finally:
@@ -110,12 +105,11 @@ def _run_under_torchrun(impl: Any, args: Any, rank: int, world: int) -> int:
 def _compare_with_one_process(impl: Any, args: Any, result: dict) -> int:
     """Serve the same workload with the single-process core, print its line beside the
     ranks', and fail when any output token differs."""
-    from course.commands._setup import load_model, set_threads
-    from course.models import QWEN3_VOCAB_SIZE
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
-    vocab_size = QWEN3_VOCAB_SIZE if args.vocab_size is None and args.model is None else args.vocab_size
-    single_lines, single_outputs = _serve(impl, load_model(impl, device, args.model, vocab_size), args, "", device)
+    from course.commands._setup import load_model, prepare_device
+    from course.commands.core import vocab_size_of
+    device = prepare_device(args)
+    single_lines, single_outputs = _serve(impl, load_model(impl, device, args.model, vocab_size_of(args)), args, "",
+                                          device)
     for line in single_lines[:1] + result["lines"]:
         print(json.dumps(line), flush=True)
     different = [rid for outputs in result["outputs"] for rid, tokens in outputs.items()

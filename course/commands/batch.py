@@ -11,8 +11,8 @@ compares every request's output with solo greedy generate of the reference.
 import json
 import time
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
-from course.commands._setup import load_model, set_threads
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
+from course.commands._setup import load_model, prepare
 
 
 def add_arguments(parser):
@@ -30,8 +30,7 @@ def add_arguments(parser):
     parser.add_argument("--chunk", type=int, default=None, help="prefill chunk size (default: whole prompt)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs; the best is reported (default 3)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
     parser.add_argument("--check", action="store_true", help="compare outputs with solo generate")
 
 
@@ -54,10 +53,7 @@ def make_engine(impl, model, args):
 def run(args):
     import torch
 
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    impl, device = prepare(args)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
     model = load_model(impl, device, args.model)

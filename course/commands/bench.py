@@ -36,7 +36,7 @@ import json
 
 import torch
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, resolve_device
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
 from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 from course.smollm2 import SmolLM2Unavailable
 
@@ -63,8 +63,7 @@ def add_arguments(parser):
                         help="Poisson arrivals per second at scale 1 (divided by --scale; default 1.0)")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers' generate out")
     parser.add_argument("--repeat", type=int, default=2, help="timed rounds; each contender's best counts (default 2)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads for every contender (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser, help="torch threads for every contender (default: 1 on CPU, torch's choice on CUDA)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one run of the core with each backend: share of step time per part")
     parser.add_argument("--plot", default=None, metavar="FILE", help="draw throughput and latency bars into FILE")
@@ -73,11 +72,8 @@ def add_arguments(parser):
 
 def run(args):
     from course import bench
-    from course.commands._setup import set_threads
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    from course.commands._setup import prepare
+    impl, device = prepare(args)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
     if not names or unknown:

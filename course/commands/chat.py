@@ -12,7 +12,7 @@ summary (tokens, seconds, tok/s) goes to stderr.
 import sys
 import time
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, resolve_device
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
 
 
 def add_arguments(parser):
@@ -26,8 +26,7 @@ def add_arguments(parser):
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1.0: all)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
 
 
 def reply(engine, tokenizer, detokenizer_class, prompt_ids, params, request_id, write):
@@ -48,23 +47,15 @@ def reply(engine, tokenizer, detokenizer_class, prompt_ids, params, request_id, 
 def run(args):
     import torch
 
-    from course.commands._setup import SMOLLM2_CHAPTERS, gguf_tokenizer, model_source, needs_chapters, set_threads
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    from course.commands._setup import load_gguf, model_source, prepare
+    impl, device = prepare(args)
     if args.max_tokens < 1:
         raise CommandError("--max-tokens must be at least 1")
     path = model_source(args.model)
     if not str(path).endswith(".gguf"):
         raise CommandError(f"--model {args.model}: chat needs a .gguf file (its metadata carries the tokenizer)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS):
-            model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
-            tokenizer = gguf_tokenizer(impl, path)
-    except (OSError, ValueError) as exc:
-        raise CommandError(f"--model {args.model}: {exc}") from None
+    model, tokenizer = load_gguf(impl, args.model, path, device, dtype)
     serve_engine, config, request = (impl.load(f"serve.{name}") for name in ("engine", "config", "request"))
     engine = serve_engine.EngineCore(model, config.EngineConfig(num_blocks=512, block_size=16),
                                      eos_token_id=tokenizer.eos_token_id)

@@ -10,8 +10,8 @@ import json
 import random
 import statistics
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
-from course.commands._setup import load_model, set_threads
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
+from course.commands._setup import load_model, prepare
 
 
 def add_arguments(parser):
@@ -21,15 +21,11 @@ def add_arguments(parser):
     parser.add_argument("--prompt-len", type=int, default=768, help="B's prompt length (default 768)")
     parser.add_argument("--chunk", type=int, nargs="+", default=[64, 256], help="chunk sizes (default 64 256)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per setting; the best is kept (default 3)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
 
 
 def run(args):
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    impl, device = prepare(args)
     if args.prompt_len < 1 or min(args.chunk) < 1 or args.repeat < 1:
         raise CommandError("--prompt-len, --chunk and --repeat must be at least 1")
     model = load_model(impl, device, args.model)

@@ -32,7 +32,8 @@ import os
 import time
 from typing import Any
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
+from course.milestone_helpers import first_difference, token_at
 from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 
 
@@ -52,8 +53,7 @@ def add_arguments(parser):
                         help="attention backend of the core, by registry name (default: reference; "
                              "Chapter 32 registers faster ones)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the best is reported (default 3)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
     parser.add_argument("--check", action="store_true", help="also compare outputs with solo generate")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks, one process each (Chapter 41; default 1: no split)")
@@ -123,37 +123,30 @@ def core_contender(serve, model, num_blocks, block_size, label, backend="referen
                      lambda: serve.engine.EngineCore(model, config, eos_token_id=eos), run_all)
 
 
-def _first_difference(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def vocab_size_of(args):
+    """The tiny model's vocabulary for --vocab-size: Qwen3's unless told (a checkpoint brings its own)."""
+    return QWEN3_VOCAB_SIZE if args.vocab_size is None and args.model is None else args.vocab_size
 
 
 def run(args):
-    from course.commands._setup import load_model, set_threads
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    from course.commands._setup import load_model, prepare, serve_modules
+    impl, device = prepare(args)
     if args.requests < 1 or args.repeat < 1:
         raise CommandError("--requests and --repeat must be at least 1")
     if args.tp > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:   # Chapter 41: split over processes
         from course.commands._tensor_parallel_core import run_tensor_parallel
         return run_tensor_parallel(args)
 
-    class Serve:
-        engine = impl.load("serve.engine")
-        config = impl.load("serve.config")
-        request = impl.load("serve.request")
-
+    serve = serve_modules(impl)
     continuous = impl.load("continuous")
     workloads = impl.load("workloads")
-    vocab_size = QWEN3_VOCAB_SIZE if args.vocab_size is None and args.model is None else args.vocab_size
-    model = load_model(impl, device, args.model, vocab_size)
+    model = load_model(impl, device, args.model, vocab_size_of(args))
     items = workloads.shared_prefix_workload(num_requests=args.requests, seed=args.seed)
 
     contenders = [slot_contender(continuous, model),
-                  core_contender(Serve, model, args.ample_blocks, args.block_size, "ch31 core, ample pool",
+                  core_contender(serve, model, args.ample_blocks, args.block_size, "ch31 core, ample pool",
                                  args.backend),
-                  core_contender(Serve, model, args.small_blocks, args.block_size,
+                  core_contender(serve, model, args.small_blocks, args.block_size,
                                  f"ch31 core, {args.small_blocks}-block pool", args.backend)]
     try:
         for contender in contenders:           # warm-up: first calls pay one-off costs
@@ -177,10 +170,9 @@ def run(args):
         for label, outputs in (("ample pool", ample_out), (f"{args.small_blocks}-block pool", small_out)):
             got = outputs[it.request_id]
             if got != want:
-                i = _first_difference(want, got)
-                problems.append(f"{it.request_id} ({label}): output token {i} is "
-                                f"{got[i] if i < len(got) else '(end)'}, Chapter 24's engine gave "
-                                f"{want[i] if i < len(want) else '(end)'}")
+                i = first_difference(want, got)
+                problems.append(f"{it.request_id} ({label}): output token {i} is {token_at(got, i)}, "
+                                f"Chapter 24's engine gave {token_at(want, i)}")
     if args.check and not problems:
         from course.oracles import reference_generate
         eos = getattr(model.cfg, "eos_token_id", None)

@@ -12,8 +12,8 @@ identical.
 import json
 import statistics
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
-from course.commands._setup import load_model, set_threads
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
+from course.commands._setup import load_model, prepare
 
 
 def add_arguments(parser):
@@ -26,18 +26,14 @@ def add_arguments(parser):
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded in the generate comparison (default 64)")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt length for the comparison (default 16)")
     parser.add_argument("--no-fast", action="store_true", help="skip the generate vs FastDecoder comparison")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
 
 
 
 def run(args):
     import torch
 
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    impl, device = prepare(args)
     if min(args.batch) < 1 or args.context < 0 or args.tokens < 2 or args.prompt_len < 1:
         raise CommandError("--batch >= 1, --context >= 0, --tokens >= 2 and --prompt-len >= 1 please")
     model = load_model(impl, device, args.model)

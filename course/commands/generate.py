@@ -12,7 +12,7 @@ work (Chapter 14's profiler shares).
 """
 import json
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
 
 DEFAULT_PROMPT = "The KV cache"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -38,8 +38,7 @@ def add_arguments(parser):
     parser.add_argument("--chat", action="store_true",
                         help="wrap --prompt in the checkpoint's chat template (needs --model with a tokenizer)")
     parser.add_argument("--profile", action="store_true", help="print op-kind shares of the prompt's forward")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
 
 
 def printable(text):
@@ -59,15 +58,10 @@ def _load(impl, args, device, dtype):
     if dtype is None:
         from course.cli import default_dtype
         dtype = default_dtype(device)
-    from course.commands._setup import SMOLLM2_CHAPTERS, gguf_tokenizer, model_source, needs_chapters
+    from course.commands._setup import load_gguf, model_source
     path = model_source(args.model)
     if str(path).endswith(".gguf"):              # Chapters 36, 39, 42: the file brings weights and tokenizer
-        try:
-            with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS):
-                model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
-                tokenizer = gguf_tokenizer(impl, path)
-        except (OSError, ValueError) as exc:
-            raise CommandError(f"--model {args.model}: {exc}") from None
+        model, tokenizer = load_gguf(impl, args.model, path, device, dtype)
         return model, tokenizer, (tokenizer.eos_token_id,), str(args.model)
     pipeline = impl.load("pipeline")
     try:
@@ -103,14 +97,9 @@ def run(args):
 
     import torch
 
-    from course.impl import have_reference, load, reference
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
-    if threads is not None:
-        if threads < 1:
-            raise CommandError(f"--threads must be at least 1, got {threads}")
-        torch.set_num_threads(threads)
+    from course.commands._setup import prepare
+    from course.impl import have_reference, reference
+    impl, device = prepare(args)
     if args.max_new_tokens < 1:
         raise CommandError("--max-new-tokens must be at least 1")
     dtype = getattr(torch, args.dtype) if args.dtype else None

@@ -15,8 +15,8 @@ import json
 import random
 import time
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, resolve_device
-from course.commands._setup import load_model, set_threads
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
+from course.commands._setup import load_model, prepare
 
 
 def add_arguments(parser):
@@ -27,8 +27,7 @@ def add_arguments(parser):
     parser.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (default 16)")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per engine; the best is kept (default 2)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
 
 
 def random_adapter(lora, model, name, rank, seed, targets=None):
@@ -71,10 +70,7 @@ def serve_all(impl, model, adapters, requests, max_tokens, max_loras):
 
 
 def run(args):
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    impl, device = prepare(args)
     if min(args.adapters, args.rank, args.requests, args.max_tokens, args.repeat) < 1:
         raise CommandError("--adapters, --rank, --requests, --max-tokens and --repeat must be at least 1")
     model = load_model(impl, device)

@@ -25,7 +25,7 @@ import json
 import time
 from typing import Any
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, resolve_device
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
 from course.models import QWEN3_VOCAB_SIZE
 
 
@@ -41,7 +41,7 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most requests per step: the largest bucket")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the best is reported")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
+    add_threads_argument(parser)
 
 
 def _sync(device):
@@ -83,20 +83,12 @@ def serve_items(serve, engine, items):
 
 
 def run(args):
-    from course.commands._setup import load_model, set_threads
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    from course.commands._setup import load_model, prepare, serve_modules
+    impl, device = prepare(args)
     if args.requests < 1 or args.repeat < 1 or args.max_num_seqs < 1:
         raise CommandError("--requests, --repeat and --max-num-seqs must be at least 1")
 
-    class Serve:
-        engine = impl.load("serve.engine")
-        config = impl.load("serve.config")
-        request = impl.load("serve.request")
-        flat_model = impl.load("serve.flat_model")
-        overlap = impl.load("serve.overlap")
+    serve = serve_modules(impl, "flat_model", "overlap")
 
     if args.shape == "tiny":
         model = load_model(impl, device, None, args.vocab_size)
@@ -104,17 +96,17 @@ def run(args):
         from course.bench import QWEN3_0_6B_SHAPE, build_model
         model = build_model(impl, device, QWEN3_0_6B_SHAPE)
     items = impl.load("workloads").shared_prefix_workload(num_requests=args.requests, seed=args.seed)
-    builders = contenders(Serve, model, device, args.max_num_seqs)
+    builders = contenders(serve, model, device, args.max_num_seqs)
     best: dict[str, tuple[float, Any, dict]] = {}
     try:
         for build in builders.values():        # warm-up: first calls pay one-off costs
-            serve_items(Serve, build(), items[:2])
+            serve_items(serve, build(), items[:2])
         for _ in range(args.repeat):           # interleaved, so a busy moment slows every engine alike
             for label, build in builders.items():
                 engine = build()
                 _sync(device)
                 start = time.perf_counter()
-                outputs = serve_items(Serve, engine, items)
+                outputs = serve_items(serve, engine, items)
                 _sync(device)
                 elapsed = time.perf_counter() - start
                 if label not in best or elapsed < best[label][0]:

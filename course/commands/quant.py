@@ -14,8 +14,8 @@ import json
 import random
 import statistics
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
-from course.commands._setup import load_model, set_threads
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
+from course.commands._setup import load_model, prepare
 
 
 def add_arguments(parser):
@@ -26,17 +26,13 @@ def add_arguments(parser):
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     parser.add_argument("--skip", nargs="*", default=[], help="module names to keep in float, e.g. lm_head")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
 
 
 def run(args):
     import torch
 
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    impl, device = prepare(args)
     if args.prompts < 1 or args.tokens < 1:
         raise CommandError("--prompts and --tokens must be at least 1")
     model = load_model(impl, device, args.model)

@@ -22,7 +22,7 @@ import json
 import random
 import time
 
-from course.cli import add_device_argument, add_impl_argument, resolve_device
+from course.cli import add_device_argument, add_impl_argument, add_threads_argument
 from course.models import QWEN3_VOCAB_SIZE
 
 SHAPES = {
@@ -41,8 +41,7 @@ def add_arguments(parser):
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="model shape (default tiny)")
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per setting (default 5)")
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (default 32)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
 
 
 def settings(serve, index):
@@ -104,13 +103,10 @@ def measure(serve, model, device, name, requests, steps, vocab_size, prompt_len)
 
 
 def run(args):
-    from course.commands._setup import set_threads
-    from course.impl import load
+    from course.commands._setup import prepare, serve_modules
     from course.models import tiny_qwen3
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
-    serve = type("Serve", (), {name: impl.load(f"serve.{name}") for name in ("config", "engine", "request")})
+    impl, device = prepare(args)
+    serve = serve_modules(impl)
     model = tiny_qwen3(impl.package, device=device, vocab_size=args.vocab_size, **SHAPES[args.shape])
     for name in settings(serve, 0):
         line = measure(serve, model, device, name, args.requests, args.steps, args.vocab_size, args.prompt_len)

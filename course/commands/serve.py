@@ -12,7 +12,7 @@ replies are noise: it is there to exercise the server, not to talk. --model smol
 SmolLM2-135M-Instruct (Chapters 36, 39, 42), which answers in real sentences. --port 0 picks a free
 port and prints it.
 """
-from course.cli import CommandError, add_device_argument, add_impl_argument
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
 
 
 def load_tiny(impl, device):
@@ -76,14 +76,13 @@ def add_arguments(parser):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                             help=f"{what} (default: the server's, listed in Chapter 38)")
     parser.add_argument("--backend", default="reference", help="attention backend (default: reference)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on CPU)")
+    add_threads_argument(parser)
 
 
 def build(args):
     """(app, impl): the FastAPI app around a fresh EngineCore (not yet serving), and the
     implementation it was built from."""
-    from course.cli import resolve_device
-    from course.commands._setup import set_threads
+    from course.commands._setup import prepare_device
     from course.impl import load
     from course.oracles import unwritten_server_stubs
     impl = load(args.impl)
@@ -91,8 +90,7 @@ def build(args):
     if missing:                 # the loop would start, then stop on the first of them
         raise CommandError(f"serving needs Chapter 38's stubs written in your engine; not implemented yet: "
                            f"{', '.join(missing)}")
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    device = prepare_device(args)
     model, tokenizer, new_detokenizer = MODELS[args.model](impl, device)
     serve_config, serve_engine = impl.load("serve.config"), impl.load("serve.engine")
     app_module = impl.load("server.app")

@@ -22,8 +22,8 @@ import json
 import random
 import time
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
-from course.commands._setup import load_model, set_threads
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
+from course.commands._setup import load_model, prepare
 
 
 def add_arguments(parser):
@@ -36,18 +36,14 @@ def add_arguments(parser):
     parser.add_argument("--prompts", type=int, default=8, help="seeded prompts (default 8)")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
     parser.add_argument("--engine", action="store_true",
                         help="speculate inside the engine core (Chapter 37) with every drafter")
     parser.add_argument("--repeat", type=int, default=2, help="with --engine: timed runs, best kept (default 2)")
 
 
 def run(args):
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    impl, device = prepare(args)
     args.k = args.k or ([3] if args.engine else [1, 2, 4, 8])
     if args.prompts < 1 or args.tokens < 1 or min(args.k) < 1:
         raise CommandError("--prompts, --tokens and every --k must be at least 1")

@@ -12,8 +12,8 @@ import json
 import random
 import time
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, resolve_device
-from course.commands._setup import load_model, set_threads
+from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
+from course.commands._setup import load_model, prepare
 
 
 def add_arguments(parser):
@@ -27,8 +27,7 @@ def add_arguments(parser):
     parser.add_argument("--tokens", type=int, default=24, help="new tokens per request (default 24)")
     parser.add_argument("--eos", type=int, default=None, help="stop token (default: none, every row runs to --tokens)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: 1 on CPU, torch's choice on CUDA)")
+    add_threads_argument(parser)
 
 
 class _Counter:
@@ -43,10 +42,7 @@ class _Counter:
 def run(args):
     import torch
 
-    from course.impl import load
-    impl = load(args.impl)
-    device = resolve_device(args.device)
-    set_threads(device, args.threads)
+    impl, device = prepare(args)
     if not 1 <= args.min_len <= args.max_len or args.requests < 1 or args.tokens < 1 or min(args.batch) < 1:
         raise CommandError("need 1 <= --min-len <= --max-len, and positive --requests, --tokens, --batch")
     model = load_model(impl, device, args.model)
