@@ -44,15 +44,15 @@ def add_arguments(parser):
     add_threads_argument(parser)
 
 
-def settings(serve, index):
-    """name -> the SamplingParams of request `index` under that setting."""
+def settings(serve, index, max_tokens):
+    """name -> the SamplingParams of request `index` under that setting; none ends before `max_tokens`."""
     params = serve.request.SamplingParams
     sampled = dict(temperature=0.8, top_k=50, top_p=0.95, seed=index if index % 2 else None)
     return {
-        "simple-greedy": params(max_tokens=500, ignore_eos=True),
-        "greedy": params(max_tokens=500, ignore_eos=True),
-        "top-p": params(max_tokens=500, ignore_eos=True, **sampled),
-        "everything": params(max_tokens=500, ignore_eos=True, min_p=0.01, repetition_penalty=1.1,
+        "simple-greedy": params(max_tokens=max_tokens, ignore_eos=True),
+        "greedy": params(max_tokens=max_tokens, ignore_eos=True),
+        "top-p": params(max_tokens=max_tokens, ignore_eos=True, **sampled),
+        "everything": params(max_tokens=max_tokens, ignore_eos=True, min_p=0.01, repetition_penalty=1.1,
                              presence_penalty=0.2, frequency_penalty=0.1, logit_bias={17: 2.0, 99: -5.0},
                              bad_words_token_ids=((5,), (6, 7)), logprobs=5, **sampled),
     }
@@ -81,7 +81,8 @@ def clock(device):
 
 
 def measure(serve, model, device, name, requests, steps, vocab_size, prompt_len):
-    blocks_each = -(-(prompt_len + steps + 2) // 16)          # the prompt and every token the run samples
+    sampled_per_request = steps + 2                 # the prefill's token, the warm-up's, the timed steps'
+    blocks_each = -(-(prompt_len + sampled_per_request) // 16)
     config = serve.config.EngineConfig(num_blocks=requests * blocks_each, block_size=16, max_num_seqs=requests,
                                        max_num_batched_tokens=max(2048, requests * (prompt_len + 1)),
                                        sampler="simple" if name == "simple-greedy" else "full")
@@ -89,7 +90,7 @@ def measure(serve, model, device, name, requests, steps, vocab_size, prompt_len)
     rng = random.Random(0)
     for i in range(requests):
         prompt = [rng.randrange(vocab_size) for _ in range(prompt_len)]
-        engine.add_request(f"r{i}", prompt, settings(serve, i)[name])
+        engine.add_request(f"r{i}", prompt, settings(serve, i, sampled_per_request)[name])
     engine.step()                                   # every prompt in one step
     engine.step()                                   # one warm-up decode step
     timed = engine.sampler = TimedSampler(engine.sampler, device)
@@ -108,6 +109,6 @@ def run(args):
     impl, device = prepare(args)
     serve = serve_modules(impl)
     model = tiny_qwen3(impl.package, device=device, vocab_size=args.vocab_size, **SHAPES[args.shape])
-    for name in settings(serve, 0):
+    for name in settings(serve, 0, max_tokens=1):
         line = measure(serve, model, device, name, args.requests, args.steps, args.vocab_size, args.prompt_len)
         print(json.dumps({"shape": args.shape, "device": str(device), **line}), flush=True)
