@@ -37,8 +37,10 @@ _CHAPTER_DIR = re.compile(r"^(\d+)-")
 def pytest_addoption(parser):
     group = parser.getgroup("course", "the inference-engine course")
     group.addoption("--impl", default=None, metavar="SPEC",
-                    help="implementation under test: solutions, engine, a path, optionally @N "
-                         "(default: solutions@N for a Chapter N test)")
+                    help=("implementation under test: solutions, engine, a path, optionally @N "
+                          "(default: solutions@N for a Chapter N test)") if impl_module.have_reference() else
+                         "implementation under test: engine (your engine/, the default) or a checkout's path, "
+                         "optionally @N (the state after Chapter N)")
     group.addoption("--chapter", type=int, action="append", default=None, metavar="N",
                     help="run only Chapter N's milestones and notebook (repeatable)")
     group.addoption("--upto", type=int, default=None, metavar="N",
@@ -157,7 +159,7 @@ def _skip_maintainer_tests(items: list[pytest.Item]) -> None:
     course against its reference: they skip, saying so, instead of failing."""
     if impl_module.have_reference():
         return
-    reason = ("a maintainer's test of the course machinery: it needs the reference (solutions/), which a "
+    reason = ("a maintainer's test of the course machinery: it needs the reference engine, which a "
               "learner's edition leaves out")
     for item in items:
         if chapter_of(item) is None:
@@ -334,7 +336,8 @@ def pytest_report_header(config):
     spec = config.getoption("impl")
     # torch is not imported just for this line: machinery-only runs stay quick to start.
     device = config.getoption("device") or "auto (cuda when available)"
-    return [f"course: impl={spec or 'solutions@N per chapter'}, device={device}"]
+    default = "solutions@N per chapter" if impl_module.have_reference() else "engine"
+    return [f"course: impl={spec or default}, device={device}"]
 
 
 def _device_name(config) -> str:
