@@ -30,6 +30,11 @@ GGUF_BYTES = 98_362_432
 CACHE_ENV = "COURSE_CACHE_DIR"
 
 
+# What running SmolLM2 on an implementation takes: Chapter 36's BPE tokenizer, Chapter 39's
+# GGUF reader and Chapter 42's Llama-family model.
+SMOLLM2_CHAPTERS = (36, 39, 42)
+
+
 class SmolLM2Unavailable(RuntimeError):
     """The checkpoint is not cached and could not be fetched; the message says what to do."""
 

@@ -60,7 +60,7 @@ def run(args):
         raise CommandError(f"--model {args.model}: chat needs a .gguf file (its metadata carries the tokenizer)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS):
+        with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS, impl):
             model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
             tokenizer = gguf_tokenizer(impl, path)
     except (OSError, ValueError) as exc:

@@ -63,7 +63,7 @@ def _load(impl, args, device, dtype):
     path = model_source(args.model)
     if str(path).endswith(".gguf"):              # Chapters 36, 39, 42: the file brings weights and tokenizer
         try:
-            with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS):
+            with needs_chapters(f"--model {args.model}", SMOLLM2_CHAPTERS, impl):
                 model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
                 tokenizer = gguf_tokenizer(impl, path)
         except (OSError, ValueError) as exc:
