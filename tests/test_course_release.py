@@ -76,6 +76,52 @@ def test_an_unwritten_stub_fails_as_not_implemented_yet(pytester):
     assert "Traceback" not in result.stdout.str() and "raise NotImplementedError" not in result.stdout.str()
 
 
+def test_a_stub_behind_another_failure_is_reported_in_one_line_too(pytester):
+    """A milestone run on an engine whose stubs are unwritten shows one line per test, not a
+    page of dependent failures, however the stub's NotImplementedError reaches the test:
+    caught by pytest.raises(RuntimeError), chained behind another error, one of Hypothesis's
+    grouped failures, a command's one-line error, an engine thread's traceback."""
+    pytester.makepyfile(test_stubs="""
+        import sys
+        import pytest
+
+        def settle():
+            raise NotImplementedError("Your engine: Chapter 33: settle_token")
+
+        def test_caught_as_a_runtime_error():
+            with pytest.raises(RuntimeError, match="placeholder"):
+                settle()
+
+        def test_chained():
+            try:
+                settle()
+            except NotImplementedError as exc:
+                raise RuntimeError("the interpreter failed") from exc
+
+        def test_grouped():
+            try:
+                settle()
+            except NotImplementedError as exc:
+                raise ExceptionGroup("2 distinct failures", [ValueError("later"), exc])
+
+        def test_a_command():
+            print("run.py core: error: engine is not complete yet: Your engine: Chapter 31: EngineCore.step",
+                  file=sys.stderr)
+            assert 2 == 0
+
+        def test_a_dead_thread():
+            print("Traceback ...\\nNotImplementedError: Your engine: Chapter 38: EngineLoop.run_once", file=sys.stderr)
+            {}["choices"]
+    """)
+    result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=5)
+    settle = "*not implemented yet: Your engine: Chapter 33: settle_token (the stub: test_stubs.py:5)"
+    result.stdout.fnmatch_lines([settle] * 3 + ["*not implemented yet: Your engine: Chapter 31: EngineCore.step",
+                                                "*not implemented yet: Your engine: Chapter 38: EngineLoop.run_once"])
+    shown = result.stdout.str()
+    assert "Traceback" not in shown and "AssertionError" not in shown and "Captured" not in shown, shown
+
+
 def test_without_the_reference_an_oracle_says_so_in_one_line(pytester, monkeypatch, tmp_path):
     from course import impl as impl_module
     monkeypatch.setitem(impl_module.NAMED, "solutions", tmp_path / "no-solutions")
