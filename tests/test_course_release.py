@@ -85,6 +85,8 @@ def test_a_stub_behind_another_failure_is_reported_in_one_line_too(pytester):
         import sys
         import pytest
 
+        pytestmark = pytest.mark.chapter(33)
+
         def settle():
             raise NotImplementedError("Your engine: Chapter 33: settle_token")
 
@@ -115,7 +117,7 @@ def test_a_stub_behind_another_failure_is_reported_in_one_line_too(pytester):
     """)
     result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=5)
-    settle = "*not implemented yet: Your engine: Chapter 33: settle_token (the stub: test_stubs.py:5)"
+    settle = "*not implemented yet: Your engine: Chapter 33: settle_token (the stub: test_stubs.py:7)"
     result.stdout.fnmatch_lines([settle] * 3 + ["*not implemented yet: Your engine: Chapter 31: EngineCore.step",
                                                 "*not implemented yet: Your engine: Chapter 38: EngineLoop.run_once"])
     shown = result.stdout.str()
