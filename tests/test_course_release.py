@@ -326,9 +326,9 @@ def test_model_option_in_an_edition_reads_the_checkpoint_with_transformers(tmp_p
 
 
 def test_a_command_that_needs_smollm2_names_only_the_chapters_still_to_do():
-    """`run.py chat/serve/generate/bench --model smollm2` on an engine without Chapter 36, 39
-    or 42 names the chapters whose stubs are still unwritten there (read from its files),
-    not all three to a learner who has done two."""
+    """`run.py chat/serve/generate/bench --model smollm2` on an engine without Chapter 36's or
+    39's stubs names the chapters whose stubs are still unwritten there (read from its
+    files), not both to a learner who has done one."""
     from course import impl as impl_module
     from course.cli import CommandError
     from course.commands._setup import SMOLLM2_CHAPTERS, needs_chapters
@@ -340,11 +340,11 @@ def test_a_command_that_needs_smollm2_names_only_the_chapters_still_to_do():
         return str(refused.value)
 
     assert refusal("engine", "Chapter 36: BPETokenizer.from_gguf_metadata").startswith(
-        "--model smollm2 needs Chapters 36, 39 and 42 done in your engine: Your engine: Chapter 36:")
-    assert "needs Chapters 39 and 42 done" in refusal("solutions@38", "Chapter 39: GGUFFile.tensor")
-    assert "needs Chapter 42 done" in refusal("solutions@41", "Chapter 42: LlamaForCausalLM.forward")
+        "--model smollm2 needs Chapters 36 and 39 done in your engine: Your engine: Chapter 36:")
+    assert "needs Chapter 39 done" in refusal("solutions@38", "Chapter 39: read_value")
+    assert "needs Chapters 36 and 39 done" in refusal("solutions@35", "Chapter 36: BPETokenizer.encode_word")
     # A stub of another chapter that says it is not written is named too.
-    assert "needs Chapters 31 and 42 done" in refusal("solutions@41", "Chapter 31: EngineCore.step")
+    assert "needs Chapters 31, 36 and 39 done" in refusal("solutions@30", "Chapter 31: EngineCore.step")
 
 
 # Where a written edition may still say "solutions": code and configuration (course/, tests/,
