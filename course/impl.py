@@ -72,6 +72,8 @@ def _module_name_for(source: Path) -> str:
 def _resolve_source(base: str) -> Path:
     if base in NAMED:
         path = NAMED[base]
+        if base == "solutions" and not have_reference():
+            raise ImplError("this learner's edition has no reference engine: --impl engine runs your engine/")
         if not (path / "__init__.py").is_file():
             hint = " (run `python run.py skeleton` to create it)" if base == "engine" else ""
             raise ImplError(f"{base}/ is not a package in {ROOT}{hint}")
@@ -268,6 +270,6 @@ def have_reference() -> bool:
 def reference() -> Impl:
     """The full reference package (`solutions`), for oracles such as solo generate."""
     if not have_reference():
-        raise ImplError("this oracle compares with the reference engine (solutions/), which this checkout "
-                        "does not have (a learner's edition leaves it out)")
+        raise ImplError("this oracle compares with the course's reference engine, which a learner's edition "
+                        "leaves out")
     return load("solutions")

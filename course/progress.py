@@ -71,6 +71,25 @@ def stub_states(source: Path, reference: Path | None = None) -> list[StubState]:
     return states
 
 
+def chapters_to_do(source: Path, chapters, upto: int | None = None) -> list[int]:
+    """Those of `chapters` with a stub not yet written in the package at `source` (read, not
+    imported), in order; with `upto` (NAME@N), every chapter after N counts as not written."""
+    open_chapters = {state.chapter for state in stub_states(source)
+                     if not state.done or (upto is not None and state.chapter > upto)}
+    return [number for number in chapters if number in open_chapters]
+
+
+def chapters_still_needed(impl, chapters, raised: int | None = None) -> str:
+    """"Chapter 42" or "Chapters 39 and 42": those of `chapters` whose stubs the implementation
+    `impl` (loaded or parsed) has not all written, with `raised` (the chapter of a stub that
+    said it is not written yet); all of `chapters` where nothing else is known."""
+    left = sorted({*chapters_to_do(impl.source, chapters, impl.upto), *([raised] if raised else [])}) \
+        or list(chapters)
+    if len(left) == 1:
+        return f"Chapter {left[0]}"
+    return "Chapters " + ", ".join(str(n) for n in left[:-1]) + f" and {left[-1]}"
+
+
 def chapter_progress(spec: str = "engine", manifest=None, reference: Path | None = None,
                      tests_dir: Path | None = None) -> list[ChapterProgress]:
     """One entry per chapter of book.toml, in order."""

@@ -37,8 +37,10 @@ _CHAPTER_DIR = re.compile(r"^(\d+)-")
 def pytest_addoption(parser):
     group = parser.getgroup("course", "the inference-engine course")
     group.addoption("--impl", default=None, metavar="SPEC",
-                    help="implementation under test: solutions, engine, a path, optionally @N "
-                         "(default: solutions@N for a Chapter N test)")
+                    help=("implementation under test: solutions, engine, a path, optionally @N "
+                          "(default: solutions@N for a Chapter N test)") if impl_module.have_reference() else
+                         "implementation under test: engine (your engine/, the default) or a checkout's path, "
+                         "optionally @N (the state after Chapter N)")
     group.addoption("--chapter", type=int, action="append", default=None, metavar="N",
                     help="run only Chapter N's milestones and notebook (repeatable)")
     group.addoption("--upto", type=int, default=None, metavar="N",
@@ -157,7 +159,7 @@ def _skip_maintainer_tests(items: list[pytest.Item]) -> None:
     course against its reference: they skip, saying so, instead of failing."""
     if impl_module.have_reference():
         return
-    reason = ("a maintainer's test of the course machinery: it needs the reference (solutions/), which a "
+    reason = ("a maintainer's test of the course machinery: it needs the reference engine, which a "
               "learner's edition leaves out")
     for item in items:
         if chapter_of(item) is None:
@@ -220,12 +222,26 @@ def pytest_runtest_makereport(item, call):
     read-only, regenerated on every load, and keeps the source's line numbers."""
     report = yield
     _point_at_sources(report.longrepr, item.config.invocation_params.dir)
-    if call.excinfo is not None and call.excinfo.errisinstance(NotImplementedError) \
-            and str(call.excinfo.value).startswith("Your engine: Chapter"):
-        # An unwritten stub is the learner's to-do, not a crash: where it is, no traceback.
-        stub = call.excinfo.traceback[-1]
-        where = _shown_path(stub.path, item.config.invocation_params.dir)
-        report.longrepr = f"not implemented yet: {call.excinfo.value} (the stub: {where}:{stub.lineno + 1})"
+    # (the indirect signs are read for a chapter's milestones only: a maintainer's test of the
+    # machinery may print a stub's words for its own reasons)
+    milestone = chapter_of(item) is not None
+    unwritten = _unwritten_stub(call.excinfo.value, milestone) if call.excinfo is not None else None
+    if unwritten is None and call.excinfo is not None and milestone:
+        # `assert cli.main([...]) == 0`, or a server whose engine thread died: the command's
+        # one-line error, or the thread's traceback, in the captured output names the stub
+        said = next((found for _, text in report.sections if (found := _OUTPUT_SAYS.search(text))), None)
+        unwritten = (said.group(1), None) if said else None
+    if unwritten is not None:
+        # An unwritten stub is the learner's to-do, not a crash: where it is, no traceback;
+        # also when it surfaced through something else (a run.py command's exit status, a
+        # pytest.raises that caught it as a RuntimeError, Triton's interpreter).
+        message, raised = unwritten
+        report.sections = [(title, text) for title, text in report.sections if not title.startswith("Captured")]
+        if raised is None:
+            report.longrepr = f"not implemented yet: {message}"
+        else:
+            where = _shown_path(raised.filename, item.config.invocation_params.dir)
+            report.longrepr = f"not implemented yet: {message} (the stub: {where}:{raised.lineno})"
     elif call.excinfo is not None and call.excinfo.errisinstance(impl_module.ImplError):
         from .oracle_records import RecordMissing
         why = str(call.excinfo.value)
@@ -297,6 +313,33 @@ def _invariant_checks(lines: list[str]) -> set[str]:
     return checks
 
 
+_STUB_SAYS = re.compile(r"Your engine: Chapter \d+: [\w.<>]+")
+_OUTPUT_SAYS = re.compile(r"^(?:run\.py \w+: error: .*?|NotImplementedError: )(Your engine: Chapter \d+: [\w.<>]+)",
+                          re.MULTILINE)
+
+
+def _unwritten_stub(error: BaseException, read_message: bool = True):
+    """(the stub's "Your engine: Chapter N: NAME", the frame that raised it or None) when
+    `error` comes from an unwritten stub: its NotImplementedError, or one chained behind
+    `error`, or (with read_message) its words inside `error`'s message (a command's one-line
+    error that a test asserted on). None for any other failure."""
+    import traceback
+    seen = set()
+    causes: list[BaseException] = [error]
+    while causes:
+        cause = causes.pop(0)
+        if id(cause) in seen:
+            continue
+        seen.add(id(cause))
+        if isinstance(cause, NotImplementedError) and _STUB_SAYS.match(str(cause)):
+            frames = traceback.extract_tb(cause.__traceback__)
+            return str(cause), frames[-1] if frames else None
+        # Hypothesis reports several distinct failures as one group: a stub behind any of them
+        causes += [*getattr(cause, "exceptions", ()), *(c for c in (cause.__cause__, cause.__context__) if c)]
+    said = _STUB_SAYS.search(str(error)) if read_message else None
+    return (said.group(0), None) if said else None
+
+
 def _shown_path(path, invocation_dir: Path) -> Path:
     """Where to tell the reader to look: the source of a gated copy, relative to where
     pytest was started when it lies below it."""
@@ -334,7 +377,8 @@ def pytest_report_header(config):
     spec = config.getoption("impl")
     # torch is not imported just for this line: machinery-only runs stay quick to start.
     device = config.getoption("device") or "auto (cuda when available)"
-    return [f"course: impl={spec or 'solutions@N per chapter'}, device={device}"]
+    default = "solutions@N per chapter" if impl_module.have_reference() else "engine"
+    return [f"course: impl={spec or default}, device={device}"]
 
 
 def _device_name(config) -> str:

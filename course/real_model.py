@@ -13,7 +13,7 @@ from typing import Any
 
 from . import reference
 from .impl import have_reference, load
-from .smollm2 import SmolLM2Unavailable, smollm2_gguf_path
+from .smollm2 import SMOLLM2_CHAPTERS, SmolLM2Unavailable, smollm2_gguf_path
 
 
 @cache
@@ -30,11 +30,14 @@ def smollm2() -> tuple[Any, Any]:
     """
     path = smollm2_gguf_path(quiet=True)
     if not have_reference():        # a learner's edition: SmolLM2 runs on the learner's engine
+        engine = load("engine")
         try:
-            return _load(load("engine"), path)
+            return _load(engine, path)
         except NotImplementedError as exc:
-            raise SmolLM2Unavailable(f"SmolLM2 runs on your engine once Chapters 36, 39 and 42 are done "
-                                     f"({exc} is not written yet)") from None
+            from .progress import chapters_still_needed
+            raise SmolLM2Unavailable(f"SmolLM2 runs on your engine once you have done "
+                                     f"{chapters_still_needed(engine, SMOLLM2_CHAPTERS)} ({exc} is not written yet)"
+                                     ) from None
     return _load(reference(), path)
 
 

@@ -48,6 +48,9 @@ from .manifest import ROOT
 # Top-level entries a learner's edition leaves out: the reference answers, the
 # maintainer's guide and CI script (both drive solutions/), and local caches.
 EXCLUDED = ("solutions", "CONTRIBUTING.md", ".ci", ".course_cache", ".git")
+# The maintainer's commands, which work on solutions/: writing engine/ from it, writing an
+# edition, regenerating README's chapter list.
+MAINTAINER_COMMANDS = ("course/commands/skeleton.py", "course/commands/release.py", "course/commands/readme.py")
 NOT_IMPLEMENTED = "not implemented yet"
 NOTEBOOK_TIMEOUT = 600.0        # seconds one notebook may take to run top to bottom
 
@@ -64,8 +67,8 @@ def release_files(root: Path = ROOT) -> list[Path]:
         names = [Path(n) for n in listed.stdout.decode().split("\0") if n]
     else:
         names = [p.relative_to(root) for p in root.rglob("*") if p.is_file()]
-    return sorted(n for n in names
-                  if n.parts[0] not in EXCLUDED and "__pycache__" not in n.parts and (root / n).is_file())
+    return sorted(n for n in names if n.parts[0] not in EXCLUDED and n.as_posix() not in MAINTAINER_COMMANDS
+                  and "__pycache__" not in n.parts and (root / n).is_file())
 
 
 # What the recording run selects by default: every milestone (tests of a chapter).
@@ -98,7 +101,7 @@ def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None 
         elif rel == Path("README.md"):      # its layout table's row for solutions/, which the edition lacks
             kept = [line for line in (root / rel).read_text(encoding="utf-8").splitlines(keepends=True)
                     if not line.startswith("| `solutions/`")]
-            target.write_text("".join(kept), encoding="utf-8")
+            target.write_text(edition_prose("".join(kept)), encoding="utf-8")
         else:
             shutil.copy2(root / rel, target)
     if record is not None:
@@ -235,7 +238,9 @@ def stub_names(package: Path) -> dict[str, set[str]]:
     return names
 
 
-_REFERENCE_CALL = re.compile(r"\bcourse\.reference\(\)")
+# `course.reference()` and its comment (`# the complete reference engine (solutions/)`), which
+# would misname what the edition's setup line loads.
+_REFERENCE_CALL = re.compile(r"""\bcourse\.reference\(\)(?:[ \t]*#[^\n"]*)?""")
 # `ref = course.reference()`, `ref = load_impl("solutions")`, `B = course.reference().bpe`: the names a
 # notebook gives the reference;
 # then `cost = ref.cost`, `engine = ref.load("serve.engine")`: names of its modules.
@@ -276,10 +281,24 @@ _REFERENCE_PATH = re.compile(r"\bsolutions/")
 _REFERENCE_NAME = re.compile(r"""(["'])solutions\1""")
 
 
+# Prose for one edition only, in HTML comments (which the book and JupyterLab do not show): a
+# passage between `<!-- full-course -->` and `<!-- /full-course -->` is left out of the
+# learner's edition, and the text of a comment `<!-- edition ... -->` is shown there instead.
+_FULL_COURSE_ONLY = re.compile(r"<!-- full-course -->\n?.*?<!-- /full-course -->\n?", re.DOTALL)
+_EDITION_ONLY = re.compile(r"<!-- edition\n(.*?)-->\n?", re.DOTALL)
+
+
+def edition_prose(text: str) -> str:
+    """Markdown (a chapter, README.md) with its full-course-only passages left out and its
+    edition-only passages shown."""
+    return _EDITION_ONLY.sub(r"\1", _FULL_COURSE_ONLY.sub("", text))
+
+
 def edition_text(text: str) -> str:
-    """A notebook's source (or a string of its JSON) as the edition has it: the reference's
-    setup lines and the name "solutions" name the learner's engine, and paths into
-    solutions/ point into engine/."""
+    """A notebook's source (or a string of its JSON) as the edition has it: its prose for the
+    edition (`edition_prose`), the reference's setup lines and the name "solutions" name the
+    learner's engine, and paths into solutions/ point into engine/."""
+    text = edition_prose(text)
     text = _REFERENCE_CALL.sub("course.notebook.reference_or_engine()", text)
     text = _LOAD_REFERENCE.sub('load_impl("engine")', text)
     text = _REFERENCE_NAME.sub(r"\1engine\1", text)

@@ -333,8 +333,8 @@ def filled_stubs(root: Path, rel: str) -> list[str]:
 # The first paragraph of the learner's package docstring: the reference's own first
 # paragraph ("The reference engine: every chapter's code, complete ...") is not true of it.
 LEARNER_PACKAGE_DOC = '''Your engine, to build chapter by chapter: the course's code with the bodies of
-the stubs left for you to write. `python run.py skeleton` generated this package from the
-reference (solutions/), keeping everything but the stub bodies: a function whose
+the stubs left for you to write. The course's skeleton generator made this package from
+the reference engine, keeping everything but the stub bodies: a function whose
 docstring names its chapter as "(Your engine: Chapter N)" raises NotImplementedError until
 you write it, and everything else already works. Each chapter's notebook introduces its
 stubs; `pytest --impl engine tests/test_chNN_*.py` checks them and `python run.py progress`

@@ -30,6 +30,13 @@ GGUF_BYTES = 98_362_432
 CACHE_ENV = "COURSE_CACHE_DIR"
 
 
+# The chapters whose stubs running SmolLM2 on an implementation calls: Chapter 36's BPE
+# tokenizer and Chapter 39's GGUF reader. (Chapter 42's Llama-family model is given code; its
+# stubs, Llama 3's rescaled rotary frequencies, sliding windows and latent attention, are not
+# on SmolLM2's path: `run.py chat --model smollm2 --impl solutions@41` answers.)
+SMOLLM2_CHAPTERS = (36, 39)
+
+
 class SmolLM2Unavailable(RuntimeError):
     """The checkpoint is not cached and could not be fetched; the message says what to do."""
 

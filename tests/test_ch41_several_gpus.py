@@ -273,6 +273,10 @@ def test_disaggregated_prefill_matches_solo(session, expected):
 
 
 def test_a_dead_rank_ends_the_other_with_an_error(session):
+    stopped = [found["error"] for parts in session["ranks"] for found in parts.values()
+               if isinstance(found, dict) and "Your engine: Chapter" in str(found.get("error"))]
+    if stopped:     # the ranks never reached the death in step: the stub is the learner's news
+        pytest.fail(f"the ranks stopped before the death test: {stopped[0]}")
     assert session["failure"] is not None, "rank 1 exited, yet the launcher reported success"
     assert "rank 1: exited with status 3" in session["failure"], session["failure"]
     if session["place"] == "cpu":        # gloo raises at once; NCCL's watchdog may end the process instead

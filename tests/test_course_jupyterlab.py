@@ -1,15 +1,19 @@
 """A chapter reads in JupyterLab (and in Notebook 7, the classic notebook's successor) as it
 reads in the book: every hint and answer is a collapsed dropdown until its title is clicked,
-math is typeset, and the diagrams are drawn the moment a learner opens the notebook.
+math is typeset, the diagrams are drawn the moment a learner opens the notebook, the code of
+a cell the book hides (tagged `remove-input`: the code that draws a diagram) is hidden, and
+opening the notebook does not mark it modified.
 
 The notebook is opened the way a learner first meets it: a copy nobody has run, so untrusted.
 JupyterLab refuses to draw an untrusted notebook's SVG outputs (it shows the text
 `<IPython.core.display.SVG object>`), which is why every diagram carries a PNG twin
 (course/diagrams.py `show`). The MyST dropdowns (```{admonition} ... :class: dropdown```)
 are rendered by jupyterlab-myst (requirements.txt); without it JupyterLab shows them as open
-text. A real JupyterLab server and headless Chromium check this (about 20 s on an idle
-machine); the test skips with one line where no browser is installed. A cheap check over
-every chapter's saved outputs runs always."""
+text. JupyterLab hides a cell's code when its metadata says `"jupyter": {"source_hidden":
+true}`, which every `remove-input` cell carries (set in the .md, jupytext carries it over). A
+real JupyterLab server and headless Chromium check this (about 20 s on an idle machine); the
+test skips with one line where no browser is installed. Cheap checks over every chapter's
+saved notebook run always."""
 import json
 import os
 import re
@@ -32,6 +36,7 @@ DROPDOWN = re.compile(r"```\{admonition\} ([^\n]*)\n\s*:class: dropdown")
 SVG_TEXT = "SVG object>"
 # Where the learner opens a notebook: JupyterLab, and Notebook 7 (`jupyter notebook`).
 VIEWS = {"JupyterLab": "/lab/tree/{name}?reset", "Notebook 7": "/notebooks/{name}"}
+KERNEL_DISPLAY_NAME = "Python 3 (ipykernel)"        # what ipykernel's kernelspec calls itself
 
 
 def chapter_notebooks() -> list[Path]:
@@ -52,6 +57,26 @@ def test_every_diagram_has_a_picture_an_untrusted_notebook_shows():
     assert not svg_only, ("these outputs are SVG without a PNG twin, so JupyterLab shows "
                           "'<IPython.core.display.SVG object>' until the learner runs them (draw them with "
                           "course.diagrams.show and re-execute the notebook): " + ", ".join(svg_only))
+
+
+def test_every_cell_the_book_hides_hides_its_code_in_jupyter():
+    """A `remove-input` cell's code is hidden in the book; JupyterLab and Notebook 7 hide it
+    only where the cell's metadata says so (jupyter.source_hidden). And every chapter names
+    ipykernel's own kernelspec display name, so opening it does not rewrite (and dirty) it."""
+    shown, renamed = [], []
+    for path in chapter_notebooks():
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        if notebook["metadata"].get("kernelspec", {}).get("display_name") != KERNEL_DISPLAY_NAME:
+            renamed.append(path.name)
+        for number, cell in enumerate(notebook["cells"], 1):
+            metadata = cell.get("metadata", {})
+            if "remove-input" in metadata.get("tags", []) and not metadata.get("jupyter", {}).get("source_hidden"):
+                shown.append(f"{path.name} cell {number}")
+    assert not shown, ("these cells are tagged remove-input but show their code in JupyterLab: give them "
+                       "`jupyter: {source_hidden: true}` in the .md's cell options and run `jupytext --sync`: "
+                       + ", ".join(shown))
+    assert not renamed, (f"these chapters' kernelspec display_name is not {KERNEL_DISPLAY_NAME!r}, so JupyterLab "
+                         "marks them modified on opening: " + ", ".join(renamed))
 
 
 def _browser_or_skip() -> None:
@@ -101,7 +126,9 @@ def jupyterlab(tmp_path_factory):
                JUPYTERLAB_WORKSPACES_DIR=str(folder / "workspaces"), JUPYTER_RUNTIME_DIR=str(folder / "runtime"))
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={port}",
                "--ServerApp.ip=127.0.0.1", "--ServerApp.token=", "--ServerApp.password=",
-               f"--ServerApp.root_dir={folder}", "--NotebookNotary.db_file=:memory:"]
+               f"--ServerApp.root_dir={folder}", "--NotebookNotary.db_file=:memory:",
+               # window.jupyterapp, through which the test asks whether the open notebook is modified
+               "--LabServerApp.expose_app_in_browser=True"]
     log = (folder / "server.log").open("wb")
     server = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -136,6 +163,7 @@ const dropdowns = [...notebook.querySelectorAll('.jp-MarkdownCell details')].map
     title: d.querySelector('summary').innerText.trim(), open: d.open,
     bodyShown: [...d.children].some(c => c.tagName !== 'SUMMARY' && c.checkVisibility())}));
 const images = [...notebook.querySelectorAll('.jp-OutputArea-output img')];
+const current = window.jupyterapp && window.jupyterapp.shell.currentWidget;
 return {
     cells: notebook.querySelectorAll('.jp-Cell').length,
     rawDirectives: [...notebook.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown, .jp-MarkdownCell .myst')]
@@ -144,6 +172,12 @@ return {
     svgAsText: [...notebook.querySelectorAll('.jp-OutputArea-output')].filter(o => o.innerText.includes('%s')).length,
     drawnImages: images.filter(i => i.complete && i.naturalWidth > 0 && i.checkVisibility()).length,
     math: notebook.querySelectorAll('.jp-MarkdownCell mjx-container, .jp-MarkdownCell .katex').length,
+    shownCode: [...notebook.querySelectorAll('.jp-CodeCell .jp-InputArea')].filter(a => a.checkVisibility())
+        .map(a => a.innerText),
+    hiddenInputs: notebook.querySelectorAll('.jp-CodeCell .jp-InputPlaceholder').length,
+    // the document's own flag (the dot on JupyterLab's tab, the prompt before leaving Notebook 7)
+    modified: current && current.context ? current.context.model.dirty : null,
+    dirtyTabs: document.querySelectorAll('.lm-TabBar-tab.jp-mod-dirty').length,
 };
 """ % SVG_TEXT
 
@@ -202,8 +236,10 @@ def test_a_chapter_reads_in_jupyter_as_in_the_book(jupyterlab, view):
     hints = [title for title in titles if title.startswith("Hint")]
     cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
     figures = sum("image/png" in output.get("data", {}) for cell in cells for output in cell.get("outputs", []))
-    assert hints and figures and "$$" in text, \
-        f"Chapter {CHAPTER} no longer has hints, figures and display math: point CHAPTER at one that does"
+    hidden = ["".join(cell["source"]).strip().splitlines()[-1] for cell in cells
+              if "remove-input" in cell.get("metadata", {}).get("tags", [])]
+    assert hints and figures and hidden and "$$" in text, \
+        f"Chapter {CHAPTER} no longer has hints, figures, hidden code and display math: point CHAPTER at one that does"
     browser = _browser()
     try:
         state = open_chapter(browser, url, notebook, view, len(titles))
@@ -217,8 +253,14 @@ def test_a_chapter_reads_in_jupyter_as_in_the_book(jupyterlab, view):
             f"{view}: {state['svgAsText']} figure(s) shown as the text '<IPython.core.display.SVG object>'"
         state = _wait_for(browser, lambda d: (s := d.execute_script(PAGE_STATE))["drawnImages"] >= figures and s,
                           f"{view}: the chapter's {figures} figures are not all drawn on opening")
+        shown = [line for line in hidden if any(line in code for code in state["shownCode"])]
+        assert not shown and state["hiddenInputs"] == len(hidden), \
+            f"{view}: the code of cells the book hides (remove-input) is shown: {shown}"
+        assert state["modified"] is False and state["dirtyTabs"] == 0, \
+            f"{view}: opening the chapter marked it modified (document dirty: {state['modified']})"
         after = click_title(browser, hints[0])
         others_open = [d["title"] for d in after["dropdowns"] if d["title"] != hints[0] and d["bodyShown"]]
         assert not others_open, f"{view}: clicking {hints[0]!r} opened other dropdowns too: {others_open}"
+        assert after["modified"] is False, f"{view}: opening a hint marked the notebook modified"
     finally:
         browser.quit()

@@ -1,5 +1,8 @@
 """`python run.py release DIR`: the learner's edition has no solutions/ and still works."""
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -73,6 +76,54 @@ def test_an_unwritten_stub_fails_as_not_implemented_yet(pytester):
     assert "Traceback" not in result.stdout.str() and "raise NotImplementedError" not in result.stdout.str()
 
 
+def test_a_stub_behind_another_failure_is_reported_in_one_line_too(pytester):
+    """A milestone run on an engine whose stubs are unwritten shows one line per test, not a
+    page of dependent failures, however the stub's NotImplementedError reaches the test:
+    caught by pytest.raises(RuntimeError), chained behind another error, one of Hypothesis's
+    grouped failures, a command's one-line error, an engine thread's traceback."""
+    pytester.makepyfile(test_stubs="""
+        import sys
+        import pytest
+
+        pytestmark = pytest.mark.chapter(33)
+
+        def settle():
+            raise NotImplementedError("Your engine: Chapter 33: settle_token")
+
+        def test_caught_as_a_runtime_error():
+            with pytest.raises(RuntimeError, match="placeholder"):
+                settle()
+
+        def test_chained():
+            try:
+                settle()
+            except NotImplementedError as exc:
+                raise RuntimeError("the interpreter failed") from exc
+
+        def test_grouped():
+            try:
+                settle()
+            except NotImplementedError as exc:
+                raise ExceptionGroup("2 distinct failures", [ValueError("later"), exc])
+
+        def test_a_command():
+            print("run.py core: error: engine is not complete yet: Your engine: Chapter 31: EngineCore.step",
+                  file=sys.stderr)
+            assert 2 == 0
+
+        def test_a_dead_thread():
+            print("Traceback ...\\nNotImplementedError: Your engine: Chapter 38: EngineLoop.run_once", file=sys.stderr)
+            {}["choices"]
+    """)
+    result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=5)
+    settle = "*not implemented yet: Your engine: Chapter 33: settle_token (the stub: test_stubs.py:7)"
+    result.stdout.fnmatch_lines([settle] * 3 + ["*not implemented yet: Your engine: Chapter 31: EngineCore.step",
+                                                "*not implemented yet: Your engine: Chapter 38: EngineLoop.run_once"])
+    shown = result.stdout.str()
+    assert "Traceback" not in shown and "AssertionError" not in shown and "Captured" not in shown, shown
+
+
 def test_without_the_reference_an_oracle_says_so_in_one_line(pytester, monkeypatch, tmp_path):
     from course import impl as impl_module
     monkeypatch.setitem(impl_module.NAMED, "solutions", tmp_path / "no-solutions")
@@ -87,7 +138,8 @@ def test_without_the_reference_an_oracle_says_so_in_one_line(pytester, monkeypat
     """)
     result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["cannot run here: this oracle compares with the reference engine (solutions/)*"])
+    result.stdout.fnmatch_lines(["cannot run here: this oracle compares with the course's reference engine, "
+                                 "which a learner's edition leaves out*"])
 
 
 def test_progress_without_the_reference_reads_the_markers_in_engine(tmp_path, monkeypatch):
@@ -271,3 +323,77 @@ def test_model_option_in_an_edition_reads_the_checkpoint_with_transformers(tmp_p
     ids = torch.tensor([[3, 14, 15, 92, 65]])
     with torch.inference_mode():     # the same weights, so the same logits once both compute in float32
         assert torch.allclose(ours.float()(ids), theirs.float()(ids), atol=1e-4)
+
+
+def test_a_command_that_needs_smollm2_names_only_the_chapters_still_to_do():
+    """`run.py chat/serve/generate/bench --model smollm2` on an engine without Chapter 36's or
+    39's stubs names the chapters whose stubs are still unwritten there (read from its
+    files), not both to a learner who has done one."""
+    from course import impl as impl_module
+    from course.cli import CommandError
+    from course.commands._setup import SMOLLM2_CHAPTERS, needs_chapters
+
+    def refusal(spec: str, stub: str) -> str:
+        with pytest.raises(CommandError) as refused:
+            with needs_chapters("--model smollm2", SMOLLM2_CHAPTERS, impl_module.parse(spec)):
+                raise NotImplementedError(f"Your engine: {stub}")
+        return str(refused.value)
+
+    assert refusal("engine", "Chapter 36: BPETokenizer.from_gguf_metadata").startswith(
+        "--model smollm2 needs Chapters 36 and 39 done in your engine: Your engine: Chapter 36:")
+    assert "needs Chapter 39 done" in refusal("solutions@38", "Chapter 39: read_value")
+    assert "needs Chapters 36 and 39 done" in refusal("solutions@35", "Chapter 36: BPETokenizer.encode_word")
+    # A stub of another chapter that says it is not written is named too.
+    assert "needs Chapters 31, 36 and 39 done" in refusal("solutions@30", "Chapter 31: EngineCore.step")
+
+
+# Where a written edition may still say "solutions": code and configuration (course/, tests/,
+# pyproject.toml, pytest.ini, .gitignore), the license's list of what is code, and English.
+ENGLISH_SOLUTIONS = re.compile(r"existing solutions\b")
+# Every command's help, the pytest option's, and what --impl solutions and an oracle that needs
+# the reference answer there; run inside the edition with only the edition importable.
+EDITION_TEXTS = """
+import argparse, importlib, subprocess, sys
+from course import cli, impl
+print(cli._usage(cli.available()))
+for name in cli.available():
+    parser = argparse.ArgumentParser(prog=name, description=importlib.import_module(f"course.commands.{name}").__doc__)
+    importlib.import_module(f"course.commands.{name}").add_arguments(parser)
+    print(parser.format_help())
+for attempt in (lambda: impl.load("solutions"), impl.reference):
+    try:
+        attempt()
+    except impl.ImplError as error:
+        print(error)
+print(subprocess.run([sys.executable, "-m", "pytest", "--help", "-p", "no:nbval"], capture_output=True,
+                     text=True).stdout)
+"""
+
+
+def test_a_learner_in_the_edition_meets_engine_never_solutions(tmp_path):
+    """The edition's chapters (text, code and saved outputs), README, engine/, command help
+    and messages name engine/, the learner's files, and never solutions/, which it lacks."""
+    dest = tmp_path / "edition"
+    release.write_release(dest, record=None)
+    read = [dest / "README.md", *(dest / "engine").rglob("*.py"), *sorted((dest / "chapters").rglob("*.md")),
+            *sorted((dest / "chapters").rglob("*.ipynb"))]
+    named = [f"{path.relative_to(dest)}:{number}: {line.strip()[:100]}"
+             for path in read for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\bsolutions\b", ENGLISH_SOLUTIONS.sub("", line)) or "<!-- full-course" in line
+             or "<!-- edition" in line]
+    assert not named, "the learner's edition still shows solutions/ (or an unresolved edition marker):\n" + \
+        "\n".join(named[:20])
+    assert not (dest / "course" / "commands" / "skeleton.py").exists(), "maintainer's commands are in the edition"
+    shown = subprocess.run([sys.executable, "-c", EDITION_TEXTS], cwd=dest, env=release._edition_env(dest),
+                           capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "--impl" in shown.stdout, shown.stderr[-2000:]
+    lines = [line for line in shown.stdout.splitlines() if re.search(r"\bsolutions\b", line)]
+    assert not lines, "help or messages of the edition name solutions:\n" + "\n".join(lines)
+    assert "--impl engine runs your engine/" in shown.stdout
+
+
+def test_edition_prose_keeps_each_editions_passages():
+    text = ("Intro.\n<!-- full-course -->\n`solutions/` is the reference.\n<!-- /full-course -->\n"
+            "<!-- edition\nYour engine/ is all you have.\n-->\nThe stub is in engine<!-- full-course --> "
+            "(made from `solutions/`)<!-- /full-course -->.\n")
+    assert release.edition_prose(text) == "Intro.\nYour engine/ is all you have.\nThe stub is in engine.\n"

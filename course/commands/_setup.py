@@ -1,25 +1,27 @@
 """What the model-running commands share: threads, and the model to run (not a command:
 the dispatcher skips files whose name starts with an underscore)."""
+import re
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 from course.cli import CommandError, resolve_device
-
-# What running SmolLM2 on an implementation takes: Chapter 36's BPE tokenizer, Chapter 39's
-# GGUF reader and Chapter 42's Llama-family model.
-SMOLLM2_CHAPTERS = (36, 39, 42)
+from course.smollm2 import SMOLLM2_CHAPTERS
 
 
 @contextmanager
-def needs_chapters(what, chapters):
+def needs_chapters(what, chapters, impl):
     """Turn a stub's NotImplementedError inside the block into one line naming every chapter
-    `what` needs (a learner who has not reached them learns which, not only the first stub)."""
+    `what` needs that `impl` has not done (a learner learns which, not only the first stub):
+    those of `chapters` with stubs still unwritten, and the chapter of the stub that raised."""
     try:
         yield
     except NotImplementedError as exc:
-        listed = ", ".join(str(n) for n in chapters[:-1]) + f" and {chapters[-1]}" if len(chapters) > 1 \
-            else str(chapters[0])
-        raise CommandError(f"{what} needs Chapters {listed} done in your engine: {exc} is not written yet") from None
+        from course.progress import chapters_still_needed
+        raising = re.search(r"\bChapter (\d+)\b", str(exc))
+        if not chapters and not raising:
+            raise
+        needed = chapters_still_needed(impl, chapters, int(raising.group(1)) if raising else None)
+        raise CommandError(f"{what} needs {needed} done in your engine: {exc} is not written yet") from None
 
 
 def set_threads(device, threads):
@@ -78,7 +80,7 @@ def load_model(impl, device, model_path=None, vocab_size=None):
     loader = getattr(checkpoint, "load_model", checkpoint.load_checkpoint)
     try:
         if str(model_path).endswith(".gguf"):          # a GGUF file: Chapter 39's reader, Llama or Qwen3
-            with needs_chapters(f"--model {named}", SMOLLM2_CHAPTERS[1:]):
+            with needs_chapters(f"--model {named}", (39,), impl):     # Chapter 39: the GGUF reader
                 return loader(model_path, dtype=dtype, device=device).eval()
         return loader(model_path, dtype=dtype, device=device).eval()
     except (OSError, ValueError) as exc:          # CheckpointError and GGUFError are ValueErrors
@@ -101,11 +103,11 @@ def model_source(model):
 
 
 def load_gguf(impl, named, path, device, dtype):
-    """(model, tokenizer) from one GGUF file: Chapter 39's reader and Chapter 42's families
-    load the weights, Chapter 36's BPE tokenizer comes from its metadata. `named` is what
+    """(model, tokenizer) from one GGUF file: Chapter 39's reader loads the weights, Chapter
+    36's BPE tokenizer comes from its metadata. `named` is what
     --model said, for the messages."""
     try:
-        with needs_chapters(f"--model {named}", SMOLLM2_CHAPTERS):
+        with needs_chapters(f"--model {named}", SMOLLM2_CHAPTERS, impl):
             model = impl.load("checkpoint").load_model(path, dtype=dtype, device=device)
             tokenizer = gguf_tokenizer(impl, path)
     except (OSError, ValueError) as exc:

@@ -72,7 +72,7 @@ def add_arguments(parser):
 
 def run(args):
     from course import bench
-    from course.commands._setup import prepare
+    from course.commands._setup import SMOLLM2_CHAPTERS, needs_chapters, prepare
     impl, device = prepare(args)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
@@ -88,7 +88,8 @@ def run(args):
                 ["triton", "vectorised"] if device.type == "cuda" else ["vectorised"])
     shape = bench.QWEN3_0_6B_SHAPE if args.config == "qwen3-0.6b" else None
     try:
-        workloads = bench.make_workloads(impl, names, args.scale, args.vocab_size, args.rate, shape)
+        with needs_chapters(f"--workloads {args.workloads}", SMOLLM2_CHAPTERS if "chat" in names else (), impl):
+            workloads = bench.make_workloads(impl, names, args.scale, args.vocab_size, args.rate, shape)
         plans = [(w, _contenders(impl, bench, w, device, backends, args)) for w in workloads]
     except (ValueError, SmolLM2Unavailable) as exc:
         raise CommandError(str(exc)) from None

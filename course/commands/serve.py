@@ -29,7 +29,7 @@ def load_smollm2(impl, device):
     the same GGUF file, and that tokenizer's incremental detokenizer."""
     from course.commands import _setup
     from course.commands._setup import SMOLLM2, gguf_tokenizer, load_model, model_source
-    with _setup.needs_chapters("--model smollm2", _setup.SMOLLM2_CHAPTERS):
+    with _setup.needs_chapters("--model smollm2", _setup.SMOLLM2_CHAPTERS, impl):
         model = load_model(impl, device, SMOLLM2)
         tokenizer = gguf_tokenizer(impl, model_source(SMOLLM2))
     bpe = impl.load("bpe")
