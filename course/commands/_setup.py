@@ -80,7 +80,7 @@ def load_model(impl, device, model_path=None, vocab_size=None):
     loader = getattr(checkpoint, "load_model", checkpoint.load_checkpoint)
     try:
         if str(model_path).endswith(".gguf"):          # a GGUF file: Chapter 39's reader, Llama or Qwen3
-            with needs_chapters(f"--model {named}", (39,), impl):     # Chapter 39: the GGUF reader
+            with needs_chapters(f"--model {named}", (39,), impl):
                 return loader(model_path, dtype=dtype, device=device).eval()
         return loader(model_path, dtype=dtype, device=device).eval()
     except (OSError, ValueError) as exc:          # CheckpointError and GGUFError are ValueErrors
