@@ -14,7 +14,9 @@ transformers' generate runs every request of a batch to the batch's longest max_
 cannot take requests that arrive later, so it is left out of the Poisson workload; its
 extra tokens are cut off before comparing and are not counted as throughput.
 
-Workloads (--workloads, comma-separated): seed (`run.py core`'s 16 requests on the tiny
+Workloads (--workloads, comma-separated; each may carry its own options after colons,
+`NAME:vocab=N:config=qwen3-0.6b:scale=X`, overriding --vocab-size, --config and --scale for
+that workload alone, so one run can measure several shapes): seed (`run.py core`'s 16 requests on the tiny
 2-layer model, vocabulary --vocab-size), serving (64 requests, prompts 64-512 tokens,
 outputs 32-256, 4 layers, hidden 256, vocabulary 151,936), long (4 prompts of 2k-8k
 tokens), poisson (the serving requests arriving at --rate per second), chat (16 chat
@@ -78,21 +80,22 @@ def run(args):
     impl = load(args.impl)
     device = resolve_device(args.device)
     set_threads(device, args.threads)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if not names or unknown:
+    specs = [_workload_spec(text.strip(), args) for text in args.workloads.split(",") if text.strip()]
+    if not specs:
         raise CommandError(f"--workloads takes names from {', '.join(WORKLOADS)}; got {args.workloads!r}")
-    if args.repeat < 1 or args.scale <= 0 or args.rate <= 0:
-        raise CommandError("--repeat must be at least 1, --scale and --rate positive")
-    if args.vocab_size < TINY_VOCAB_SIZE:
-        raise CommandError(f"--vocab-size must be at least {TINY_VOCAB_SIZE} (bytes and special ids)")
+    if args.repeat < 1 or args.rate <= 0:
+        raise CommandError("--repeat must be at least 1 and --rate positive")
     # The default is the fastest backend measured on each kind of device (Chapter 32's "Run
     # it": the vectorised one beats the reference loop on every workload on a CPU).
     backends = (args.backends.split(",") if args.backends else
                 ["triton", "vectorised"] if device.type == "cuda" else ["vectorised"])
-    shape = bench.QWEN3_0_6B_SHAPE if args.config == "qwen3-0.6b" else None
     try:
-        workloads = bench.make_workloads(impl, names, args.scale, args.vocab_size, args.rate, shape)
+        workloads = []
+        for label, name, scale, vocab_size, config in specs:
+            shape = bench.QWEN3_0_6B_SHAPE if config == "qwen3-0.6b" else None
+            made, = bench.make_workloads(impl, [name], scale, vocab_size, args.rate, shape)
+            made.name = label
+            workloads.append(made)
         plans = [(w, _contenders(impl, bench, w, device, backends, args)) for w in workloads]
     except (ValueError, SmolLM2Unavailable) as exc:
         raise CommandError(str(exc)) from None
@@ -145,6 +148,33 @@ def run(args):
     if problems:
         raise CommandError("outputs differ between contenders: " + "; ".join(problems[:5]))
     return 0
+
+
+def _workload_spec(text, args):
+    """`NAME[:vocab=N][:config=C][:scale=X]` -> (label, name, scale, vocab size, config): the
+    command's --scale, --vocab-size and --config where the spec names none."""
+    name, *options = text.split(":")
+    settings = {"scale": args.scale, "vocab": args.vocab_size, "config": args.config}
+    if name not in WORKLOADS:
+        raise CommandError(f"--workloads takes names from {', '.join(WORKLOADS)}; got {name!r} in {text!r}")
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in settings or not value:
+            raise CommandError(f"workload {text!r}: options are vocab=N, config=default|qwen3-0.6b and "
+                               f"scale=X; got {option!r}")
+        settings[key] = value
+    try:
+        scale, vocab_size = float(settings["scale"]), int(settings["vocab"])
+    except ValueError:
+        raise CommandError(f"workload {text!r}: scale takes a number and vocab an integer") from None
+    if scale <= 0:
+        raise CommandError(f"workload {text!r}: the scale must be positive, got {scale}")
+    if vocab_size < TINY_VOCAB_SIZE:
+        raise CommandError(f"workload {text!r}: the vocabulary must be at least {TINY_VOCAB_SIZE} "
+                           f"(bytes and special ids), got {vocab_size}")
+    if settings["config"] not in ("default", "qwen3-0.6b"):
+        raise CommandError(f"workload {text!r}: config is default or qwen3-0.6b, got {settings['config']!r}")
+    return text, name, scale, vocab_size, settings["config"]
 
 
 def _contenders(impl, bench, workload, device, backends, args):
