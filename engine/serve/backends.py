@@ -269,9 +269,9 @@ SPLIT_CONTEXTS_FROM = 256
 # L2 cache on the course's machine (2 MiB per core). Attention then reads the copy gather_all
 # has just written while it is still in cache; one group holding every request's copy (64
 # decodes of 300-800 tokens: 26 MB on the serving workload) goes out to memory and back, and
-# lost to the reference loop, whose one request at a time stays cached (issue 28: replaying
-# the serving workload's attention alone, vectorised took 1.16x the reference's time in one
-# group per kind, 0.86x in groups of 1 MiB, 0.92x of 256 KiB, 0.97x of 4 MiB).
+# lost to the reference loop, whose one request at a time stays cached. Replaying the
+# serving workload's attention alone (issue 28), one group per kind took 1.16x the
+# reference's time; groups of 1 MiB 0.86x, of 256 KiB 0.92x, of 4 MiB 0.97x.
 GROUP_BYTES_ON_CPU = 1 << 20
 
 

@@ -290,9 +290,9 @@ SPLIT_CONTEXTS_FROM = 256
 # L2 cache on the course's machine (2 MiB per core). Attention then reads the copy gather_all
 # has just written while it is still in cache; one group holding every request's copy (64
 # decodes of 300-800 tokens: 26 MB on the serving workload) goes out to memory and back, and
-# lost to the reference loop, whose one request at a time stays cached (issue 28: replaying
-# the serving workload's attention alone, vectorised took 1.16x the reference's time in one
-# group per kind, 0.86x in groups of 1 MiB, 0.92x of 256 KiB, 0.97x of 4 MiB).
+# lost to the reference loop, whose one request at a time stays cached. Replaying the
+# serving workload's attention alone (issue 28), one group per kind took 1.16x the
+# reference's time; groups of 1 MiB 0.86x, of 256 KiB 0.92x, of 4 MiB 0.97x.
 GROUP_BYTES_ON_CPU = 1 << 20
 
 
@@ -436,18 +436,16 @@ def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: 
             cached = plan.masks[window] = plan.visible & recent.unsqueeze(1)
         mask = cached
     requests, slots = mask.shape[0], mask.shape[2]
-    if plan.decode_only:
-        laid_out = q.unsqueeze(2)                                       # [R, H, 1, D]
+    if plan.row_request is None or plan.row_offset is None:            # decode-only: row r is request r
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=True).squeeze(2)
     else:
         # Row i's slot in the [R * Tq] layout, so one index_copy_ places the rows and one
         # index_select reads them back (both copy whole rows, faster than 2-D indexing).
         slot_of_row = plan.row_request * slots + plan.row_offset
         laid_out = q.new_zeros(requests * slots, *q.shape[1:]).index_copy_(0, slot_of_row, q)
         laid_out = laid_out.view(requests, slots, *q.shape[1:]).transpose(1, 2)   # [R, H, Tq, D]
-    out = F.scaled_dot_product_attention(laid_out, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    if plan.decode_only:
-        out = out.squeeze(2)
-    else:
+        out = F.scaled_dot_product_attention(laid_out, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out = out.transpose(1, 2).reshape(requests * slots, *q.shape[1:]).index_select(0, slot_of_row)
     if plan.empty_rows is not None:
         out = out.masked_fill(plan.empty_rows, 0.0)
