@@ -14,17 +14,19 @@ transformers' generate runs every request of a batch to the batch's longest max_
 cannot take requests that arrive later, so it is left out of the Poisson workload; its
 extra tokens are cut off before comparing and are not counted as throughput.
 
-Workloads (--workloads, comma-separated; each may carry its own options after colons,
-`NAME:vocab=N:config=qwen3-0.6b:scale=X`, overriding --vocab-size, --config and --scale for
-that workload alone, so one run can measure several shapes): seed (`run.py core`'s 16 requests on the tiny
+Workloads (--workloads, comma-separated): seed (`run.py core`'s 16 requests on the tiny
 2-layer model, vocabulary --vocab-size), serving (64 requests, prompts 64-512 tokens,
 outputs 32-256, 4 layers, hidden 256, vocabulary 151,936), long (4 prompts of 2k-8k
 tokens), poisson (the serving requests arriving at --rate per second), chat (16 chat
 questions to the real SmolLM2-135M-Instruct, up to 64 tokens each, fetched on first use).
 --scale shrinks the request counts and lengths; --config qwen3-0.6b runs every synthetic
-workload on a model of Qwen3-0.6B's shape with random weights.
+workload on a model of Qwen3-0.6B's shape with random weights. A workload may carry its own
+options after colons, `NAME:vocab=N:config=qwen3-0.6b:scale=X`, which override --vocab-size,
+--config and --scale for it alone, so one run measures several shapes (the name with its
+options labels its lines).
 
-Prints one JSON line per contender and workload (tok_s from its fastest round; streaming
+Prints one JSON line per contender and workload (tok_s from its fastest round, tok_s_rounds
+every round's, the spread a busy machine gives; streaming
 engines also TTFT/TPOT percentiles, with Chapter 22's replay), then one summary line per
 workload with the ratios, and with --profile the share of a core step spent in each part.
 Outputs are compared request by request with the first contender's: a difference is
@@ -50,7 +52,8 @@ def add_arguments(parser):
     add_impl_argument(parser)
     add_device_argument(parser)
     parser.add_argument("--workloads", default="seed,serving",
-                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: seed,serving)")
+                        help=f"comma-separated, from {', '.join(WORKLOADS)}, each optionally with its own "
+                             f":vocab=N, :config=C, :scale=X (default: seed,serving)")
     parser.add_argument("--backends", default=None,
                         help="attention backends of the core, comma-separated (default: the fastest measured: "
                              "vectorised on a CPU, triton then vectorised on CUDA; add reference to see the loop)")
