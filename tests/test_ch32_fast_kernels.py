@@ -182,6 +182,28 @@ def test_decodes_of_far_apart_contexts_are_gathered_in_separate_groups(serve):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("split decodes", got, want, meta)
 
 
+def test_a_cpu_group_stays_within_the_cache_budget(serve):
+    """On a CPU a group's gathered keys and values stay within GROUP_BYTES_ON_CPU, so
+    attention reads the copy back from cache: eight decodes of about 600 tokens (1.2 MB of
+    keys and values at 256 bytes a token) split into groups, and every row still equals
+    the reference's."""
+    backends = serve.backends
+    block_size, kv_heads, dim = 16, 2, 16
+    requests = random_requests(random.Random(7), [(600 - 7 * i, 1) for i in range(8)], block_size, 320)
+    meta = make_meta(serve, requests, block_size)
+    k_pool, v_pool, q = pools_and_queries(4, kv_heads, dim, block_size, 320, meta.query_start_loc_cpu[-1], seed=7)
+    backend = backends.get_backend("vectorised")
+    got = backend.forward(q, (k_pool, v_pool), meta)
+    token_bytes = 2 * kv_heads * dim * q.element_size()
+    plans = backend.plan_for(meta, torch.device("cpu"))
+    assert len(plans) > 1, "1.2 MB of gathered keys and values in one group: over the CPU budget"
+    for rows in (plan.rows.tolist() for plan in plans):      # decodes: row r is request r
+        size = len(rows) * max(meta.seq_lens_cpu[r] for r in rows) * token_bytes
+        assert size <= backends.GROUP_BYTES_ON_CPU, f"group {rows} gathers {size:,} bytes, over the budget"
+    want = reference_forward(q, (k_pool, v_pool), meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("budgeted groups", got, want, meta)
+
+
 def test_gather_blocks_reads_every_table_at_once(serve):
     pool = torch.arange(5 * 4 * 2, dtype=torch.float32).reshape(5, 4, 2)
     table = torch.tensor([[3, 0], [1, 2]])
