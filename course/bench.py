@@ -168,6 +168,7 @@ class Contender:
     streams: bool = True
     subset: int | None = None                         # serves only the first `subset` requests
     best: dict = field(default_factory=dict)          # workload name -> (seconds, outputs, records, steps)
+    rounds: dict = field(default_factory=dict)        # workload name -> every timed round's seconds
 
 
 class Recorded:
@@ -293,6 +294,7 @@ def timed_run(contender: Contender, workload: Workload, device: torch.device) ->
     outputs, records = contender.serve(engine, workload.items)
     _sync(device)
     seconds = time.perf_counter() - start
+    contender.rounds.setdefault(workload.name, []).append(seconds)
     best = contender.best.get(workload.name)
     if best is None or seconds < best[0]:
         contender.best[workload.name] = (seconds, outputs, records, getattr(engine, "steps", None), engine)
@@ -307,6 +309,9 @@ def report(contender: Contender, workload: Workload, eos: int | None, workloads,
     tokens = sum(len(v) for v in outputs.values())
     line = {"workload": workload.name, "contender": contender.label, "requests": len(outputs),
             "output_tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
+    rounds = contender.rounds.get(workload.name, [])
+    if len(rounds) > 1:                  # the spread a busy machine gives: every round's rate
+        line["tok_s_rounds"] = [round(tokens / s, 1) for s in rounds]
     if len(outputs) < len(items):
         line["rate_of_first_requests"] = f"{len(outputs)} of {len(items)}"
     if steps is not None:

@@ -126,7 +126,7 @@ def test_plan_is_built_once_per_step(serve, monkeypatch):
     backends = serve.backends
     calls = []
     real = backends.plan_step
-    monkeypatch.setattr(backends, "plan_step", lambda meta, device: calls.append(meta) or real(meta, device))
+    monkeypatch.setattr(backends, "plan_step", lambda meta, *rest: calls.append(meta) or real(meta, *rest))
     rng = random.Random(1)
     backend = backends.get_backend("vectorised")
     for step in range(2):
@@ -165,9 +165,12 @@ def test_a_step_reads_nothing_back_and_copies_its_indices_once(serve, monkeypatc
 
 def test_decodes_of_far_apart_contexts_are_gathered_in_separate_groups(serve):
     """A short context is not gathered out to the longest: decodes split where a context
-    is at most half its group's longest (groups under 256 tokens stay whole), chunks apart."""
+    is at most half its group's longest (groups under 256 tokens stay whole), chunks apart;
+    with a budget, a group's gathered keys and values stay within it."""
     assert serve.backends.context_groups([0, 1, 2, 3, 5], [300, 40, 700, 290, 9, 100]) == [[2], [0, 3], [1, 5]]
     assert serve.backends.context_groups([0, 1, 2], [200, 9, 60]) == [[0, 1, 2]]
+    assert serve.backends.context_groups([0, 1, 2, 3], [100, 90, 80, 70], token_bytes=1000,
+                                         budget=200_000) == [[0, 1], [2, 3]], "2 x 100 tokens x 1,000 bytes fit"
     requests = random_requests(random.Random(5), [(300, 1), (40, 1), (700, 1), (290, 1), (20, 5)], 16, 90)
     meta = make_meta(serve, requests, 16)
     k_pool, v_pool, q = pools_and_queries(4, 2, 16, 16, 90, meta.query_start_loc_cpu[-1], seed=5)
@@ -177,6 +180,28 @@ def test_decodes_of_far_apart_contexts_are_gathered_in_separate_groups(serve):
     assert [g.rows.tolist() for g in groups] == [[2], [0, 3], [1], [4, 5, 6, 7, 8]]
     want = reference_forward(q, (k_pool, v_pool), meta)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("split decodes", got, want, meta)
+
+
+def test_a_cpu_group_stays_within_the_cache_budget(serve):
+    """On a CPU a group's gathered keys and values stay within GROUP_BYTES_ON_CPU, so
+    attention reads the copy back from cache: eight decodes of about 600 tokens (1.2 MB of
+    keys and values at 256 bytes a token) split into groups, and every row still equals
+    the reference's."""
+    backends = serve.backends
+    block_size, kv_heads, dim = 16, 2, 16
+    requests = random_requests(random.Random(7), [(600 - 7 * i, 1) for i in range(8)], block_size, 320)
+    meta = make_meta(serve, requests, block_size)
+    k_pool, v_pool, q = pools_and_queries(4, kv_heads, dim, block_size, 320, meta.query_start_loc_cpu[-1], seed=7)
+    backend = backends.get_backend("vectorised")
+    got = backend.forward(q, (k_pool, v_pool), meta)
+    token_bytes = 2 * kv_heads * dim * q.element_size()
+    plans = backend.plan_for(meta, torch.device("cpu"))
+    assert len(plans) > 1, "1.2 MB of gathered keys and values in one group: over the CPU budget"
+    for rows in (plan.rows.tolist() for plan in plans):      # decodes: row r is request r
+        size = len(rows) * max(meta.seq_lens_cpu[r] for r in rows) * token_bytes
+        assert size <= backends.GROUP_BYTES_ON_CPU, f"group {rows} gathers {size:,} bytes, over the budget"
+    want = reference_forward(q, (k_pool, v_pool), meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("budgeted groups", got, want, meta)
 
 
 def test_gather_blocks_reads_every_table_at_once(serve):
@@ -323,8 +348,8 @@ def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
     up to the whole step, and --plot writes a picture."""
     from course import cli
     picture = tmp_path / "bench.png"
-    status = cli.main(["bench", "--impl", impl.spec.text, "--device", str(device), "--workloads", "seed",
-                       "--scale", "0.15", "--vocab-size", "320", "--backends", "reference,vectorised", "--repeat", "1",
+    status = cli.main(["bench", "--impl", impl.spec.text, "--device", str(device), "--workloads", "seed:vocab=320",
+                       "--scale", "0.15", "--backends", "reference,vectorised", "--repeat", "1",
                        "--profile", "--quiet",
                        "--plot", str(picture)])
     out, err = capsys.readouterr()
@@ -334,6 +359,7 @@ def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
     assert {"core/reference", "core/vectorised", "ch24 slots", "hf default", "hf static",
             "hf one at a time, first 8"} <= set(runs), out
     assert all(line["tok_s"] > 0 and line["requests"] == 2 for line in runs.values()), out
+    assert {line["workload"] for line in lines} == {"seed:vocab=320"}, "a workload's own options name its lines"
     assert len({line["output_tokens"] for line in runs.values()}) == 1, "contenders counted different tokens"
     assert all(line.get("identical", True) for line in runs.values()), out
     assert runs["core/vectorised"]["tpot_p99_ms"] > 0, "streaming contenders report latency percentiles"

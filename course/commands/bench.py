@@ -20,9 +20,13 @@ outputs 32-256, 4 layers, hidden 256, vocabulary 151,936), long (4 prompts of 2k
 tokens), poisson (the serving requests arriving at --rate per second), chat (16 chat
 questions to the real SmolLM2-135M-Instruct, up to 64 tokens each, fetched on first use).
 --scale shrinks the request counts and lengths; --config qwen3-0.6b runs every synthetic
-workload on a model of Qwen3-0.6B's shape with random weights.
+workload on a model of Qwen3-0.6B's shape with random weights. A workload may carry its own
+options after colons, `NAME:vocab=N:config=qwen3-0.6b:scale=X`, which override --vocab-size,
+--config and --scale for it alone, so one run measures several shapes (the name with its
+options labels its lines).
 
-Prints one JSON line per contender and workload (tok_s from its fastest round; streaming
+Prints one JSON line per contender and workload (tok_s from its fastest round, tok_s_rounds
+every round's, the spread a busy machine gives; streaming
 engines also TTFT/TPOT percentiles, with Chapter 22's replay), then one summary line per
 workload with the ratios, and with --profile the share of a core step spent in each part.
 Outputs are compared request by request with the first contender's: a difference is
@@ -48,7 +52,8 @@ def add_arguments(parser):
     add_impl_argument(parser)
     add_device_argument(parser)
     parser.add_argument("--workloads", default="seed,serving",
-                        help=f"comma-separated, from {', '.join(WORKLOADS)} (default: seed,serving)")
+                        help=f"comma-separated, from {', '.join(WORKLOADS)}, each optionally with its own "
+                             f":vocab=N, :config=C, :scale=X (default: seed,serving)")
     parser.add_argument("--backends", default=None,
                         help="attention backends of the core, comma-separated (default: the fastest measured: "
                              "vectorised on a CPU, triton then vectorised on CUDA; add reference to see the loop)")
@@ -74,22 +79,24 @@ def run(args):
     from course import bench
     from course.commands._setup import SMOLLM2_CHAPTERS, needs_chapters, prepare
     impl, device = prepare(args)
-    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if not names or unknown:
+    specs = [_workload_spec(text.strip(), args) for text in args.workloads.split(",") if text.strip()]
+    if not specs:
         raise CommandError(f"--workloads takes names from {', '.join(WORKLOADS)}; got {args.workloads!r}")
-    if args.repeat < 1 or args.scale <= 0 or args.rate <= 0:
-        raise CommandError("--repeat must be at least 1, --scale and --rate positive")
-    if args.vocab_size < TINY_VOCAB_SIZE:
-        raise CommandError(f"--vocab-size must be at least {TINY_VOCAB_SIZE} (bytes and special ids)")
+    if args.repeat < 1 or args.rate <= 0:
+        raise CommandError("--repeat must be at least 1 and --rate positive")
     # The default is the fastest backend measured on each kind of device (Chapter 32's "Run
     # it": the vectorised one beats the reference loop on every workload on a CPU).
     backends = (args.backends.split(",") if args.backends else
                 ["triton", "vectorised"] if device.type == "cuda" else ["vectorised"])
-    shape = bench.QWEN3_0_6B_SHAPE if args.config == "qwen3-0.6b" else None
     try:
-        with needs_chapters(f"--workloads {args.workloads}", SMOLLM2_CHAPTERS if "chat" in names else (), impl):
-            workloads = bench.make_workloads(impl, names, args.scale, args.vocab_size, args.rate, shape)
+        workloads = []
+        with needs_chapters(f"--workloads {args.workloads}",
+                            SMOLLM2_CHAPTERS if any(spec[1] == "chat" for spec in specs) else (), impl):
+            for label, name, scale, vocab_size, config in specs:
+                shape = bench.QWEN3_0_6B_SHAPE if config == "qwen3-0.6b" else None
+                made, = bench.make_workloads(impl, [name], scale, vocab_size, args.rate, shape)
+                made.name = label
+                workloads.append(made)
         plans = [(w, _contenders(impl, bench, w, device, backends, args)) for w in workloads]
     except (ValueError, SmolLM2Unavailable) as exc:
         raise CommandError(str(exc)) from None
@@ -142,6 +149,33 @@ def run(args):
     if problems:
         raise CommandError("outputs differ between contenders: " + "; ".join(problems[:5]))
     return 0
+
+
+def _workload_spec(text, args):
+    """`NAME[:vocab=N][:config=C][:scale=X]` -> (label, name, scale, vocab size, config): the
+    command's --scale, --vocab-size and --config where the spec names none."""
+    name, *options = text.split(":")
+    settings = {"scale": args.scale, "vocab": args.vocab_size, "config": args.config}
+    if name not in WORKLOADS:
+        raise CommandError(f"--workloads takes names from {', '.join(WORKLOADS)}; got {name!r} in {text!r}")
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in settings or not value:
+            raise CommandError(f"workload {text!r}: options are vocab=N, config=default|qwen3-0.6b and "
+                               f"scale=X; got {option!r}")
+        settings[key] = value
+    try:
+        scale, vocab_size = float(settings["scale"]), int(settings["vocab"])
+    except ValueError:
+        raise CommandError(f"workload {text!r}: scale takes a number and vocab an integer") from None
+    if scale <= 0:
+        raise CommandError(f"workload {text!r}: the scale must be positive, got {scale}")
+    if vocab_size < TINY_VOCAB_SIZE:
+        raise CommandError(f"workload {text!r}: the vocabulary must be at least {TINY_VOCAB_SIZE} "
+                           f"(bytes and special ids), got {vocab_size}")
+    if settings["config"] not in ("default", "qwen3-0.6b"):
+        raise CommandError(f"workload {text!r}: config is default or qwen3-0.6b, got {settings['config']!r}")
+    return text, name, scale, vocab_size, settings["config"]
 
 
 def _contenders(impl, bench, workload, device, backends, args):

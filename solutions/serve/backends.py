@@ -217,9 +217,10 @@ class VectorisedBackend(ReferenceBackend):
     lay the N query rows out as [R, max_query_len] (a decode-only step needs no re-layout:
     row r is request r), and call scaled_dot_product_attention once with a boolean mask
     built from positions. A step that mixes decodes with longer chunks is split in two
-    groups (one call each), so decodes are never padded to a chunk's length, and decodes
-    of very different context lengths are split again (context_groups), so a short
-    context is not gathered out to the longest one. The plans
+    kinds of groups (one call each), so decodes are never padded to a chunk's length, and
+    requests of very different context lengths are split again (context_groups), so a
+    short context is not gathered out to the longest one; on a CPU a group's gathered
+    keys and values also stay small enough to be read back from cache. The plans
     (indices and masks) depend only on the batch, so they are made on the first layer and
     reused by the others.
     Pools, writes and quantized pools (kv_cache_dtype) are ReferenceBackend's."""
@@ -230,22 +231,24 @@ class VectorisedBackend(ReferenceBackend):
         self._plan_key: BatchMeta | None = None
         self._plan: list[StepPlan] = []
 
-    def plan_for(self, meta: BatchMeta, device: torch.device) -> list[StepPlan]:
-        """The StepPlans of this batch: built on the first layer's call, reused after."""
+    def plan_for(self, meta: BatchMeta, device: torch.device, token_bytes: int = 0) -> list[StepPlan]:
+        """The StepPlans of this batch: built on the first layer's call, reused after.
+        token_bytes: what one context token's gathered key and value take (0: unknown)."""
         if self._plan_key is not meta:
-            self._plan = plan_step(meta, device)
+            self._plan = plan_step(meta, device, token_bytes)
             self._plan_key = meta
         return self._plan
 
     def forward(self, q: torch.Tensor, cache: KVCache, meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:
-        """Attention of this step's queries against the pool, one call for all requests.
+        """Attention of this step's queries against the pool, one call per group of requests.
         q [N, H, D] -> [N, H, D] in q's dtype; matches ReferenceBackend.forward."""
-        plans = self.plan_for(meta, q.device)
+        kv_heads, head_dim = cache[0].shape[2:]
+        plans = self.plan_for(meta, q.device, 2 * kv_heads * head_dim * q.element_size())
         if len(plans) == 1:
             return self.attend_group(q, cache, plans[0], scale, window)
         out = torch.empty_like(q)
-        for plan in plans:                      # decodes, then chunks: two groups, not a loop over requests
+        for plan in plans:                      # a few groups, not a loop over requests
             assert plan.rows is not None        # a split step's groups always name their rows
             out.index_copy_(0, plan.rows, self.attend_group(q.index_select(0, plan.rows), cache, plan, scale, window))
         return out
@@ -279,40 +282,60 @@ def upload_indices(parts: Sequence[Sequence[int]], device: torch.device | str) -
     return list(flat.split([len(part) for part in parts]))
 
 
-# Decodes whose longest context is below this many tokens stay in one group: padding them
+# Requests whose longest context is below this many tokens stay in one group: padding them
 # costs less than one more gather and attention call per layer.
 SPLIT_CONTEXTS_FROM = 256
 
+# On a CPU, the most bytes of gathered keys and values one group may hold: half of one core's
+# L2 cache on the course's machine (2 MiB per core). Attention then reads the copy gather_all
+# has just written while it is still in cache; one group holding every request's copy (64
+# decodes of 300-800 tokens: 26 MB on the serving workload) goes out to memory and back, and
+# lost to the reference loop, whose one request at a time stays cached. Replaying the
+# serving workload's attention alone (issue 28), one group per kind took 1.16x the
+# reference's time; groups of 1 MiB 0.86x, of 256 KiB 0.92x, of 4 MiB 0.97x.
+GROUP_BYTES_ON_CPU = 1 << 20
 
-def context_groups(requests: list[int], lengths: Sequence[int]) -> list[list[int]]:
-    """Split decodes (request indices, increasing) by context length so that every
-    request's context is more than half its group's longest, unless that longest is below
-    SPLIT_CONTEXTS_FROM tokens. Each group's indices stay increasing; the groups run from
-    the longest contexts to the shortest."""
+
+def context_groups(requests: list[int], lengths: Sequence[int], token_bytes: int = 0,
+                   budget: int | None = None) -> list[list[int]]:
+    """Split requests (indices, increasing) by context length so that every request's
+    context is more than half its group's longest, unless that longest is below
+    SPLIT_CONTEXTS_FROM tokens; with a budget, also so that a group's gathered keys and
+    values (its size x its longest context x token_bytes) stay within budget bytes. Each
+    group's indices stay increasing; the groups run from the longest contexts to the
+    shortest."""
     groups: list[list[int]] = []
     for r in sorted(requests, key=lambda r: -lengths[r]):
-        longest = lengths[groups[-1][0]] if groups else 0
-        if groups and (2 * lengths[r] > longest or longest < SPLIT_CONTEXTS_FROM):
-            groups[-1].append(r)
-        else:
-            groups.append([r])
+        if groups:
+            group = groups[-1]
+            longest = lengths[group[0]]
+            similar = 2 * lengths[r] > longest or longest < SPLIT_CONTEXTS_FROM
+            fits = budget is None or (len(group) + 1) * longest * token_bytes <= budget
+            if similar and fits:
+                group.append(r)
+                continue
+        groups.append([r])
     return [sorted(group) for group in groups]
 
 
-def plan_step(meta: BatchMeta, device: torch.device | str) -> list[StepPlan]:
-    """The plans of one step: its decodes in groups of similar context length, its longer
-    chunks in another group.
+def plan_step(meta: BatchMeta, device: torch.device | str, token_bytes: int = 0) -> list[StepPlan]:
+    """The plans of one step: its decodes, and apart from them its longer chunks, each in
+    groups of similar context length (context_groups; token_bytes: one context token's
+    gathered key and value, which on a CPU caps a group at GROUP_BYTES_ON_CPU).
 
     Laying queries out as [R, max_query_len] pads every request to the longest chunk: with
     one 512-token chunk beside 63 decodes that computes about sixty times the scores needed.
     Gathering every context out to the longest does the same to the keys: 60 decodes of 300
     tokens beside 4 of 8,000 would read about ten times the keys needed. Each split
     costs one more gather and attention call per layer and pads only among similar rows.
-    A group covering every request (most steps) gets rows=None: no row selection at all."""
+    A group covering every request (most steps of a small batch) gets rows=None: no row
+    selection at all."""
     starts = meta.query_start_loc_cpu
+    budget = GROUP_BYTES_ON_CPU if torch.device(device).type == "cpu" and token_bytes else None
     singles = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] == 1]
     chunks = [r for r in range(meta.num_reqs) if starts[r + 1] - starts[r] > 1]
-    groups = [group for group in (*context_groups(singles, meta.seq_lens_cpu), chunks) if group]
+    groups = [group for kind in (singles, chunks)
+              for group in context_groups(kind, meta.seq_lens_cpu, token_bytes, budget) if group]
     if len(groups) == 1 and len(groups[0]) == meta.num_reqs:
         return [plan_group(meta, None, device)]
     return [plan_group(meta, group, device) for group in groups]
@@ -381,10 +404,12 @@ def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     pool: [num_blocks + 1, block_size, ...] (K or V rows, or their scales [.., Hkv]);
     block_table: int64 [R, W]. Returns [R, W * block_size, ...]: request r's first
     W * block_size context rows in logical order (rows past its seq_len are whatever the
-    blocks hold: the mask hides them). A copy, made by one advanced-indexing read.
+    blocks hold: the mask hides them). A copy, made by ONE index_select of the pool's
+    blocks by the whole table, flattened (pool[block_table] makes the same copy, but torch's
+    advanced indexing copies it 1.3-3x slower than index_select on a CPU, issue 28).
     """
-    blocks = pool[block_table]                       # [R, W, block_size, ...]
-    return blocks.flatten(1, 2)
+    blocks = pool.index_select(0, block_table.flatten())     # [R * W, block_size, ...]
+    return blocks.view(block_table.shape[0], -1, *pool.shape[2:])
 
 
 def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: StepPlan,
@@ -410,14 +435,18 @@ def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: 
             recent = keys_at > plan.query_positions[:, :, None] - window
             cached = plan.masks[window] = plan.visible & recent.unsqueeze(1)
         mask = cached
-    if plan.decode_only:
-        laid_out = q.unsqueeze(2)                                       # [R, H, 1, D]
+    requests, slots = mask.shape[0], mask.shape[2]
+    if plan.row_request is None or plan.row_offset is None:            # decode-only: row r is request r
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=True).squeeze(2)
     else:
-        laid_out = q.new_zeros(mask.shape[0], mask.shape[2], *q.shape[1:])
-        laid_out[plan.row_request, plan.row_offset] = q                 # [R, Tq, H, D]
-        laid_out = laid_out.transpose(1, 2)
-    out = F.scaled_dot_product_attention(laid_out, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    out = out.squeeze(2) if plan.decode_only else out.transpose(1, 2)[plan.row_request, plan.row_offset]
+        # Row i's slot in the [R * Tq] layout, so one index_copy_ places the rows and one
+        # index_select reads them back (both copy whole rows, faster than 2-D indexing).
+        slot_of_row = plan.row_request * slots + plan.row_offset
+        laid_out = q.new_zeros(requests * slots, *q.shape[1:]).index_copy_(0, slot_of_row, q)
+        laid_out = laid_out.view(requests, slots, *q.shape[1:]).transpose(1, 2)   # [R, H, Tq, D]
+        out = F.scaled_dot_product_attention(laid_out, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(requests * slots, *q.shape[1:]).index_select(0, slot_of_row)
     if plan.empty_rows is not None:
         out = out.masked_fill(plan.empty_rows, 0.0)
     return out
