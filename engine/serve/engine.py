@@ -410,7 +410,7 @@ class EngineCore:
         by len(plan.preempted). Returns [] when nothing is scheduled (swaps still happen).
         Seams, which later chapters replace (go through them, never around): the plan comes
         from self.scheduler; block copies and compute from self.runner (swap_out / swap_in
-        per (request, blocks) pair; prepare(plan.scheduled, self.blocks.req_blocks) -> Batch;
+        per (request, blocks) pair; prepare(plan.scheduled, plan.block_tables) -> Batch;
         execute(batch) -> float32 logits [L, vocab] for batch.logits_indices); tokens from
         self._sample(logits, requests, {id: sampled rows}) -> SampledTokens over exactly the
         requests with sampled rows, in plan order; self.update applies them.
@@ -442,13 +442,14 @@ class EngineCore:
           - failed (in sampled.failed, or hooks.commit raised): finished alone, as aborted,
             its output carrying the error with sampled.doing or hooks.doing
             (self._abort_with_error);
-          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published,
-            no output;
+          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published
+            (self.scheduler.publish_computed), no output;
           - tokens: kept, status = hooks.commit(self, request, tokens) (appended, stop rules
-            applied); full blocks published; first_token_time set once; a status finishes
-            it within this call (self.scheduler.finish: its blocks serve the next step) and
-            drops its generator from self.generators; its output is hooks.report(self,
-            request, kept, self._keep_logprobs(request, sampled.logprobs)).
+            applied); full blocks published (self.scheduler.publish_computed);
+            first_token_time set once; a status finishes it within this call
+            (self.scheduler.finish: its blocks serve the next step) and drops its generator
+            from self.generators; its output is hooks.report(self, request, kept,
+            self._keep_logprobs(request, sampled.logprobs)).
         Then hooks.after_update(self, plan, advanced) sees the (request, kept) pairs still
         running, and self.steps grows by one. With self.checks set:
         checks.check_scheduler(scheduler, where) once the step is applied.

@@ -248,7 +248,7 @@ class AsyncStepper(StepUpdate):
         fill_from: list[int] = []          # ... and the row of `previous.tokens` that holds its value
         if scheduled:
             pad_to = runner.graphs.pad_size(scheduled) if runner.graphs is not None else None
-            batch = build_batch(scheduled, engine.blocks.req_blocks, runner.block_size, "cpu", pad_to)
+            batch = build_batch(scheduled, plan.block_tables, runner.block_size, "cpu", pad_to)
             runner.add_step_inputs(batch, scheduled)
             for (request, n), start in zip(scheduled, batch.meta.query_start_loc_cpu):
                 for offset in range(n):
@@ -296,7 +296,7 @@ class AsyncStepper(StepUpdate):
             request.token_ids.append(PLACEHOLDER)
             request.num_placeholders += 1
         for request, _ in scheduled:
-            engine.blocks.cache_full_blocks(request)
+            engine.scheduler.publish_computed(request)
         return step
 
     def sample_views(self, step: InflightStep, logits: torch.Tensor, previous: InflightStep | None,

@@ -422,7 +422,7 @@ class EngineCore:
         by len(plan.preempted). Returns [] when nothing is scheduled (swaps still happen).
         Seams, which later chapters replace (go through them, never around): the plan comes
         from self.scheduler; block copies and compute from self.runner (swap_out / swap_in
-        per (request, blocks) pair; prepare(plan.scheduled, self.blocks.req_blocks) -> Batch;
+        per (request, blocks) pair; prepare(plan.scheduled, plan.block_tables) -> Batch;
         execute(batch) -> float32 logits [L, vocab] for batch.logits_indices); tokens from
         self._sample(logits, requests, {id: sampled rows}) -> SampledTokens over exactly the
         requests with sampled rows, in plan order; self.update applies them.
@@ -447,7 +447,7 @@ class EngineCore:
             self.runner.swap_in(resumed, new_blocks)
         if not plan.scheduled:
             return []
-        batch = self.runner.prepare(plan.scheduled, self.blocks.req_blocks)
+        batch = self.runner.prepare(plan.scheduled, plan.block_tables)
         logits = self.runner.execute(batch)
         if batch.prompt_spans:                  # prompt-logprob rows follow the sampling rows (Chapter 34)
             self._record_prompt_logprobs(batch, logits[batch.num_sample_rows:])
@@ -475,13 +475,14 @@ class EngineCore:
           - failed (in sampled.failed, or hooks.commit raised): finished alone, as aborted,
             its output carrying the error with sampled.doing or hooks.doing
             (self._abort_with_error);
-          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published,
-            no output;
+          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published
+            (self.scheduler.publish_computed), no output;
           - tokens: kept, status = hooks.commit(self, request, tokens) (appended, stop rules
-            applied); full blocks published; first_token_time set once; a status finishes
-            it within this call (self.scheduler.finish: its blocks serve the next step) and
-            drops its generator from self.generators; its output is hooks.report(self,
-            request, kept, self._keep_logprobs(request, sampled.logprobs)).
+            applied); full blocks published (self.scheduler.publish_computed);
+            first_token_time set once; a status finishes it within this call
+            (self.scheduler.finish: its blocks serve the next step) and drops its generator
+            from self.generators; its output is hooks.report(self, request, kept,
+            self._keep_logprobs(request, sampled.logprobs)).
         Then hooks.after_update(self, plan, advanced) sees the (request, kept) pairs still
         running, and self.steps grows by one. With self.checks set:
         checks.check_scheduler(scheduler, where) once the step is applied.
@@ -501,14 +502,14 @@ class EngineCore:
                 continue
             tokens = sampled.tokens.get(rid)
             if not tokens:                                    # a mid-prompt chunk: nothing to report
-                self.blocks.cache_full_blocks(request)
+                self.scheduler.publish_computed(request)
                 continue
             try:
                 kept, reason = hooks.commit(self, request, tokens)
             except Exception as exc:                          # e.g. a guide that breaks on this token
                 outputs.append(self._abort_with_error(request, exc, hooks.doing))
                 continue
-            self.blocks.cache_full_blocks(request)
+            self.scheduler.publish_computed(request)
             if request.first_token_time is None:
                 request.first_token_time = now
             if reason is not None:                            # its blocks return now, for the next step
