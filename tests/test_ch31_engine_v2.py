@@ -721,8 +721,8 @@ def test_statistics_after_a_swap_in(serve, tiny_model):
     around a scripted model (course.oracles.ScriptedRunner)."""
     def run(num_blocks):
         engine = make_engine(serve, tiny_model, block_size=4, num_blocks=num_blocks, max_num_seqs=2,
-                             preemption_mode="swap")
-        ScriptedRunner.install(serve, engine, lambda tokens: 1 + len(tokens) * 7 % 50)
+                             preemption_mode="swap",
+                             runner=ScriptedRunner.factory(serve, lambda tokens: 1 + len(tokens) * 7 % 50))
         engine.add_request("a", list(range(10, 18)), params(serve, 16))
         engine.step()
         b = engine.add_request("b", list(range(10, 18)) + [1, 2], params(serve, 10))

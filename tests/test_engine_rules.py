@@ -20,9 +20,8 @@ def next_token(tokens):
 
 
 def scripted(serve, tiny_model, **config):
-    engine = make_engine(serve, tiny_model, eos_token_id=None, **config)
-    ScriptedRunner.install(serve, engine, next_token)
-    return engine
+    return make_engine(serve, tiny_model, eos_token_id=None, runner=ScriptedRunner.factory(serve, next_token),
+                       **config)
 
 
 def add(serve, engine, rid, prompt, max_tokens=8, **kwargs):

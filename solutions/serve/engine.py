@@ -39,6 +39,8 @@ from .update import GuidedUpdate, SampledTokens, StepUpdate
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
+    from .lora import LoraAdapter
+    from .vision import VisionInputs
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +83,17 @@ class EngineCore:
              asynchronous scheduling (serve.spec_decode.ASYNC_REFUSAL says why).
     runner: what builds the ModelRunner, called as runner(flat, num_blocks, block_size,
             backend) (default ModelRunner; a pipeline stage's runner in Chapter 41).
+    adapters: LoRA adapters to serve (Chapter 43), stacked into a serve.lora.AdapterBank on
+            the model before its runner is built; requests name them with `lora`.
+    vision: a serve.vision.VisionInputs (encoder, image token id, M-RoPE sections): the
+            model becomes a vision-language model before its runner is built (Chapter 43).
     """
 
     def __init__(self, model: Qwen3ForCausalLM | FlatModel, config: EngineConfig | None = None,
                  eos_token_id: int | None | Literal["model"] = MODEL_EOS,
                  sampler: TokenSampler | None = None, vocab_bytes: list[bytes] | None = None,
-                 drafter: Drafter | None = None, runner: RunnerFactory | None = None) -> None:
+                 drafter: Drafter | None = None, runner: RunnerFactory | None = None,
+                 adapters: Sequence[LoraAdapter] | None = None, vision: VisionInputs | None = None) -> None:
         if config is None:
             config = EngineConfig()
         self.config = config.validate()
@@ -94,6 +101,14 @@ class EngineCore:
             from .spec_decode import ASYNC_REFUSAL
             raise ValueError(ASYNC_REFUSAL)
         flat = FlatModel(model) if not isinstance(model, FlatModel) else model
+        if vision is not None:                   # Chapter 43: checked and wired before anything is built on it
+            from .vision import attach_vision
+            attach_vision(flat, vision.encoder, vision.image_token_id, vision.sections)
+        if adapters is not None:
+            from .lora import AdapterBank
+            bank = AdapterBank(flat)
+            for adapter in adapters:
+                bank.add(adapter)
         weight = next(flat.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         self.vocab_size = flat.cfg.vocab_size
