@@ -13,7 +13,7 @@ rope seam, without touching the forward loop.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -130,7 +130,7 @@ class FlatModel(nn.Module):
         return attn.o_proj(y.reshape(rows, -1))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: BatchMeta,
-                backend: AttentionBackend, embeds: torch.Tensor | None = None, **features: Any) -> torch.Tensor:
+                backend: AttentionBackend, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [N] -> final hidden states [N, D] (before the LM head).  (Your engine: Chapter 31)
 
         input_ids, positions: int64 [N]; kv_caches: one pool tuple per layer; meta: the step's
@@ -143,11 +143,7 @@ class FlatModel(nn.Module):
         positions, rope, kv_caches[i], meta, backend); self.mlp(layer.mlp, normed); the
         backbone's final norm also closes through add_norm. RoPE tables: self.rope(positions,
         dtype), built once per step and shared by every layer.
-        `features` are per-step inputs that later chapters add (LoRA slots, M-RoPE positions,
-        Chapter 43): Chapter 31 accepts none and raises ValueError naming any it is given.
         """
-        if features:
-            raise ValueError(f"FlatModel got step features {sorted(features)}: they arrive in Chapter 43")
         stream = embeds if embeds is not None else self.backbone.embed_tokens(input_ids)
         tables = self.rope(positions, stream.dtype)
         branch = None                                   # output of the sublayer not yet added

@@ -124,8 +124,8 @@ class GraphRunner:
         """A padded decode batch of a bucket's size whose sampled rows are its real rows, in order."""
         meta = batch.meta
         real = len(batch.sample_counts)
-        return (not batch.extra and not batch.prompt_spans and meta.decode_only and meta.num_reqs in self.buckets
-                and sum(batch.sample_counts) == real == batch.logits_indices.numel()
+        return (not batch.has_step_inputs and not batch.prompt_spans and meta.decode_only
+                and meta.num_reqs in self.buckets and sum(batch.sample_counts) == real == batch.logits_indices.numel()
                 and meta.block_table.shape[1] <= self.max_blocks)
 
     # --- the static path -------------------------------------------------------------------
