@@ -92,7 +92,7 @@ class ModelRunner:
         own = self.flat.capabilities.allocate_kv
         make = own or self.backend.allocate
         # Ask about `own`, not `make`: every access to a bound method makes a new object.
-        if own is not None and getattr(self.backend, "quantized", False):
+        if own is not None and self.backend.quantized:
             raise ValueError("this model allocates its own KV pool (latent attention, Chapter 42), which is never "
                              "quantized: use kv_cache_dtype='auto'")
         # Layers placed on several devices (Chapter 40) keep their pools beside them.
