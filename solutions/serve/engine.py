@@ -148,7 +148,8 @@ class EngineCore:
             self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
         # How update() applies a step's tokens: Chapter 31's rules, with guides when they can exist.
         self.plain_update = GuidedUpdate() if self.guides is not None else StepUpdate()
-        self.async_steps = AsyncStepper(self) if config.async_scheduling else None   # Chapter 33
+        queue = None if config.device_queue == "auto" else config.device_queue
+        self.async_steps = AsyncStepper(self, queue) if config.async_scheduling else None   # Chapter 33
 
     @staticmethod
     def _check_eos(flat: FlatModel, given: int | None | Literal["model"]) -> int | None:
