@@ -115,6 +115,31 @@ def test_with_chunked_prefill_the_long_prompt_is_split(serve, tiny_model):
         f"chunked prefill fills the budget with a 9-token chunk of 'long': {scheduled(engine.last_plan)}")
 
 
+def test_the_last_token_of_the_budget_still_serves_a_running_request(serve, tiny_model):
+    """Running requests are served while any budget is left: with a budget of 2 and two
+    decoding requests, the second decode takes the last token of the budget."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=8, max_num_batched_tokens=2)
+    add(serve, engine, "a", [1])
+    add(serve, engine, "b", [2])
+    engine.step()
+    engine.step()
+    assert scheduled(engine.last_plan) == [("a", 1), ("b", 1)], (
+        f"both running requests decode, the second with the budget's last token: {scheduled(engine.last_plan)}")
+
+
+def test_a_request_with_all_its_output_tokens_gets_no_row(serve, tiny_model):
+    """A running request that already has params.max_tokens output tokens (with asynchronous
+    scheduling its last one is still a placeholder, Chapter 33) is not scheduled again."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=8)
+    done = add(serve, engine, "done", [1, 2], max_tokens=2)
+    add(serve, engine, "other", [3, 4], max_tokens=4)
+    engine.step()
+    done.append(7)                                    # its second and last output token, as if in flight
+    plan = engine.scheduler.schedule()
+    assert scheduled(plan) == [("other", 1)], (
+        f"a request with max_tokens outputs gets no row; only 'other' decodes: {scheduled(plan)}")
+
+
 def test_exact_block_ids_and_free_queue_order(serve):
     """Fresh blocks come from the front of the free queue; free() appends a request's blocks
     to the back tail first; an allocation that does not fit changes nothing."""
