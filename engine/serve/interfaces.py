@@ -146,7 +146,7 @@ class Drafter(UpdateHooks, Protocol):
     EngineCore.step: logits are the batch's sampling rows (1 + the drafts fed, per request);
     it returns, per request, the accepted drafts then one token of the target's
     (SampledTokens). Its update hooks then commit those tokens, give back the blocks of
-    rejected drafts (BlockManager.trim), and after the update propose the next drafts.
+    rejected drafts (engine.scheduler.trim), and after the update propose the next drafts.
     `forget(request_id)` drops what it keeps for a request that finished or was aborted;
     `bind(engine)` is called once by the engine being built with it, before any request.
     """

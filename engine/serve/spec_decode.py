@@ -9,7 +9,7 @@ all of them at once:
                      the batch builder feeds [last real token, d1 .. dk] and samples every
                      one of those rows; the verifier keeps a prefix of the drafts plus one
                      token of the target's own; the K/V of rejected drafts is trimmed
-                     (num_computed_tokens rolled back, BlockManager.trim)
+                     (num_computed_tokens rolled back, Scheduler.trim)
 
 Three proposers share one interface (`propose`): n-gram lookup in the request's own tokens,
 a smaller draft model with a KV pool of its own, and heads on the target's last hidden
