@@ -105,6 +105,12 @@ REQUEST_CASES = {
     "bool stop token": (lambda e, s: P(s, stop_token_ids=[True]),
                         r"stop_token_ids must be integer token ids, got \[True\]"),
     "logprobs with the simple sampler": (lambda e, s: e.add_request("lp", [1, 2], P(s, logprobs=2)), r"Chapter 34"),
+    "penalties with the simple sampler": (lambda e, s: e.add_request("pe", [1, 2], P(s, presence_penalty=0.5)),
+                                          r"penalties need the full sampler"),
+    "logit_bias with the simple sampler": (lambda e, s: e.add_request("lb", [1, 2], P(s, logit_bias={5: 1.0})),
+                                           r"logit_bias need the full sampler"),
+    "min_tokens with the simple sampler": (lambda e, s: e.add_request("mt", [1, 2], P(s, min_tokens=2)),
+                                           r"min_tokens need the full sampler"),
     "abort with a non-string id": (lambda e, s: e.abort_request(["run0"]), r"non-empty strings"),
 }
 
@@ -159,7 +165,7 @@ NAMED = {"empty prompt": "e", "token beyond the vocabulary": "v", "negative toke
          "prompt + max_tokens beyond the pool": "big", "beyond the model's positions": "long",
          "priority not an integer": "p", "unhashable cache_key": "c", "a tensor salt in cache_key": "ct",
          "params not SamplingParams": "d", "arrival_time not a number": "a",
-         "logprobs with the simple sampler": "lp"}
+         "logprobs with the simple sampler": "lp", "logit_bias with the simple sampler": "lb"}
 
 
 @pytest.mark.parametrize("name", list(REQUEST_CASES))
