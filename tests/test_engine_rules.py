@@ -153,6 +153,11 @@ def test_requests_without_a_priority_have_priority_0(serve, tiny_model):
     assert ids(engine.scheduler.waiting) == ["urgent", "default", "zero"], ids(engine.scheduler.waiting)
 
 
+def test_an_engine_built_without_a_config_takes_the_defaults(serve, tiny_model):
+    engine = serve.engine.EngineCore(tiny_model)
+    assert engine.config == serve.config.EngineConfig(), "EngineCore(model) runs with EngineConfig()'s defaults"
+
+
 def test_prompt_plus_max_tokens_may_reach_max_model_len_exactly(serve, tiny_model):
     engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_model_len=16)
     add(serve, engine, "fits", [1] * 6, max_tokens=10)          # 6 + 10 == 16: the last position is used
