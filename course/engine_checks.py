@@ -240,6 +240,10 @@ def plan_problems(plan: Any, sched: Any) -> list[str]:
         if room < r.num_computed_tokens + n:
             problems.append(f"request {r.request_id!r} scheduled up to token {r.num_computed_tokens + n} "
                             f"with room for {room}")
+    held = {r.request_id: list(bm.req_blocks.get(r.request_id, [])) for r, _ in plan.scheduled}
+    if {rid: list(t) for rid, t in plan.block_tables.items()} != held:
+        problems.append(f"the plan's block_tables {dict(plan.block_tables)} are not the blocks its scheduled "
+                        f"requests hold {held}")
     scheduled = {id(r) for r, _ in plan.scheduled}
     for r in plan.preempted:
         if id(r) in scheduled:

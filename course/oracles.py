@@ -160,10 +160,12 @@ def unwritten_server_stubs(impl: Any) -> list[str]:
 
 
 def make_engine(serve: SimpleNamespace, model: nn.Module, eos_token_id: int | None = TINY_EOS, drafter: Any = None,
-                **config) -> Any:
-    """An EngineCore of the implementation under test with EngineConfig(**config)."""
+                runner: Any = None, adapters: Any = None, vision: Any = None, **config) -> Any:
+    """An EngineCore of the implementation under test with EngineConfig(**config) and the
+    parts given (EngineCore's drafter, runner, adapters, vision; runner may be
+    ScriptedRunner.factory(...))."""
     return serve.engine.EngineCore(model, serve.config.EngineConfig(**config), eos_token_id=eos_token_id,
-                                   drafter=drafter)
+                                   drafter=drafter, runner=runner, adapters=adapters, vision=vision)
 
 
 def assert_engine_idle(engine: Any, where: str = "") -> None:
@@ -175,7 +177,9 @@ class ScriptedRunner:
     """A stand-in for Chapter 31's ModelRunner: the real `build_batch` makes the step's
     Batch, and `execute` returns scripted logits instead of running a model, so the REAL
     `EngineCore.step` (scheduling, swaps, sampling, stop rules, freeing) runs around it in
-    microseconds. Install it with `ScriptedRunner.install(engine, next_token)`.
+    microseconds. Hand it to the engine when it is built:
+    `EngineCore(..., runner=ScriptedRunner.factory(serve, next_token))` (or make_engine's
+    `runner`); the engine's own runner is then never built, so no pool is allocated.
 
     next_token(token_ids) -> int: the token the "model" predicts after a sequence; its logit
     row is a one-hot of height 10, so greedy sampling picks it. Hooks for tests:
@@ -183,19 +187,21 @@ class ScriptedRunner:
     `on_execute(batch, requests)` (requests in batch order) run before the default action.
     """
 
-    def __init__(self, serve: SimpleNamespace, engine: Any, next_token: Callable[[list[int]], int]) -> None:
-        self.serve, self.engine, self.next_token = serve, engine, next_token
-        self.block_size = engine.config.block_size
-        self.vocab_size = engine.vocab_size
+    def __init__(self, serve: SimpleNamespace, next_token: Callable[[list[int]], int], vocab_size: int,
+                 block_size: int) -> None:
+        self.serve, self.next_token = serve, next_token
+        self.vocab_size, self.block_size = vocab_size, block_size
+        self.prepared: dict[str, Any] = {}      # request id -> Request, for the batch prepare made last
         self.swapped: dict[str, list[int]] = {}
         self.on_swap_out = self.on_swap_in = self.on_execute = None
         self.executed = 0
         self.last_hidden = None          # no hidden states: draft heads (Chapter 37) guess nothing
 
     @classmethod
-    def install(cls, serve: SimpleNamespace, engine: Any, next_token: Callable[[list[int]], int]) -> ScriptedRunner:
-        engine.runner = cls(serve, engine, next_token)
-        return engine.runner
+    def factory(cls, serve: SimpleNamespace, next_token: Callable[[list[int]], int]) -> Callable[..., ScriptedRunner]:
+        """What EngineCore's `runner` takes: called as (flat model, num_blocks, block_size,
+        backend), it builds a ScriptedRunner for the engine's vocabulary and block size."""
+        return lambda flat, num_blocks, block_size, backend: cls(serve, next_token, flat.cfg.vocab_size, block_size)
 
     def swap_out(self, request: Any, blocks: list[int]) -> None:
         if self.on_swap_out is not None:
@@ -212,10 +218,11 @@ class ScriptedRunner:
 
     def prepare(self, scheduled: list[tuple[Any, int]], block_tables: dict[str, list[int]], pad_to: int | None = None,
                 previous: object = None) -> Any:
+        self.prepared = {request.request_id: request for request, _ in scheduled}
         return self.serve.batch.build_batch(scheduled, block_tables, self.block_size, "cpu", pad_to)
 
     def execute(self, batch: Any) -> torch.Tensor:
-        requests = [self.engine.scheduler.requests[rid] for rid in batch.request_ids]
+        requests = [self.prepared[rid] for rid in batch.request_ids]
         if self.on_execute is not None:
             self.on_execute(batch, requests)
         self.executed += 1

@@ -162,6 +162,7 @@ class TritonBackend(ReferenceBackend):
     place (written by ReferenceBackend's quantized write). The tile list is built once per
     step and shared by every layer."""
     name = "triton"
+    graph_safe = True           # lengths and block tables are read on the device (Chapter 33)
 
     def __init__(self, block_m: int = 16, kv_cache_dtype: str = "auto") -> None:
         if block_m < 1 or block_m & (block_m - 1):

@@ -514,6 +514,13 @@ def test_n_samples_share_the_prompt(serve, tiny_model, ref_model):
         f"samples 1 and 2 should adopt sample 0's three full blocks, published when allocated in the same "
         f"step, and compute only the 2 remaining tokens: scheduled {[(r.request_id, n) for r, n in plan.scheduled]}")
     assert [c.num_cached_tokens for c in children] == [0, 48, 48]
+    held = {c.request_id: engine.blocks.req_blocks[c.request_id] for c in children}
+    assert plan.block_tables == held, (
+        f"the plan's block_tables should give each scheduled request the blocks it holds for the step: "
+        f"got {plan.block_tables}, the block manager has {held}")
+    assert len({tuple(t[:3]) for t in plan.block_tables.values()}) == 1, "the samples share the prompt's 3 blocks"
+    assert all(plan.block_tables[rid] is not held[rid] for rid in held), (
+        "block_tables holds copies (scheduler.block_table): a later allocation must not change a plan already made")
     trace = Trace(engine).run()
     want = solo(ref_model, prompt, 6)
     for child in children:
@@ -715,8 +722,8 @@ def test_statistics_after_a_swap_in(serve, tiny_model):
     around a scripted model (course.oracles.ScriptedRunner)."""
     def run(num_blocks):
         engine = make_engine(serve, tiny_model, block_size=4, num_blocks=num_blocks, max_num_seqs=2,
-                             preemption_mode="swap")
-        ScriptedRunner.install(serve, engine, lambda tokens: 1 + len(tokens) * 7 % 50)
+                             preemption_mode="swap",
+                             runner=ScriptedRunner.factory(serve, lambda tokens: 1 + len(tokens) * 7 % 50))
         engine.add_request("a", list(range(10, 18)), params(serve, 16))
         engine.step()
         b = engine.add_request("b", list(range(10, 18)) + [1, 2], params(serve, 10))

@@ -355,8 +355,7 @@ def test_async_engine_applies_stop_tokens_once_known(serve, overlap, tiny_model)
     assert any(len(want[r]) < max_tokens[r] for r in want), "no request stopped early: pick other stop tokens"
     for mode in ("inline", "thread"):
         engine = serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(
-            block_size=BLOCK, num_blocks=64, async_scheduling=True), eos_token_id=EOS)
-        engine.async_steps.queue = overlap.DeviceQueue(mode)
+            block_size=BLOCK, num_blocks=64, async_scheduling=True, device_queue=mode), eos_token_id=EOS)
         params = [serve.request.SamplingParams(max_tokens=max_tokens[r], stop_token_ids=stop) for r in prompts]
         got = {r: o.output_token_ids for r, o in zip(prompts, engine.generate(list(prompts.values()), params))}
         engine.async_steps.queue.close()
@@ -431,9 +430,8 @@ def test_async_with_a_custom_sampler_equals_the_synchronous_engine(serve, overla
     outputs = {}
     for asynchronous in (False, True):
         engine = serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(
-            block_size=BLOCK, num_blocks=9, async_scheduling=asynchronous), eos_token_id=EOS, sampler=ShiftedGreedy())
-        if asynchronous:
-            engine.async_steps.queue = overlap.DeviceQueue("thread")
+            block_size=BLOCK, num_blocks=9, async_scheduling=asynchronous, device_queue="thread"), eos_token_id=EOS,
+            sampler=ShiftedGreedy())
         params = [serve.request.SamplingParams(max_tokens=max_tokens[r]) for r in prompts]
         got = engine.generate(list(prompts.values()), params)
         if asynchronous:

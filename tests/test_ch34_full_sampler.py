@@ -324,9 +324,8 @@ def test_async_scheduling_with_the_full_sampler_equals_the_synchronous_engine(se
              params(serve, 8, repetition_penalty=2.0, stop_token_ids=[40, 41])]
 
     def serve_with(**config):
-        engine = full_engine(serve, tiny_model, num_blocks=14, max_num_batched_tokens=16, **config)
-        if config:
-            engine.async_steps.queue = impl.load("serve.overlap").DeviceQueue("thread")
+        queue = {"device_queue": "thread"} if config else {}
+        engine = full_engine(serve, tiny_model, num_blocks=14, max_num_batched_tokens=16, **config, **queue)
         outs = engine.generate(prompts, every)
         if config:
             engine.async_steps.queue.close()

@@ -489,10 +489,10 @@ def test_engine_state_machine_with_guided_requests(serve, tiny_model, request):
     from hypothesis.stateful import precondition, rule, run_state_machine_as_test
 
     class GuidedMachine(machines.EngineMachine):
-        def build_engine(self, config):
+        def build_engine(self, config, **parts):
             vocab_bytes = byte_vocabulary(self.model.cfg.vocab_size)
             return self.serve.engine.EngineCore(self.model, self.serve.config.EngineConfig(**config),
-                                                eos_token_id=None, vocab_bytes=vocab_bytes)
+                                                eos_token_id=None, vocab_bytes=vocab_bytes, **parts)
 
         @precondition(lambda self: self.ready and len(self.engine.scheduler.requests) < 8)
         @rule(prompt=machines.prompts, max_tokens=st.integers(4, 10))

@@ -417,8 +417,8 @@ def test_engine_state_machine_while_speculating(serve, spec, tiny_model, request
     import test_engine_state_machines as machines
 
     class DraftingMachine(machines.EngineMachine):
-        def build_engine(self, config):
-            return super().build_engine(config, drafter=spec.Speculator(spec.NgramProposer(), k=3))
+        def build_engine(self, config, **parts):
+            return super().build_engine(config, drafter=spec.Speculator(spec.NgramProposer(), k=3), **parts)
 
         def check_output(self, request, out):
             tokens = list(request.token_ids)

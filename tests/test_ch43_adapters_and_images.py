@@ -87,11 +87,8 @@ def _peft_greedy(peft_model, adapter, prompt, max_new):
 
 def lora_engine(impl, serve, model, folder, names=tuple(ADAPTERS), **config):
     lora = impl.load("serve.lora")
-    engine = make_engine(serve, model, **{"block_size": BLOCK, "num_blocks": 96, **config})
-    bank = lora.AdapterBank(engine.runner.flat)
-    for name in names:
-        bank.add(lora.load_peft_adapter(folder / name))
-    return engine
+    adapters = [lora.load_peft_adapter(folder / name) for name in names]
+    return make_engine(serve, model, adapters=adapters, **{"block_size": BLOCK, "num_blocks": 96, **config})
 
 
 # --- the batched kernels --------------------------------------------------------------------
@@ -390,9 +387,8 @@ def test_loading_refuses_weights_that_do_not_fit(impl, qwen3_vl):
 def vision_engine(impl, serve, qwen3_vl, device="cpu", **config):
     vision = impl.load("serve.vision")
     encoder, model = our_vl_model(impl, qwen3_vl, device)
-    engine = make_engine(serve, model, **{"block_size": BLOCK, "num_blocks": 96, **config})
-    vision.attach_vision(engine.runner.flat, encoder, IMAGE, SECTIONS)
-    return engine
+    return make_engine(serve, model, vision=vision.VisionInputs(encoder, IMAGE, SECTIONS),
+                       **{"block_size": BLOCK, "num_blocks": 96, **config})
 
 
 @torch.inference_mode()

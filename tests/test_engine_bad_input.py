@@ -58,8 +58,9 @@ REQUEST_CASES = {
     "max_tokens 0": (lambda e, s: P(s, 0), r"max_tokens must be an integer >= 1"),
     "max_tokens negative, set after construction": (
         lambda e, s: e.add_request("m", [1, 2], _mutated(P(s), max_tokens=-3)), r"max_tokens must be an integer >= 1"),
-    "token beyond the vocabulary": (lambda e, s: e.add_request("v", [1, 2, VOCAB], P(s)),
-                                    rf"token {VOCAB} at prompt position 2 is outside the vocabulary"),
+    "token beyond the vocabulary": (
+        lambda e, s: e.add_request("v", [1, 2, VOCAB], P(s)),
+        rf"token {VOCAB} at prompt position 2 is outside the vocabulary \(0..{VOCAB - 1}\)"),
     "negative token": (lambda e, s: e.add_request("n", [5, -1], P(s)), r"token -1 .* outside the vocabulary"),
     "float token": (lambda e, s: e.add_request("f", [1, 2.0], P(s)), r"integer token ids"),
     "bool token": (lambda e, s: e.add_request("b", [True, 3], P(s)), r"integer token ids"),
@@ -95,7 +96,7 @@ REQUEST_CASES = {
     "generate on an engine that holds requests": (lambda e, s: e.generate([[1, 2, 3]], P(s)),
                                                   r"generate: the engine already holds requests"),
     "params not SamplingParams": (lambda e, s: e.add_request("d", [1, 2], {"max_tokens": 4}),
-                                  r"params must be a SamplingParams"),
+                                  r"params must be a SamplingParams, got dict"),
     "arrival_time not a number": (lambda e, s: e.add_request("a", [1, 2], P(s), arrival_time="soon"),
                                   r"arrival_time must be a finite number"),
     "negative temperature": (lambda e, s: P(s, temperature=-1.0), r"temperature must be >= 0"),
@@ -104,6 +105,12 @@ REQUEST_CASES = {
     "bool stop token": (lambda e, s: P(s, stop_token_ids=[True]),
                         r"stop_token_ids must be integer token ids, got \[True\]"),
     "logprobs with the simple sampler": (lambda e, s: e.add_request("lp", [1, 2], P(s, logprobs=2)), r"Chapter 34"),
+    "penalties with the simple sampler": (lambda e, s: e.add_request("pe", [1, 2], P(s, presence_penalty=0.5)),
+                                          r"penalties need the full sampler"),
+    "logit_bias with the simple sampler": (lambda e, s: e.add_request("lb", [1, 2], P(s, logit_bias={5: 1.0})),
+                                           r"logit_bias need the full sampler"),
+    "min_tokens with the simple sampler": (lambda e, s: e.add_request("mt", [1, 2], P(s, min_tokens=2)),
+                                           r"min_tokens need the full sampler"),
     "abort with a non-string id": (lambda e, s: e.abort_request(["run0"]), r"non-empty strings"),
 }
 
@@ -152,12 +159,24 @@ def assert_unchanged(before, engine, name):
                          + "\n".join(f"  {k}: {before[k]!r}\n   -> {after[k]!r}" for k in changed))
 
 
+# The refusals of add_request that must name the request they refuse, by case.
+NAMED = {"empty prompt": "e", "token beyond the vocabulary": "v", "negative token": "n", "float token": "f",
+         "bool token": "b", "text instead of token ids": "t", "float tensor prompt": "ft",
+         "prompt + max_tokens beyond the pool": "big", "beyond the model's positions": "long",
+         "priority not an integer": "p", "unhashable cache_key": "c", "a tensor salt in cache_key": "ct",
+         "params not SamplingParams": "d", "arrival_time not a number": "a",
+         "logprobs with the simple sampler": "lp", "logit_bias with the simple sampler": "lb"}
+
+
 @pytest.mark.parametrize("name", list(REQUEST_CASES))
 def test_bad_request_is_refused_and_changes_nothing(serve, busy, name):
     call, words = REQUEST_CASES[name]
     before = engine_state(busy)
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(ValueError, match=words) as refused:
         call(busy, serve)
+    if name in NAMED:
+        assert f"request {NAMED[name]!r}" in str(refused.value), (
+            f"a refusal names the request it refuses ({NAMED[name]!r}): {refused.value}")
     assert_unchanged(before, busy, name)
 
 

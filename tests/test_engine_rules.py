@@ -8,6 +8,7 @@ the real `EngineCore.step` around a scripted model (course.oracles.ScriptedRunne
 expected values written out by hand.
 """
 import pytest
+import torch
 
 from course.oracles import ScriptedRunner, assert_engine_idle, make_engine
 
@@ -20,9 +21,8 @@ def next_token(tokens):
 
 
 def scripted(serve, tiny_model, **config):
-    engine = make_engine(serve, tiny_model, eos_token_id=None, **config)
-    ScriptedRunner.install(serve, engine, next_token)
-    return engine
+    return make_engine(serve, tiny_model, eos_token_id=None, runner=ScriptedRunner.factory(serve, next_token),
+                       **config)
 
 
 def add(serve, engine, rid, prompt, max_tokens=8, **kwargs):
@@ -114,6 +114,67 @@ def test_with_chunked_prefill_the_long_prompt_is_split(serve, tiny_model):
     engine.step()
     assert scheduled(engine.last_plan) == [("running", 1), ("long", 9)], (
         f"chunked prefill fills the budget with a 9-token chunk of 'long': {scheduled(engine.last_plan)}")
+
+
+def test_the_last_token_of_the_budget_still_serves_a_running_request(serve, tiny_model):
+    """Running requests are served while any budget is left: with a budget of 2 and two
+    decoding requests, the second decode takes the last token of the budget."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=8, max_num_batched_tokens=2)
+    add(serve, engine, "a", [1])
+    add(serve, engine, "b", [2])
+    engine.step()
+    engine.step()
+    assert scheduled(engine.last_plan) == [("a", 1), ("b", 1)], (
+        f"both running requests decode, the second with the budget's last token: {scheduled(engine.last_plan)}")
+
+
+@pytest.mark.parametrize("done_first", [True, False])
+def test_a_request_with_all_its_output_tokens_gets_no_row(serve, tiny_model, done_first):
+    """A running request that already has params.max_tokens output tokens (with asynchronous
+    scheduling its last one is still a placeholder, Chapter 33) is not scheduled again, and
+    the requests after it in the running order still are."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=8)
+    order = [("done", [1, 2], 2), ("other", [3, 4], 4)]
+    made = {rid: add(serve, engine, rid, prompt, max_tokens=k) for rid, prompt, k in order[::1 if done_first else -1]}
+    engine.step()
+    made["done"].append(7)                            # its second and last output token, as if in flight
+    plan = engine.scheduler.schedule()
+    assert scheduled(plan) == [("other", 1)], (
+        f"a request with max_tokens outputs gets no row; only 'other' decodes: {scheduled(plan)}")
+
+
+def test_requests_without_a_priority_have_priority_0(serve, tiny_model):
+    """add_request's default priority is 0: under "priority" an explicit 0 that arrives later
+    still waits behind it, and -1 goes first."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, policy="priority", max_num_seqs=1)
+    add(serve, engine, "default", [1, 2], arrival_time=1.0)
+    add(serve, engine, "zero", [3, 4], priority=0, arrival_time=2.0)
+    add(serve, engine, "urgent", [5, 6], priority=-1, arrival_time=3.0)
+    assert ids(engine.scheduler.waiting) == ["urgent", "default", "zero"], ids(engine.scheduler.waiting)
+
+
+def test_an_engine_built_without_a_config_takes_the_defaults(serve, tiny_model):
+    engine = serve.engine.EngineCore(tiny_model)
+    assert engine.config == serve.config.EngineConfig(), "EngineCore(model) runs with EngineConfig()'s defaults"
+
+
+def test_prompt_plus_max_tokens_may_reach_max_model_len_exactly(serve, tiny_model):
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, max_model_len=16)
+    add(serve, engine, "fits", [1] * 6, max_tokens=10)          # 6 + 10 == 16: the last position is used
+    with pytest.raises(ValueError, match="positions"):
+        add(serve, engine, "over", [1] * 6, max_tokens=11)
+
+
+def test_a_tensor_prompt_and_the_params_are_the_engines_own_copies(serve, tiny_model):
+    """A 1-D integer tensor is a prompt like a list; the engine keeps its own copy of the
+    SamplingParams, nested dicts included, so the caller may change theirs afterwards. A
+    request that names no adapter has lora_slot 0 (Chapter 43's "none")."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=32, sampler="full")
+    params = serve.request.SamplingParams(max_tokens=3, logit_bias={5: 1.0})
+    request = engine.add_request("t", torch.tensor([7, 8, 9]), params)
+    params.logit_bias[5] = 99.0
+    assert request.prompt_token_ids == [7, 8, 9] and request.params.logit_bias == {5: 1.0}
+    assert request.lora_slot == 0
 
 
 def test_exact_block_ids_and_free_queue_order(serve):

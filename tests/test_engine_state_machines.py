@@ -328,17 +328,17 @@ class EngineMachine(RuleBasedStateMachine):
                       max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked,
                       long_prefill_token_threshold=threshold, policy=policy, preemption_mode=mode,
                       enable_prefix_caching=caching, debug_checks=True, sampler=sampler)
-        self.engine = self.build_engine(config)
+        self.engine = self.build_engine(config, runner=ScriptedRunner.factory(self.serve, next_token))
         self.pool = FakePool(block_size)
-        runner = ScriptedRunner.install(self.serve, self.engine, next_token)
+        runner = self.engine.runner
         runner.on_swap_out = lambda request, blocks: self.pool.swap_out(request.request_id, blocks)
         runner.on_swap_in = lambda request, blocks: self.pool.swap_in(request.request_id, blocks)
         runner.on_execute = self.forward
         self.log.append(f"EngineConfig({config})")
 
     def build_engine(self, config, **parts):
-        """The engine under test (later chapters' machines give it more: Chapter 35's the
-        vocabulary's bytes, Chapter 37's a drafter)."""
+        """The engine under test, with the parts given (the scripted runner; later chapters'
+        machines give it more: Chapter 35's the vocabulary's bytes, Chapter 37's a drafter)."""
         return make_engine(self.serve, self.model, eos_token_id=None, **parts, **config)
 
     @property

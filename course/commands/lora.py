@@ -48,13 +48,10 @@ def random_adapter(lora, model, name, rank, seed, targets=None):
 def serve_all(impl, model, adapters, requests, max_tokens, max_loras):
     """Run every request to the end; returns (outputs by id, seconds, steps, adapters per step)."""
     serve_config, engine_module = impl.load("serve.config"), impl.load("serve.engine")
-    lora, request_module = impl.load("serve.lora"), impl.load("serve.request")
+    request_module = impl.load("serve.request")
     engine = engine_module.EngineCore(model, serve_config.EngineConfig(block_size=16, num_blocks=512,
-                                                                       max_loras=max_loras))
-    if adapters:
-        bank = lora.AdapterBank(engine.runner.flat)
-        for adapter in adapters:
-            bank.add(adapter)
+                                                                       max_loras=max_loras),
+                                      adapters=adapters or None)
     params = request_module.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     for rid, prompt, name in requests:

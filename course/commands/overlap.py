@@ -59,10 +59,9 @@ def contenders(serve, model, device, max_num_seqs):
         def build():
             flat = serve.flat_model.FlatModel(model)
             flat.fused = fused
-            engine = serve.engine.EngineCore(flat, serve.config.EngineConfig(**{**base, **config}), eos_token_id=eos)
-            if queue is not None:
-                engine.async_steps.queue = serve.overlap.DeviceQueue(queue)
-            return engine
+            queued = {"device_queue": queue} if queue is not None else {}
+            return serve.engine.EngineCore(flat, serve.config.EngineConfig(**{**base, **config, **queued}),
+                                           eos_token_id=eos)
         return build
 
     out = {"sync": make(), "sync, static buckets": make(cuda_graphs="static"), "sync, fused torch": make(fused="torch"),

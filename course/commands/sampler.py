@@ -86,14 +86,19 @@ def measure(serve, model, device, name, requests, steps, vocab_size, prompt_len)
     config = serve.config.EngineConfig(num_blocks=requests * blocks_each, block_size=16, max_num_seqs=requests,
                                        max_num_batched_tokens=max(2048, requests * (prompt_len + 1)),
                                        sampler="simple" if name == "simple-greedy" else "full")
-    engine = serve.engine.EngineCore(model, config, eos_token_id=None)
+    # The sampler the engine would build for itself (seeded by config.seed), timed, handed in.
+    import torch
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed)
+    inner = (serve.sampler.SimpleSampler if config.sampler == "simple" else serve.sampler.Sampler)(generator)
+    timed = TimedSampler(inner, device)
+    engine = serve.engine.EngineCore(model, config, eos_token_id=None, sampler=timed)
     rng = random.Random(0)
     for i in range(requests):
         prompt = [rng.randrange(vocab_size) for _ in range(prompt_len)]
         engine.add_request(f"r{i}", prompt, settings(serve, i, sampled_per_request)[name])
     engine.step()                                   # every prompt in one step
     engine.step()                                   # one warm-up decode step
-    timed = engine.sampler = TimedSampler(engine.sampler, device)
+    timed.seconds = 0.0                             # only the timed steps count
     start = clock(device)
     for _ in range(steps):
         engine.step()
@@ -107,7 +112,7 @@ def run(args):
     from course.commands._setup import prepare, serve_modules
     from course.models import tiny_qwen3
     impl, device = prepare(args)
-    serve = serve_modules(impl)
+    serve = serve_modules(impl, "sampler")
     model = tiny_qwen3(impl.package, device=device, vocab_size=args.vocab_size, **SHAPES[args.shape])
     for name in settings(serve, 0, max_tokens=1):
         line = measure(serve, model, device, name, args.requests, args.steps, args.vocab_size, args.prompt_len)

@@ -66,8 +66,11 @@ class Batch:
     sample_counts              per scheduled request, how many of its rows are sampled
                                (0 for a mid-prompt chunk, 1 normally, more when verifying drafts)
     request_ids                the scheduled requests' ids, in row order
-    extra                      per-step inputs of later chapters (LoRA ids, M-RoPE positions)
     prompt_spans               (request, first position, prompt tokens) for prompt logprobs
+    Step inputs of Chapter 43 (ModelRunner.prepare_features sets them; None: not this step):
+    lora_ids [N] int64         each row's adapter slot (0: none)
+    mrope_positions [3, N]     int64 positions on M-RoPE's three axes, in place of positions
+    embeds [N, D]              the rows' input embeddings, image rows placed
     """
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -75,12 +78,19 @@ class Batch:
     logits_indices: torch.Tensor
     sample_counts: list[int]
     request_ids: list[str]
-    extra: dict[str, Any] = field(default_factory=dict)
     prompt_spans: list[tuple[Request, int, list[int]]] = field(default_factory=list)
+    lora_ids: torch.Tensor | None = None
+    mrope_positions: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def has_step_inputs(self) -> bool:
+        """True when a Chapter 43 step input is set (the step needs the eager forward)."""
+        return self.lora_ids is not None or self.mrope_positions is not None or self.embeds is not None
 
     @property
     def num_sample_rows(self) -> int:

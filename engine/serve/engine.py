@@ -39,6 +39,8 @@ from .update import GuidedUpdate, SampledTokens, StepUpdate
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
+    from .lora import LoraAdapter
+    from .vision import VisionInputs
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +83,17 @@ class EngineCore:
              asynchronous scheduling (serve.spec_decode.ASYNC_REFUSAL says why).
     runner: what builds the ModelRunner, called as runner(flat, num_blocks, block_size,
             backend) (default ModelRunner; a pipeline stage's runner in Chapter 41).
+    adapters: LoRA adapters to serve (Chapter 43), stacked into a serve.lora.AdapterBank on
+            the model before its runner is built; requests name them with `lora`.
+    vision: a serve.vision.VisionInputs (encoder, image token id, M-RoPE sections): the
+            model becomes a vision-language model before its runner is built (Chapter 43).
     """
 
     def __init__(self, model: Qwen3ForCausalLM | FlatModel, config: EngineConfig | None = None,
                  eos_token_id: int | None | Literal["model"] = MODEL_EOS,
                  sampler: TokenSampler | None = None, vocab_bytes: list[bytes] | None = None,
-                 drafter: Drafter | None = None, runner: RunnerFactory | None = None) -> None:
+                 drafter: Drafter | None = None, runner: RunnerFactory | None = None,
+                 adapters: Sequence[LoraAdapter] | None = None, vision: VisionInputs | None = None) -> None:
         if config is None:
             config = EngineConfig()
         self.config = config.validate()
@@ -94,6 +101,14 @@ class EngineCore:
             from .spec_decode import ASYNC_REFUSAL
             raise ValueError(ASYNC_REFUSAL)
         flat = FlatModel(model) if not isinstance(model, FlatModel) else model
+        if vision is not None:                   # Chapter 43: checked and wired before anything is built on it
+            from .vision import attach_vision
+            attach_vision(flat, vision.encoder, vision.image_token_id, vision.sections)
+        if adapters is not None:
+            from .lora import AdapterBank
+            bank = AdapterBank(flat)
+            for adapter in adapters:
+                bank.add(adapter)
         weight = next(flat.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         self.vocab_size = flat.cfg.vocab_size
@@ -133,7 +148,8 @@ class EngineCore:
             self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
         # How update() applies a step's tokens: Chapter 31's rules, with guides when they can exist.
         self.plain_update = GuidedUpdate() if self.guides is not None else StepUpdate()
-        self.async_steps = AsyncStepper(self) if config.async_scheduling else None   # Chapter 33
+        queue = None if config.device_queue == "auto" else config.device_queue
+        self.async_steps = AsyncStepper(self, queue) if config.async_scheduling else None   # Chapter 33
 
     @staticmethod
     def _check_eos(flat: FlatModel, given: int | None | Literal["model"]) -> int | None:
@@ -410,7 +426,7 @@ class EngineCore:
         by len(plan.preempted). Returns [] when nothing is scheduled (swaps still happen).
         Seams, which later chapters replace (go through them, never around): the plan comes
         from self.scheduler; block copies and compute from self.runner (swap_out / swap_in
-        per (request, blocks) pair; prepare(plan.scheduled, self.blocks.req_blocks) -> Batch;
+        per (request, blocks) pair; prepare(plan.scheduled, plan.block_tables) -> Batch;
         execute(batch) -> float32 logits [L, vocab] for batch.logits_indices); tokens from
         self._sample(logits, requests, {id: sampled rows}) -> SampledTokens over exactly the
         requests with sampled rows, in plan order; self.update applies them.
@@ -442,13 +458,14 @@ class EngineCore:
           - failed (in sampled.failed, or hooks.commit raised): finished alone, as aborted,
             its output carrying the error with sampled.doing or hooks.doing
             (self._abort_with_error);
-          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published,
-            no output;
+          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published
+            (self.scheduler.publish_computed), no output;
           - tokens: kept, status = hooks.commit(self, request, tokens) (appended, stop rules
-            applied); full blocks published; first_token_time set once; a status finishes
-            it within this call (self.scheduler.finish: its blocks serve the next step) and
-            drops its generator from self.generators; its output is hooks.report(self,
-            request, kept, self._keep_logprobs(request, sampled.logprobs)).
+            applied); full blocks published (self.scheduler.publish_computed);
+            first_token_time set once; a status finishes it within this call
+            (self.scheduler.finish: its blocks serve the next step) and drops its generator
+            from self.generators; its output is hooks.report(self, request, kept,
+            self._keep_logprobs(request, sampled.logprobs)).
         Then hooks.after_update(self, plan, advanced) sees the (request, kept) pairs still
         running, and self.steps grows by one. With self.checks set:
         checks.check_scheduler(scheduler, where) once the step is applied.

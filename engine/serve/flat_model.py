@@ -13,13 +13,13 @@ rope seam, without touching the forward loop.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from ..layers import apply_rope, rope_cos_sin
-from .interfaces import ModelCapabilities
+from .interfaces import ModelCapabilities, PagedAttention, WindowedAttention
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM
@@ -44,6 +44,13 @@ class FlatModel(nn.Module):
         self.capabilities = ModelCapabilities.of(model)     # what the model declares, read once
         own_tables = self.capabilities.rope_tables          # models with scaled RoPE bring their own
         self.rope = self.default_rope if own_tables is None else own_tables
+        # What each layer's attention module declares, read once rather than every step: a
+        # path of its own on the pool (latent attention, Chapter 42) and its window.
+        modules = [layer.self_attn for layer in self.layers]
+        self.paged_attention: list[PagedAttention | None] = [
+            m if isinstance(m, PagedAttention) else None for m in modules]
+        self.attention_windows: list[int] = [
+            (m.sliding_window or 0) if isinstance(m, WindowedAttention) else 0 for m in modules]
         self.fused: bool | str = False               # Chapter 33: fused add + norm (serve/fused.py)
         self.adapters: AdapterBank | None = None     # Chapter 43: set by AdapterBank(flat)
         self.vision: VisionInputs | None = None      # Chapter 43: set by serve.vision.attach_vision
@@ -110,14 +117,15 @@ class FlatModel(nn.Module):
         Computes what Qwen3Attention.forward computes, row for row: projections
         (self.project_qkv), per-head QK-norm applied before RoPE, GQA attention, o_proj. Trap:
         this step's K/V must be in the pool before attention reads it, so each row sees its own
-        key. The window passed on is attn.sliding_window when the module has one (else 0).
-        A module with its own paged_forward(h, positions, rope, kv, meta, backend) -> [N, D]
-        (latent attention, Chapter 42) is called instead, with those arguments.
+        key. The window passed on is self.attention_windows[layer] (0: no window).
+        When self.paged_attention[layer] is not None (a module with a path of its own on the
+        pool, latent attention, Chapter 42), its paged_forward(h, positions, rope, kv, meta,
+        backend) -> [N, D] is called instead.
         """
         raise NotImplementedError("Your engine: Chapter 31: FlatModel.attention")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: BatchMeta,
-                backend: AttentionBackend, embeds: torch.Tensor | None = None, **features: Any) -> torch.Tensor:
+                backend: AttentionBackend, embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [N] -> final hidden states [N, D] (before the LM head).  (Your engine: Chapter 31)
 
         input_ids, positions: int64 [N]; kv_caches: one pool tuple per layer; meta: the step's
@@ -130,8 +138,6 @@ class FlatModel(nn.Module):
         positions, rope, kv_caches[i], meta, backend); self.mlp(layer.mlp, normed); the
         backbone's final norm also closes through add_norm. RoPE tables: self.rope(positions,
         dtype), built once per step and shared by every layer.
-        `features` are per-step inputs that later chapters add (LoRA slots, M-RoPE positions,
-        Chapter 43): Chapter 31 accepts none and raises ValueError naming any it is given.
         """
         raise NotImplementedError("Your engine: Chapter 31: FlatModel.forward")
 

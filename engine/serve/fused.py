@@ -5,13 +5,15 @@ FlatModel.fused chooses the implementation of its add_norm seam:
     "torch"   add_rms_norm below: the same arithmetic as one function (any device)
     "triton"  the Triton kernel of fused_kernels.py (compiled on CUDA, interpreted on a CPU)
     True      "triton" for CUDA tensors, "torch" elsewhere
-Only norms that carry an RMSNorm's `weight` and `eps` are fused; any other module keeps the
+Only RMSNorm modules (solutions' layers.RMSNorm) are fused; any other module keeps the
 unfused path.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..layers import RMSNorm
 
 FUSED_MODES = (False, True, "torch", "triton")
 
@@ -30,9 +32,9 @@ def fused_add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor,
                    mode: bool | str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """norm(x + delta), x + delta through the fused path of `mode`, or None when `norm` is
     not an RMSNorm (the caller then runs the unfused ops)."""
-    weight, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
-    if weight is None or eps is None:
+    if not isinstance(norm, RMSNorm):
         return None
+    weight, eps = norm.weight, norm.eps
     if mode == "triton" or (mode is True and x.is_cuda):
         from ..fused_kernels import fused_add_rms_norm
         return fused_add_rms_norm(x, delta, weight, eps)

@@ -25,7 +25,8 @@ ReferenceBackend loops over the host list seq_lens_cpu and gathers each request'
 by its host length; VectorisedBackend builds its masks and gather width from the same host
 lists: both would replay the lengths of the capture batch forever. Chapter 32's Triton
 kernel reads seq_lens and the block table on the device and launches one tile per decode
-row: it is graph-safe. A backend declares itself with a `graph_safe = True` attribute.
+row: it is graph-safe. Every backend declares which it is, in its `graph_safe` attribute
+(serve.interfaces.AttentionBackend).
 """
 from __future__ import annotations
 
@@ -44,16 +45,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Backends whose decode attention may be captured, by registry name, with the reason.
-GRAPH_SAFE_BACKENDS = {
-    "triton": "reads seq_lens and the block table on the device; one tile per decode row",
-}
-
 
 def graph_safe(backend: AttentionBackend) -> bool:
-    """True when `backend` may be captured in a CUDA graph (its own `graph_safe` attribute,
-    else GRAPH_SAFE_BACKENDS)."""
-    return bool(getattr(backend, "graph_safe", backend.name in GRAPH_SAFE_BACKENDS))
+    """True when `backend` may be captured in a CUDA graph, as it declares (`graph_safe`)."""
+    return bool(backend.graph_safe)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -86,7 +81,8 @@ class GraphRunner:
                              f"'static' runs the same padded path eagerly")
         if use_graphs and not possible:
             raise ValueError(f"attention backend {runner.backend.name!r} is not graph-safe (it reads the batch's "
-                             f"host lists): CUDA graph capture needs one of {sorted(GRAPH_SAFE_BACKENDS)}")
+                             f"host lists): CUDA graph capture needs one that declares graph_safe, such as "
+                             f"Chapter 32's 'triton'")
         if use_graphs is None and device.type == "cuda" and not possible:
             logger.info("attention backend %r is not graph-safe: decode steps run the padded path eagerly",
                         runner.backend.name)
@@ -124,8 +120,8 @@ class GraphRunner:
         """A padded decode batch of a bucket's size whose sampled rows are its real rows, in order."""
         meta = batch.meta
         real = len(batch.sample_counts)
-        return (not batch.extra and not batch.prompt_spans and meta.decode_only and meta.num_reqs in self.buckets
-                and sum(batch.sample_counts) == real == batch.logits_indices.numel()
+        return (not batch.has_step_inputs and not batch.prompt_spans and meta.decode_only
+                and meta.num_reqs in self.buckets and sum(batch.sample_counts) == real == batch.logits_indices.numel()
                 and meta.block_table.shape[1] <= self.max_blocks)
 
     # --- the static path -------------------------------------------------------------------

@@ -40,8 +40,18 @@ class AttentionBackend(Protocol):
       padding request (seq_len 0) come back as zeros. It must match ReferenceBackend to
       float tolerance and may not read device values on the host (CUDA graphs, Chapter 33).
     - `name` is the name it is registered under (serve.backends.register_backend).
+    - `quantized`: True when its pools store codes and scales (kv_cache_dtype, Chapter 32);
+      a model that allocates its own pool (latent attention) refuses such a backend.
+    - `graph_safe`: True when its decode attention reads only device tensors and its launch
+      shape depends on the batch size alone, so a CUDA graph may capture it (Chapter 33).
     """
     name: str
+
+    @property
+    def quantized(self) -> bool: ...
+
+    @property
+    def graph_safe(self) -> bool: ...
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
                  ) -> tuple[torch.Tensor, ...]: ...
@@ -136,7 +146,7 @@ class Drafter(UpdateHooks, Protocol):
     EngineCore.step: logits are the batch's sampling rows (1 + the drafts fed, per request);
     it returns, per request, the accepted drafts then one token of the target's
     (SampledTokens). Its update hooks then commit those tokens, give back the blocks of
-    rejected drafts (BlockManager.trim), and after the update propose the next drafts.
+    rejected drafts (engine.scheduler.trim), and after the update propose the next drafts.
     `forget(request_id)` drops what it keeps for a request that finished or was aborted;
     `bind(engine)` is called once by the engine being built with it, before any request.
     """
@@ -147,6 +157,23 @@ class Drafter(UpdateHooks, Protocol):
     def forget(self, request_id: str) -> None: ...
 
     def bind(self, engine: EngineCore) -> None: ...
+
+
+@runtime_checkable
+class PagedAttention(Protocol):
+    """An attention module with a path of its own on the engine's pool (latent attention,
+    Chapter 42): FlatModel runs `paged_forward(h, positions, rope, kv, meta, backend)` ->
+    [N, D] in place of its Qwen3 attention, h [N, D] normalised rows, kv the layer's pool."""
+
+    def paged_forward(self, h: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      kv: Any, meta: BatchMeta, backend: AttentionBackend) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class WindowedAttention(Protocol):
+    """An attention module whose queries see only the last `sliding_window` positions
+    (Mistral, Chapter 42; 0 or None: every earlier position)."""
+    sliding_window: int | None
 
 
 @dataclass(frozen=True)
@@ -178,4 +205,5 @@ class ModelCapabilities:
         return cls(**{f.name: getattr(model, f.name) for f in fields(cls) if hasattr(model, f.name)})
 
 
-__all__ = ["AttentionBackend", "TokenSampler", "Guide", "UpdateHooks", "Drafter", "ModelCapabilities"]
+__all__ = ["AttentionBackend", "TokenSampler", "Guide", "UpdateHooks", "Drafter", "PagedAttention",
+           "WindowedAttention", "ModelCapabilities"]

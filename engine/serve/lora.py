@@ -212,8 +212,8 @@ def adapter_inputs(flat: FlatModel, request_id: str, lora: object) -> tuple[int,
     its slot (request.lora_slot) and its block-hash key. ValueError when it cannot be served."""
     bank = flat.adapters
     if bank is None:
-        raise ValueError(f"request {request_id!r}: asks for adapter {lora!r} but no AdapterBank is attached "
-                         f"(AdapterBank(engine.runner.flat).add(load_peft_adapter(path)))")
+        raise ValueError(f"request {request_id!r}: asks for adapter {lora!r} but the engine has no AdapterBank "
+                         f"(build it with EngineCore(..., adapters=[load_peft_adapter(path), ...]))")
     if not isinstance(lora, str):
         raise ValueError(f"request {request_id!r}: lora names a loaded adapter (a string), got {lora!r}")
     try:

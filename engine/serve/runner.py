@@ -92,7 +92,7 @@ class ModelRunner:
         own = self.flat.capabilities.allocate_kv
         make = own or self.backend.allocate
         # Ask about `own`, not `make`: every access to a bound method makes a new object.
-        if own is not None and getattr(self.backend, "quantized", False):
+        if own is not None and self.backend.quantized:
             raise ValueError("this model allocates its own KV pool (latent attention, Chapter 42), which is never "
                              "quantized: use kv_cache_dtype='auto'")
         # Layers placed on several devices (Chapter 40) keep their pools beside them.
@@ -157,15 +157,15 @@ class ModelRunner:
         scheduled [(request, n)] in batch order: request i's n rows start at row
         batch.meta.query_start_loc_cpu[i] and hold its positions c .. c + n - 1
         (c = request.num_computed_tokens). Rows past the scheduled ones are padding.
-        Reads request.lora_slot and request.images (written by add_request) and sets in
-        batch.extra, on the batch's device:
-        - "lora_ids" [N] int64: each row's request.lora_slot, 0 for rows of requests without
+        Reads request.lora_slot and request.images (written by add_request) and sets these
+        fields of batch, on the batch's device:
+        - lora_ids [N] int64: each row's request.lora_slot, 0 for rows of requests without
           an adapter and for padding. Only when some request has a slot.
-        - "embeds" [N, D] in the model's dtype: the rows of
+        - embeds [N, D] in the model's dtype: the rows of
           self.flat.backbone.embed_tokens(batch.input_ids), except that a row at position p
           with p in images.positions ([M] int64) takes the matching row of images.embeds
           ([M, D]). Only when some image row is in this step.
-        - "mrope_positions" [3, N] int64: for a request with images, column p of
+        - mrope_positions [3, N] int64: for a request with images, column p of
           images.mrope_positions ([3, P] over its prompt) for positions p < P and
           p + images.mrope_delta on all three axes after the prompt; every other row its
           batch.positions value on all three axes. Only when some request has images.
@@ -183,12 +183,11 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and graphs.can_run(batch):  # a padded decode step, no step inputs (Chapter 33)
             return graphs.run(batch)
-        extra = dict(batch.extra)
         bank = self.flat.adapters
-        lora_ids = extra.pop("lora_ids", None)
-        positions = extra.pop("mrope_positions", batch.positions)
-        with bank.activate(lora_ids) if bank is not None else nullcontext():
-            hidden = self.flat(batch.input_ids, positions, self.kv_caches, batch.meta, self.backend, **extra)
+        positions = batch.mrope_positions if batch.mrope_positions is not None else batch.positions
+        with bank.activate(batch.lora_ids) if bank is not None else nullcontext():
+            hidden = self.flat(batch.input_ids, positions, self.kv_caches, batch.meta, self.backend,
+                               embeds=batch.embeds)
         if batch.logits_indices.numel() == 0:
             self.last_hidden = None
             return torch.empty((0, self.flat.cfg.vocab_size), device=hidden.device)

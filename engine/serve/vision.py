@@ -310,18 +310,21 @@ def mrope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, sections
 
 @dataclass
 class VisionInputs:
-    """What attach_vision leaves on a FlatModel (as `flat.vision`) for add_request."""
+    """A vision encoder and how prompts mark images: what EngineCore(vision=...) takes, and
+    what attach_vision leaves on the FlatModel (as `flat.vision`) for add_request."""
     encoder: VisionEncoder
     image_token_id: int
     sections: tuple[int, ...]
 
 
 def attach_vision(flat: FlatModel, encoder: VisionEncoder, image_token_id: int,
-                  sections: tuple[int, int, int]) -> None:
+                  sections: tuple[int, ...]) -> None:
     """Make `flat` a vision-language model: add_request then accepts images, and the RoPE
-    seam takes [3, N] positions (M-RoPE) as well as [N]."""
-    if sum(sections) != flat.cfg.head_dim // 2:
-        raise ValueError(f"M-RoPE sections {sections} must add up to head_dim / 2 = {flat.cfg.head_dim // 2}")
+    seam takes [3, N] positions (M-RoPE) as well as [N]. EngineCore(vision=...) calls this
+    before it builds anything on the model."""
+    if len(sections) != 3 or sum(sections) != flat.cfg.head_dim // 2:
+        raise ValueError(f"M-RoPE sections {sections} must be three numbers adding up to head_dim / 2 = "
+                         f"{flat.cfg.head_dim // 2}")
     if encoder.cfg.out_hidden_size != flat.cfg.hidden_size:
         raise ValueError(f"the encoder emits {encoder.cfg.out_hidden_size}-wide tokens, the model is "
                          f"{flat.cfg.hidden_size} wide")
@@ -354,7 +357,7 @@ def image_inputs(flat: FlatModel, request_id: str, prompt: list[int], features: 
     vision = flat.vision
     if vision is None:
         raise ValueError(f"request {request_id!r}: image features need a vision encoder attached with "
-                         f"serve.vision.attach_vision (Chapter 43)")
+                         f"(EngineCore(..., vision=serve.vision.VisionInputs(...)), Chapter 43)")
     if not isinstance(features, dict) or set(features) != {"images"} or not isinstance(features["images"], list):
         raise ValueError(f"request {request_id!r}: features must be {{'images': [pixel tensors]}}, got {features!r}")
     images, encoder = features["images"], vision.encoder

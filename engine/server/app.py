@@ -389,7 +389,7 @@ def build_app(engine: EngineCore, served: ServedModel, *, max_waiting: int = 64,
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = ApiError(exc.status_code, str(exc.detail), type="invalid_request_error")
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception) -> JSONResponse:

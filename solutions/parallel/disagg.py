@@ -25,8 +25,7 @@ from ..serve.runner import distinct_pools
 
 def full_blocks_computed(engine: EngineCore, request: Request) -> int:
     """How many of request's leading blocks hold computed K/V for every one of their slots."""
-    return min(request.num_computed_tokens // engine.blocks.block_size,
-               len(engine.blocks.req_blocks.get(request.request_id, ())))
+    return min(request.num_computed_tokens // engine.blocks.block_size, len(engine.scheduler.block_table(request)))
 
 
 def send_request(engine: EngineCore, request: Request, max_tokens: int, dst: int) -> int:
@@ -40,7 +39,7 @@ def send_request(engine: EngineCore, request: Request, max_tokens: int, dst: int
               "keys": keys}
     dist.send_object_list([header], dst=dst)
     if keys:
-        index = torch.tensor(engine.blocks.req_blocks[request.request_id][:count], dtype=torch.int64,
+        index = torch.tensor(engine.scheduler.block_table(request)[:count], dtype=torch.int64,
                              device=engine.runner.device)
         for layer in engine.runner.kv_caches:
             for pool in distinct_pools(layer):          # a latent pool is one tensor: sent once

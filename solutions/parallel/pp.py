@@ -13,7 +13,7 @@ instead: 4 bytes a request rather than a vocabulary row).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -86,9 +86,7 @@ class StageModel(FlatModel):
     # None on every stage but the last: the seam Chapter 31's runner leaves for pipelines.
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 kv_caches: list[KVCache], meta: BatchMeta, backend: AttentionBackend,
-                embeds: torch.Tensor | None = None, **features: Any) -> torch.Tensor | None:
-        if features:
-            raise ValueError(f"StageModel got step features {sorted(features)}: not with pipeline parallelism")
+                embeds: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.is_first:
             stream = embeds if embeds is not None else self.backbone.embed_tokens(input_ids)
         else:

@@ -98,6 +98,7 @@ class ReferenceBackend:
     """Attention that gathers each request's context and calls Chapter 5's causal_attention,
     one request at a time. Slow and plainly right: every faster backend is compared to it."""
     name = "reference"
+    graph_safe = False          # it reads the host lists (seq_lens_cpu): a graph would replay them
 
     def __init__(self, kv_cache_dtype: str = "auto") -> None:
         if kv_cache_dtype != "auto" and kv_cache_dtype not in FORMATS:

@@ -14,6 +14,7 @@ PreemptionMode = Literal["recompute", "swap"]
 SamplerName = Literal["simple", "full"]
 KVCacheDtype = Literal["auto", "int8", "fp8"]
 CudaGraphs = Literal["off", "auto", "on", "static"]
+DeviceQueueMode = Literal["auto", "cuda", "thread", "inline"]
 
 # field -> the values it takes (the Literal's arguments)
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -22,6 +23,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sampler": get_args(SamplerName),
     "kv_cache_dtype": get_args(KVCacheDtype),
     "cuda_graphs": get_args(CudaGraphs),
+    "device_queue": get_args(DeviceQueueMode),
 }
 
 
@@ -62,6 +64,9 @@ class EngineConfig:
                              (CUDA graphs on CUDA with a graph-safe backend); "on" (graphs,
                              or an error); "static" (the padded path run eagerly, any device)
     async_scheduling         schedule step t+1 while step t runs (Chapter 33)
+    device_queue             where the asynchronous engine runs each step's device part
+                             (serve.overlap.DeviceQueue): "cuda", "thread", "inline", or
+                             "auto" ("cuda" on a CUDA device, else "inline")
     debug_checks             check the scheduler's and block manager's invariants
                              (course/engine_checks.py) inside every step: slow, for tests
     max_loras                most distinct LoRA adapters running at once (Chapter 43)
@@ -84,6 +89,7 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDtype = "auto"
     cuda_graphs: CudaGraphs = "off"
     async_scheduling: bool = False
+    device_queue: DeviceQueueMode = "auto"
     debug_checks: bool = False
     max_loras: int = 4
 

@@ -225,7 +225,10 @@ class AsyncStepper(StepUpdate):
 
     def __init__(self, engine: EngineCore, mode: str | None = None) -> None:
         self.engine = engine
-        self.on_device = type(engine.sampler) is SimpleSampler    # else the sampler runs on settled views
+        # Chapter 31's SimpleSampler is redone on the device, drawing from its generator;
+        # any other sampler runs on settled views.
+        sampler = engine.sampler
+        self.device_sampler = sampler if type(sampler) is SimpleSampler else None
         self.queue = DeviceQueue(mode or ("cuda" if engine.device.type == "cuda" else "inline"))
         self.host_seconds = 0.0           # time spent scheduling and building batches
         self.wait_seconds = 0.0           # time spent waiting for tokens
@@ -256,7 +259,7 @@ class AsyncStepper(StepUpdate):
         fill_from: list[int] = []          # ... and the row of `previous.tokens` that holds its value
         if scheduled:
             pad_to = runner.graphs.pad_size(scheduled) if runner.graphs is not None else None
-            batch = build_batch(scheduled, engine.blocks.req_blocks, runner.block_size, "cpu", pad_to)
+            batch = build_batch(scheduled, plan.block_tables, runner.block_size, "cpu", pad_to)
             runner.add_step_inputs(batch, scheduled)
             for (request, n), start in zip(scheduled, batch.meta.query_start_loc_cpu):
                 for offset in range(n):
@@ -274,7 +277,6 @@ class AsyncStepper(StepUpdate):
         step = InflightStep(plan, sampling, {r.request_id: i for i, r in enumerate(sampling)})
         generators = {r.request_id: engine.generators[r.request_id] for r in sampling
                       if r.request_id in engine.generators}
-        default = getattr(engine.sampler, "generator", None)
         device = runner.device
 
         def device_part() -> torch.Tensor:
@@ -293,8 +295,8 @@ class AsyncStepper(StepUpdate):
                 logits = logits[:batch.num_sample_rows]
             if not sampling:
                 return torch.empty(0, dtype=torch.int64, device=device)
-            if self.on_device:
-                return sample_on_device(logits, sampling, generators, default)
+            if self.device_sampler is not None:
+                return sample_on_device(logits, sampling, generators, self.device_sampler.generator)
             return self.sample_views(step, logits, previous, lengths, counts, generators)
 
         self.queue.submit(step, device_part)
@@ -304,7 +306,7 @@ class AsyncStepper(StepUpdate):
             request.token_ids.append(PLACEHOLDER)
             request.num_placeholders += 1
         for request, _ in scheduled:
-            engine.blocks.cache_full_blocks(request)
+            engine.scheduler.publish_computed(request)
         return step
 
     def sample_views(self, step: InflightStep, logits: torch.Tensor, previous: InflightStep | None,

@@ -26,11 +26,16 @@ class SchedulerOutput:
     swap_out    [(request, blocks)]: copy these blocks to host memory BEFORE the forward
                 pass (the blocks are already free and may be reused by this very step)
     swap_in     [(request, blocks)]: copy the saved K/V back into these new blocks
+    block_tables  request id -> the blocks each scheduled request holds for this step, in
+                logical order (a copy taken when the plan is made): what the runner's
+                prepare(scheduled, block_tables) reads, so nothing outside the scheduler
+                reads the block manager's tables
     """
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -112,6 +117,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # --- the blocks, for those who run the plan --------------------------------------------------
+
+    def block_table(self, request: Request) -> list[int]:
+        """A copy of the blocks `request` holds, in logical order ([] when it holds none)."""
+        return list(self.blocks.req_blocks.get(request.request_id, ()))
+
+    def publish_computed(self, request: Request) -> None:
+        """Publish the request's full blocks among its computed tokens: the update calls this
+        once a step's tokens have landed (a generated token's key exists only then)."""
+        self.blocks.cache_full_blocks(request)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back, unpublished, the request's blocks past its first num_tokens tokens (the
+        blocks of rejected drafts, Chapter 37)."""
+        self.blocks.trim(request, num_tokens)
+
     def _adapter_waits(self, request: Request) -> bool:
         """Chapter 43: True when admitting `request` would make more than config.max_loras
         distinct LoRA adapters run at once (slot 0, no adapter, never counts)."""
@@ -139,7 +160,7 @@ class Scheduler:
         By self.config.preemption_mode:
           "recompute": num_computed_tokens == 0 (it prefills prompt and output again; its own
             blocks are probably still in the prefix cache);
-          "swap": out.swap_out holds (request, a copy of the block list it held, taken before
+          "swap": out.swap_out holds (request, self.block_table(request), taken before
             freeing) so the runner can copy those blocks out; swapped_out is True and
             num_computed_tokens is kept.
         """
@@ -148,8 +169,7 @@ class Scheduler:
         if self.config.preemption_mode == "recompute":
             request.num_computed_tokens = 0                 # its K/V are forgotten
         else:
-            held = list(self.blocks.req_blocks[request.request_id])   # copy: free() empties the list
-            out.swap_out.append((request, held))
+            out.swap_out.append((request, self.block_table(request)))   # a copy: free() empties the list
             request.swapped_out = True
         self.blocks.free(request)
         request.num_preemptions += 1
@@ -162,7 +182,8 @@ class Scheduler:
 
         Returns a SchedulerOutput: scheduled, (request, n) pairs with n >= 1, running requests
         first, then newly admitted ones; preempted; swap_out and swap_in, (request, block ids)
-        pairs for the runner. Invariants of the plan:
+        pairs for the runner; block_tables, each scheduled request's id -> self.block_table(request)
+        once the plan is complete (the runner reads these, never the block manager). Invariants of the plan:
           - sum of n <= config.max_num_batched_tokens; each n <= self._chunk's cap; no more than
             config.max_num_seqs requests run;
           - every scheduled request holds blocks for num_computed_tokens + n tokens, and the
@@ -234,7 +255,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.swapped_out:
-                out.swap_in.append((request, list(blocks.req_blocks[request.request_id])))
+                out.swap_in.append((request, self.block_table(request)))
                 request.swapped_out = False
             request.num_computed_tokens += reused
             if request.status is Status.WAITING:
@@ -244,4 +265,5 @@ class Scheduler:
             out.scheduled.append((request, n))
             blocks.cache_full_blocks(request, request.num_computed_tokens + n)
             budget -= n
+        out.block_tables = {r.request_id: self.block_table(r) for r, _ in out.scheduled}
         return out

@@ -9,7 +9,7 @@ all of them at once:
                      the batch builder feeds [last real token, d1 .. dk] and samples every
                      one of those rows; the verifier keeps a prefix of the drafts plus one
                      token of the target's own; the K/V of rejected drafts is trimmed
-                     (num_computed_tokens rolled back, BlockManager.trim)
+                     (num_computed_tokens rolled back, Scheduler.trim)
 
 Three proposers share one interface (`propose`): n-gram lookup in the request's own tokens,
 a smaller draft model with a KV pool of its own, and heads on the target's last hidden
@@ -120,9 +120,9 @@ def settle(engine: EngineCore, request: Request, emitted: Sequence[int]) -> tupl
     - num_computed_tokens is min(its value, num_tokens - 1): only rows of kept tokens hold
       valid K/V, and the newest token is never computed (Chapter 31's invariant);
     - the request holds no block past its first num_computed_tokens tokens (those that held
-      only rejected drafts are back in the pool, unpublished: engine.blocks.trim), and
-      every full block of accepted tokens is published. Keys come from request.token_ids only, so a rejected draft is
-      never published.
+      only rejected drafts are back in the pool, unpublished: engine.scheduler.trim), and
+      every full block of accepted tokens is published (engine.scheduler.publish_computed).
+      Keys come from request.token_ids only, so a rejected draft is never published.
     Returns (the tokens appended, the stop status or None). It does not finish the request
     (the caller does, so it can report the output first); check_stop may raise, and then
     the tokens appended before the failure stay appended.
@@ -136,8 +136,8 @@ def settle(engine: EngineCore, request: Request, emitted: Sequence[int]) -> tupl
         if reason is not None:
             break
     request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-    engine.blocks.trim(request, request.num_computed_tokens)
-    engine.blocks.cache_full_blocks(request)
+    engine.scheduler.trim(request, request.num_computed_tokens)
+    engine.scheduler.publish_computed(request)
     return kept, reason
 
 
