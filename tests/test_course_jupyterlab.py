@@ -5,7 +5,7 @@ math is typeset, and the diagrams are drawn the moment a learner opens the noteb
 The notebook is opened the way a learner first meets it: a copy nobody has run, so untrusted.
 JupyterLab refuses to draw an untrusted notebook's SVG outputs (it shows the text
 `<IPython.core.display.SVG object>`), which is why every diagram carries a PNG twin
-(course/diagrams.py `show`). The MyST dropdowns (```{admonition} ... :class: dropdown```)
+(course.diagrams `show`). The MyST dropdowns (```{admonition} ... :class: dropdown```)
 are rendered by jupyterlab-myst (requirements.txt); without it JupyterLab shows them as open
 text. A real JupyterLab server and headless Chromium check this (about 20 s on an idle
 machine); the test skips with one line where no browser is installed. A cheap check over

@@ -90,10 +90,10 @@ SMOLLM2 = "smollm2"
 
 def model_source(model):
     """What --model names: None (the tiny model), a path, or "smollm2", which becomes the
-    cached SmolLM2-135M-Instruct GGUF file, fetched on first use (course.smollm2)."""
+    cached SmolLM2-135M-Instruct GGUF file, fetched on first use (course.models.smollm2)."""
     if model != SMOLLM2:
         return model
-    from course import smollm2
+    from course.models import smollm2
     try:
         return smollm2.smollm2_gguf_path(quiet=False)
     except smollm2.SmolLM2Unavailable as missing:

@@ -63,7 +63,7 @@ class EngineConfig:
                              or an error); "static" (the padded path run eagerly, any device)
     async_scheduling         schedule step t+1 while step t runs (Chapter 33)
     debug_checks             check the scheduler's and block manager's invariants
-                             (course/engine_checks.py) inside every step: slow, for tests
+                             (course/testing/engine_checks.py) inside every step: slow, for tests
     max_loras                most distinct LoRA adapters running at once (Chapter 43)
     """
     max_num_batched_tokens: int = 2048
