@@ -79,8 +79,8 @@ CHAT_QUESTIONS = (
 def chat_items(impl, workloads, count: int, max_tokens: int) -> tuple[list, str]:
     """`count` single-turn chat prompts for SmolLM2 (its own chat template and tokenizer,
     through the implementation's Chapter 36 and 39 code) and the checkpoint's path.
-    Raises course.smollm2.SmolLM2Unavailable when the file is neither cached nor fetchable."""
-    from course.smollm2 import smollm2_gguf_path
+    Raises course.models.smollm2.SmolLM2Unavailable when the file is neither cached nor fetchable."""
+    from course.models.smollm2 import smollm2_gguf_path
     path = smollm2_gguf_path(quiet=True)
     tokenizer = impl.bpe.BPETokenizer.from_gguf_metadata(impl.gguf.GGUFFile(path).metadata)
     questions = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(count)]

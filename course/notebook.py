@@ -357,7 +357,7 @@ def _check_key(label: str, args: tuple, kwargs: dict, target: Any = None) -> str
     """The key of a check's recorded answer: its name, its arguments, and the data (tensors,
     numbers, text) its function reads from the notebook's globals, so that other inputs (a
     cell re-run with new random numbers) never meet an answer recorded for different ones."""
-    from .oracle_records import key_of
+    from .testing.oracle_records import key_of
     read = _globals_read(target)
     try:
         return key_of(f"check {label}", (args, kwargs, read))
@@ -368,7 +368,7 @@ def _check_key(label: str, args: tuple, kwargs: dict, target: Any = None) -> str
 def _globals_read(target: Any) -> dict[str, Any]:
     """{name: value} of the plain data (tensors, numbers, text, lists of them) that a function
     target reads from its module's globals, its nested functions' reads included."""
-    from .oracle_records import key_of
+    from .testing.oracle_records import key_of
     if not isinstance(target, types.FunctionType):
         return {}
     import dis
@@ -394,7 +394,7 @@ def _globals_read(target: Any) -> dict[str, Any]:
 def _log_check(label: str, key: str, result: CheckResult, answer: list[Any], measured: bool) -> None:
     """Append one line for this check to COURSE_CHECK_LOG's folder: its chapter, name, key and
     line, and (where the reference answered) the answer, for the release to record."""
-    from .oracle_records import encode
+    from .testing.oracle_records import encode
     entry: dict[str, Any] = {"chapter": _chapter(), "label": label, "key": key, "line": repr(result)}
     if measured:
         entry["measured"] = True
@@ -438,7 +438,7 @@ def check_answers() -> dict[str, dict[str, dict[str, Any]]]:
 def recorded_answer(key: str) -> tuple[bool, Any]:
     """(True, the reference's recorded answer to the check `key`), this notebook's chapter
     first, or (False, None) where the release recorded none."""
-    from .oracle_records import decode
+    from .testing.oracle_records import decode
     answers = check_answers()
     entry = answers.get(_chapter(), {}).get(key)
     if entry is None:

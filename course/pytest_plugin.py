@@ -186,7 +186,7 @@ def _limit_hypothesis_shrinking(seconds: int) -> None:
 def _derandomize_hypothesis() -> None:
     """While oracle answers are recorded, and in an edition that replays them, Hypothesis draws
     the same examples every run, so each example's question has a recorded answer."""
-    from .oracle_records import RECORD_ENV
+    from .testing.oracle_records import RECORD_ENV
     if impl_module.have_reference() and not os.environ.get(RECORD_ENV):
         return
     try:
@@ -243,7 +243,7 @@ def pytest_runtest_makereport(item, call):
             where = _shown_path(raised.filename, item.config.invocation_params.dir)
             report.longrepr = f"not implemented yet: {message} (the stub: {where}:{raised.lineno})"
     elif call.excinfo is not None and call.excinfo.errisinstance(impl_module.ImplError):
-        from .oracle_records import RecordMissing
+        from .testing.oracle_records import RecordMissing
         why = str(call.excinfo.value)
         if call.excinfo.errisinstance(RecordMissing) and item.config.getoption("model"):
             why = (f"{item.nodeid} needs the reference's answer on --model's checkpoint; an edition has them for "
@@ -437,7 +437,7 @@ def build_model(package, device, model_path=None):
             return loaded
         cfg = package.qwen3.Qwen3Config(**dataclasses.asdict(loaded.cfg))
     else:
-        from .oracles import transformers_checkpoint
+        from .testing.oracles import transformers_checkpoint
         loaded = transformers_checkpoint(model_path, device)
         cfg = package.qwen3.Qwen3Config.from_dict(loaded.config.to_dict())
     # The learner's checkpoint loader may not exist yet at this chapter; their model
@@ -456,22 +456,22 @@ def tiny_model(impl, device, model_path):
 @pytest.fixture
 def ref_model(device, model_path):
     """The reference Qwen3 with the same weights as `tiny_model` (in an edition without the
-    reference, transformers' Qwen3 with those weights: course.oracles.reference_tiny_qwen3)."""
+    reference, transformers' Qwen3 with those weights: course.testing.oracles.reference_tiny_qwen3)."""
     if model_path is None:
-        from .oracles import reference_tiny_qwen3
+        from .testing.oracles import reference_tiny_qwen3
         return reference_tiny_qwen3(device)
     if not impl_module.have_reference():
-        from .oracles import transformers_checkpoint
+        from .testing.oracles import transformers_checkpoint
         return transformers_checkpoint(model_path, device)
     return build_model(impl_module.reference().package, device, model_path)
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    """The verified SmolLM2-135M-Instruct GGUF file (course.smollm2), fetched on first use.
+    """The verified SmolLM2-135M-Instruct GGUF file (course.models.smollm2), fetched on first use.
     Without network and without a cached copy the test is skipped with the one line that
     says how to provide the file, never silently."""
-    from . import smollm2
+    from .models import smollm2
     try:
         return smollm2.smollm2_gguf_path(quiet=True)
     except smollm2.SmolLM2Unavailable as missing:

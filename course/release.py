@@ -4,7 +4,7 @@
 chapters, the tests, course/, run.py, requirements, README, book.toml, the Classroom
 configuration) and leaves out solutions/ and the maintainer's own tooling. It also
 - records the reference's answers: it runs the milestones here in record mode
-  (course.oracle_records) and writes what the reference answered into the edition's
+  (course.testing.oracle_records) and writes what the reference answered into the edition's
   tests/oracle_records/, from which the edition's oracles replay;
 - keeps the notebooks from giving stubs away (`edition_notebook`): the setup line
   `course.reference()` becomes `course.notebook.reference_or_engine()` (the learner's engine
@@ -42,8 +42,9 @@ import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from . import manifest, notebook, oracle_records, skeleton
+from . import manifest, notebook, skeleton
 from .manifest import ROOT
+from .testing import oracle_records
 
 # Top-level entries a learner's edition leaves out: the reference answers, the
 # maintainer's guide and CI script (both drive solutions/), and local caches.
@@ -185,7 +186,7 @@ def record_checks(root: Path = ROOT, timeout: float = NOTEBOOK_TIMEOUT,
                   notebooks: tuple[str, ...] = ("",)) -> tuple[dict[str, dict[str, dict]], dict[str, dict]]:
     """Execute every chapter notebook of root with the reference as the learner's engine and
     return each check's answer and line, {chapter folder: {key: {"label", "line", "value"}}},
-    and the oracle records (course.oracle_records) the notebooks' code asked for.
+    and the oracle records (course.testing.oracle_records) the notebooks' code asked for.
     Raises ReleaseError when a notebook does not run to its end, when an answer cannot be
     recorded, or when two checks of a notebook share a name and inputs but not an answer
     (the edition could not tell them apart: give them different names)."""

@@ -11,8 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import course
 from course.models import tiny_config, tiny_qwen3
-from course.oracle_records import recorded
-from course.oracles import reference_tiny_qwen3
+from course.testing.oracle_records import recorded
+from course.testing.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(2)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from course.oracles import reference_tiny_qwen3
+from course.testing.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(8)
 

@@ -15,7 +15,7 @@ Stated bounds (bfloat16 u = 2^-8, float16 u = 2^-11, float32 u = 2^-24):
 import pytest
 import torch
 
-from course.oracles import reference_tiny_qwen3
+from course.testing.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(12)
 

@@ -12,7 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from course.models import tiny_config_values, tiny_qwen3
-from course.oracles import reference_call
+from course.testing.oracles import reference_call
 
 pytestmark = pytest.mark.chapter(15)
 

@@ -9,9 +9,9 @@ have margins far above the ~1e-6 by which cached and recomputed logits differ.
 import pytest
 import torch
 
-from course.milestone_helpers import prompt_ids, step_difference
 from course.models import tiny_qwen3
-from course.oracles import reference_call, reference_generate, reference_tiny_qwen3
+from course.testing.milestone_helpers import prompt_ids, step_difference
+from course.testing.oracles import reference_call, reference_generate, reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(16)
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import course
-from course.milestone_helpers import step_difference
 from course.models import fill_deterministic, tiny_config_values
-from course.oracle_records import recorded
-from course.oracles import reference_generate, reference_tiny_qwen3
+from course.testing.milestone_helpers import step_difference
+from course.testing.oracle_records import recorded
+from course.testing.oracles import reference_generate, reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(17)
 

@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from course import reference
 from course.models import tiny_qwen3
-from course.oracle_records import recorded
-from course.oracles import reference_call
+from course.testing.oracle_records import recorded
+from course.testing.oracles import reference_call
 
 pytestmark = pytest.mark.chapter(18)
 

@@ -18,8 +18,8 @@ import random
 import pytest
 import torch
 
-from course import oracles
-from course.milestone_helpers import assert_same_tokens
+from course.testing import oracles
+from course.testing.milestone_helpers import assert_same_tokens
 
 pytestmark = pytest.mark.chapter(19)
 

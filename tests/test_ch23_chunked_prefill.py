@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from course.oracles import reference_generate
+from course.testing.oracles import reference_generate
 
 pytestmark = pytest.mark.chapter(23)
 

@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from course.milestone_helpers import assert_same_tokens
-from course.oracles import TINY_EOS as EOS
-from course.oracles import solo
+from course.testing.milestone_helpers import assert_same_tokens
+from course.testing.oracles import TINY_EOS as EOS
+from course.testing.oracles import solo
 
 pytestmark = pytest.mark.chapter(25)
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import course
-from course.milestone_helpers import prompt_ids, step_difference
 from course.models import tiny_qwen3
-from course.oracles import reference_generate, reference_tiny_qwen3
 from course.pytest_plugin import build_model
+from course.testing.milestone_helpers import prompt_ids, step_difference
+from course.testing.oracles import reference_generate, reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(26)
 

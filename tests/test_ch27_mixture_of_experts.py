@@ -10,8 +10,8 @@ so both implementations pick the same experts and greedy parity is deterministic
 import pytest
 import torch
 
-from course.milestone_helpers import prompt_ids
-from course.moe_models import hf_config_values, tiny_moe_config, tiny_qwen3_moe
+from course.models.moe import hf_config_values, tiny_moe_config, tiny_qwen3_moe
+from course.testing.milestone_helpers import prompt_ids
 
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen3MoeConfig as HFConfig  # noqa: E402

@@ -13,10 +13,10 @@ import torch
 from torch.nn import functional as F
 
 import course
-from course.milestone_helpers import prompt_ids
-from course.oracle_records import recorded
-from course.oracles import reference_tiny_qwen3
 from course.pytest_plugin import build_model
+from course.testing.milestone_helpers import prompt_ids
+from course.testing.oracle_records import recorded
+from course.testing.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(28)
 

@@ -18,13 +18,14 @@ import random
 import pytest
 import torch
 
-from course import oracles, reference
-from course.engine_checks import engine_state
-from course.milestone_helpers import first_difference, token_at
-from course.oracle_records import recorded
-from course.oracles import TINY_EOS as EOS
-from course.oracles import ScriptedRunner, solo
-from course.oracles import assert_engine_idle as assert_idle
+from course import reference
+from course.testing import oracles
+from course.testing.engine_checks import engine_state
+from course.testing.milestone_helpers import first_difference, token_at
+from course.testing.oracle_records import recorded
+from course.testing.oracles import TINY_EOS as EOS
+from course.testing.oracles import ScriptedRunner, solo
+from course.testing.oracles import assert_engine_idle as assert_idle
 
 pytestmark = pytest.mark.chapter(31)
 
@@ -669,7 +670,7 @@ def test_pool_sizing(serve):
 def test_qwen3_moe_runs_through_the_flat_model_unchanged(serve, impl, device):
     """Chapter 27's sparse MoE block already works on [N, D] rows: the same FlatModel serves
     Qwen3-MoE with no change, in a pool small enough to preempt."""
-    from course.moe_models import tiny_qwen3_moe
+    from course.models.moe import tiny_qwen3_moe
     model = tiny_qwen3_moe(impl.package, device=device)
     prompts, max_tokens = five_requests(seed=1)
     engine = make_engine(serve, model, num_blocks=12)
@@ -719,7 +720,7 @@ def test_statistics_after_a_swap_in(serve, tiny_model):
     waits for room are not taken back from the hit rate either (it never looked up);
     num_cached_tokens stays as recorded at its first admission; one preemption is counted;
     its tokens are those of a run without the preemption. The real EngineCore.step runs
-    around a scripted model (course.oracles.ScriptedRunner)."""
+    around a scripted model (course.testing.oracles.ScriptedRunner)."""
     def run(num_blocks):
         engine = make_engine(serve, tiny_model, block_size=4, num_blocks=num_blocks, max_num_seqs=2,
                              preemption_mode="swap",

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from course import reference
-from course.oracle_records import recorded
-from course.oracles import reference_generate
+from course.testing.oracle_records import recorded
+from course.testing.oracles import reference_generate
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

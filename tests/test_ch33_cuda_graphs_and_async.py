@@ -1,10 +1,10 @@
 """Chapter 33 milestone: decode buckets and CUDA graphs, the fused add + RMSNorm, async scheduling.
 
-Oracles: the reference package's solo greedy `generate` (course.oracles.solo) and the
+Oracles: the reference package's solo greedy `generate` (course.testing.oracles.solo) and the
 synchronous, unpadded, unfused engine of the implementation under test for whole-engine
 outputs (greedy outputs identical, token for token); torch's own operators for the fused
 kernel (x + delta, then Chapter 4's formula written out here in float64-free torch ops);
-course.oracles.assert_engine_idle for block accounting. The CUDA paths (graph capture and
+course.testing.oracles.assert_engine_idle for block accounting. The CUDA paths (graph capture and
 replay, the stream/event device queue) run only where torch sees a GPU; on a CPU the same
 padded static path runs eagerly (cuda_graphs="static") and the device queue runs inline or
 on a worker thread.
@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from course.oracles import assert_engine_idle, solo
+from course.testing.oracles import assert_engine_idle, solo
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from course.oracles import TINY_EOS, assert_engine_idle, make_engine
+from course.testing.oracles import TINY_EOS, assert_engine_idle, make_engine
 
 pytestmark = pytest.mark.chapter(34)
 

@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from course.oracles import TINY_EOS, assert_engine_idle, byte_vocabulary, make_engine, solo
+from course.testing.oracles import TINY_EOS, assert_engine_idle, byte_vocabulary, make_engine, solo
 
 pytestmark = pytest.mark.chapter(35)
 

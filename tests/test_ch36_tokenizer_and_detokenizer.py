@@ -2,7 +2,7 @@
 
 Oracles:
 - the `tokenizers` library (Rust), given the same vocabulary and merges (read from the GGUF
-  by transformers' GGUF reader) and SmolLM2's own pre-tokenizer (course.bpe_oracle: every
+  by transformers' GGUF reader) and SmolLM2's own pre-tokenizer (course.testing.bpe_oracle: every
   digit alone, then GPT-2's byte-level split, what tokenizer.ggml.pre = "smollm" means);
 - transformers' apply_chat_template for the chat template;
 - the byte-to-symbol map of transformers (convert_slow_tokenizer.bytes_to_unicode);
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from course import bpe_oracle
-from course.milestone_helpers import first_difference
+from course.testing import bpe_oracle
+from course.testing.milestone_helpers import first_difference
 
 pytestmark = pytest.mark.chapter(36)
 

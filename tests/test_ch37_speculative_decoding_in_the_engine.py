@@ -2,7 +2,7 @@
 yields, never which tokens a request gets (greedy) nor their distribution (sampled).
 
 Oracles:
-- greedy: the REFERENCE package's solo `generate` (course.oracles.solo), token for token,
+- greedy: the REFERENCE package's solo `generate` (course.testing.oracles.solo), token for token,
   for every proposer, in both preemption modes, with prefix caching on and a step budget
   small enough to cut drafts; the tiny model's greedy margins (> 1e-3) are far above the
   ~1e-6 by which a verification row differs from a one-token decode, so this is exact;
@@ -11,7 +11,7 @@ Oracles:
   frequencies must pass a chi-square test at significance 0.001 (fixed seeds: the test is
   deterministic; over engine seeds 0..99 it failed for 0 of them, see test docstring);
 - hand-worked cases for the n-gram lookup and float64 formulas for the warped rows;
-- the engine's own invariants (course.engine_checks) after every step and idle at the end,
+- the engine's own invariants (course.testing.engine_checks) after every step and idle at the end,
   the draft model's pool included;
 - Chapter 31's random workloads (tests/test_engine_random_workloads.py) with a drafter
   installed: six by default, 300 behind --stress (all 600 seed-proposer pairs passed once
@@ -27,7 +27,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from test_engine_random_workloads import FAST_SEEDS, run_workload
 
 from course.models import tiny_qwen3
-from course.oracles import TINY_EOS, assert_engine_idle, make_engine, reference_tiny_qwen3, solo
+from course.testing.oracles import TINY_EOS, assert_engine_idle, make_engine, reference_tiny_qwen3, solo
 
 pytestmark = pytest.mark.chapter(37)
 

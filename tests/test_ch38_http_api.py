@@ -21,9 +21,9 @@ import httpx
 import pytest
 import torch
 
-from course import oracles
 from course.models import tiny_qwen3
-from course.oracles import reference_tiny_qwen3, unwritten_server_stubs
+from course.testing import oracles
+from course.testing.oracles import reference_tiny_qwen3, unwritten_server_stubs
 
 pytestmark = pytest.mark.chapter(38)
 

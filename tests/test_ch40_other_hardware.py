@@ -3,7 +3,7 @@
 Oracles: torch's own device queries (is_available, device_count, get_device_properties,
 is_bf16_supported, is_pinned) and the operating system's (sysconf) for part one; an
 exhaustive search over every contiguous split for the layer plan; and for the placed
-model, the REFERENCE package's solo greedy `generate` (course.oracles.solo) on the same
+model, the REFERENCE package's solo greedy `generate` (course.testing.oracles.solo) on the same
 weights, one prompt at a time. On a CPU the stages are "cpu" twice (or three times): no
 byte changes device, so the test checks the plumbing: every layer's pool sits on its
 layer's device, the stream is handed over stages - 1 times per forward, one hand-back of
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from course.models import tiny_qwen3
-from course.oracles import TINY_EOS, assert_engine_idle, make_engine, reference_tiny_qwen3, solo
+from course.testing.oracles import TINY_EOS, assert_engine_idle, make_engine, reference_tiny_qwen3, solo
 
 pytestmark = pytest.mark.chapter(40)
 

@@ -6,7 +6,7 @@ unsplit weights (what the shards must add up to), the chapter's arithmetic for t
 number of collectives per step (1 + 2 * layers all-reduces and one all-gather), and the
 operating system (a rank that exits must make the other end with an error).
 
-The multi-process tests share ONE launch of two ranks (course.distributed_runs): starting
+The multi-process tests share ONE launch of two ranks (course.testing.distributed_runs): starting
 a process that imports torch costs seconds on a small machine. The ranks run tensor
 parallel, pipeline parallel and disaggregated prefill in turn; last, rank 1 exits while
 rank 0 waits for it in an all-reduce. gloo on a CPU; NCCL when --device cuda and two
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course import distributed_runs
-from course.oracles import TINY_EOS, solo
+from course.testing import distributed_runs
+from course.testing.oracles import TINY_EOS, solo
 
 pytestmark = pytest.mark.chapter(41)
 
@@ -63,7 +63,7 @@ def session(impl, device):
 
 @pytest.fixture(scope="module")
 def expected(impl):
-    from course.oracles import reference_tiny_qwen3
+    from course.testing.oracles import reference_tiny_qwen3
     model = reference_tiny_qwen3()
     return [solo(model, p, MAX_NEW, eos_token_id=TINY_EOS) for p in PROMPTS]
 
@@ -148,7 +148,7 @@ def test_adopted_blocks_serve_the_prefix(impl, serve, ref_model):
     """Blocks taken out of one engine's pool and adopted into another's are found by its
     prefix cache, and the continuation is exactly solo generate's."""
     from course.models import tiny_qwen3
-    from course.oracles import assert_engine_idle, make_engine
+    from course.testing.oracles import assert_engine_idle, make_engine
     disagg = impl.load("parallel.disagg")
     prompt = list(range(30, 52))
     prefill = make_engine(serve, tiny_qwen3(impl.package), **CONFIG)
@@ -291,8 +291,8 @@ def test_smollm2_splits_over_three_ranks(impl, request):
     a small CPU machine, so only with --stress): the greedy tokens of solo generate."""
     if not request.config.getoption("stress"):
         pytest.skip("three processes loading SmolLM2: run with --stress")
-    from course.real_model import smollm2
-    from course.smollm2 import SmolLM2Unavailable
+    from course.models.real import smollm2
+    from course.models.smollm2 import SmolLM2Unavailable
     try:
         model, tokenizer = smollm2()
     except SmolLM2Unavailable as missing:

@@ -8,7 +8,7 @@ checkpoint.load_model (the family comes from config.json): logits within 1e-5 of
 transformers' (relative to the largest logit), greedy tokens equal to a full-recompute
 argmax loop over transformers' forward, and the Chapter 31 EngineCore (recompute and swap
 preemption) equal to solo generate on the same model. SmolLM2-135M-Instruct (the real
-model, fetched by course.smollm2): our GGUF loader's tensors equal those transformers
+model, fetched by course.models.smollm2): our GGUF loader's tensors equal those transformers
 dequantizes from the same file, and greedy answers to chat prompts equal transformers'
 generate token for token, through generate and through the EngineCore.
 
@@ -27,7 +27,7 @@ import torch
 
 from course import reference
 from course.models import fill_deterministic, tiny_config
-from course.oracle_records import recorded
+from course.testing.oracle_records import recorded
 
 pytestmark = pytest.mark.chapter(42)
 

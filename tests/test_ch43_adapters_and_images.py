@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from course import models
-from course.oracles import TINY_EOS, assert_engine_idle, make_engine
+from course.testing.oracles import TINY_EOS, assert_engine_idle, make_engine
 
 pytestmark = pytest.mark.chapter(43)
 

@@ -1,5 +1,5 @@
 """The book's page: every figure is read at its size in the 784 px column, where no label
-may be smaller than 9 px, and no table is wider than the column (course/book.py)."""
+may be smaller than 9 px, and no table is wider than the column (course.book)."""
 import base64
 import io
 import json

@@ -1,7 +1,8 @@
 """GitHub Classroom's autograding file is generated from book.toml and kept in step with it."""
 import json
 
-from course import classroom, manifest
+from course import manifest
+from course.grading import classroom
 from course.manifest import ROOT
 
 

@@ -9,7 +9,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from course import grade, manifest
+from course import manifest
+from course.grading import grade
 
 from conftest import write_tree
 

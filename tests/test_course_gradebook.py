@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from course import gradebook, manifest
+from course import manifest
+from course.grading import gradebook
 
 from conftest import write_tree
 

@@ -7,7 +7,7 @@ opening the notebook does not mark it modified.
 The notebook is opened the way a learner first meets it: a copy nobody has run, so untrusted.
 JupyterLab refuses to draw an untrusted notebook's SVG outputs (it shows the text
 `<IPython.core.display.SVG object>`), which is why every diagram carries a PNG twin
-(course/diagrams.py `show`). The MyST dropdowns (```{admonition} ... :class: dropdown```)
+(course.diagrams `show`). The MyST dropdowns (```{admonition} ... :class: dropdown```)
 are rendered by jupyterlab-myst (requirements.txt); without it JupyterLab shows them as open
 text. JupyterLab hides a cell's code when its metadata says `"jupyter": {"source_hidden":
 true}`, which every `remove-input` cell carries (set in the .md, jupytext carries it over). A

@@ -4,7 +4,8 @@ import re
 
 import yaml
 
-from course import book, manifest, readme
+from course import book, manifest
+from course.book import readme
 from course.manifest import ROOT
 
 
@@ -147,7 +148,7 @@ def test_every_figure_gets_alt_text_and_a_caption_that_say_what_it_shows(tmp_pat
     import base64
     import hashlib
 
-    from course import book_figures
+    from course.book import figures
     png = base64.b64encode(b"\x89PNG fake bytes").decode()
     svg = ["<svg>\n", "</svg>\n"]
     notebook = {"cells": [
@@ -161,7 +162,7 @@ def test_every_figure_gets_alt_text_and_a_caption_that_say_what_it_shows(tmp_pat
          "source": "plt.show()",
          "outputs": [{"output_type": "display_data", "data": {"image/png": base64.b64encode(b"another").decode()}}]},
     ]}
-    texts = book_figures.figure_texts(notebook, 7)
+    texts = figures.figure_texts(notebook, 7)
     png_name = hashlib.sha256(b"\x89PNG fake bytes").hexdigest() + ".png"
     svg_name = hashlib.sha256(os_lines(svg)).hexdigest() + ".svg"
     assert texts[svg_name][1].startswith("Figure 7.1: The three states of a pool block"), texts
@@ -171,12 +172,12 @@ def test_every_figure_gets_alt_text_and_a_caption_that_say_what_it_shows(tmp_pat
     both = {"image/svg+xml": ["<svg/>"], "image/png": base64.b64encode(b"same figure").decode()}
     notebook["cells"].append({"cell_type": "code", "metadata": {}, "source": "diagrams.show(diagrams.gqa())",
                               "outputs": [{"output_type": "display_data", "data": both}]})
-    captions = [caption for _, caption in book_figures.figure_texts(notebook, 7).values()]
+    captions = [caption for _, caption in figures.figure_texts(notebook, 7).values()]
     assert len(captions) == 5 and captions[3] == captions[4] and captions[4].startswith("Figure 7.4: Which"), \
         "one output in two formats is one figure"
 
     page = f'<p>x</p><img alt="../../_images/{png_name}" src="../../_images/{png_name}" />'
-    described = book_figures.describe_figures(page, texts)
+    described = figures.describe_figures(page, texts)
     assert described == (f'<p>x</p><figure class="course-figure"><img alt="Plot: Decode step time vs batch '
                          f'(horizontal axis: batch)" src="../../_images/{png_name}" />'
                          "<figcaption>Figure 7.2: Decode step time vs batch</figcaption></figure>")

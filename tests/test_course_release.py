@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from course import oracle_records, release
+from course import release
 from course.manifest import ROOT
+from course.testing import oracle_records
 
 from conftest import write_tree
 
@@ -143,7 +144,7 @@ def test_without_the_reference_an_oracle_says_so_in_one_line(pytester, monkeypat
 
 
 def test_progress_without_the_reference_reads_the_markers_in_engine(tmp_path, monkeypatch):
-    from course import progress
+    from course.grading import progress
     write_tree(tmp_path, {"engine/__init__.py": "", "engine/ops.py": '''
         def add(a, b):
             """(Your engine: Chapter 1)"""
@@ -305,7 +306,7 @@ def test_model_option_in_an_edition_reads_the_checkpoint_with_transformers(tmp_p
 
     from course import impl as impl_module
     from course import pytest_plugin
-    from course.oracles import transformers_checkpoint, transformers_tiny_qwen3
+    from course.testing.oracles import transformers_checkpoint, transformers_tiny_qwen3
 
     package = impl_module.reference().package
     monkeypatch.setattr(impl_module, "have_reference", lambda: False)

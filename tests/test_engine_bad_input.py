@@ -4,15 +4,15 @@ Every case meets a BUSY engine (requests running, one preempted with its K/V swa
 host, an n > 1 group, cached blocks) and must be refused with a ValueError whose message
 names the rule (matched below), leaving the engine exactly as it was: the block manager's
 ref counts, keys, free queue, hash map and tables, the scheduler's queues and request
-table, the generators, groups and host copies (course.engine_checks.engine_state). After
+table, the generators, groups and host copies (course.testing.engine_checks.engine_state). After
 all of them, the engine still finishes its work with outputs equal to the REFERENCE
 package's solo greedy `generate`.
 """
 import pytest
 import torch
 
-from course.engine_checks import check_scheduler, engine_state
-from course.oracles import assert_engine_idle, make_engine, solo
+from course.testing.engine_checks import check_scheduler, engine_state
+from course.testing.oracles import assert_engine_idle, make_engine, solo
 
 pytestmark = pytest.mark.chapter(31)
 

@@ -9,13 +9,13 @@
   length, a batched prompt: each is a ValueError before anything changes; the engine keeps
   its own copies of what the caller may still mutate.
 - `generate()` leaves nothing behind when a step raises.
-Oracle: the REFERENCE package's solo `generate` (course.oracles.solo).
+Oracle: the REFERENCE package's solo `generate` (course.testing.oracles.solo).
 """
 import pytest
 import torch
 
-from course.engine_checks import engine_state
-from course.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
+from course.testing.engine_checks import engine_state
+from course.testing.oracles import TINY_EOS, assert_engine_idle, make_engine, solo
 
 pytestmark = pytest.mark.chapter(31)
 
@@ -208,7 +208,7 @@ def test_generate_cleans_up_when_a_step_raises(serve, tiny_model, ref_model):
 
 def test_debug_checks_run_inside_every_step(serve, tiny_model, monkeypatch):
     """EngineConfig(debug_checks=True) (or COURSE_ENGINE_DEBUG_CHECKS=1) checks the invariants
-    of course.engine_checks inside step(): a corrupted block manager is caught at once."""
+    of course.testing.engine_checks inside step(): a corrupted block manager is caught at once."""
     for how in ("config", "environment"):
         if how == "environment":
             monkeypatch.setenv("COURSE_ENGINE_DEBUG_CHECKS", "1")

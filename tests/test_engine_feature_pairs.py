@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from course.oracles import assert_engine_idle, byte_vocabulary
+from course.testing.oracles import assert_engine_idle, byte_vocabulary
 
 pytestmark = pytest.mark.chapter(37)
 

@@ -10,9 +10,9 @@ never changes what the model computes).
 """
 import pytest
 
-from course import oracles
-from course.engine_checks import check_scheduler
-from course.oracles import assert_engine_idle, solo
+from course.testing import oracles
+from course.testing.engine_checks import check_scheduler
+from course.testing.oracles import assert_engine_idle, solo
 
 pytestmark = pytest.mark.chapter(31)
 

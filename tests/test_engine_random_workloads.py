@@ -10,7 +10,7 @@ about half of their requests carry token rules that leave the greedy answer alon
 when they reach the right row: allowed_token_ids (the solo output plus others), bad
 words and negative logit_bias on tokens the solo output never uses, min_tokens up to the
 last token. A rule applied to a neighbour's row changes that neighbour's tokens. It runs
-step by step with the scheduler's invariants (course.engine_checks) checked after every
+step by step with the scheduler's invariants (course.testing.engine_checks) checked after every
 step, then:
 
 - every request that was not aborted produced exactly what the REFERENCE package's solo
@@ -30,8 +30,8 @@ from collections import Counter
 
 import pytest
 
-from course.engine_checks import check_scheduler
-from course.oracles import TINY_EOS, assert_engine_idle, byte_vocabulary, make_engine, solo
+from course.testing.engine_checks import check_scheduler
+from course.testing.oracles import TINY_EOS, assert_engine_idle, byte_vocabulary, make_engine, solo
 
 pytestmark = pytest.mark.chapter(31)
 

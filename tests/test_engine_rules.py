@@ -4,13 +4,13 @@ The invariant checks and the parity tests prove the engine safe and right; they 
 notice a scheduler that serves requests in another order than Chapter 31 says, or counts
 its statistics twice. These tests pin each rule on a small, exact scenario, the way vLLM's
 scheduler tests do: the real Scheduler and BlockManager of the implementation under test,
-the real `EngineCore.step` around a scripted model (course.oracles.ScriptedRunner), and
+the real `EngineCore.step` around a scripted model (course.testing.oracles.ScriptedRunner), and
 expected values written out by hand.
 """
 import pytest
 import torch
 
-from course.oracles import ScriptedRunner, assert_engine_idle, make_engine
+from course.testing.oracles import ScriptedRunner, assert_engine_idle, make_engine
 
 pytestmark = pytest.mark.chapter(31)
 
@@ -295,7 +295,7 @@ def test_trim_gives_back_draft_blocks_and_republishes(serve):
     """BlockManager.trim (Chapter 37's rejected drafts): the blocks past num_tokens go back to
     the free queue unpublished, the published count shrinks with them, and publishing after
     regrowth covers the new blocks again; trimming a request with no blocks does nothing."""
-    from course.engine_checks import check_block_manager
+    from course.testing.engine_checks import check_block_manager
 
     bm = serve.blocks.BlockManager(8, 4)
     bm.trim(serve.request.Request("nobody", [1]), 0)
@@ -458,7 +458,7 @@ def test_eos_comes_from_the_model_config_unless_told_otherwise(serve, impl, ref_
     tiny model whose config names as EOS the token greedy decoding emits third); an explicit
     None turns EOS off, and an explicit id overrides the config's."""
     from course.models import tiny_qwen3
-    from course.oracles import solo
+    from course.testing.oracles import solo
     prompt = [3, 1, 4, 1, 5]
     free = solo(ref_model, prompt, 8, eos_token_id=None)
     eos = free[2]

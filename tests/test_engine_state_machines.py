@@ -5,11 +5,11 @@ Both machines run the implementation under test (`impl`, Chapter 31), so
 `pytest --impl engine tests/test_engine_state_machines.py` checks a learner's engine too.
 No model: the block manager machine calls the block manager as the scheduler would, and the
 engine machine runs the real EngineCore.step around a scripted model
-(course.oracles.ScriptedRunner). Both keep a FakePool, the identity
+(course.testing.oracles.ScriptedRunner). Both keep a FakePool, the identity
 of what the real pool would hold in every slot, (cache_key, the tokens up to and including
 that position): two slots with equal identities hold equal K/V. Every step writes its
 tokens' identities through the block tables, then reads back every position each scheduled
-request attends to. So besides the bookkeeping rules (course.engine_checks, checked after
+request attends to. So besides the bookkeeping rules (course.testing.engine_checks, checked after
 every rule) the machines prove the point of those rules: nobody ever attends to a slot
 that holds somebody else's keys, whether it got there by the prefix cache, a preemption,
 a swap or a reused block.
@@ -30,8 +30,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from course.engine_checks import block_manager_state, check_block_manager, check_scheduler, engine_state
-from course.oracles import ScriptedRunner, assert_engine_idle, make_engine
+from course.testing.engine_checks import block_manager_state, check_block_manager, check_scheduler, engine_state
+from course.testing.oracles import ScriptedRunner, assert_engine_idle, make_engine
 
 pytestmark = pytest.mark.chapter(31)
 
@@ -302,10 +302,10 @@ def test_block_manager_state_machine(serve, request):
 
 class EngineMachine(RuleBasedStateMachine):
     """The REAL EngineCore.step (schedule, swaps, build_batch, sampling, stop rules, finishing)
-    around a scripted model (course.oracles.ScriptedRunner): its logits make next_token the
+    around a scripted model (course.testing.oracles.ScriptedRunner): its logits make next_token the
     greedy choice, and its forward writes each new token's identity into the FakePool and
     reads back every position each scheduled request attends to. Requests arrive and are
-    aborted between steps; the engine runs with debug_checks, so course.engine_checks'
+    aborted between steps; the engine runs with debug_checks, so course.testing.engine_checks'
     plan and scheduler invariants are checked inside every step too."""
     serve = None
     model = None

@@ -1,7 +1,7 @@
 """Engine core reliability (issue 6, part 5): grading a learner's engine that misbehaves.
 
 Four copies of the reference engine, each with one fault in Chapter 31's engine core
-(course.faults): `schedule` loops forever, `schedule` raises, `schedule` calls os._exit,
+(course.grading.faults): `schedule` loops forever, `schedule` raises, `schedule` calls os._exit,
 `free` leaks a block per request. `python run.py grade` must charge each fault to the
 milestones it breaks, with the reason, and still print the whole table (every chapter up to
 31, the totals line) and write the JSON.
@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-from course import faults, manifest
+from course import manifest
+from course.grading import faults
 from course.manifest import ROOT
 
 from conftest import write_tree
@@ -29,7 +30,7 @@ REDUCED_MILESTONE = '''
     import pytest
     import torch
 
-    from course.oracles import TINY_EOS, assert_engine_idle, solo
+    from course.testing.oracles import TINY_EOS, assert_engine_idle, solo
 
     pytestmark = pytest.mark.chapter(31)
 

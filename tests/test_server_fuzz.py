@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from course.models import tiny_qwen3
-from course.oracles import unwritten_server_stubs
+from course.testing.oracles import unwritten_server_stubs
 
 pytestmark = pytest.mark.chapter(38)
 

@@ -5,7 +5,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 from course.cli import CommandError, resolve_device
-from course.smollm2 import SMOLLM2_CHAPTERS
+from course.models.smollm2 import SMOLLM2_CHAPTERS
 
 
 @contextmanager
@@ -16,7 +16,7 @@ def needs_chapters(what, chapters, impl):
     try:
         yield
     except NotImplementedError as exc:
-        from course.progress import chapters_still_needed
+        from course.grading.progress import chapters_still_needed
         raising = re.search(r"\bChapter (\d+)\b", str(exc))
         if not chapters and not raising:
             raise
@@ -92,10 +92,10 @@ SMOLLM2 = "smollm2"
 
 def model_source(model):
     """What --model names: None (the tiny model), a path, or "smollm2", which becomes the
-    cached SmolLM2-135M-Instruct GGUF file, fetched on first use (course.smollm2)."""
+    cached SmolLM2-135M-Instruct GGUF file, fetched on first use (course.models.smollm2)."""
     if model != SMOLLM2:
         return model
-    from course import smollm2
+    from course.models import smollm2
     try:
         return smollm2.smollm2_gguf_path(quiet=False)
     except smollm2.SmolLM2Unavailable as missing:

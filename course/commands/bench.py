@@ -42,7 +42,7 @@ import torch
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
 from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
-from course.smollm2 import SmolLM2Unavailable
+from course.models.smollm2 import SmolLM2Unavailable
 
 WORKLOADS = ("seed", "serving", "long", "poisson", "chat")
 ONE_AT_A_TIME_SUBSET = 8       # requests transformers serves one by one; their rate stands for all

@@ -6,7 +6,7 @@ checkpoint's chat template first. --stream pushes the ids one by one through the
 incremental detokenizer and prints what each push releases. --bench encodes every chapter
 of the book with the implementation's BPE (first with an empty word cache, then again) and
 with the tokenizers library, and prints one JSON line each (bytes, tokens, seconds, MB/s,
-identical ids). The SmolLM2 file is fetched on first use (course.smollm2).
+identical ids). The SmolLM2 file is fetched on first use (course.models.smollm2).
 """
 import json
 import time
@@ -28,8 +28,9 @@ def add_arguments(parser):
 
 def load_tokenizers(impl_spec):
     """(the implementation's BPETokenizer, the tokenizers library's) for SmolLM2."""
-    from course import bpe_oracle, smollm2
     from course.impl import load
+    from course.models import smollm2
+    from course.testing import bpe_oracle
     try:
         metadata = bpe_oracle.smollm2_metadata()
     except smollm2.SmolLM2Unavailable as missing:

@@ -1,6 +1,6 @@
 """Regenerate .github/classroom/autograding.json (GitHub Classroom: one test per chapter
 milestone, with points) from book.toml (--check: exit 1 if stale)."""
-from course import classroom
+from course.grading import classroom
 from course.manifest import ROOT
 
 

@@ -33,8 +33,8 @@ import time
 from typing import Any
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_model_argument, add_threads_argument
-from course.milestone_helpers import first_difference, token_at
 from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
+from course.testing.milestone_helpers import first_difference, token_at
 
 
 def add_arguments(parser):
@@ -174,7 +174,7 @@ def run(args):
                 problems.append(f"{it.request_id} ({label}): output token {i} is {token_at(got, i)}, "
                                 f"Chapter 24's engine gave {token_at(want, i)}")
     if args.check and not problems:
-        from course.oracles import reference_generate
+        from course.testing.oracles import reference_generate
         eos = getattr(model.cfg, "eos_token_id", None)
         for it in items:
             if reference_generate(model, it.prompt_ids, it.max_tokens, eos_token_id=eos) != slots_out[it.request_id]:

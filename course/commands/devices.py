@@ -32,7 +32,7 @@ def add_arguments(parser):
 def run(args):
     from course.impl import load
     from course.models import tiny_qwen3
-    from course.oracles import TINY_EOS
+    from course.testing.oracles import TINY_EOS
     impl = load(args.impl)
     devices = impl.load("devices")
     try:

@@ -21,7 +21,7 @@ def add_arguments(parser):
 
 
 def run(args):
-    from course import smollm2
+    from course.models import smollm2
     try:
         path = smollm2.smollm2_gguf_path(quiet=args.quiet)
     except smollm2.SmolLM2Unavailable as missing:

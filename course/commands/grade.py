@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from course import grade, gradebook
 from course.cli import add_impl_argument
+from course.grading import grade, gradebook
 
 
 def add_arguments(parser):

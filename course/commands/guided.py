@@ -14,7 +14,7 @@ nested JSON schema), prints one JSON line:
 Layout, compile and first-mask times are the best of --repeat fresh rounds and mask_apply_us the
 best of five batches (a busy machine only ever makes a run slower); precompute_ms is one run.
 The walks draw uniformly among allowed tokens (seeded), so they visit many more states than
-a model would. The SmolLM2 file is fetched on first use (course.smollm2); without it only
+a model would. The SmolLM2 file is fetched on first use (course.models.smollm2); without it only
 the byte vocabulary is measured.
 
 --engine measures the whole engine instead: the same requests (greedy, --requests of them,
@@ -61,9 +61,9 @@ def add_arguments(parser):
 
 def vocabularies(guided, which):
     """(name, vocab_bytes, eos_token_id) for the byte vocabulary and/or, if available, SmolLM2's."""
-    from course import bpe_oracle, smollm2
-    from course.models import TINY_VOCAB_SIZE
-    from course.oracles import byte_vocabulary
+    from course.models import TINY_VOCAB_SIZE, smollm2
+    from course.testing import bpe_oracle
+    from course.testing.oracles import byte_vocabulary
     byte_vocab = byte_vocabulary(TINY_VOCAB_SIZE)
     found = [("bytes", byte_vocab, 257)] if which in ("bytes", "all") else []
     if which == "bytes":
@@ -141,10 +141,9 @@ def timed(engine, prompts, params):
 
 def engine_runs(impl, guided, args):
     """Yield one result per (model, run): free, guided cold, guided warm."""
-    from course import smollm2
-    from course.models import tiny_qwen3
-    from course.oracles import TINY_EOS, byte_vocabulary
-    from course.real_model import smollm2 as load_smollm2
+    from course.models import smollm2, tiny_qwen3
+    from course.models.real import smollm2 as load_smollm2
+    from course.testing.oracles import TINY_EOS, byte_vocabulary
     engine_module, config, request = (impl.load(f"serve.{name}") for name in ("engine", "config", "request"))
     tiny = tiny_qwen3(impl.package)
     models = [("tiny", tiny, byte_vocabulary(tiny.cfg.vocab_size), TINY_EOS,

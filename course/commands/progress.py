@@ -3,8 +3,8 @@
 A stub counts as done once its body is no longer the generated NotImplementedError.
 Nothing is imported or run; `python run.py grade` runs the milestones.
 """
-from course import progress
 from course.cli import add_impl_argument
+from course.grading import progress
 
 
 def add_arguments(parser):

@@ -1,5 +1,5 @@
 """Regenerate the chapter list in README.md from book.toml (--check: exit 1 if stale)."""
-from course import readme
+from course.book import readme
 from course.manifest import ROOT
 
 

@@ -84,7 +84,7 @@ def build(args):
     implementation it was built from."""
     from course.commands._setup import prepare_device
     from course.impl import load
-    from course.oracles import unwritten_server_stubs
+    from course.testing.oracles import unwritten_server_stubs
     impl = load(args.impl)
     missing = unwritten_server_stubs(impl)
     if missing:                 # the loop would start, then stop on the first of them

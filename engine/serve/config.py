@@ -68,7 +68,7 @@ class EngineConfig:
                              (serve.overlap.DeviceQueue): "cuda", "thread", "inline", or
                              "auto" ("cuda" on a CUDA device, else "inline")
     debug_checks             check the scheduler's and block manager's invariants
-                             (course/engine_checks.py) inside every step: slow, for tests
+                             (course/testing/engine_checks.py) inside every step: slow, for tests
     max_loras                most distinct LoRA adapters running at once (Chapter 43)
     """
     max_num_batched_tokens: int = 2048

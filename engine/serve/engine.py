@@ -55,7 +55,7 @@ DEBUG_CHECKS_ENV = "COURSE_ENGINE_DEBUG_CHECKS"
 
 
 def invariant_checks(config: EngineConfig) -> ModuleType | None:
-    """course/engine_checks.py when config.debug_checks (or $COURSE_ENGINE_DEBUG_CHECKS=1)
+    """course/testing/engine_checks.py when config.debug_checks (or $COURSE_ENGINE_DEBUG_CHECKS=1)
     asks for them, else None.
 
     Imported here, on demand, never when this module loads: the checks are the course's
@@ -64,9 +64,9 @@ def invariant_checks(config: EngineConfig) -> ModuleType | None:
     if not (config.debug_checks or os.environ.get(DEBUG_CHECKS_ENV) == "1"):
         return None
     try:
-        return importlib.import_module("course.engine_checks")
+        return importlib.import_module("course.testing.engine_checks")
     except ImportError as exc:
-        raise ValueError(f"EngineConfig.debug_checks needs the course package (course/engine_checks.py) on the "
+        raise ValueError(f"EngineConfig.debug_checks needs the course package (course/testing/engine_checks.py) on the "
                          f"path: {exc}") from None
 
 
@@ -138,7 +138,7 @@ class EngineCore:
             # What it keeps for a request goes when the request does.
             self.scheduler.on_finish = lambda request: drafter.forget(request.request_id)
         self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
-        self.checks = invariant_checks(config)    # course.engine_checks when debug checks are on
+        self.checks = invariant_checks(config)    # course.testing.engine_checks when debug checks are on
         self._generate_calls = 0
         # cuda_graphs -> the GraphRunner's mode ("static" is the padded path without capture);
         # "auto" off CUDA means no GraphRunner at all.
