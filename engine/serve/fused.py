@@ -5,7 +5,7 @@ FlatModel.fused chooses the implementation of its add_norm seam:
     "torch"   add_rms_norm below: the same arithmetic as one function (any device)
     "triton"  the Triton kernel of fused_kernels.py (compiled on CUDA, interpreted on a CPU)
     True      "triton" for CUDA tensors, "torch" elsewhere
-Only RMSNorm modules (solutions' layers.RMSNorm) are fused; any other module keeps the
+Only this package's own RMSNorm modules (layers.RMSNorm) are fused; any other module keeps the
 unfused path.
 """
 from __future__ import annotations
