@@ -24,6 +24,7 @@ import itertools
 import re
 
 import pytest
+import torch
 
 from course.testing.adapters_and_images import (
     BLOCK,
@@ -37,6 +38,7 @@ from course.testing.adapters_and_images import (
     peft_logits,
     qwen3_vl_logits,
     qwen3_vl_model,
+    transformers_twin,
 )
 from course.testing.oracles import assert_engine_idle, byte_vocabulary
 
@@ -95,13 +97,21 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def twin():
+    """transformers' Qwen3ForCausalLM with the tiny model's weights."""
+    pytest.importorskip("transformers")
+    return transformers_twin()
+
+
+@pytest.fixture(scope="module")
 def qwen3_vl():
     pytest.importorskip("transformers")
     return qwen3_vl_model()
 
 
 class Parts:
-    """What an engine of some features is built from, made only when a pair asks for it."""
+    """Fixtures by attribute (impl, twin, adapters, qwen3_vl), looked up only when a pair asks for
+    them: pairs without Chapter 43's features never build peft's model or Qwen3-VL."""
 
     def __init__(self, request):
         self.request = request
@@ -179,15 +189,21 @@ def run(serve, spec, model, features, parts=None):
     return engine, {rid: finals[rid] for rid in requests}
 
 
-def oracle(parts, features, rid, prompt, lora, pictures):
-    """Greedy tokens of request `rid` with its content `features` applied by the oracles:
-    peft's model (adapters), transformers' Qwen3-VL (images; with an adapter, its language
-    model holds peft's merged weights), transformers' repetition penalty, the pattern's mask."""
+def oracle(parts, features, prompt, lora, pictures):
+    """Greedy tokens of a request with its content `features` applied by the oracles:
+    transformers' Qwen3 (text), peft's model (an adapter), transformers' Qwen3-VL (images;
+    with an adapter, its language model holds peft's merged weights), transformers'
+    repetition penalty, the pattern's allowed bytes as a mask."""
     if "images" in features:
         vl = merged_qwen3_vl(parts, lora)
-        last_logits = lambda tokens: qwen3_vl_logits(parts.qwen3_vl, tokens, pictures, vl)[-1]  # noqa: E731
-    else:
+
+        def last_logits(tokens):
+            return qwen3_vl_logits(parts.qwen3_vl, tokens, pictures, vl)[-1]
+    elif lora is not None:
         last_logits = peft_logits(parts.adapters[0], lora)
+    else:
+        def last_logits(tokens):
+            return parts.twin(torch.tensor([tokens])).logits[0, -1]
     return greedy(last_logits, prompt, MAX_TOKENS, eos_token_id=None,
                   repetition_penalty=1.5 if "penalties" in features else 1.0,
                   allowed=ALLOWED if "guided" in features else None)
@@ -264,10 +280,10 @@ def check_against_the_oracles(parts, features, got, name):
     one acts is checked on the engine's side (the pattern spelt, the adapter's twin, the
     other picture); penalties must change the oracle's tokens of some request."""
     requests = workload(features)
-    want = {rid: oracle(parts, features, rid, *request) for rid, request in requests.items()}
+    want = {rid: oracle(parts, features, *request) for rid, request in requests.items()}
     assert got == want, f"{name}: engine {got}, oracle with both features {want}"
     if "penalties" in features:
-        free = {rid: oracle(parts, features - {"penalties"}, rid, *request) for rid, request in requests.items()}
+        free = {rid: oracle(parts, features - {"penalties"}, *request) for rid, request in requests.items()}
         assert free != want, f"{name}: the repetition penalty changes no request's tokens: the test proves nothing"
 
 

@@ -59,7 +59,7 @@ def peft_adapters(folder: Path) -> Any:
         else:
             peft_model.add_adapter(name, config)
     assert peft_model is not None
-    peft_model.save_pretrained(folder)            # one subfolder per named adapter
+    peft_model.save_pretrained(str(folder))           # one subfolder per named adapter
     return peft_model.eval()
 
 
