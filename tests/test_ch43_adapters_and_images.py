@@ -9,86 +9,45 @@ its patch order, `get_rope_index`, rotary tables and `get_image_features` (same
 `pixel_values`, made by transformers' Qwen2-VL image processor), and its whole forward
 (logits at every prompt position, greedy tokens of each request alone). The adapters are
 random (peft's `init_lora_weights=False`) and saved with `save_pretrained`, so the engine
-reads exactly what a learner's trained adapter would look like.
+reads exactly what a learner's trained adapter would look like. The models and oracles live in
+course/testing/adapters_and_images.py (the feature-pair tests use them too).
 """
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from course import models
-from course.testing.oracles import TINY_EOS, assert_engine_idle, make_engine
+from course.testing.adapters_and_images import (
+    ADAPTERS,
+    BLOCK,
+    IMAGE,
+    MERGE,
+    PROMPTS,
+    REQUESTS,
+    SECTIONS,
+    VISION,
+    add_image_requests,
+    images,
+    lora_engine,
+    our_vl_model,
+    peft_adapters,
+    peft_greedy,
+    pixel_values,
+    qwen3_vl_greedy,
+    qwen3_vl_logits,
+    qwen3_vl_model,
+    vision_engine,
+)
+from course.testing.oracles import assert_engine_idle, make_engine
 
 pytestmark = pytest.mark.chapter(43)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-BLOCK = 8
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# name -> (seed, rank, alpha, targets): different ranks, scalings and target sets in one bank.
-ADAPTERS = {"sql": (1, 4, 8, ALL_TARGETS), "poet": (2, 2, 16, ["q_proj", "v_proj", "down_proj"]),
-            "math": (3, 8, 8, ["k_proj", "o_proj", "gate_proj", "up_proj"])}
-
-
-def transformers_twin():
-    """transformers' Qwen3ForCausalLM with the tiny config and course.models' deterministic
-    weights: the tiny Qwen3 every chapter uses, built without the reference package (so a
-    learner's edition has this oracle too)."""
-    hcfg = transformers.Qwen3Config(**models.tiny_config_values(), attn_implementation="eager")
-    return models.fill_deterministic(transformers.Qwen3ForCausalLM(hcfg)).eval()
-
-
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     """A PeftModel holding the three random adapters, and the folder they were saved to."""
-    torch.manual_seed(0)
-    base = transformers_twin()
-    peft_model = None
-    for name, (seed, rank, alpha, targets) in ADAPTERS.items():
-        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
-        torch.manual_seed(seed)
-        if peft_model is None:
-            peft_model = peft.get_peft_model(base, config, adapter_name=name)
-        else:
-            peft_model.add_adapter(name, config)
     folder = tmp_path_factory.mktemp("adapters")
-    peft_model.save_pretrained(folder)            # one subfolder per named adapter
-    return peft_model.eval(), folder
-
-
-_PEFT_RUNS: dict = {}
-
-
-@torch.inference_mode()
-def peft_greedy(peft_model, adapter, prompt, max_new):
-    """Greedy tokens of the base model with `adapter` alone (None: the base model), by full
-    recompute, stopping at the tiny model's EOS. Cached: several tests ask the same question."""
-    key = (id(peft_model), adapter, tuple(prompt), max_new)
-    if key not in _PEFT_RUNS:
-        _PEFT_RUNS[key] = peft_model, _peft_greedy(peft_model, adapter, prompt, max_new)
-    return list(_PEFT_RUNS[key][1])
-
-
-def _peft_greedy(peft_model, adapter, prompt, max_new):
-    tokens = list(prompt)
-    for _ in range(max_new):
-        if adapter is None:
-            with peft_model.disable_adapter():
-                logits = peft_model(torch.tensor([tokens])).logits[0, -1]
-        else:
-            peft_model.set_adapter(adapter)
-            logits = peft_model(torch.tensor([tokens])).logits[0, -1]
-        tokens.append(int(logits.argmax()))
-        if tokens[-1] == TINY_EOS:
-            break
-    return tokens[len(prompt):]
-
-
-def lora_engine(impl, serve, model, folder, names=tuple(ADAPTERS), **config):
-    lora = impl.load("serve.lora")
-    adapters = [lora.load_peft_adapter(folder / name) for name in names]
-    return make_engine(serve, model, adapters=adapters, **{"block_size": BLOCK, "num_blocks": 96, **config})
+    return peft_adapters(folder), folder
 
 
 # --- the batched kernels --------------------------------------------------------------------
@@ -242,63 +201,10 @@ def test_the_http_server_selects_an_adapter_by_model_name(impl, tiny_model, adap
 
 # --- images --------------------------------------------------------------------------------------
 
-IMAGE = 300                  # the placeholder id (the tiny vocabulary's prompts use ids below 256)
-SECTIONS = (4, 2, 2)         # frequency pairs of the T, H, W axes (head_dim 16: 8 pairs)
-MERGE = 2                    # the encoder merges 2 x 2 patches into one image token
-PATCH = 4                    # pixels per patch side: an image token covers 8 x 8 pixels
-VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": PATCH,
-          "spatial_merge_size": MERGE, "temporal_patch_size": 2, "num_position_embeddings": 16,
-          "deepstack_visual_indexes": []}
-
-
 @pytest.fixture(scope="module")
 def qwen3_vl():
-    """transformers' Qwen3VLForConditionalGeneration (eager attention, no DeepStack) whose language
-    model holds the tiny Qwen3's weights (clear greedy margins) and whose vision tower holds
-    deterministic weights of unit-scale activations (transformers' own 0.02 initialisation
-    would make every image look alike); and an image processor that patchifies without resizing."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    tiny = transformers_twin()
-    cfg = SimpleNamespace(**models.tiny_config_values())
-    text = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                max_position_embeddings=1024, tie_word_embeddings=False,
-                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
-                                 "mrope_section": list(SECTIONS), "mrope_interleaved": True})
-    config = transformers.Qwen3VLConfig(text_config=text, vision_config={**VISION, "out_hidden_size": cfg.hidden_size},
-                                        image_token_id=IMAGE, tie_word_embeddings=False)
-    config.text_config._attn_implementation = "eager"
-    config.vision_config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
-    weights = {f"model.language_model.{k[len('model.'):]}": v for k, v in tiny.state_dict().items()
-               if k.startswith("model.")}
-    weights["lm_head.weight"] = tiny.lm_head.weight
-    with torch.no_grad():
-        for name, param in model.model.visual.named_parameters():
-            weights[f"model.visual.{name}"] = models.deterministic_tensor(f"visual.{name}", tuple(param.shape))
-    model.load_state_dict(weights)
-    processor = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
-                                         do_resize=False, do_rescale=False, do_normalize=False)
-    return model, processor
-
-
-def pixel_values(qwen3_vl, pictures):
-    """The image processor's flattened patches [N, C * 2 * 4 * 4] and grids [(1, h, w)] in patches."""
-    out = qwen3_vl[1](images=list(pictures), return_tensors="pt", input_data_format="channels_first")
-    return out["pixel_values"], out["image_grid_thw"]
-
-
-def our_vl_model(impl, qwen3_vl, device="cpu"):
-    """The implementation's VisionEncoder and Qwen3ForCausalLM, built with other random weights,
-    then filled from transformers' state dict by load_qwen3_vl."""
-    vision = impl.load("serve.vision")
-    hf_model = qwen3_vl[0]
-    encoder = vision.VisionEncoder(vision.VisionConfig.from_dict(hf_model.config.vision_config.to_dict()))
-    model = models.tiny_qwen3(impl.package, seed=7)
-    vision.load_qwen3_vl(hf_model.state_dict(), encoder, model)
-    return encoder.eval().to(device), model.to(device)
+    """transformers' tiny Qwen3-VL and its image processor (course.testing.adapters_and_images)."""
+    return qwen3_vl_model()
 
 
 def rope_index(hf_model, prompt, grids):
@@ -307,15 +213,6 @@ def rope_index(hf_model, prompt, grids):
     thw = torch.tensor([[1, rows * MERGE, cols * MERGE] for rows, cols in grids])
     positions, delta = hf_model.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=thw)
     return positions[:, 0], int(delta)
-
-
-PROMPTS = {      # name -> (prompt, grids of image tokens)
-    "image first": ([IMAGE] * 6 + [5, 6, 7], [(2, 3)]),
-    "image in the middle": ([5, 6, 7] + [IMAGE] * 6 + [8, 9], [(3, 2)]),
-    "two images": ([4] + [IMAGE] * 4 + [7] + [IMAGE] + [9, 9], [(2, 2), (1, 1)]),
-    "wide image, text last": ([1, 2] + [IMAGE] * 8 + [3, 4, 5, 6], [(2, 4)]),
-    "no image": ([3, 1, 4, 1, 5], []),
-}
 
 
 @pytest.mark.parametrize("case", list(PROMPTS))
@@ -336,11 +233,6 @@ def test_mrope_tables_match_qwen3_vl_rotary(impl, qwen3_vl):
     ours_cos, ours_sin = vision.mrope_cos_sin(positions, 16, 10000.0, SECTIONS, torch.float32)
     torch.testing.assert_close(ours_cos[:, 0], cos[0], msg="M-RoPE cos tables differ from Qwen3-VL's")
     torch.testing.assert_close(ours_sin[:, 0], sin[0], msg="M-RoPE sin tables differ from Qwen3-VL's")
-
-
-def images(seed, *sizes):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.rand(3, h, w, generator=g) for h, w in sizes]
 
 
 @pytest.mark.parametrize("rows, cols", [(2, 2), (4, 6), (6, 2), (8, 8)])
@@ -382,66 +274,6 @@ def test_loading_refuses_weights_that_do_not_fit(impl, qwen3_vl):
         vision.load_qwen3_vl(weights, encoder, model)
     with pytest.raises(ValueError, match="deepstack"):
         vision.VisionConfig.from_dict({**VISION, "out_hidden_size": 64, "deepstack_visual_indexes": [0]})
-
-
-def vision_engine(impl, serve, qwen3_vl, device="cpu", **config):
-    vision = impl.load("serve.vision")
-    encoder, model = our_vl_model(impl, qwen3_vl, device)
-    return make_engine(serve, model, vision=vision.VisionInputs(encoder, IMAGE, SECTIONS),
-                       **{"block_size": BLOCK, "num_blocks": 96, **config})
-
-
-@torch.inference_mode()
-def qwen3_vl_logits(qwen3_vl, tokens, pictures):
-    """Qwen3VLForConditionalGeneration's logits [T, vocab] for a sequence with its images."""
-    ids = torch.tensor([tokens])
-    inputs = {"mm_token_type_ids": (ids == IMAGE).int()}
-    if pictures:
-        inputs["pixel_values"], inputs["image_grid_thw"] = pixel_values(qwen3_vl, pictures)
-    return qwen3_vl[0](input_ids=ids, **inputs).logits[0]
-
-
-_QWEN3_VL_RUNS: dict = {}
-
-
-def qwen3_vl_greedy(qwen3_vl, prompt, pictures, max_new):
-    """Greedy tokens by full recompute through transformers' whole model (positions from its
-    own get_rope_index), stopping at the tiny model's EOS. Cached: three tests ask the same.
-    transformers cannot continue a sequence whose generated token is the placeholder id (it
-    takes it for an image token): these weights never generate it, but about one vision seed
-    in nine does, so keep the seed when changing the vision weights."""
-    key = (id(qwen3_vl[0]), tuple(prompt), tuple(image_key(p) for p in pictures), max_new)
-    if key not in _QWEN3_VL_RUNS:
-        _QWEN3_VL_RUNS[key] = qwen3_vl[0], _qwen3_vl_greedy(qwen3_vl, prompt, pictures, max_new)
-    return list(_QWEN3_VL_RUNS[key][1])
-
-
-def image_key(picture):
-    return tuple(picture.shape), picture.numpy().tobytes()
-
-
-def _qwen3_vl_greedy(qwen3_vl, prompt, pictures, max_new):
-    tokens = list(prompt)
-    for _ in range(max_new):
-        tokens.append(int(qwen3_vl_logits(qwen3_vl, tokens, pictures)[-1].argmax()))
-        if tokens[-1] == TINY_EOS:
-            break
-    return tokens[len(prompt):]
-
-
-REQUESTS = {    # request id -> (prompt case, images); two shapes beyond the 4 x 4 position table
-    "middle": ("image in the middle", ((24, 16),)),
-    "text": ("no image", ()),
-    "two": ("two images", ((16, 16), (8, 8))),
-    "wide": ("wide image, text last", ((16, 32),)),
-}
-
-
-def add_image_requests(serve, engine, **params):
-    for seed, (rid, (case, sizes)) in enumerate(REQUESTS.items()):
-        pictures = images(seed, *sizes)
-        engine.add_request(rid, PROMPTS[case][0], serve.request.SamplingParams(**params),
-                           features={"images": pictures} if pictures else None)
 
 
 def test_prompt_logits_match_qwen3_vl(impl, serve, qwen3_vl, device):
