@@ -271,7 +271,7 @@ SPLIT_CONTEXTS_FROM = 256
 # has just written while it is still in cache; one group holding every request's copy (64
 # decodes of 300-800 tokens: 26 MB on the serving workload) goes out to memory and back, and
 # lost to the reference loop, whose one request at a time stays cached. Replaying the
-# serving workload's attention alone (issue 28), one group per kind took 1.16x the
+# serving workload's attention alone, one group per kind took 1.16x the
 # reference's time; groups of 1 MiB 0.86x, of 256 KiB 0.92x, of 4 MiB 0.97x.
 GROUP_BYTES_ON_CPU = 1 << 20
 
@@ -355,7 +355,7 @@ def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     W * block_size context rows in logical order (rows past its seq_len are whatever the
     blocks hold: the mask hides them). A copy, made by ONE index_select of the pool's
     blocks by the whole table, flattened (pool[block_table] makes the same copy, but torch's
-    advanced indexing copies it 1.3-3x slower than index_select on a CPU, issue 28).
+    advanced indexing copies it 1.3-3x slower than index_select on a CPU).
     """
     raise NotImplementedError("Your engine: Chapter 32: gather_blocks")
 
