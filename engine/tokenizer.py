@@ -37,6 +37,13 @@ class ByteTokenizer:
     def is_special(self, token_id: int) -> bool:
         return NUM_BYTES <= token_id < self.vocab_size
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for: its byte for 0-255, b"" for a special id (it spells
+        no text)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary 0..{self.vocab_size - 1}")
+        return b"" if self.is_special(token_id) else bytes([token_id])
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """A str -> a list of ints, one per UTF-8 byte.  (Your engine: Chapter 3)
 

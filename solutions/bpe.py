@@ -287,6 +287,10 @@ class BPETokenizer:
     def vocab_size(self) -> int:
         return len(self.tokens)
 
+    def is_special(self, token_id: int) -> bool:
+        """Whether the id is one of the special tokens (never produced from text)."""
+        return token_id in self.special_ids
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one id stands for (b"\\xc3" for half of "é": not always valid UTF-8)."""
         if not 0 <= token_id < len(self.tokens):

@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -198,13 +198,20 @@ class RegexGuide:
         self.state = following
 
 
-def token_bytes_of(tokenizer: Any) -> list[bytes]:
-    """The vocab_bytes of a tokenizer: Chapter 36's BPETokenizer (its special tokens get
-    b"", so the guide never allows them) or Chapter 3's ByteTokenizer (ids 0-255 are their
-    byte, the special ids above get b"")."""
-    if hasattr(tokenizer, "special_ids"):
-        return [b"" if i in tokenizer.special_ids else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-    return [bytes([i]) if i < 256 else b"" for i in range(tokenizer.vocab_size)]
+class ByteLevelTokenizer(Protocol):
+    """What a guide needs of a tokenizer: Chapter 3's ByteTokenizer (and the server's
+    ByteChatTokenizer around it) and Chapter 36's BPETokenizer are all one."""
+    vocab_size: int
+
+    def is_special(self, token_id: int) -> bool: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def token_bytes_of(tokenizer: ByteLevelTokenizer) -> list[bytes]:
+    """The vocab_bytes of a tokenizer, one entry per id: the bytes the id spells, b"" for
+    a special id, so that no guide ever allows one."""
+    return [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
 
 
 class GuideFactory:

@@ -97,6 +97,12 @@ class ByteChatTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.bytes.decode(ids)
 
+    def is_special(self, token_id: int) -> bool:
+        return self.bytes.is_special(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.bytes.token_bytes(token_id)
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         turns = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
         return "".join(turns) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
