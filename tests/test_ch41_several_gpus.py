@@ -16,9 +16,11 @@ The tiny model's greedy margins make the parity deterministic: checked once by h
 48 random prompts (4 seeds x 12 prompts of 1-39 tokens, 12 new tokens each) for TP on
 both ranks, PP and disaggregated prefill, every output equal to solo generate.
 """
+import os
 import tempfile
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -283,6 +285,45 @@ def test_a_dead_rank_ends_the_other_with_an_error(session):
         death = _part(session, 0, "death")
         assert death["error"], "rank 0's all-reduce with a dead peer returned instead of failing"
     assert session["seconds"] < 60, f"the launch took {session['seconds']:.0f} s: someone waited on a dead peer"
+
+
+class _RanksThatEndTogether:
+    """Stand-in processes for launch(): every rank is alive at the first look anyone takes
+    and has ended (status 0) at every later one, as ranks in lockstep end together, between
+    two of the launcher's looks. A sentinel of an ended process reads at once."""
+    looks = 0
+
+    def __init__(self, **_):
+        self.exitcode = None
+        self.sentinel, write_end = os.pipe()
+        os.close(write_end)
+
+    def start(self):
+        pass
+
+    def is_alive(self):
+        type(self).looks += 1
+        if type(self).looks > 1:
+            self.exitcode = 0
+        return self.exitcode is None
+
+    def kill(self):
+        pass
+
+    def join(self, timeout=None):
+        os.close(self.sentinel)
+
+
+def test_launch_returns_when_the_ranks_end_together(impl, monkeypatch):
+    """Ranks that end between two of the launcher's looks must not leave it waiting out its
+    deadline (a wait on no process at all sleeps until the timeout)."""
+    launch = impl.load("parallel.launch")
+    monkeypatch.setattr(_RanksThatEndTogether, "looks", 0)
+    monkeypatch.setattr(launch.mp, "get_context", lambda method: SimpleNamespace(Process=_RanksThatEndTogether))
+    start = time.monotonic()
+    launch.launch(print, 2, timeout_s=10)
+    waited = time.monotonic() - start
+    assert waited < 5, f"launch() took {waited:.1f} s after its ranks had ended: it waited out the deadline"
 
 
 @pytest.mark.timeout(600)

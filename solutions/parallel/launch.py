@@ -123,12 +123,14 @@ def launch(entry: Callable[..., None], world_size: int, *args: Any, timeout_s: f
             process.start()
         deadline = time.monotonic() + timeout_s
         timed_out = False
-        while any(p.is_alive() for p in ranks):
+        # One liveness check per round: asking twice lets the last rank exit in between, and
+        # waiting on no sentinel at all then sleeps until the deadline.
+        while alive := [p for p in ranks if p.is_alive()]:
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
                 break
-            multiprocessing.connection.wait([p.sentinel for p in ranks if p.is_alive()], timeout=left)
+            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=left)
             if any(p.exitcode not in (None, 0) for p in ranks):
                 deadline = min(deadline, time.monotonic() + grace_s)   # survivors get a moment to notice
         for process in ranks:
