@@ -287,13 +287,11 @@ class EngineCore:
         except TypeError:
             raise ValueError(f"request {request_id!r}: cache_key must be an iterable of salts, "
                              f"got {cache_key!r}") from None
-        exact: list[Hashable] = []
         for salt in salts:          # subclasses excluded: they may print themselves as they like
-            if not isinstance(salt, (str, bytes, int)) or type(salt) not in (str, bytes, int):
+            if type(salt) not in (str, bytes, int):
                 raise ValueError(f"request {request_id!r}: cache_key salts must be str, bytes or int (hashed by "
                                  f"their exact printed form), got {type(salt).__name__} {salt!r}")
-            exact.append(salt)
-        return tuple(exact)
+        return salts
 
     def _id_taken(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests or bool(self._live_samples(request_id))
