@@ -51,7 +51,11 @@ from .testing import oracle_records
 EXCLUDED = ("solutions", "CONTRIBUTING.md", ".ci", ".course_cache", ".git")
 # The maintainer's commands, which work on solutions/: writing engine/ from it, writing an
 # edition, regenerating README's chapter list.
-MAINTAINER_COMMANDS = ("course/commands/skeleton.py", "course/commands/release.py", "course/commands/readme.py")
+MAINTAINER_COMMANDS = ("course/commands/skeleton.py", "course/commands/release.py", "course/commands/readme.py",
+                       "course/commands/mistakes.py")
+# The mistakes catalogue is made of edits to the reference's code (the answers, in pieces), and
+# its test runs them: both stay with the maintainers.
+MAINTAINER_PATHS = ("course/testing/mistakes/", "tests/test_course_mistakes.py")
 NOT_IMPLEMENTED = "not implemented yet"
 NOTEBOOK_TIMEOUT = 600.0        # seconds one notebook may take to run top to bottom
 
@@ -69,6 +73,7 @@ def release_files(root: Path = ROOT) -> list[Path]:
     else:
         names = [p.relative_to(root) for p in root.rglob("*") if p.is_file()]
     return sorted(n for n in names if n.parts[0] not in EXCLUDED and n.as_posix() not in MAINTAINER_COMMANDS
+                  and not n.as_posix().startswith(MAINTAINER_PATHS)
                   and "__pycache__" not in n.parts and (root / n).is_file())
 
 
