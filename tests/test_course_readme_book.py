@@ -1,6 +1,7 @@
 """The README's chapter list and the book's configuration both come from book.toml."""
 import dataclasses
 import re
+from pathlib import Path
 
 import yaml
 
@@ -136,6 +137,74 @@ def test_the_glossary_names_what_the_code_defines():
                     if not re.search(rf"\b{re.escape(part)}\b", code[chapter]):
                         missing.append(f"Chapter {chapter}: {name}")
     assert not missing, f"the glossary names what the code does not define: {missing}"
+
+
+PART_HEADING = re.compile(r"^## Part ([IVX]+): ")
+GLOSSARY_ROW = re.compile(r"^\| ([^|]+?) \| \[(\d+)\]\(([^)]+)\) \| `([^`]+)` \| [^|]+ \|$")
+
+
+def glossary_parts() -> dict[str, list[re.Match]]:
+    """{part id: the rows of that part's table} from the glossary's '## Part N: ...' sections."""
+    parts: dict[str, list[re.Match]] = {}
+    current = None
+    for line in GLOSSARY.read_text(encoding="utf-8").splitlines():
+        heading = PART_HEADING.match(line)
+        if heading:
+            current = parts.setdefault(heading.group(1), [])
+        elif line.startswith("## "):
+            current = None
+        elif current is not None and line.startswith("| ") and not line.startswith(("| Term ", "|---")):
+            row = GLOSSARY_ROW.match(line)
+            assert row, f"a glossary row not in the form | term | [N](chapter) | `module.name` | text |: {line}"
+            current.append(row)
+    return parts
+
+
+def defines(dotted: str) -> bool:
+    """Whether solutions/ defines `dotted`: its longest leading run of names that is a module
+    file (serve.scheduler -> solutions/serve/scheduler.py), then a top-level name of that
+    module, then each further name (a method, an attribute) somewhere in it."""
+    names = dotted.split(".")
+    for split in range(len(names) - 1, 0, -1):
+        module = ROOT / "solutions" / Path(*names[:split]).with_suffix(".py")
+        if module.is_file():
+            code = module.read_text(encoding="utf-8")
+            first, *rest = names[split:]
+            if not re.search(rf"^(?:class |def ){first}\b|^{first}\s*[:=]", code, re.MULTILINE):
+                return False
+            return all(re.search(rf"\b{re.escape(name)}\b", code) for name in rest)
+    return False
+
+
+def test_the_glossary_covers_every_part_with_names_the_code_defines():
+    """Every part of the book has its table of terms, each row naming a chapter of that part
+    (linked to its notebook) and a name the reference engine defines, so a rename cannot
+    leave the glossary behind."""
+    book_ = manifest.load()
+    parts = glossary_parts()
+    assert sorted(parts) == sorted(part.id for part in book_.parts), "one '## Part N: title' table per part"
+    wrong = []
+    for part in book_.parts:
+        chapters = {chapter.number: chapter for chapter in book_.in_part(part.id)}
+        assert len(parts[part.id]) >= 5, f"Part {part.id} has fewer than 5 terms in the glossary"
+        for row in parts[part.id]:
+            term, number, link, name = row.group(1), int(row.group(2)), row.group(3), row.group(4)
+            chapter = chapters.get(number)
+            if chapter is None or link != f"{chapter.dirname}/{chapter.dirname}.ipynb":
+                wrong.append(f"{term}: Chapter {number} ({link}) is not a chapter of Part {part.id}")
+            if not defines(name):
+                wrong.append(f"{term}: solutions/ does not define {name}")
+            if "," in term or ";" in term:
+                wrong.append(f"{term}: a comma or semicolon would split its index entry")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_glossary_check_tells_a_missing_name():
+    assert defines("serve.scheduler.Scheduler") and defines("layers.rms_norm")
+    assert defines("workloads.RequestRecord.ttft")
+    assert not defines("layers.rms_normalise"), "a function the module does not define"
+    assert not defines("serve.scheduler.Scheduler.no_such_method_anywhere")
+    assert not defines("no_such_module.thing")
 
 
 def test_the_serving_chapters_link_to_the_glossary():

@@ -18,12 +18,17 @@ another host (`python run.py book --check`, run in CI).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import http.server
 import json
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import urllib.parse
 from pathlib import Path
 
 from course import manifest as manifest_module
@@ -51,7 +56,9 @@ MATHJAX_PATH = f"../{MATHJAX_DIR}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"
 MATHJAX2_CONFIG = {
     "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]], "processEscapes": True,
                 "processClass": "math|output_area", "ignoreClass": "document"},
-    "HTML-CSS": {"availableFonts": [], "webFont": "STIX-Web", "imageFont": None},
+    # matchFontHeight off: scaled to the body font's x-height, STIX formulas came out 30%
+    # larger than the text around them.
+    "HTML-CSS": {"availableFonts": [], "webFont": "STIX-Web", "imageFont": None, "matchFontHeight": False},
     "SVG": {"font": "STIX-Web"},
 }
 # Output types that need a live kernel (or a widget manager fetched from a CDN) to show.
@@ -372,6 +379,30 @@ def offline_problems(html: Path, manifest: Manifest) -> list[str]:
             problems.append(f"Chapter {chapter.number}: its page has no figure")
     if not (html / MATHJAX_DIR / "MathJax.js").is_file():
         problems.append(f"{MATHJAX_DIR}/MathJax.js is missing: the bundled MathJax was not copied")
+    return problems + missing_local_files(html)
+
+
+# A file a page or a style sheet refers to: src= and href= in HTML, url() in CSS.
+HTML_REFERENCE = re.compile(r"""\b(?:src|href)=["']([^"'#?]+)""", re.IGNORECASE)
+CSS_REFERENCE = re.compile(r"""url\(\s*["']?([^"')#?]+)""")
+
+
+def missing_local_files(html: Path) -> list[str]:
+    """Every file of the book that a page (src=, href=) or a style sheet (url()) refers to
+    and that is not there, as 'referrer: target'. Remote addresses, data: URLs and anchors
+    are not files of the book. (MathJax builds some font addresses in its scripts: only
+    the page check in a browser sees those.)"""
+    problems = []
+    for path in sorted(list(html.rglob("*.html")) + list(html.rglob("*.css"))):
+        name = path.relative_to(html).as_posix()
+        if name.startswith(MATHJAX_DIR + "/") or (name.startswith("_static/") and path.suffix == ".html"):
+            continue                                 # MathJax's own, and the theme's page templates
+        pattern = CSS_REFERENCE if path.suffix == ".css" else HTML_REFERENCE
+        for target in dict.fromkeys(pattern.findall(path.read_text(encoding="utf-8", errors="replace"))):
+            if re.match(r"[a-z][a-z0-9+.-]*:|//", target, re.IGNORECASE) or not target.strip():
+                continue
+            if not (path.parent / urllib.parse.unquote(target)).exists():
+                problems.append(f"{name}: refers to {target}, which is not in the book")
     return problems
 
 
@@ -463,7 +494,7 @@ const column = document.querySelector('article.bd-article');
 if (!column) return null;
 const style = getComputedStyle(column);
 const width = column.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
-const label = (el) => (el.textContent || '').trim().replace(/\\s+/g, ' ').slice(0, 60);
+const label = (el) => Array.from((el.textContent || '').trim().replace(/\\s+/g, ' ')).slice(0, 60).join('');
 const tables = [...column.querySelectorAll('table')]
   .filter(t => t.getBoundingClientRect().width > width + 1)
   .map(t => [Math.round(t.getBoundingClientRect().width), label(t)]);
@@ -475,10 +506,57 @@ const images = [...column.querySelectorAll('img')]
   .map(i => i.getAttribute('src'));
 return {width: Math.round(width), tables, code, images};
 """
+# Measured on each page once MathJax has typeset it and its fonts have loaded (an async
+# script: the last argument is the callback): for every inline formula, how far its
+# baseline sits above the text's baseline, and its size over the text's. A zero-size
+# inline-block's bottom is the baseline where it stands: one goes before the formula,
+# one into each of its first symbols.
+MEASURE_MATH_JS = """
+const done = arguments[arguments.length - 1];
+const baselineOf = (parent, before) => {
+  const mark = document.createElement('span');
+  mark.style.cssText = 'display:inline-block;width:0;height:0';
+  parent.insertBefore(mark, before);
+  const bottom = mark.getBoundingClientRect().bottom;
+  mark.remove();
+  return bottom;
+};
+const measure = () => {
+  try { done(measured()); } catch (error) { done([['the check failed: ' + error, 0, 1]]); }
+};
+const measured = () => {
+  const found = [];
+  for (const math of document.querySelectorAll('article.bd-article span.math')) {
+    const symbols = [...math.querySelectorAll('.MathJax .mi, .MathJax .mn, .MathJax .mo')].slice(0, 8);
+    if (!symbols.length) continue;
+    const line = baselineOf(math.parentNode, math);
+    const box = (math.querySelector('.MathJax span.math') || math).getBoundingClientRect();
+    if (line < box.top - 2 || line > box.bottom + 2) continue;   // the formula starts a line: no text beside it
+    // A fraction's numerator or an exponent sits off the baseline by design, smaller: the
+    // symbol nearest the baseline and the largest one stand for the formula.
+    const raised = symbols.map((symbol) => line - baselineOf(symbol, null))
+      .reduce((a, b) => (Math.abs(b) < Math.abs(a) ? b : a));
+    const size = (element) => parseFloat(getComputedStyle(element).fontSize);
+    const scale = Math.max(...symbols.map(size)) / size(math.parentNode);
+    if (Number.isFinite(raised) && Number.isFinite(scale))   // a hidden formula has no size
+      found.push([Array.from((math.textContent || '').trim()).slice(0, 40).join(''), raised, scale]);
+  }
+  return found;
+};
+const fontsThenMeasure = () => document.fonts.ready.then(measure);
+if (window.MathJax && MathJax.Hub && MathJax.Hub.Queue) MathJax.Hub.Queue(fontsThenMeasure); else fontsThenMeasure();
+"""
+# How far inline math may sit off the text's baseline (CSS px), and how much larger or
+# smaller than the text it may be.
+MATH_BASELINE_PX = 1.0
+MATH_SCALE = (0.9, 1.15)
 # Console messages that are not the book's fault: the theme complains once, on a reader's
 # first visit, that no light/dark mode is stored yet; a page opened from file:// may not
 # fetch MathJax's web fonts (origin 'null'), which a served book does.
-IGNORED_CONSOLE = ("Got invalid theme mode", "blocked by CORS policy", "about:blank")
+IGNORED_CONSOLE = ("Got invalid theme mode", "blocked by CORS policy", "about:blank", "Failed to load resource")
+# Requests that fail without the book being at fault: the icon a browser asks every site for,
+# and the about:blank font MathJax 2 loads to test whether web fonts work.
+IGNORED_REQUESTS = ("/favicon.ico", "about:blank")
 
 
 def browser_driver(width: int, height: int):
@@ -497,45 +575,105 @@ def browser_driver(width: int, height: int):
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", f"--window-size={width},{height}"):
         options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     try:
         return webdriver.Chrome(service=Service(chromedriver), options=options)
     except WebDriverException:
         return None
 
 
+@contextlib.contextmanager
+def served(folder: Path):
+    """An HTTP server for `folder` on a free local port, in a thread: its base URL. The page
+    check reads the book served, as a reader's browser or a docs host gets it (a page opened
+    from file:// may not load MathJax's web fonts at all)."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format, *args):       # noqa: A002 (the base class's name)
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def failed_requests(performance_log: list[dict]) -> list[str]:
+    """'URL (why)' for every request of a page load that failed, from Chromium's performance
+    log: an HTTP error status, or a load that never completed (a missing file, a refused
+    font)."""
+    urls: dict[str, str] = {}
+    failed = []
+    for entry in performance_log:
+        message = json.loads(entry["message"])["message"]
+        params = message.get("params", {})
+        if message["method"] == "Network.requestWillBeSent":
+            urls[params["requestId"]] = params["request"]["url"]
+        elif message["method"] == "Network.responseReceived" and params["response"]["status"] >= 400:
+            failed.append(f"{params['response']['url']} (status {params['response']['status']})")
+        elif (message["method"] == "Network.loadingFailed" and not params.get("canceled")
+              and params.get("requestId") in urls and params.get("errorText") != "net::ERR_ABORTED"):
+            failed.append(f"{urls[params['requestId']]} ({params.get('errorText')})")
+    return [f for f in dict.fromkeys(failed) if not any(known in f for known in IGNORED_REQUESTS)]
+
+
 def page_problems(html: Path) -> list[str] | None:
-    """Open every page of the built book in headless Chromium at CHECK_WINDOW and list what
-    a reader would trip over: a table wider than the column (its last columns hidden), a
-    code block or printout that scrolls sideways, a figure without alt text, an error in
-    the browser's console. None when no browser is available (selenium and chromedriver)."""
+    """Open every page of the built book, served from a local port, in headless Chromium at
+    CHECK_WINDOW and list what a reader would trip over: a table wider than the column (its
+    last columns hidden), a code block or printout that scrolls sideways, a figure without
+    alt text, an error in the browser's console, a file the page asked for that did not
+    load (read once MathJax has typeset the page and loaded its fonts), inline math off the
+    text's baseline or out of scale with it. None when no browser is available (selenium
+    and chromedriver)."""
     driver = browser_driver(*CHECK_WINDOW)
     if driver is None:
         return None
+    driver.set_script_timeout(60)
     problems = []
     try:
-        for page in sorted(html.rglob("*.html")):
-            name = page.relative_to(html).as_posix()
-            if name.startswith(("_static/", MATHJAX_DIR + "/")) or name in ("genindex.html", "search.html"):
-                continue
-            driver.get(page.resolve().as_uri())
-            found = driver.execute_script(MEASURE_PAGE_JS)
-            for entry in driver.get_log("browser"):
-                message = entry.get("message", "")
-                if entry.get("level") == "SEVERE" and not any(known in message for known in IGNORED_CONSOLE):
-                    message = message.replace(page.resolve().as_uri(), name)   # the book's folder says nothing
-                    problems.append(f"{name}: console error: {message[:160]}")
-            if not found:
-                continue
-            for table_width, text in found["tables"]:
-                problems.append(f"{name}: a table {table_width} px wide in the {found['width']} px column ({text!r})")
-            for code_width, text in found["code"]:
-                problems.append(f"{name}: a code block or printout scrolls sideways ({code_width} px "
-                                f"in the {found['width']} px column: {text!r})")
-            for source in found["images"]:
-                problems.append(f"{name}: a figure without alt text ({source})")
+        with served(html) as base:
+            for page in sorted(html.rglob("*.html")):
+                name = page.relative_to(html).as_posix()
+                if name.startswith(("_static/", MATHJAX_DIR + "/")) or name in ("genindex.html", "search.html"):
+                    continue
+                problems += _problems_of(driver, base + name, name)
     finally:
         driver.quit()
+    return problems
+
+
+def _problems_of(driver, url: str, name: str) -> list[str]:
+    """page_problems for one page, at `url`, called `name` in what it reports."""
+    problems = []
+    driver.get(url)
+    found = driver.execute_script(MEASURE_PAGE_JS)
+    formulas = driver.execute_async_script(MEASURE_MATH_JS)
+    for entry in driver.get_log("browser"):
+        message = entry.get("message", "")
+        if entry.get("level") == "SEVERE" and not any(known in message for known in IGNORED_CONSOLE):
+            message = message.replace(url.rsplit("/", 1)[0] + "/", "")   # the server's address says nothing
+            problems.append(f"{name}: console error: {message[:160]}")
+    base = url[:len(url) - len(name)]
+    for request in failed_requests(driver.get_log("performance")):
+        problems.append(f"{name}: did not load {request.replace(base, '')}")
+    off = [(text, raised, scale) for text, raised, scale in formulas
+           if abs(raised) > MATH_BASELINE_PX or not MATH_SCALE[0] <= scale <= MATH_SCALE[1]]
+    if off:
+        text, raised, scale = off[0]
+        problems.append(f"{name}: {len(off)} of {len(formulas)} inline formulas sit off the text's baseline or "
+                        f"out of scale with it ({text!r}: {raised:+.1f} px above it, {scale:.2f} times the "
+                        f"text's size)")
+    if not found:
+        return problems
+    for table_width, text in found["tables"]:
+        problems.append(f"{name}: a table {table_width} px wide in the {found['width']} px column ({text!r})")
+    for code_width, text in found["code"]:
+        problems.append(f"{name}: a code block or printout scrolls sideways ({code_width} px "
+                        f"in the {found['width']} px column: {text!r})")
+    for source in found["images"]:
+        problems.append(f"{name}: a figure without alt text ({source})")
     return problems
 
 
