@@ -270,7 +270,8 @@ def intro_page(manifest: Manifest, pages: tuple[tuple[str, str], ...] | list[tup
                f"{written} of {len(manifest.chapters)} chapters are written; the others are listed "
                "as planned, each with a synopsis of what it will teach.\n\n")
             + chapter_table(manifest, link=lambda c: c.notebook_ipynb) + "\n"
-            + (f"\nAlso in this book: {reference}.\n" if pages else ""))
+            + (f"\nAlso in this book: {reference}, and an {{ref}}`index <genindex>` of the terms "
+               "the glossary defines, with the chapter that builds each.\n" if pages else ""))
 
 
 def build_source(target: Path, manifest: Manifest | None = None, root: Path = ROOT) -> Path:
@@ -287,7 +288,10 @@ def build_source(target: Path, manifest: Manifest | None = None, root: Path = RO
     shutil.copytree(STATIC_DIR, target / "_static")
     for path, _ in pages:
         (target / f"{path}.md").parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / f"{path}.md", target / f"{path}.md")
+        text = (root / f"{path}.md").read_text(encoding="utf-8")
+        (target / f"{path}.md").write_text(indexed_glossary(text) if path == GLOSSARY else text, encoding="utf-8")
+    glossary = root / f"{GLOSSARY}.md"
+    terms_of = chapter_terms(glossary.read_text(encoding="utf-8")) if glossary.is_file() else {}
     figure_texts: dict[str, tuple[str, str]] = {}
     for chapter in manifest.chapters:
         if chapter.written:
@@ -296,7 +300,7 @@ def build_source(target: Path, manifest: Manifest | None = None, root: Path = RO
                             ignore=shutil.ignore_patterns(f"{chapter.dirname}.md", ".ipynb_checkpoints",
                                                           "__pycache__"))
             for notebook in (target / "chapters" / chapter.dirname).glob("*.ipynb"):
-                prepare_notebook(notebook)
+                prepare_notebook(notebook, terms_of.get(chapter.number, []))
                 figure_texts |= figures.figure_texts(json.loads(notebook.read_text(encoding="utf-8")),
                                                           chapter.number, root)
         else:
@@ -318,8 +322,11 @@ def copy_mathjax(destination: Path) -> None:
     shutil.copytree(Path(list(spec.submodule_search_locations)[0]) / "static", destination)
 
 
-def prepare_notebook(notebook: Path) -> None:
+def prepare_notebook(notebook: Path, index_terms: list[str] | tuple[str, ...] = ()) -> None:
     """Make a copied notebook ready for its page, in place.
+
+    The glossary terms this chapter builds (`index_terms`) become entries of the book's
+    index pointing at the chapter: an index directive after the title.
 
     Widget state and widget views are dropped: in a page without a kernel they would only
     make Sphinx load a widget manager from a CDN and show nothing (cells that use a widget
@@ -328,6 +335,10 @@ def prepare_notebook(notebook: Path) -> None:
     be a box of its own on the page, one printout shown as two."""
     data = json.loads(notebook.read_text(encoding="utf-8"))
     data.get("metadata", {}).pop("widgets", None)
+    first_text = next((cell for cell in data.get("cells", []) if cell.get("cell_type") == "markdown"), None)
+    if index_terms and first_text is not None:
+        title, _, rest = "".join(first_text["source"]).partition("\n")
+        first_text["source"] = f"{title}\n\n```{{index}} {', '.join(index_terms)}\n```\n{rest}"
     for cell in data.get("cells", []):
         outputs = cell.get("outputs", [])
         for output in outputs:
@@ -336,6 +347,61 @@ def prepare_notebook(notebook: Path) -> None:
                    or o.get("data")]
         cell["outputs"] = merged_streams(outputs)
     notebook.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+# The glossary (a REFERENCE_PAGES path): one table of terms per part of the book, each row
+# `| term | [chapter number](its notebook) | `module.name` | what it is |`.
+GLOSSARY = "chapters/glossary"
+GLOSSARY_PART = re.compile(r"^## Part ([IVX]+): ")
+GLOSSARY_ROW = re.compile(r"^\| ([^|]+?) \| \[(\d+)\]\(([^)]+)\) \| `([^`]+)` \| [^|]+ \|$")
+
+
+@dataclasses.dataclass(frozen=True)
+class GlossaryRow:
+    part: str          # the part's id, "I" to "VIII"
+    term: str
+    chapter: int       # the chapter that builds it
+    link: str          # the chapter's notebook, relative to the glossary
+    name: str          # its name in the reference engine: module.name
+
+
+def glossary_rows(text: str) -> list[GlossaryRow | str]:
+    """The rows of the glossary's part tables ('## Part N: ...' sections), in order; a line
+    of such a table that is not in the row's form comes back as that line, unparsed."""
+    rows: list[GlossaryRow | str] = []
+    part = None
+    for line in text.splitlines():
+        heading = GLOSSARY_PART.match(line)
+        if heading or line.startswith("## "):
+            part = heading.group(1) if heading else None
+        elif part is not None and line.startswith("| ") and not line.startswith("| Term "):
+            row = GLOSSARY_ROW.match(line)
+            rows.append(GlossaryRow(part, row.group(1), int(row.group(2)), row.group(3), row.group(4))
+                        if row else line)
+    return rows
+
+
+def chapter_terms(text: str) -> dict[int, list[str]]:
+    """{chapter number: the glossary terms that chapter builds}."""
+    terms: dict[int, list[str]] = {}
+    for row in glossary_rows(text):
+        if isinstance(row, GlossaryRow):
+            terms.setdefault(row.chapter, []).append(row.term)
+    return terms
+
+
+def indexed_glossary(text: str) -> str:
+    """The glossary as the book shows it: each term of a part table, and each heading of a
+    longer entry, is also an entry of the book's index (genindex) pointing at it."""
+    lines = []
+    for line in text.splitlines():
+        row = GLOSSARY_ROW.match(line)
+        if row:
+            line = f"| {{index}}`{row.group(1)}` |" + line[len(row.group(1)) + 4:]
+        elif line.startswith("## ") and not line.startswith(("## Part ", "## Paging")):
+            lines += [f"```{{index}} {line[3:]}", "```", ""]
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def merged_streams(outputs: list[dict]) -> list[dict]:
@@ -527,6 +593,7 @@ const measure = () => {
 const measured = () => {
   const found = [];
   for (const math of document.querySelectorAll('article.bd-article span.math')) {
+    if (math.parentNode.closest('.MathJax')) continue;     // MathJax's own span of that class
     const symbols = [...math.querySelectorAll('.MathJax .mi, .MathJax .mn, .MathJax .mo')].slice(0, 8);
     if (!symbols.length) continue;
     const line = baselineOf(math.parentNode, math);
