@@ -303,8 +303,10 @@ def test_a_wrapped_code_line_keeps_a_hanging_indent():
              '    <span class="k">return</span> 1\n</pre>')
     assert book.CODE_BLOCK.sub(book.hanging_lines, block) == (
         '<div class="highlight"><pre>'
-        '<span class="code-line" style="padding-left:4ch;text-indent:-4ch"><span class="k">def</span> f():\n</span>'
-        '<span class="code-line" style="padding-left:8ch;text-indent:-8ch">    <span class="k">return</span> 1\n</span>'
+        '<span class="code-line" style="--hang:4ch;padding-left:4ch;text-indent:-4ch">'
+        '<span class="k">def</span> f():\n</span>'
+        '<span class="code-line" style="--hang:8ch;padding-left:8ch;text-indent:-8ch">'
+        '    <span class="k">return</span> 1\n</span>'
         '</pre>')
     across = '<div class="highlight"><pre><span class="s">"""two\nlines"""</span>\n</pre>'
     assert book.CODE_BLOCK.sub(book.hanging_lines, across) == across, "a span across lines stays whole"

@@ -516,8 +516,9 @@ HANGING_INDENT_CH = 4
 
 def hanging_lines(block: re.Match) -> str:
     """A highlighted code block with each line in its own span, so that a line too long for
-    the column wraps with a hanging indent (course.css: span.code-line) instead of starting
-    again at the left edge, where it would read as a new line of Python. A block whose
+    the column wraps with a hanging indent and a bar beside its continuation (course.css:
+    span.code-line) instead of starting again at the left edge, where it would read as a
+    new line of Python. A block whose
     highlighting spans a line break (a string over several lines) is left as it is."""
     lines = block.group(2).split("\n")
     if any(line.count("<span") != line.count("</span>") for line in lines):
@@ -528,8 +529,8 @@ def hanging_lines(block: re.Match) -> str:
             break                                # the newline that ends the block
         text = re.sub(r"<[^>]*>", "", line)
         indent = len(text) - len(text.lstrip(" ")) + HANGING_INDENT_CH
-        wrapped.append(f'<span class="code-line" style="padding-left:{indent}ch;text-indent:-{indent}ch">'
-                       f"{line}\n</span>")
+        wrapped.append(f'<span class="code-line" style="--hang:{indent}ch;padding-left:{indent}ch;'
+                       f'text-indent:-{indent}ch">{line}\n</span>')
     return block.group(1) + "".join(wrapped) + block.group(3)
 
 
