@@ -172,6 +172,10 @@ return {
     svgAsText: [...notebook.querySelectorAll('.jp-OutputArea-output')].filter(o => o.innerText.includes('%s')).length,
     drawnImages: images.filter(i => i.complete && i.naturalWidth > 0 && i.checkVisibility()).length,
     math: notebook.querySelectorAll('.jp-MarkdownCell mjx-container, .jp-MarkdownCell .katex').length,
+    // each printed table (course.notebook.table): its cells' smallest side padding and its header's rule
+    tables: [...notebook.querySelectorAll('.jp-OutputArea-output table')].map(t => ({
+        padding: Math.min(...[...t.querySelectorAll('td, th')].map(c => parseFloat(getComputedStyle(c).paddingLeft))),
+        headerRule: parseFloat(getComputedStyle(t.querySelector('thead')).borderBottomWidth)})),
     shownCode: [...notebook.querySelectorAll('.jp-CodeCell .jp-InputArea')].filter(a => a.checkVisibility())
         .map(a => a.innerText),
     hiddenInputs: notebook.querySelectorAll('.jp-CodeCell .jp-InputPlaceholder').length,
@@ -238,8 +242,11 @@ def test_a_chapter_reads_in_jupyter_as_in_the_book(jupyterlab, view):
     figures = sum("image/png" in output.get("data", {}) for cell in cells for output in cell.get("outputs", []))
     hidden = ["".join(cell["source"]).strip().splitlines()[-1] for cell in cells
               if "remove-input" in cell.get("metadata", {}).get("tags", [])]
-    assert hints and figures and hidden and "$$" in text, \
-        f"Chapter {CHAPTER} no longer has hints, figures, hidden code and display math: point CHAPTER at one that does"
+    tables = sum("<table>" in "".join(output.get("data", {}).get("text/html", "")) for cell in cells
+                 for output in cell.get("outputs", []))
+    assert hints and figures and hidden and tables and "$$" in text, \
+        (f"Chapter {CHAPTER} no longer has hints, figures, hidden code, a printed table and display math: point "
+         "CHAPTER at one that does")
     browser = _browser()
     try:
         state = open_chapter(browser, url, notebook, view, len(titles))
@@ -249,6 +256,9 @@ def test_a_chapter_reads_in_jupyter_as_in_the_book(jupyterlab, view):
         assert not opened, f"{view}: hints and answers must be collapsed until clicked, but these are open: {opened}"
         assert state["rawDirectives"] == 0, f"{view}: a Markdown cell shows the raw ':class: dropdown' directive"
         assert state["math"] > 0, f"{view}: the chapter's math is shown as LaTeX source, not typeset"
+        cramped = [table for table in state["tables"] if table["padding"] < 4 or table["headerRule"] < 1]
+        assert len(state["tables"]) == tables and not cramped, \
+            f"{view}: printed tables without cell padding or a rule under the header: {cramped} of {state['tables']}"
         assert state["svgAsText"] == 0, \
             f"{view}: {state['svgAsText']} figure(s) shown as the text '<IPython.core.display.SVG object>'"
         state = _wait_for(browser, lambda d: (s := d.execute_script(PAGE_STATE))["drawnImages"] >= figures and s,

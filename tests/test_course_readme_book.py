@@ -1,6 +1,8 @@
 """The README's chapter list and the book's configuration both come from book.toml."""
 import dataclasses
+import json
 import re
+from pathlib import Path
 
 import yaml
 
@@ -99,8 +101,11 @@ def test_offline_check_names_every_page_that_needs_the_network(tmp_path):
     html = tmp_path / "html"
     (html / "mathjax").mkdir(parents=True)
     (html / "mathjax" / "MathJax.js").write_text("")
+    (html / "_static").mkdir()
+    (html / "_static" / "course.css").write_text("a { background: url('missing.svg') } b { src: url(data:x) }")
     five = html / "chapters" / "05-attention"
     five.mkdir(parents=True)
+    (five / "a.png").write_bytes(b"")
     (five / "05-attention.html").write_text(
         '<script src="../../_static/../mathjax/MathJax.js"></script><span class="math">x</span><img src="a.png">'
         '<a href="https://arxiv.org/abs/1706.03762">a link is fine</a>')
@@ -113,6 +118,10 @@ def test_offline_check_names_every_page_that_needs_the_network(tmp_path):
     assert any("index.html: has math" in p for p in problems), problems
     assert any(p.startswith("Chapter 6: no page") for p in problems), problems
     assert not any("05-attention" in p for p in problems), problems
+    assert "_static/course.css: refers to missing.svg, which is not in the book" in problems
+    (five / "a.png").unlink()
+    assert ("chapters/05-attention/05-attention.html: refers to a.png, which is not in the book"
+            in book.offline_problems(html, book_)), "a missing local file is a problem"
     (five / "05-attention.html").write_text("<p>text only</p>")
     assert "Chapter 5: its page has no figure" in book.offline_problems(html, book_)
 
@@ -136,6 +145,65 @@ def test_the_glossary_names_what_the_code_defines():
                     if not re.search(rf"\b{re.escape(part)}\b", code[chapter]):
                         missing.append(f"Chapter {chapter}: {name}")
     assert not missing, f"the glossary names what the code does not define: {missing}"
+
+
+def defines(dotted: str) -> bool:
+    """Whether solutions/ defines `dotted`: its longest leading run of names that is a module
+    file (serve.scheduler -> solutions/serve/scheduler.py), then a top-level name of that
+    module, then each further name (a method, an attribute) somewhere in it."""
+    names = dotted.split(".")
+    for split in range(len(names) - 1, 0, -1):
+        module = ROOT / "solutions" / Path(*names[:split]).with_suffix(".py")
+        if module.is_file():
+            code = module.read_text(encoding="utf-8")
+            first, *rest = names[split:]
+            if not re.search(rf"^(?:class |def ){first}\b|^{first}\s*[:=]", code, re.MULTILINE):
+                return False
+            return all(re.search(rf"\b{re.escape(name)}\b", code) for name in rest)
+    return False
+
+
+def test_the_glossary_covers_every_part_with_names_the_code_defines():
+    """Every part of the book has its table of terms, each row naming a chapter of that part
+    (linked to its notebook) and a name the reference engine defines, so a rename cannot
+    leave the glossary behind."""
+    book_ = manifest.load()
+    rows = book.glossary_rows(GLOSSARY.read_text(encoding="utf-8"))
+    malformed = [row for row in rows if isinstance(row, str)]
+    assert not malformed, f"glossary rows not in the form | term | [N](chapter) | `module.name` | text |: {malformed}"
+    wrong = []
+    for part in book_.parts:
+        chapters = {chapter.number: chapter for chapter in book_.in_part(part.id)}
+        terms = [row for row in rows if isinstance(row, book.GlossaryRow) and row.part == part.id]
+        assert len(terms) >= 5, f"Part {part.id} has fewer than 5 terms in the glossary (a '## Part N: ' table)"
+        for row in terms:
+            chapter = chapters.get(row.chapter)
+            if chapter is None or row.link != f"{chapter.dirname}/{chapter.dirname}.ipynb":
+                wrong.append(f"{row.term}: Chapter {row.chapter} ({row.link}) is not a chapter of Part {part.id}")
+            if not defines(row.name):
+                wrong.append(f"{row.term}: solutions/ does not define {row.name}")
+            if "," in row.term or ";" in row.term:
+                wrong.append(f"{row.term}: a comma or semicolon would split its index entry")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_glossary_terms_become_index_entries():
+    text = ("## Part I: Start\n\n| Term | Ch. | In the code | What it is |\n|---|---|---|---|\n"
+            "| RMSNorm | [4](04-rmsnorm/04-rmsnorm.ipynb) | `layers.rms_norm` | A norm. |\n\n"
+            "## Paging and scheduling: side by side\n\n## Block\nA block.\n")
+    assert book.chapter_terms(text) == {4: ["RMSNorm"]}
+    assert book.indexed_glossary(text) == (
+        "## Part I: Start\n\n| Term | Ch. | In the code | What it is |\n|---|---|---|---|\n"
+        "| {index}`RMSNorm` | [4](04-rmsnorm/04-rmsnorm.ipynb) | `layers.rms_norm` | A norm. |\n\n"
+        "## Paging and scheduling: side by side\n\n```{index} Block\n```\n\n## Block\nA block.\n")
+
+
+def test_the_glossary_check_tells_a_missing_name():
+    assert defines("serve.scheduler.Scheduler") and defines("layers.rms_norm")
+    assert defines("workloads.RequestRecord.ttft")
+    assert not defines("layers.rms_normalise"), "a function the module does not define"
+    assert not defines("serve.scheduler.Scheduler.no_such_method_anywhere")
+    assert not defines("no_such_module.thing")
 
 
 def test_the_serving_chapters_link_to_the_glossary():
@@ -213,9 +281,17 @@ def test_the_layout_check_sees_what_a_reader_would_trip_over(tmp_path):
                     '<pre style="overflow:auto">' + "x" * 400 + '</pre>'
                     '<img src="a.svg" alt="a.svg"><img src="b.svg" alt="the pool after step 3">'
                     '<table><tr><td>narrow</td></tr></table><pre>short</pre>'
+                    '<img src="gone.png" alt="a file that is not there">'
+                    '<p style="font-size:16px">raised <span class="math"><span class="MathJax"><span class="math" '
+                    'style="display:inline-block"><span class="mi" style="font-size:21px;vertical-align:4px">R</span>'
+                    '</span></span></span> and level <span class="math"><span class="MathJax"><span class="mi">V'
+                    '</span></span></span></p>'
                     '<script>const A = 1;</script><script>const A = 2;</script></article></body></html>')
     problems = book.page_problems(tmp_path)
-    assert len(problems) == 4, problems
+    assert len(problems) == 6, problems
+    assert "chapters/p.html: did not load chapters/gone.png (status 404)" in problems
+    assert any(p.startswith("chapters/p.html: 1 of 2 inline formulas sit off the text's baseline") and "'R'" in p
+               and "+4.0 px above it, 1.31 times" in p for p in problems), problems
     assert "chapters/p.html: a table 900 px wide in the 600 px column ('wide table')" in problems
     assert any("a code block or printout scrolls sideways" in p for p in problems), problems
     assert "chapters/p.html: a figure without alt text (a.svg)" in problems
@@ -227,8 +303,51 @@ def test_a_wrapped_code_line_keeps_a_hanging_indent():
              '    <span class="k">return</span> 1\n</pre>')
     assert book.CODE_BLOCK.sub(book.hanging_lines, block) == (
         '<div class="highlight"><pre>'
-        '<span class="code-line" style="padding-left:4ch;text-indent:-4ch"><span class="k">def</span> f():\n</span>'
-        '<span class="code-line" style="padding-left:8ch;text-indent:-8ch">    <span class="k">return</span> 1\n</span>'
+        '<span class="code-line" style="--hang:4ch;padding-left:4ch;text-indent:-4ch">'
+        '<span class="k">def</span> f():\n</span>'
+        '<span class="code-line" style="--hang:8ch;padding-left:8ch;text-indent:-8ch">'
+        '    <span class="k">return</span> 1\n</span>'
         '</pre>')
     across = '<div class="highlight"><pre><span class="s">"""two\nlines"""</span>\n</pre>'
     assert book.CODE_BLOCK.sub(book.hanging_lines, across) == across, "a span across lines stays whole"
+
+
+def test_a_quoted_figure_must_be_one_its_named_output_shows(tmp_path):
+    from course.book import measured
+    assert measured.matches("1.8", "1.79") and measured.matches("3", "3.4") and measured.matches("2.8e-05", "2.84e-05")
+    assert measured.matches("1,008", "1008") and not measured.matches("1.8", "1.86") and not measured.matches("4", "3")
+    book_ = written_at({5, 6})
+    for dirname, text, outputs in (
+            ("05-attention", 'Core 1.8x<!-- measured: bench "core" --> ahead, 3<!-- measured: bench --> rows, '
+                             'a rate of 0.601<!-- measured: 6:accept -->.\n'
+                             'Stale: 2.0x<!-- measured: bench "core" -->; 7<!-- measured: nothing -->; '
+                             'a lone <!-- measured: bench --> marker.\n',
+             {"bench": "core  1.79 tok/s\nref   2.04 tok/s\n3 rows\n"}),
+            ("06-rope", "No quotes here.\n", {"accept": "acceptance 0.6012\n"})):
+        folder = tmp_path / "chapters" / dirname
+        folder.mkdir(parents=True)
+        (folder / f"{dirname}.md").write_text(text)
+        cells = [{"cell_type": "code", "metadata": {"measured": name}, "source": "",
+                  "outputs": [{"output_type": "stream", "name": "stdout", "text": printed}]}
+                 for name, printed in outputs.items()]
+        (folder / f"{dirname}.ipynb").write_text(json.dumps({"cells": cells}))
+    problems = measured.quoted_figure_problems(book_, tmp_path)
+    where = "chapters/05-attention/05-attention.md:2"
+    assert problems == [f"{where}: a `measured:` marker not right after a number",
+                        f"{where}: the text quotes 2.0 but the saved output of Chapter 5's 'bench' in its lines "
+                        "with 'core' shows no such number",
+                        f"{where}: no code cell of Chapter 5 is named 'nothing' (`measured: nothing` in its options)"]
+
+
+def test_every_figure_the_chapters_mark_as_measured_is_in_its_saved_output():
+    from course.book import measured
+    assert not measured.quoted_figure_problems(manifest.load())
+
+
+def test_alt_text_leaves_out_words_the_code_computes():
+    from course.book import figures
+    cell = {"cell_type": "code", "metadata": {},
+            "source": 'ax.set_title(f"T = {t}: top p {p}")\nax.set_xlabel(f"{n} positions")\nax.set_ylabel("error")'}
+    alt, caption = figures.described(cell, "The error grows with the context. More text.")
+    assert (alt, caption) == ("Plot: The error grows with the context. (vertical axis: error)",
+                              "The error grows with the context."), "no '...' read out for a computed part"

@@ -135,11 +135,12 @@ def draw_cancellation() -> Figure:
 
 
 def draw_token_arrivals(timelines, steps) -> Figure:
-    """timelines: {client label: (seconds when each token arrived, hung up?, request id)};
-    steps: [(seconds when an engine step ended, ids of the requests it gave a token)].
-    Above, each client's tokens at the engine step that made them; below, at the moment the
-    client read them, with a grey line where each step ended. A cross marks a client that
-    hung up."""
+    """Streaming clients' tokens, one row per client: above, each token at the engine step
+    that made it; below, at the moment the client read it, with a grey line where each step
+    ended. A cross marks a client that hung up.
+
+    timelines: {client label: (seconds when each token arrived, hung up?, request id)};
+    steps: [(seconds when an engine step ended, ids of the requests it gave a token)]."""
     rows = len(timelines)
     fig = Figure(figsize=(COLUMN_INCHES, 0.5 * rows + 2.4))
     by_step, by_time = fig.subplots(2, 1, sharey=True)

@@ -18,12 +18,17 @@ another host (`python run.py book --check`, run in CI).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import http.server
 import json
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import urllib.parse
 from pathlib import Path
 
 from course import manifest as manifest_module
@@ -51,7 +56,9 @@ MATHJAX_PATH = f"../{MATHJAX_DIR}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"
 MATHJAX2_CONFIG = {
     "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]], "processEscapes": True,
                 "processClass": "math|output_area", "ignoreClass": "document"},
-    "HTML-CSS": {"availableFonts": [], "webFont": "STIX-Web", "imageFont": None},
+    # matchFontHeight off: scaled to the body font's x-height, STIX formulas came out 30%
+    # larger than the text around them.
+    "HTML-CSS": {"availableFonts": [], "webFont": "STIX-Web", "imageFont": None, "matchFontHeight": False},
     "SVG": {"font": "STIX-Web"},
 }
 # Output types that need a live kernel (or a widget manager fetched from a CDN) to show.
@@ -263,7 +270,8 @@ def intro_page(manifest: Manifest, pages: tuple[tuple[str, str], ...] | list[tup
                f"{written} of {len(manifest.chapters)} chapters are written; the others are listed "
                "as planned, each with a synopsis of what it will teach.\n\n")
             + chapter_table(manifest, link=lambda c: c.notebook_ipynb) + "\n"
-            + (f"\nAlso in this book: {reference}.\n" if pages else ""))
+            + (f"\nAlso in this book: {reference}, and an {{ref}}`index <genindex>` of the terms "
+               "the glossary defines, with the chapter that builds each.\n" if pages else ""))
 
 
 def build_source(target: Path, manifest: Manifest | None = None, root: Path = ROOT) -> Path:
@@ -280,7 +288,10 @@ def build_source(target: Path, manifest: Manifest | None = None, root: Path = RO
     shutil.copytree(STATIC_DIR, target / "_static")
     for path, _ in pages:
         (target / f"{path}.md").parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / f"{path}.md", target / f"{path}.md")
+        text = (root / f"{path}.md").read_text(encoding="utf-8")
+        (target / f"{path}.md").write_text(indexed_glossary(text) if path == GLOSSARY else text, encoding="utf-8")
+    glossary = root / f"{GLOSSARY}.md"
+    terms_of = chapter_terms(glossary.read_text(encoding="utf-8")) if glossary.is_file() else {}
     figure_texts: dict[str, tuple[str, str]] = {}
     for chapter in manifest.chapters:
         if chapter.written:
@@ -289,7 +300,7 @@ def build_source(target: Path, manifest: Manifest | None = None, root: Path = RO
                             ignore=shutil.ignore_patterns(f"{chapter.dirname}.md", ".ipynb_checkpoints",
                                                           "__pycache__"))
             for notebook in (target / "chapters" / chapter.dirname).glob("*.ipynb"):
-                prepare_notebook(notebook)
+                prepare_notebook(notebook, terms_of.get(chapter.number, []))
                 figure_texts |= figures.figure_texts(json.loads(notebook.read_text(encoding="utf-8")),
                                                           chapter.number, root)
         else:
@@ -311,8 +322,11 @@ def copy_mathjax(destination: Path) -> None:
     shutil.copytree(Path(list(spec.submodule_search_locations)[0]) / "static", destination)
 
 
-def prepare_notebook(notebook: Path) -> None:
+def prepare_notebook(notebook: Path, index_terms: list[str] | tuple[str, ...] = ()) -> None:
     """Make a copied notebook ready for its page, in place.
+
+    The glossary terms this chapter builds (`index_terms`) become entries of the book's
+    index pointing at the chapter: an index directive after the title.
 
     Widget state and widget views are dropped: in a page without a kernel they would only
     make Sphinx load a widget manager from a CDN and show nothing (cells that use a widget
@@ -321,6 +335,10 @@ def prepare_notebook(notebook: Path) -> None:
     be a box of its own on the page, one printout shown as two."""
     data = json.loads(notebook.read_text(encoding="utf-8"))
     data.get("metadata", {}).pop("widgets", None)
+    first_text = next((cell for cell in data.get("cells", []) if cell.get("cell_type") == "markdown"), None)
+    if index_terms and first_text is not None:
+        title, _, rest = "".join(first_text["source"]).partition("\n")
+        first_text["source"] = f"{title}\n\n```{{index}} {', '.join(index_terms)}\n```\n{rest}"
     for cell in data.get("cells", []):
         outputs = cell.get("outputs", [])
         for output in outputs:
@@ -329,6 +347,61 @@ def prepare_notebook(notebook: Path) -> None:
                    or o.get("data")]
         cell["outputs"] = merged_streams(outputs)
     notebook.write_text(json.dumps(data, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+# The glossary (a REFERENCE_PAGES path): one table of terms per part of the book, each row
+# `| term | [chapter number](its notebook) | `module.name` | what it is |`.
+GLOSSARY = "chapters/glossary"
+GLOSSARY_PART = re.compile(r"^## Part ([IVX]+): ")
+GLOSSARY_ROW = re.compile(r"^\| ([^|]+?) \| \[(\d+)\]\(([^)]+)\) \| `([^`]+)` \| [^|]+ \|$")
+
+
+@dataclasses.dataclass(frozen=True)
+class GlossaryRow:
+    part: str          # the part's id, "I" to "VIII"
+    term: str
+    chapter: int       # the chapter that builds it
+    link: str          # the chapter's notebook, relative to the glossary
+    name: str          # its name in the reference engine: module.name
+
+
+def glossary_rows(text: str) -> list[GlossaryRow | str]:
+    """The rows of the glossary's part tables ('## Part N: ...' sections), in order; a line
+    of such a table that is not in the row's form comes back as that line, unparsed."""
+    rows: list[GlossaryRow | str] = []
+    part = None
+    for line in text.splitlines():
+        heading = GLOSSARY_PART.match(line)
+        if heading or line.startswith("## "):
+            part = heading.group(1) if heading else None
+        elif part is not None and line.startswith("| ") and not line.startswith("| Term "):
+            row = GLOSSARY_ROW.match(line)
+            rows.append(GlossaryRow(part, row.group(1), int(row.group(2)), row.group(3), row.group(4))
+                        if row else line)
+    return rows
+
+
+def chapter_terms(text: str) -> dict[int, list[str]]:
+    """{chapter number: the glossary terms that chapter builds}."""
+    terms: dict[int, list[str]] = {}
+    for row in glossary_rows(text):
+        if isinstance(row, GlossaryRow):
+            terms.setdefault(row.chapter, []).append(row.term)
+    return terms
+
+
+def indexed_glossary(text: str) -> str:
+    """The glossary as the book shows it: each term of a part table, and each heading of a
+    longer entry, is also an entry of the book's index (genindex) pointing at it."""
+    lines = []
+    for line in text.splitlines():
+        row = GLOSSARY_ROW.match(line)
+        if row:
+            line = f"| {{index}}`{row.group(1)}` |" + line[len(row.group(1)) + 4:]
+        elif line.startswith("## ") and not line.startswith(("## Part ", "## Paging")):
+            lines += [f"```{{index}} {line[3:]}", "```", ""]
+        lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def merged_streams(outputs: list[dict]) -> list[dict]:
@@ -372,6 +445,30 @@ def offline_problems(html: Path, manifest: Manifest) -> list[str]:
             problems.append(f"Chapter {chapter.number}: its page has no figure")
     if not (html / MATHJAX_DIR / "MathJax.js").is_file():
         problems.append(f"{MATHJAX_DIR}/MathJax.js is missing: the bundled MathJax was not copied")
+    return problems + missing_local_files(html)
+
+
+# A file a page or a style sheet refers to: src= and href= in HTML, url() in CSS.
+HTML_REFERENCE = re.compile(r"""\b(?:src|href)=["']([^"'#?]+)""", re.IGNORECASE)
+CSS_REFERENCE = re.compile(r"""url\(\s*["']?([^"')#?]+)""")
+
+
+def missing_local_files(html: Path) -> list[str]:
+    """Every file of the book that a page (src=, href=) or a style sheet (url()) refers to
+    and that is not there, as 'referrer: target'. Remote addresses, data: URLs and anchors
+    are not files of the book. (MathJax builds some font addresses in its scripts: only
+    the page check in a browser sees those.)"""
+    problems = []
+    for path in sorted(list(html.rglob("*.html")) + list(html.rglob("*.css"))):
+        name = path.relative_to(html).as_posix()
+        if name.startswith(MATHJAX_DIR + "/") or (name.startswith("_static/") and path.suffix == ".html"):
+            continue                                 # MathJax's own, and the theme's page templates
+        pattern = CSS_REFERENCE if path.suffix == ".css" else HTML_REFERENCE
+        for target in dict.fromkeys(pattern.findall(path.read_text(encoding="utf-8", errors="replace"))):
+            if re.match(r"[a-z][a-z0-9+.-]*:|//", target, re.IGNORECASE) or not target.strip():
+                continue
+            if not (path.parent / urllib.parse.unquote(target)).exists():
+                problems.append(f"{name}: refers to {target}, which is not in the book")
     return problems
 
 
@@ -419,8 +516,9 @@ HANGING_INDENT_CH = 4
 
 def hanging_lines(block: re.Match) -> str:
     """A highlighted code block with each line in its own span, so that a line too long for
-    the column wraps with a hanging indent (course.css: span.code-line) instead of starting
-    again at the left edge, where it would read as a new line of Python. A block whose
+    the column wraps with a hanging indent and a bar beside its continuation (course.css:
+    span.code-line) instead of starting again at the left edge, where it would read as a
+    new line of Python. A block whose
     highlighting spans a line break (a string over several lines) is left as it is."""
     lines = block.group(2).split("\n")
     if any(line.count("<span") != line.count("</span>") for line in lines):
@@ -431,8 +529,8 @@ def hanging_lines(block: re.Match) -> str:
             break                                # the newline that ends the block
         text = re.sub(r"<[^>]*>", "", line)
         indent = len(text) - len(text.lstrip(" ")) + HANGING_INDENT_CH
-        wrapped.append(f'<span class="code-line" style="padding-left:{indent}ch;text-indent:-{indent}ch">'
-                       f"{line}\n</span>")
+        wrapped.append(f'<span class="code-line" style="--hang:{indent}ch;padding-left:{indent}ch;'
+                       f'text-indent:-{indent}ch">{line}\n</span>')
     return block.group(1) + "".join(wrapped) + block.group(3)
 
 
@@ -463,7 +561,7 @@ const column = document.querySelector('article.bd-article');
 if (!column) return null;
 const style = getComputedStyle(column);
 const width = column.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
-const label = (el) => (el.textContent || '').trim().replace(/\\s+/g, ' ').slice(0, 60);
+const label = (el) => Array.from((el.textContent || '').trim().replace(/\\s+/g, ' ')).slice(0, 60).join('');
 const tables = [...column.querySelectorAll('table')]
   .filter(t => t.getBoundingClientRect().width > width + 1)
   .map(t => [Math.round(t.getBoundingClientRect().width), label(t)]);
@@ -475,10 +573,58 @@ const images = [...column.querySelectorAll('img')]
   .map(i => i.getAttribute('src'));
 return {width: Math.round(width), tables, code, images};
 """
+# Measured on each page once MathJax has typeset it and its fonts have loaded (an async
+# script: the last argument is the callback): for every inline formula, how far its
+# baseline sits above the text's baseline, and its size over the text's. A zero-size
+# inline-block's bottom is the baseline where it stands: one goes before the formula,
+# one into each of its first symbols.
+MEASURE_MATH_JS = """
+const done = arguments[arguments.length - 1];
+const baselineOf = (parent, before) => {
+  const mark = document.createElement('span');
+  mark.style.cssText = 'display:inline-block;width:0;height:0';
+  parent.insertBefore(mark, before);
+  const bottom = mark.getBoundingClientRect().bottom;
+  mark.remove();
+  return bottom;
+};
+const measure = () => {
+  try { done(measured()); } catch (error) { done([['the check failed: ' + error, 0, 1]]); }
+};
+const measured = () => {
+  const found = [];
+  for (const math of document.querySelectorAll('article.bd-article span.math')) {
+    if (math.parentNode.closest('.MathJax')) continue;     // MathJax's own span of that class
+    const symbols = [...math.querySelectorAll('.MathJax .mi, .MathJax .mn, .MathJax .mo')].slice(0, 8);
+    if (!symbols.length) continue;
+    const line = baselineOf(math.parentNode, math);
+    const box = (math.querySelector('.MathJax span.math') || math).getBoundingClientRect();
+    if (line < box.top - 2 || line > box.bottom + 2) continue;   // the formula starts a line: no text beside it
+    // A fraction's numerator or an exponent sits off the baseline by design, smaller: the
+    // symbol nearest the baseline and the largest one stand for the formula.
+    const raised = symbols.map((symbol) => line - baselineOf(symbol, null))
+      .reduce((a, b) => (Math.abs(b) < Math.abs(a) ? b : a));
+    const size = (element) => parseFloat(getComputedStyle(element).fontSize);
+    const scale = Math.max(...symbols.map(size)) / size(math.parentNode);
+    if (Number.isFinite(raised) && Number.isFinite(scale))   // a hidden formula has no size
+      found.push([Array.from((math.textContent || '').trim()).slice(0, 40).join(''), raised, scale]);
+  }
+  return found;
+};
+const fontsThenMeasure = () => document.fonts.ready.then(measure);
+if (window.MathJax && MathJax.Hub && MathJax.Hub.Queue) MathJax.Hub.Queue(fontsThenMeasure); else fontsThenMeasure();
+"""
+# How far inline math may sit off the text's baseline (CSS px), and how much larger or
+# smaller than the text it may be.
+MATH_BASELINE_PX = 1.0
+MATH_SCALE = (0.9, 1.15)
 # Console messages that are not the book's fault: the theme complains once, on a reader's
 # first visit, that no light/dark mode is stored yet; a page opened from file:// may not
 # fetch MathJax's web fonts (origin 'null'), which a served book does.
-IGNORED_CONSOLE = ("Got invalid theme mode", "blocked by CORS policy", "about:blank")
+IGNORED_CONSOLE = ("Got invalid theme mode", "blocked by CORS policy", "about:blank", "Failed to load resource")
+# Requests that fail without the book being at fault: the icon a browser asks every site for,
+# and the about:blank font MathJax 2 loads to test whether web fonts work.
+IGNORED_REQUESTS = ("/favicon.ico", "about:blank")
 
 
 def browser_driver(width: int, height: int):
@@ -497,45 +643,105 @@ def browser_driver(width: int, height: int):
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--disable-background-networking", f"--window-size={width},{height}"):
         options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     try:
         return webdriver.Chrome(service=Service(chromedriver), options=options)
     except WebDriverException:
         return None
 
 
+@contextlib.contextmanager
+def served(folder: Path):
+    """An HTTP server for `folder` on a free local port, in a thread: its base URL. The page
+    check reads the book served, as a reader's browser or a docs host gets it (a page opened
+    from file:// may not load MathJax's web fonts at all)."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, format, *args):       # noqa: A002 (the base class's name)
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def failed_requests(performance_log: list[dict]) -> list[str]:
+    """'URL (why)' for every request of a page load that failed, from Chromium's performance
+    log: an HTTP error status, or a load that never completed (a missing file, a refused
+    font)."""
+    urls: dict[str, str] = {}
+    failed = []
+    for entry in performance_log:
+        message = json.loads(entry["message"])["message"]
+        params = message.get("params", {})
+        if message["method"] == "Network.requestWillBeSent":
+            urls[params["requestId"]] = params["request"]["url"]
+        elif message["method"] == "Network.responseReceived" and params["response"]["status"] >= 400:
+            failed.append(f"{params['response']['url']} (status {params['response']['status']})")
+        elif (message["method"] == "Network.loadingFailed" and not params.get("canceled")
+              and params.get("requestId") in urls and params.get("errorText") != "net::ERR_ABORTED"):
+            failed.append(f"{urls[params['requestId']]} ({params.get('errorText')})")
+    return [f for f in dict.fromkeys(failed) if not any(known in f for known in IGNORED_REQUESTS)]
+
+
 def page_problems(html: Path) -> list[str] | None:
-    """Open every page of the built book in headless Chromium at CHECK_WINDOW and list what
-    a reader would trip over: a table wider than the column (its last columns hidden), a
-    code block or printout that scrolls sideways, a figure without alt text, an error in
-    the browser's console. None when no browser is available (selenium and chromedriver)."""
+    """Open every page of the built book, served from a local port, in headless Chromium at
+    CHECK_WINDOW and list what a reader would trip over: a table wider than the column (its
+    last columns hidden), a code block or printout that scrolls sideways, a figure without
+    alt text, an error in the browser's console, a file the page asked for that did not
+    load (read once MathJax has typeset the page and loaded its fonts), inline math off the
+    text's baseline or out of scale with it. None when no browser is available (selenium
+    and chromedriver)."""
     driver = browser_driver(*CHECK_WINDOW)
     if driver is None:
         return None
+    driver.set_script_timeout(60)
     problems = []
     try:
-        for page in sorted(html.rglob("*.html")):
-            name = page.relative_to(html).as_posix()
-            if name.startswith(("_static/", MATHJAX_DIR + "/")) or name in ("genindex.html", "search.html"):
-                continue
-            driver.get(page.resolve().as_uri())
-            found = driver.execute_script(MEASURE_PAGE_JS)
-            for entry in driver.get_log("browser"):
-                message = entry.get("message", "")
-                if entry.get("level") == "SEVERE" and not any(known in message for known in IGNORED_CONSOLE):
-                    message = message.replace(page.resolve().as_uri(), name)   # the book's folder says nothing
-                    problems.append(f"{name}: console error: {message[:160]}")
-            if not found:
-                continue
-            for table_width, text in found["tables"]:
-                problems.append(f"{name}: a table {table_width} px wide in the {found['width']} px column ({text!r})")
-            for code_width, text in found["code"]:
-                problems.append(f"{name}: a code block or printout scrolls sideways ({code_width} px "
-                                f"in the {found['width']} px column: {text!r})")
-            for source in found["images"]:
-                problems.append(f"{name}: a figure without alt text ({source})")
+        with served(html) as base:
+            for page in sorted(html.rglob("*.html")):
+                name = page.relative_to(html).as_posix()
+                if name.startswith(("_static/", MATHJAX_DIR + "/")) or name in ("genindex.html", "search.html"):
+                    continue
+                problems += _problems_of(driver, base + name, name)
     finally:
         driver.quit()
+    return problems
+
+
+def _problems_of(driver, url: str, name: str) -> list[str]:
+    """page_problems for one page, at `url`, called `name` in what it reports."""
+    problems = []
+    driver.get(url)
+    found = driver.execute_script(MEASURE_PAGE_JS)
+    formulas = driver.execute_async_script(MEASURE_MATH_JS)
+    for entry in driver.get_log("browser"):
+        message = entry.get("message", "")
+        if entry.get("level") == "SEVERE" and not any(known in message for known in IGNORED_CONSOLE):
+            message = message.replace(url.rsplit("/", 1)[0] + "/", "")   # the server's address says nothing
+            problems.append(f"{name}: console error: {message[:160]}")
+    base = url[:len(url) - len(name)]
+    for request in failed_requests(driver.get_log("performance")):
+        problems.append(f"{name}: did not load {request.replace(base, '')}")
+    off = [(text, raised, scale) for text, raised, scale in formulas
+           if abs(raised) > MATH_BASELINE_PX or not MATH_SCALE[0] <= scale <= MATH_SCALE[1]]
+    if off:
+        text, raised, scale = off[0]
+        problems.append(f"{name}: {len(off)} of {len(formulas)} inline formulas sit off the text's baseline or "
+                        f"out of scale with it ({text!r}: {raised:+.1f} px above it, {scale:.2f} times the "
+                        f"text's size)")
+    if not found:
+        return problems
+    for table_width, text in found["tables"]:
+        problems.append(f"{name}: a table {table_width} px wide in the {found['width']} px column ({text!r})")
+    for code_width, text in found["code"]:
+        problems.append(f"{name}: a code block or printout scrolls sideways ({code_width} px "
+                        f"in the {found['width']} px column: {text!r})")
+    for source in found["images"]:
+        problems.append(f"{name}: a figure without alt text ({source})")
     return problems
 
 

@@ -130,15 +130,17 @@ def described(cell: dict, text_above: str, root: Path = ROOT) -> tuple[str, str]
         return paragraph, first_sentence(paragraph)
     titles, x_labels, y_labels = plot_words(source)
     if titles or x_labels or y_labels:
-        # A title with a computed part ("layer ..., head ...") says less than the text above.
-        plain = [title for title in titles if "..." not in title]
-        caption = "; ".join(plain) or first_sentence(text_above) or "; ".join(titles) or "A plot"
+        # Words with a computed part ("layer ..., head ...") would be read out with their
+        # placeholders: the text above says more.
+        titles, x_labels, y_labels = ([words for words in found if "..." not in words]
+                                      for found in (titles, x_labels, y_labels))
+        caption = "; ".join(titles) or first_sentence(text_above) or "A plot"
         axes = []
         if x_labels:
             axes.append("horizontal axis: " + ", ".join(x_labels))
         if y_labels:
             axes.append("vertical axis: " + ", ".join(y_labels))
-        alt = f"Plot: {'; '.join(titles) or caption}" + (f" ({'; '.join(axes)})" if axes else "")
+        alt = f"Plot: {caption}" + (f" ({'; '.join(axes)})" if axes else "")
         return alt, caption
     sentence = first_sentence(text_above) or "A figure computed by the cell above"
     return sentence, sentence

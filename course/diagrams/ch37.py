@@ -37,8 +37,9 @@ def verification_step(block_size: int = 4, computed: int = 6, accepted: int = 1,
     for d in range(drafts):
         cell(computed + 1 + d, 7.6, f"d{d + 1}", "#F3E3D3")
     ax.text(left + computed / 2, 7.1, "num_computed_tokens", ha="center", fontsize=9, color=INK)
+    # On a white ground above the arrows that run down from the drafts, which would cross it.
     ax.text(left + computed + (drafts + 1) / 2 + 0.5, 7.1, "scheduled: 1 + drafts", ha="center", fontsize=9,
-            color=KEY)
+            color=KEY, zorder=5, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
 
     ax.text(0.1, 5.2, "sampled rows", fontsize=10, va="center", color=INK)
     for r in range(drafts + 1):

@@ -106,7 +106,8 @@ def launch(entry: Callable[..., None], world_size: int, *args: Any, timeout_s: f
     """Run entry(rank, world_size, port, *args) in world_size fresh processes and wait.
 
     `entry` must be importable by name (a module-level function): each rank is a new
-    interpreter (the spawn start method, the only one CUDA allows). Returns when every rank
+    interpreter (the spawn start method: CUDA cannot be used in a forked child, and spawn works
+    on every platform). Returns when every rank
     exited with status 0. Raises RankFailure when one did not, naming each failed rank with
     its error, when the ranks run past timeout_s (they are killed), or when a rank fails and
     the others have not ended grace_s seconds later (they are killed too)."""
