@@ -129,9 +129,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     """Keep, in every row, only its top_k highest logits and then the smallest set of its
     most likely tokens whose probability reaches top_p; the rest become -inf, in place.  (Your engine: Chapter 34)
 
-    logits [R, V] float32 (already divided by the temperature); top_k [R] int64, where a
-    value >= V means "off" (callers pass V for top_k = 0); top_p [R] float32 in (0, 1]
-    (1 = off). Returns `logits`.
+    logits [R, V] float32, or float64 for Chapter 37's warped_probs (already divided by
+    the temperature); top_k [R] int64, where a value >= V means "off" (callers pass V for
+    top_k = 0); top_p [R] in (0, 1], logits' dtype (1 = off). Returns `logits`.
     - top_k first: a token survives when its logit is >= the row's k-th highest logit
       (tokens tied with the k-th all survive, like transformers' TopKLogitsWarper);
     - top_p on the distribution that top_k left: sorted from most to least likely, a
