@@ -125,6 +125,9 @@ def _within(low: float, high: float, low_open: bool = False) -> Callable[[Any], 
 
 
 _ALWAYS: Callable[[Any], bool] = lambda v: True   # noqa: E731
+_MASKS = "guided decoding (Chapter 35) needs the sampler that applies the guide's masks: EngineConfig(sampler='full')"
+_GUIDED = {SIMPLE: _MASKS, ON_DEVICE: _MASKS,
+           VERIFIER: "a guide would have to advance over drafts that may be rejected"}
 _HISTORY = "it depends on the tokens before each row, and a verification row's history includes unverified drafts"
 # Seeds are 64-bit signed integers (torch's and vLLM's range); sample i of an n > 1 request is seeded seed + i.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
@@ -159,10 +162,8 @@ FIELD_RULES: dict[str, FieldRule] = {
     "allowed_token_ids": FieldRule(_token_list, "must be token ids >= 0", lambda v: v is not None, frozenset({FULL})),
     "bad_words_token_ids": FieldRule(lambda v: all(v), "must be non-empty token sequences", bool, frozenset({FULL})),
     "guided_regex": FieldRule(lambda v: v is None or isinstance(v, str), "must be a regular expression (a string)",
-                              lambda v: v is not None, frozenset({FULL}),
-                              {VERIFIER: "a guide would have to advance over drafts that may be rejected"}),
-    "guided_json": FieldRule(_ALWAYS, "", lambda v: v is not None, frozenset({FULL}),
-                             {VERIFIER: "a guide would have to advance over drafts that may be rejected"}),
+                              lambda v: v is not None, frozenset({FULL}), _GUIDED),
+    "guided_json": FieldRule(_ALWAYS, "", lambda v: v is not None, frozenset({FULL}), _GUIDED),
 }
 
 
