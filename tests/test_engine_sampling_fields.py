@@ -43,6 +43,7 @@ def examples(greedy):
         "top_k": (sampled, dict(top_k=1)),
         "top_p": (sampled, dict(top_p=1e-6)),
         "min_p": (sampled, dict(min_p=1.0)),
+        "typical_p": (sampled, dict(typical_p=1e-6)),
         "seed": (sampled, dict(seed=8)),
         "stop_token_ids": ({}, dict(stop_token_ids=(second,))),
         "ignore_eos": (dict(eos=first), dict(ignore_eos=True)),

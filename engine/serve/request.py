@@ -141,6 +141,7 @@ FIELD_RULES: dict[str, FieldRule] = {
     "top_k": FieldRule(_whole(0), "must be an integer >= 0", lambda v: v > 0),
     "top_p": FieldRule(_within(0, 1, low_open=True), "must be in (0, 1]", lambda v: v < 1),
     "min_p": FieldRule(_within(0, 1), "must be in [0, 1]", lambda v: v > 0),
+    "typical_p": FieldRule(_within(0, 1, low_open=True), "must be in (0, 1]", lambda v: v < 1, frozenset({FULL})),
     "seed": FieldRule(lambda v: v is None or (_integer(v) and SEED_MIN <= v <= SEED_MAX),
                       f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits, signed)", lambda v: v is not None),
     "stop_token_ids": FieldRule(_token_list, "must be token ids >= 0", bool),
@@ -194,6 +195,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0                 # locally typical sampling; 1: off (Chapter 34)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

@@ -11,7 +11,7 @@ offending field. The policy for fields:
   its token ids and the prompt's). Messages take any role string the chat template
   renders; keys besides role, content and name are ignored, except tool calls (refused).
   With Chapter 34's full sampler: logprobs (completions: how many top tokens, 0..5; chat:
-  true/false with top_logprobs 0..20), presence_penalty and frequency_penalty (-2..2),
+  true/false with top_logprobs 0..20), typical_p, presence_penalty and frequency_penalty (-2..2),
   logit_bias (token id -> -100..100) and vLLM's repetition_penalty (> 0). An engine with
   Chapter 31's simple sampler refuses those requests itself (a 400 naming the sampler).
 - OpenAI fields this engine cannot honour (prompt logprobs, suffix, tools, ...):
@@ -70,7 +70,7 @@ class Limits:
 COMMON_FIELDS = {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                  "stream_options", "user", "stop_token_ids", "ignore_eos", "min_tokens", "return_token_ids", "logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
-                 "guided_regex", "guided_json", "structured_outputs"}
+                 "guided_regex", "guided_json", "structured_outputs", "typical_p"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -557,7 +557,8 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
     try:        # SamplingParams holds the ranges (serve.request.FIELD_RULES); its message names the field
         params = sampling_params_class(
             n=n, max_tokens=max_tokens, temperature=temperature, top_p=_number(body, "top_p", 1.0),
-            top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0), seed=_integer(body, "seed", None),
+            top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0), typical_p=_number(body, "typical_p", 1.0),
+            seed=_integer(body, "seed", None),
             stop_token_ids=_stop_token_ids(body, limits, vocab_size), ignore_eos=_flag(body, "ignore_eos"),
             min_tokens=min_tokens,
             logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
