@@ -6,7 +6,7 @@ Literal types, so a misspelt value is a type error before it is a ValueError her
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 Policy = Literal["fcfs", "priority"]
@@ -29,7 +29,17 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class SchedulerConfig:
-    """The part of EngineConfig the Scheduler reads."""
+    """What the Scheduler reads; EngineConfig takes every one of these fields too.
+
+    max_num_batched_tokens   token budget of one step (all requests' new tokens together)
+    max_num_seqs             most requests running at once
+    enable_chunked_prefill   split prompts across steps; off: a prompt must fit one budget
+    long_prefill_token_threshold  cap on one request's tokens per step (0: no cap)
+    policy                   the waiting queue's order (serve.scheduler.create_request_queue):
+                             "fcfs" or "priority" (smaller priority value first)
+    preemption_mode          "recompute" or "swap"
+    max_loras                most distinct LoRA adapters running at once (Chapter 43)
+    """
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
@@ -40,20 +50,14 @@ class SchedulerConfig:
 
 
 @dataclass
-class EngineConfig:
-    """Configuration of EngineCore.
+class EngineConfig(SchedulerConfig):
+    """Configuration of EngineCore: the SchedulerConfig fields, and
 
-    max_num_batched_tokens   token budget of one step (all requests' new tokens together)
-    max_num_seqs             most requests running at once
     block_size               tokens per KV block
     num_blocks               pool size in blocks; None sizes it from memory: on CUDA by
                              profiling (gpu_memory_utilization), elsewhere kv_cache_bytes
     kv_cache_bytes           pool bytes (all layers, K and V) when num_blocks is None off CUDA
     enable_prefix_caching    reuse cached full blocks through hash chains
-    enable_chunked_prefill   split prompts across steps; off: a prompt must fit one budget
-    long_prefill_token_threshold  cap on one request's tokens per step (0: no cap)
-    policy                   "fcfs" or "priority" (smaller priority value first)
-    preemption_mode          "recompute" or "swap"
     attention_backend        a name in serve.backends' registry
     seed                     seeds the engine's generator for unseeded sampled requests
     sampler                  "simple" (Chapter 31) or "full" (Chapter 34)
@@ -69,18 +73,11 @@ class EngineConfig:
                              "auto" ("cuda" on a CUDA device, else "inline")
     debug_checks             check the scheduler's and block manager's invariants
                              (course/testing/engine_checks.py) inside every step: slow, for tests
-    max_loras                most distinct LoRA adapters running at once (Chapter 43)
     """
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 256 << 20
     enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: Policy = "fcfs"
-    preemption_mode: PreemptionMode = "recompute"
     attention_backend: str = "reference"
     seed: int = 0
     sampler: SamplerName = "simple"
@@ -91,7 +88,6 @@ class EngineConfig:
     async_scheduling: bool = False
     device_queue: DeviceQueueMode = "auto"
     debug_checks: bool = False
-    max_loras: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -129,7 +125,4 @@ class EngineConfig:
         return self
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                               enable_chunked_prefill=self.enable_chunked_prefill,
-                               long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
-                               preemption_mode=self.preemption_mode, max_loras=self.max_loras)
+        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)})
