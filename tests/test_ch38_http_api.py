@@ -573,6 +573,8 @@ def test_logprobs_in_the_openai_shape_with_the_full_sampler(impl, device, ref, c
             "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "stream": True})
         events = read_sse(chat.text.splitlines())
         biased = full.post("/v1/completions", json=completion(prompt, 3, logit_bias={"65": 100})).json()
+        zero = full.post("/v1/completions", json=completion(prompt, 3, logprobs=0, temperature=1.0,
+                                                            seed=-5)).json()["choices"][0]["logprobs"]
     ids = plain["token_ids"]
     assert ids == solo(ref, prompt, 5), "greedy tokens must not change with logprobs on"
     with torch.no_grad():
@@ -586,6 +588,8 @@ def test_logprobs_in_the_openai_shape_with_the_full_sampler(impl, device, ref, c
         assert len(lp["top_logprobs"][i]) == 3 and max(lp["top_logprobs"][i].values()) == \
             pytest.approx(float(expected[i].max()), abs=1e-4), f"completions top_logprobs {i}"
     assert lp["text_offset"][0] == 0
+    assert all(list(top.values()) == [chosen] for top, chosen in zip(zero["top_logprobs"], zero["token_logprobs"])), \
+        f"logprobs: 0 lists the chosen token's entry alone at each position (vLLM's answer), got {zero}"
     streamed_ids, content = [], []
     for event in events:
         for choice in event["choices"]:

@@ -607,9 +607,10 @@ def logprobs_object(chat: bool, entries: Sequence[TokenLogprobs], decode: Callab
     bytes, top_logprobs}]}, or completions' {tokens, token_logprobs, top_logprobs,
     text_offset}. Token strings are each token decoded alone; a token that is part of a
     multi-byte character decodes to U+FFFD, which is what "bytes" is for in chat. The
-    completions' top_logprobs dicts are keyed by token string, so a token whose string is
-    empty, unreadable or already a key there is keyed "token_id:<id>" (vLLM's spelling)
-    rather than silently overwriting another."""
+    completions' top_logprobs dicts hold the chosen token first, then the top ones (as
+    vLLM's do: logprobs=0 lists the chosen token alone), keyed by token string, so a token
+    whose string is empty, unreadable or already a key there is keyed "token_id:<id>"
+    (vLLM's spelling) rather than silently overwriting another."""
     def piece(token_id: int) -> str:
         return decode([token_id])
 
@@ -629,7 +630,9 @@ def logprobs_object(chat: bool, entries: Sequence[TokenLogprobs], decode: Callab
 
     def top(entry: TokenLogprobs) -> dict[str, float]:
         found: dict[str, float] = {}
-        for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
+        listed = [(entry.token_id, entry.logprob)] + [(t, lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)
+                                                      if t != entry.token_id]
+        for token_id, logprob in listed:
             key = piece(token_id)
             if not key or "\ufffd" in key or key in found:
                 key = f"token_id:{token_id}"
