@@ -6,10 +6,11 @@ Literal types, so a misspelt value is a type error before it is a ValueError her
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-Policy = Literal["fcfs", "priority"]
+Policy = Literal["fcfs", "priority", "aging"]
 PreemptionMode = Literal["recompute", "swap"]
 SamplerName = Literal["simple", "full"]
 KVCacheDtype = Literal["auto", "int8", "fp8"]
@@ -36,7 +37,9 @@ class SchedulerConfig:
     enable_chunked_prefill   split prompts across steps; off: a prompt must fit one budget
     long_prefill_token_threshold  cap on one request's tokens per step (0: no cap)
     policy                   the waiting queue's order (serve.scheduler.create_request_queue):
-                             "fcfs" or "priority" (smaller priority value first)
+                             "fcfs", "priority" (smaller priority value first), or "aging"
+                             ("priority", one level better per aging_seconds waited)
+    aging_seconds            the wait that earns one priority level under "aging"
     preemption_mode          "recompute" or "swap"
     max_loras                most distinct LoRA adapters running at once (Chapter 43)
     """
@@ -45,6 +48,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: Policy = "fcfs"
+    aging_seconds: float = 10.0
     preemption_mode: PreemptionMode = "recompute"
     max_loras: int = 4
 
@@ -115,6 +119,10 @@ class EngineConfig(SchedulerConfig):
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError(f"EngineConfig.attention_backend must be a backend name, got {self.attention_backend!r}")
+        if (isinstance(self.aging_seconds, bool) or not isinstance(self.aging_seconds, (int, float))
+                or not 0 < self.aging_seconds < math.inf):
+            raise ValueError(f"EngineConfig.aging_seconds must be a finite number of seconds > 0, "
+                             f"got {self.aging_seconds!r}")
         if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
                 or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], "

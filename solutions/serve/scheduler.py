@@ -106,10 +106,49 @@ class PriorityQueue(RequestQueue):
         running.sort(key=self.rank)
 
 
+class AgingQueue(PriorityQueue):
+    """Policy "aging": "priority" where waiting earns precedence. Every aging_seconds a
+    request has waited since it arrived lowers its priority value by one level, so a
+    low-priority request overtakes the high-priority ones that keep arriving after it
+    instead of starving behind them. Ranks change as time passes, so the queue orders its
+    requests when asked (peek, iteration, sort_running) at the clock's time then, not when
+    they are added; pop takes the request the last peek returned."""
+
+    def __init__(self, aging_seconds: float, clock: Callable[[], float]) -> None:
+        super().__init__()
+        self.aging_seconds, self.clock = aging_seconds, clock
+        self.now = clock()
+
+    def rank(self, request: Request) -> tuple[float, float]:
+        levels = (self.now - request.arrival_time) // self.aging_seconds
+        return request.priority - max(levels, 0), request.arrival_time
+
+    def add(self, request: Request, front: bool = False) -> None:
+        self.requests.append(request)
+
+    def _reorder(self) -> None:
+        self.now = self.clock()
+        self.requests = deque(sorted(self.requests, key=self.rank))   # stable: equal ranks keep their order
+
+    def peek(self) -> Request:
+        self._reorder()
+        return self.requests[0]
+
+    def __iter__(self) -> Iterator[Request]:
+        self._reorder()
+        return super().__iter__()
+
+    def sort_running(self, running: list[Request]) -> None:
+        self.now = self.clock()
+        super().sort_running(running)
+
+
 def create_request_queue(config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> RequestQueue:
     """The waiting queue of config.policy. `clock` is for policies whose order changes as
     time passes (the seconds of time.monotonic, which requests' arrival_time uses too)."""
-    queues: dict[Policy, Callable[[], RequestQueue]] = {"fcfs": RequestQueue, "priority": PriorityQueue}
+    queues: dict[Policy, Callable[[], RequestQueue]] = {
+        "fcfs": RequestQueue, "priority": PriorityQueue,
+        "aging": lambda: AgingQueue(config.aging_seconds, clock)}
     return queues[config.policy]()
 
 
