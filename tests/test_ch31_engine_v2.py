@@ -460,7 +460,7 @@ def test_scheduler_preempt_states(serve, tiny_model):
         out = serve.scheduler.SchedulerOutput()
         engine.scheduler._preempt(request, out)
         assert request.status.name == "PREEMPTED" and request.num_preemptions == 1
-        assert out.preempted == [request] and engine.scheduler.waiting[0] is request
+        assert out.preempted == [request] and engine.scheduler.waiting.peek() is request
         assert not engine.scheduler.running and engine.blocks.num_free == engine.blocks.num_blocks
         if mode == "swap":
             assert request.num_computed_tokens == 30 and request.swapped_out

@@ -3,7 +3,8 @@ min_tokens, top-k/top-p/min-p, per-request seeds, logprobs and prompt logprobs).
 
 Oracles: float64 formulas written here; transformers' logits processors where their
 semantics equal vLLM's (RepetitionPenaltyLogitsProcessor, NoBadWordsLogitsProcessor,
-MinNewTokensLengthLogitsProcessor, and the MinP -> TopK -> TopP warpers in vLLM's order);
+MinNewTokensLengthLogitsProcessor, the MinP -> TopK -> TopP warpers in vLLM's order, and
+TypicalLogitsWarper for typical_p, which vLLM lacks);
 the REFERENCE model's own logits for logprobs; a chi-square test with a fixed seed for the
 sampled path (significance 0.001; the seed was checked by hand over 200 seeds, see
 test_draws_follow_the_filtered_distribution). The engine test of seeded requests was run
@@ -97,6 +98,33 @@ def test_top_k_top_p_min_p_match_transformers_warpers(serve, sampler):
         assert torch.equal(kept, expected), f"row {row} (top_k={k}, top_p={p}, min_p={m}): kept " \
             f"{kept.nonzero().flatten().tolist()}, transformers keeps {expected.nonzero().flatten().tolist()}"
         assert torch.equal(got[row][kept], logits[row][kept]), "surviving logits must be unchanged"
+
+
+def test_typical_p_matches_transformers_warper(serve, sampler):
+    """typical_p keeps what transformers' TypicalLogitsWarper keeps, row by row (rows with
+    typical_p = 1 untouched), and the full sampler draws only from what it keeps."""
+    transformers = pytest.importorskip("transformers")
+    masses = [0.2, 0.5, 0.9, 0.99, 1e-6, 0.7, 1.0]
+    logits = torch.randn(len(masses), 64, generator=torch.Generator().manual_seed(4)) * 2
+    logits[2, :10] = float("-inf")                          # forbidden tokens carry no entropy
+    logits[5, [3, 8]] = logits[5, 1].item()                 # tokens as typical as one kept stay with it
+    got = sampler.apply_typical_p(logits.clone(), torch.tensor(masses))
+    for row, mass in enumerate(masses):
+        want = logits[row:row + 1] if mass == 1 else transformers.TypicalLogitsWarper(mass)(None, logits[row:row + 1])
+        kept, expected = torch.isfinite(got[row]), torch.isfinite(want[0])
+        assert torch.equal(kept, expected), f"row {row} (typical_p={mass}): kept " \
+            f"{kept.nonzero().flatten().tolist()}, transformers keeps {expected.nonzero().flatten().tolist()}"
+        assert torch.equal(got[row][kept], logits[row][kept]), "surviving logits must be unchanged"
+    temperature = 0.7
+    requests = [make_request(serve, f"t{i}", [1], temperature=temperature, typical_p=0.5, seed=i) for i in range(40)]
+    row = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)) * 3
+    allowed = torch.isfinite(transformers.TypicalLogitsWarper(0.5)(None, row / temperature))[0]
+    tokens, _ = sampler.Sampler()(row.repeat(len(requests), 1), requests,
+                                  {r.request_id: torch.Generator().manual_seed(i) for i, r in enumerate(requests)})
+    drawn = {t for [t] in tokens}
+    assert all(allowed[t] for t in drawn), f"the full sampler drew {sorted(drawn)}, outside typical_p's " \
+                                            f"{allowed.nonzero().flatten().tolist()}"
+    assert len(drawn) > 1, "typical_p = 0.5 over a spread-out row keeps several tokens; the draws found one"
 
 
 def test_token_rules_match_transformers_processors(serve, sampler):
@@ -354,7 +382,8 @@ def test_extreme_parameters_stay_numbers_or_are_refused(serve, sampler):
     tokens, _ = sampler.Sampler()(logits, [tiny], {"tiny-penalty": torch.Generator().manual_seed(1)})
     assert tokens == [[7]], f"an overflowing logit must stay the favourite, got {tokens}"
     refused = ((dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency"),
-               (dict(logit_bias={3: 1e9}), r"logit_bias\[3\]"), (dict(bad_words_token_ids=((),)), "bad_words"))
+               (dict(logit_bias={3: 1e9}), r"logit_bias must map .* \[-100, 100\]"),
+               (dict(bad_words_token_ids=((),)), "bad_words"))
     for fields, words in refused:
         with pytest.raises(ValueError, match=words):
             serve.request.SamplingParams(**fields)

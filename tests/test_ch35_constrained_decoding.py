@@ -412,7 +412,7 @@ def test_guided_requests_survive_preemption(serve, tiny_model):
 
 def test_guided_requests_are_refused_without_what_they_need(serve, tiny_model):
     P = serve.request.SamplingParams
-    plain = make_engine(serve, tiny_model, num_blocks=16)
+    plain = make_engine(serve, tiny_model, num_blocks=16, sampler="full")
     with pytest.raises(ValueError, match="vocab_bytes"):
         plain.add_request("g", [1, 2], P(guided_regex="a+"))
     engine = guided_engine(serve, tiny_model)

@@ -487,7 +487,8 @@ BAD_REQUESTS = [
     ("top_p above 1", "/v1/completions", {"model": MODEL, "prompt": "a", "top_p": 1.5}, 400, "top_p"),
     ("too many stop strings", "/v1/completions", {"model": MODEL, "prompt": "a", "stop": list("abcde")}, 400,
      "stop"),
-    ("negative seed", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": -1}, 400, "seed"),
+    ("seed below 64 bits, signed", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": -2 ** 63 - 1}, 400,
+     "seed"),
     ("stream not a boolean", "/v1/completions", {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "stream"),
     ("logprobs above 5", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": 6}, 400, "logprobs"),
     ("top_logprobs without logprobs", "/v1/chat/completions",
@@ -522,8 +523,9 @@ BAD_REQUESTS = [
      "prompt"),
     ("a logit_bias key of 4,400 digits", "/v1/completions",
      {"model": MODEL, "prompt": "a", "logit_bias": {"9" * 4400: 1}}, 400, "logit_bias"),
-    ("seed 2**64", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": 2 ** 64}, 400, "seed"),
-    ("seed + n - 1 beyond 64 bits", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": 2 ** 64 - 2, "n": 3},
+    ("seed 2**63 (vLLM: 64 bits, signed)", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": 2 ** 63}, 400,
+     "seed"),
+    ("seed + n - 1 beyond 64 bits", "/v1/completions", {"model": MODEL, "prompt": "a", "seed": 2 ** 63 - 2, "n": 3},
      400, "seed"),
     ("logit_bias key that is a digit but not decimal", "/v1/completions",
      {"model": MODEL, "prompt": "a", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
@@ -571,6 +573,8 @@ def test_logprobs_in_the_openai_shape_with_the_full_sampler(impl, device, ref, c
             "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "stream": True})
         events = read_sse(chat.text.splitlines())
         biased = full.post("/v1/completions", json=completion(prompt, 3, logit_bias={"65": 100})).json()
+        zero = full.post("/v1/completions", json=completion(prompt, 3, logprobs=0, temperature=1.0,
+                                                            seed=-5)).json()["choices"][0]["logprobs"]
     ids = plain["token_ids"]
     assert ids == solo(ref, prompt, 5), "greedy tokens must not change with logprobs on"
     with torch.no_grad():
@@ -584,6 +588,8 @@ def test_logprobs_in_the_openai_shape_with_the_full_sampler(impl, device, ref, c
         assert len(lp["top_logprobs"][i]) == 3 and max(lp["top_logprobs"][i].values()) == \
             pytest.approx(float(expected[i].max()), abs=1e-4), f"completions top_logprobs {i}"
     assert lp["text_offset"][0] == 0
+    assert all(list(top.values()) == [chosen] for top, chosen in zip(zero["top_logprobs"], zero["token_logprobs"])), \
+        f"logprobs: 0 lists the chosen token's entry alone at each position (vLLM's answer), got {zero}"
     streamed_ids, content = [], []
     for event in events:
         for choice in event["choices"]:

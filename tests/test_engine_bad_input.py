@@ -106,11 +106,11 @@ REQUEST_CASES = {
                         r"stop_token_ids must be integer token ids, got \[True\]"),
     "logprobs with the simple sampler": (lambda e, s: e.add_request("lp", [1, 2], P(s, logprobs=2)), r"Chapter 34"),
     "penalties with the simple sampler": (lambda e, s: e.add_request("pe", [1, 2], P(s, presence_penalty=0.5)),
-                                          r"penalties need the full sampler"),
+                                          r"presence_penalty is not honoured by the simple sampler"),
     "logit_bias with the simple sampler": (lambda e, s: e.add_request("lb", [1, 2], P(s, logit_bias={5: 1.0})),
-                                           r"logit_bias need the full sampler"),
+                                           r"logit_bias is not honoured by the simple sampler"),
     "min_tokens with the simple sampler": (lambda e, s: e.add_request("mt", [1, 2], P(s, min_tokens=2)),
-                                           r"min_tokens need the full sampler"),
+                                           r"min_tokens is not honoured by the simple sampler"),
     "abort with a non-string id": (lambda e, s: e.abort_request(["run0"]), r"non-empty strings"),
 }
 

@@ -114,8 +114,8 @@ def busy(serve, model):
 
 # name -> (call(engine, serve), words the ValueError must contain)
 REFUSED = {
-    "seed 2**64": (lambda e, s: e.add_request("s", [1, 2], P(s, seed=2 ** 64)), r"seed"),
-    "seed + n - 1 beyond 64 bits": (lambda e, s: e.add_request("s", [1, 2], P(s, seed=2 ** 64 - 1, n=2)),
+    "seed 2**63 (64 bits, signed)": (lambda e, s: e.add_request("s", [1, 2], P(s, seed=2 ** 63)), r"seed"),
+    "seed + n - 1 beyond 64 bits": (lambda e, s: e.add_request("s", [1, 2], P(s, seed=2 ** 63 - 1, n=2)),
                                     r"seed \+ n - 1"),
     "a sample id that is a live group's id": (lambda e, s: e.add_request("grp:0", [1, 2], P(s)), r"'grp:0'"),
     "a group whose sample id is a live group": (lambda e, s: _group_over_group(e, s), r"'twin:0'"),

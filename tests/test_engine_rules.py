@@ -256,6 +256,30 @@ def test_running_requests_are_served_in_policy_order(serve, tiny_model, policy):
         f"{policy}: the step serves {scheduled(engine.last_plan)}, expected the order {want}")
 
 
+def test_aging_lets_an_old_low_priority_request_overtake_newer_urgent_ones(serve):
+    """Policy "aging" (one priority level per 10 s waited), on an injected clock: a request
+    of priority 3 waits behind urgent ones (priority 0) while it is young, and once it has
+    waited 30 s it goes ahead of every urgent request younger than 10 s; schedule() admits
+    in that order. Under "priority" it would stay last for ever."""
+    now = [0.0]
+    config = serve.config.SchedulerConfig(policy="aging", aging_seconds=10.0, max_num_seqs=3)
+    sched = serve.scheduler.Scheduler(config, serve.blocks.BlockManager(32, 4), clock=lambda: now[0])
+    for rid, priority, arrival in (("old", 3, 0.0), ("u1", 0, 1.0), ("u2", 0, 12.0), ("u3", 0, 29.0)):
+        now[0] = arrival
+        sched.add(serve.request.Request(rid, [1, 2, 3], priority=priority, arrival_time=arrival))
+    assert ids(sched.waiting) == ["u1", "u2", "u3", "old"], (
+        f"at 29 s the old request (3 - 2 levels) still waits behind the urgent ones: {ids(sched.waiting)}")
+    now[0] = 30.0
+    assert ids(sched.waiting) == ["u1", "u2", "old", "u3"], (
+        f"at 30 s the old request (3 - 3 levels = 0, arrived first) overtakes u3 (0, 1 s old): {ids(sched.waiting)}")
+    admitted = ids(r for r, _ in sched.schedule().scheduled)
+    assert admitted == ["u1", "u2", "old"], f"schedule() admits in the queue's order at 30 s: {admitted}"
+    priority = serve.scheduler.create_request_queue(serve.config.SchedulerConfig(policy="priority"))
+    for request in sched.running + list(sched.waiting):
+        priority.add(request)
+    assert ids(priority)[-1] == "old", "under plain priority the old request stays last"
+
+
 def test_equal_priorities_keep_their_arrival_order(serve):
     bm = serve.blocks.BlockManager(8, 4)
     sched = serve.scheduler.Scheduler(serve.config.SchedulerConfig(policy="priority"), bm)

@@ -44,6 +44,7 @@ FIELDS = {
     "top_p": st.floats(-0.5, 1.5, allow_nan=False),
     "top_k": st.integers(-2, 400),
     "min_p": st.floats(-0.5, 1.5, allow_nan=False),
+    "typical_p": st.floats(-0.5, 1.5, allow_nan=False),
     "seed": st.integers(-1, 2 ** 65),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5)),
     "stream": st.booleans(),

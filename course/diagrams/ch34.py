@@ -23,7 +23,7 @@ STAGES = (
     ("greedy rows:\nargmax", "pick"),
     ("÷ temperature", "shape"),
     ("min_p", "shape"),
-    ("top_k, then\ntop_p", "shape"),
+    ("top_k, top_p,\ntypical_p", "shape"),
     ("draw:\nargmax p / q", "pick"),
 )
 FACES = {"ban": "#F6D5D5", "shift": "#FBE3CF", "shape": "#DCE6F2", "pick": "#DDEFD9"}

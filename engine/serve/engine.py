@@ -31,7 +31,18 @@ from .flat_model import FlatModel
 from .guided import GuideFactory
 from .interfaces import AttentionBackend, Drafter, TokenSampler, UpdateHooks
 from .overlap import AsyncStepper, InflightStep, drop_placeholders
-from .request import ImageInputs, Request, RequestOutput, SamplingParams, Status
+from .request import (
+    FULL,
+    ON_DEVICE,
+    SIMPLE,
+    VERIFIER,
+    ImageInputs,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Status,
+    refusal,
+)
 from .runner import ModelRunner, profile_num_blocks
 from .sampler import Sampler, SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
@@ -351,26 +362,29 @@ class EngineCore:
             keys += image_keys
         return slot, images, keys
 
+    @property
+    def sampler_name(self) -> str:
+        """Which of serve.request.SAMPLERS picks this engine's tokens: the verifier with a
+        drafter (Chapter 37), else the configured sampler, run on the device when the simple
+        one schedules asynchronously (Chapter 33)."""
+        if self.drafter is not None:
+            return VERIFIER
+        if self.config.sampler == "full":
+            return FULL
+        return ON_DEVICE if self.config.async_scheduling else SIMPLE
+
     def _check_features(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
         if self.drafter is not None:                       # Chapter 37: what speculation cannot verify
             from .spec_decode import refuse_with_drafter
-            refuse_with_drafter(request_id, params, lora, features)
+            refuse_with_drafter(request_id, lora, features)
+        why = refusal(params, self.sampler_name)         # serve.request.FIELD_RULES says who honours what
+        if why is not None:
+            raise ValueError(f"request {request_id!r}: {why}")
         if (params.guided_regex is not None or params.guided_json is not None) and (
-                self.guides is None or self.config.sampler != "full" or self.config.async_scheduling):
-            raise ValueError(f"request {request_id!r}: guided decoding (Chapter 35) needs the engine's vocab_bytes, "
-                             f"EngineConfig(sampler='full') (it applies the masks) and synchronous scheduling "
-                             f"(step t+1's mask comes from the guide advanced by step t's token, which the "
-                             f"asynchronous engine has not read when it launches step t+1)")
-        wanted = [name for name, on in (("logprobs", params.logprobs is not None),
-                                        ("prompt_logprobs", params.prompt_logprobs is not None),
-                                        ("penalties", params.needs_penalties),
-                                        ("logit_bias", bool(params.logit_bias)),
-                                        ("allowed_token_ids", params.allowed_token_ids is not None),
-                                        ("bad_words_token_ids", bool(params.bad_words_token_ids)),
-                                        ("min_tokens", params.min_tokens > 0)) if on]
-        if wanted and self.config.sampler != "full":
-            raise ValueError(f"request {request_id!r}: {', '.join(wanted)} need the full sampler: "
-                             f"EngineConfig(sampler='full') (Chapter 34)")
+                self.guides is None or self.config.async_scheduling):
+            raise ValueError(f"request {request_id!r}: guided decoding (Chapter 35) needs the engine's vocab_bytes "
+                             f"and synchronous scheduling (step t+1's mask comes from the guide advanced by step "
+                             f"t's token, which the asynchronous engine has not read when it launches step t+1)")
         check_token_ids(request_id, params, self.vocab_size)
 
     def abort_request(self, request_id: str) -> Request | list[Request | None] | None:

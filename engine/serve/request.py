@@ -11,7 +11,7 @@ import enum
 import math
 import operator
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -63,10 +63,125 @@ def _token_ids(name: str, values: Iterable[int]) -> tuple[int, ...]:
         raise ValueError(f"SamplingParams: {name} must be a sequence of integer token ids, got {values!r}") from None
 
 
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _token_list(value: tuple[int, ...] | None) -> bool:
+    return value is None or all(t >= 0 for t in value)
+
+
+def _bias_entry(token: object, bias: object) -> bool:
+    return _integer(token) and token >= 0 and _number(bias) and -100 <= bias <= 100     # type: ignore[operator]
+
+
+# The samplers of the engine, by the names their refusals give them: Chapter 31's
+# SimpleSampler, its on-device twin of Chapter 33's asynchronous engine, Chapter 34's full
+# Sampler, and Chapter 37's verifier (which replaces sampling when the engine has a drafter).
+SIMPLE, ON_DEVICE, FULL = "the simple sampler", "the on-device sampler", "the full sampler"
+VERIFIER = "speculative decoding's verifier"
+SAMPLERS = (SIMPLE, ON_DEVICE, FULL, VERIFIER)
+EVERY_SAMPLER = frozenset(SAMPLERS)
+
+# Why a sampler cannot honour a field, unless the field says something more precise.
+NOT_HONOURED = {
+    SIMPLE: "Chapter 8's sample applies only temperature, top_k, top_p and min_p; EngineConfig(sampler='full') "
+            "honours it (Chapter 34)",
+    ON_DEVICE: "Chapter 8's sample applies only temperature, top_k, top_p and min_p; EngineConfig(sampler='full') "
+               "honours it (Chapter 34)",
+    FULL: "the full sampler does not implement it",
+    VERIFIER: "the verifier warps only temperature, top_k, top_p and min_p",
+}
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """One SamplingParams field, declared once: the values it takes (with the words an error
+    says after the field's name), when a value asks anything of a sampler, and which
+    samplers honour it. The engine refuses a request whose field asks something of a
+    sampler it uses that does not honour it (`refusal`); the HTTP layer maps the error's
+    message back to the body's field."""
+    valid: Callable[[Any], bool]
+    rule: str
+    asks: Callable[[Any], bool]
+    honoured_by: frozenset[str] = EVERY_SAMPLER
+    reasons: Mapping[str, str] = field(default_factory=dict)    # sampler -> why not, where NOT_HONOURED is vague
+
+
+def _whole(low: int) -> Callable[[Any], bool]:
+    return lambda v: _integer(v) and v >= low
+
+
+def _optional_whole(low: int) -> Callable[[Any], bool]:
+    return lambda v: v is None or (_integer(v) and v >= low)
+
+
+def _within(low: float, high: float, low_open: bool = False) -> Callable[[Any], bool]:
+    return lambda v: _number(v) and (low < v if low_open else low <= v) and v <= high
+
+
+_ALWAYS: Callable[[Any], bool] = lambda v: True   # noqa: E731
+_MASKS = "guided decoding (Chapter 35) needs the sampler that applies the guide's masks: EngineConfig(sampler='full')"
+_GUIDED = {SIMPLE: _MASKS, ON_DEVICE: _MASKS,
+           VERIFIER: "a guide would have to advance over drafts that may be rejected"}
+_HISTORY = "it depends on the tokens before each row, and a verification row's history includes unverified drafts"
+# Seeds are 64-bit signed integers (torch's and vLLM's range); sample i of an n > 1 request is seeded seed + i.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+
+FIELD_RULES: dict[str, FieldRule] = {
+    "n": FieldRule(_whole(1), "must be an integer >= 1", lambda v: v > 1),
+    "max_tokens": FieldRule(_whole(1), "must be an integer >= 1", _ALWAYS),
+    "min_tokens": FieldRule(_whole(0), "must be an integer >= 0", lambda v: v > 0, frozenset({FULL}),
+                            {VERIFIER: "it masks EOS row by row, and the verifier does not"}),
+    "temperature": FieldRule(lambda v: _number(v) and v >= 0, "must be >= 0 (a finite number)", _ALWAYS),
+    "top_k": FieldRule(_whole(0), "must be an integer >= 0", lambda v: v > 0),
+    "top_p": FieldRule(_within(0, 1, low_open=True), "must be in (0, 1]", lambda v: v < 1),
+    "min_p": FieldRule(_within(0, 1), "must be in [0, 1]", lambda v: v > 0),
+    "typical_p": FieldRule(_within(0, 1, low_open=True), "must be in (0, 1]", lambda v: v < 1, frozenset({FULL})),
+    "seed": FieldRule(lambda v: v is None or (_integer(v) and SEED_MIN <= v <= SEED_MAX),
+                      f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (64 bits, signed)", lambda v: v is not None),
+    "stop_token_ids": FieldRule(_token_list, "must be token ids >= 0", bool),
+    "ignore_eos": FieldRule(lambda v: isinstance(v, bool), "must be True or False", bool),
+    "logprobs": FieldRule(_optional_whole(0), "must be an integer >= 0 or None", lambda v: v is not None,
+                          frozenset({FULL}), {VERIFIER: "the verifier reports no logprobs"}),
+    "prompt_logprobs": FieldRule(_optional_whole(0), "must be an integer >= 0 or None", lambda v: v is not None,
+                                 frozenset({FULL}), {VERIFIER: "the verifier reports no logprobs"}),
+    # vLLM's ranges for the three penalties.
+    "presence_penalty": FieldRule(_within(-2, 2), "must be in [-2, 2]", lambda v: v != 0, frozenset({FULL}),
+                                  {VERIFIER: _HISTORY}),
+    "frequency_penalty": FieldRule(_within(-2, 2), "must be in [-2, 2]", lambda v: v != 0, frozenset({FULL}),
+                                   {VERIFIER: _HISTORY}),
+    "repetition_penalty": FieldRule(lambda v: _number(v) and v > 0, "must be a finite number > 0", lambda v: v != 1,
+                                    frozenset({FULL}), {VERIFIER: _HISTORY}),
+    "logit_bias": FieldRule(lambda v: v is None or all(_bias_entry(t, b) for t, b in v.items()),
+                            "must map token ids (integers >= 0) to numbers in [-100, 100] (OpenAI's range)", bool,
+                            frozenset({FULL})),
+    "allowed_token_ids": FieldRule(_token_list, "must be token ids >= 0", lambda v: v is not None, frozenset({FULL})),
+    "bad_words_token_ids": FieldRule(lambda v: all(v), "must be non-empty token sequences", bool, frozenset({FULL})),
+    "guided_regex": FieldRule(lambda v: v is None or isinstance(v, str), "must be a regular expression (a string)",
+                              lambda v: v is not None, frozenset({FULL}), _GUIDED),
+    "guided_json": FieldRule(_ALWAYS, "", lambda v: v is not None, frozenset({FULL}), _GUIDED),
+}
+
+
+def refusal(params: SamplingParams, sampler: str) -> str | None:
+    """Why `sampler` (one of SAMPLERS) cannot serve a request with these parameters, naming
+    the first field that asks for what it does not honour; None when it can."""
+    for name, rule in FIELD_RULES.items():
+        if sampler not in rule.honoured_by and rule.asks(getattr(params, name)):
+            return f"{name} is not honoured by {sampler}: {rule.reasons.get(sampler, NOT_HONOURED[sampler])}"
+    return None
+
+
 @dataclass
 class SamplingParams:
     """How to pick a request's tokens and when to stop.
 
+    What each field accepts and which samplers honour it is declared once, in FIELD_RULES:
     Chapter 31's SimpleSampler honours temperature, top_k, top_p, min_p and seed; the stop
     rules (max_tokens, min_tokens, stop_token_ids, ignore_eos) live in EngineCore.check_stop.
     The penalty, bias, allowed/bad token, min_tokens and logprob fields need Chapter 34's
@@ -80,6 +195,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0                 # locally typical sampling; 1: off (Chapter 34)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -103,46 +219,13 @@ class SamplingParams:
 
     def validate(self) -> SamplingParams:
         """Raise ValueError naming the first field whose value makes no sense."""
-        def whole(name: str, low: int) -> None:
+        for name, rule in FIELD_RULES.items():
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and value >= low,
-                   f"{name} must be an integer >= {low}, got {value!r}")
-
-        def real(name: str) -> float:
-            value = getattr(self, name)
-            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-                   f"{name} must be a finite number, got {value!r}")
-            return value
-
-        whole("n", 1)
-        whole("max_tokens", 1)
-        whole("min_tokens", 0)
-        whole("top_k", 0)
+            _check(rule.valid(value), f"{name} {rule.rule}, got {value!r}")
         _check(self.min_tokens <= self.max_tokens,
                f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
-        _check(real("temperature") >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0 < real("top_p") <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(0 <= real("min_p") <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(real("repetition_penalty") > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):       # vLLM's range
-            _check(-2 <= real(name) <= 2, f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.seed is not None:
-            whole("seed", 0)
-            # torch seeds are 64-bit, and sample i of an n > 1 request is seeded seed + i.
-            _check(self.seed + self.n - 1 < 1 << 64, f"seed + n - 1 must be below 2**64, got seed {self.seed} "
-                                                      f"with n {self.n}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                whole(name, 0)
-        _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        for token, bias in (self.logit_bias or {}).items():
-            _check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
-                   f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
-            _check(isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
-                   and -100 <= bias <= 100, f"logit_bias[{token}] must be a number in [-100, 100] (OpenAI's "
-                                            f"range), got {bias!r}")
-        _check(all(word for word in self.bad_words_token_ids),
-               f"bad_words_token_ids must be non-empty token sequences, got {self.bad_words_token_ids}")
+        _check(self.seed is None or self.seed + self.n - 1 <= SEED_MAX,
+               f"seed + n - 1 must stay within 64 bits, signed (<= {SEED_MAX}), got seed {self.seed} with n {self.n}")
         _check(self.guided_regex is None or self.guided_json is None,
                "give guided_regex or guided_json, not both")
         return self
@@ -264,4 +347,5 @@ class RequestOutput:
         return self.status.finish_reason if self.finished else None
 
 
-__all__ = ["PLACEHOLDER", "Status", "SamplingParams", "Request", "RequestOutput"]
+__all__ = ["PLACEHOLDER", "Status", "SamplingParams", "Request", "RequestOutput", "FieldRule", "FIELD_RULES",
+           "SAMPLERS", "SIMPLE", "ON_DEVICE", "FULL", "VERIFIER", "refusal"]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .blocks import BlockManager
-from .config import SchedulerConfig
+from .config import Policy, SchedulerConfig
 from .request import Request, Status
 
 
@@ -46,10 +46,117 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
+class RequestQueue:
+    """The waiting queue under policy "fcfs": requests are admitted in the order they came,
+    except that a preempted request goes back ahead of everyone who arrived after it.
+
+    Every policy is a queue with these methods (vLLM's `create_request_queue(policy)`), so
+    `Scheduler.schedule` reads the policy only through them: `peek()` is the request to
+    admit next, `pop()` takes that very request, `sort_running(running)` puts the running
+    requests in the policy's order of service (the last is preempted first). Iterating
+    gives the requests in admission order as it stands now."""
+
+    def __init__(self) -> None:
+        self.requests: deque[Request] = deque()
+
+    def add(self, request: Request, front: bool = False) -> None:
+        """Queue `request`; front=True: a preempted request, admitted before everyone queued."""
+        if front:
+            self.requests.appendleft(request)
+        else:
+            self.requests.append(request)
+
+    def peek(self) -> Request:
+        return self.requests[0]
+
+    def pop(self) -> Request:
+        return self.requests.popleft()
+
+    def remove(self, request: Request) -> None:
+        self.requests.remove(request)
+
+    def sort_running(self, running: list[Request]) -> None:
+        """Put `running` in the policy's order of service, in place: "fcfs" serves in the
+        order of admission, which is the list's own."""
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self.requests))
+
+    def __contains__(self, request: object) -> bool:
+        return request in self.requests
+
+
+class PriorityQueue(RequestQueue):
+    """Policy "priority": smaller `priority` first (vLLM's convention), then earlier
+    arrival; a preempted request takes its place by the same rule. Running requests are
+    served in that order too."""
+
+    def rank(self, request: Request) -> tuple[float, float]:
+        return request.priority, request.arrival_time
+
+    def add(self, request: Request, front: bool = False) -> None:
+        rank = self.rank(request)         # after every request of equal rank: they came first
+        spot = next((i for i, other in enumerate(self.requests) if self.rank(other) > rank), len(self.requests))
+        self.requests.insert(spot, request)
+
+    def sort_running(self, running: list[Request]) -> None:
+        running.sort(key=self.rank)
+
+
+class AgingQueue(PriorityQueue):
+    """Policy "aging": "priority" where waiting earns precedence. Every aging_seconds a
+    request has waited since it arrived lowers its priority value by one level, so a
+    low-priority request overtakes the high-priority ones that keep arriving after it
+    instead of starving behind them. Ranks change as time passes, so the queue orders its
+    requests when asked (peek, iteration, sort_running) at the clock's time then, not when
+    they are added; pop takes the request the last peek returned."""
+
+    def __init__(self, aging_seconds: float, clock: Callable[[], float]) -> None:
+        super().__init__()
+        self.aging_seconds, self.clock = aging_seconds, clock
+        self.now = clock()
+
+    def rank(self, request: Request) -> tuple[float, float]:
+        levels = (self.now - request.arrival_time) // self.aging_seconds
+        return request.priority - max(levels, 0), request.arrival_time
+
+    def add(self, request: Request, front: bool = False) -> None:
+        self.requests.append(request)
+
+    def _reorder(self) -> None:
+        self.now = self.clock()
+        self.requests = deque(sorted(self.requests, key=self.rank))   # stable: equal ranks keep their order
+
+    def peek(self) -> Request:
+        self._reorder()
+        return self.requests[0]
+
+    def __iter__(self) -> Iterator[Request]:
+        self._reorder()
+        return super().__iter__()
+
+    def sort_running(self, running: list[Request]) -> None:
+        self.now = self.clock()
+        super().sort_running(running)
+
+
+def create_request_queue(config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> RequestQueue:
+    """The waiting queue of config.policy. `clock` is for policies whose order changes as
+    time passes (the seconds of time.monotonic, which requests' arrival_time uses too)."""
+    queues: dict[Policy, Callable[[], RequestQueue]] = {
+        "fcfs": RequestQueue, "priority": PriorityQueue,
+        "aging": lambda: AgingQueue(config.aging_seconds, clock)}
+    return queues[config.policy]()
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config, self.blocks = config, block_manager
-        self.waiting: deque[Request] = deque()       # admission order (or priority order)
+        self.waiting = create_request_queue(config, clock)   # the policy's order of admission
         self.running: list[Request] = []             # order of service; the last one is preempted first
         self.requests: dict[str, Request] = {}       # every unfinished request by id
         self.on_finish: Callable[[Request], None] | None = None   # called before a finished request's blocks go back
@@ -73,24 +180,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check(request)
-        self._enqueue(request)
+        self.waiting.add(request)
         self.requests[request.request_id] = request
-
-    def _enqueue(self, request: Request, front: bool = False) -> None:
-        """Queue for admission: by (priority, arrival) under "priority", else arrival order
-        (front=True puts a preempted request ahead of everyone who arrived after it)."""
-        if self.config.policy == "priority":
-            rank = (request.priority, request.arrival_time)
-            spot = len(self.waiting)
-            for i, other in enumerate(self.waiting):
-                if (other.priority, other.arrival_time) > rank:
-                    spot = i
-                    break
-            self.waiting.insert(spot, request)
-        elif front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
 
     def finish(self, request: Request, status: Status) -> None:
         """End a request: out of the queues, on_finish(request), then its blocks go back."""
@@ -155,8 +246,8 @@ class Scheduler:
         request: one of self.running; out: this step's SchedulerOutput. Afterwards the request is
         not running, holds no blocks (self.blocks.free), has no draft tokens (spec_token_ids
         empty: drafts are for one step), has status PREEMPTED and num_preemptions one higher, is
-        listed in out.preempted, and is at the FRONT of the waiting queue (self._enqueue(request,
-        front=True)): it was admitted before everyone still waiting.
+        listed in out.preempted, and is back in the waiting queue as a preempted request
+        (self.waiting.add(request, front=True)): it was admitted before everyone still waiting.
         By self.config.preemption_mode:
           "recompute": num_computed_tokens == 0 (it prefills prompt and output again; its own
             blocks are probably still in the prefix cache);
@@ -178,13 +269,15 @@ class Scheduler:
           - every scheduled request holds blocks for num_computed_tokens + n tokens, and the
             full ones among them are published before schedule returns (before the forward
             pass writes them), so a request admitted later in the same step can adopt them;
-          - running requests are served in order (sorted by (priority, arrival_time) under policy
-            "priority"); one that already has params.max_tokens output tokens gets no row (its
+          - running requests are served in the policy's order, which
+            self.waiting.sort_running(self.running) sets first; one that already has
+            params.max_tokens output tokens gets no row (its
             last token may still be a placeholder, Chapter 33). When blocks run short, the LAST
             running request is preempted (as _preempt defines), as often as needed; once the
             request being served is itself the victim, no further running request is served;
-          - waiting requests are admitted from the front, never by preempting, and not at all in a
-            step that preempted; the first that cannot be admitted stops admission (no skipping);
+          - waiting requests are admitted in the queue's order (self.waiting.peek() is the next,
+            self.waiting.pop() takes it), never by preempting, and not at all in a step that
+            preempted; the first that cannot be admitted stops admission (no skipping);
             a request for which self._adapter_waits(request) holds (Chapter 43) waits before any
             lookup;
           - a fresh request (no computed tokens) adopts its longest cached prefix, which counts

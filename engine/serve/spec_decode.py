@@ -40,6 +40,7 @@ from .batch import build_batch
 from .blocks import BlockManager
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner
+from .sampler import apply_min_p, apply_top_k_top_p
 from .update import SampledTokens, StepUpdate
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     and a draft model's rows both go through this one function: rejection sampling only
     preserves the distribution when target and draft are warped by the same rules. Trap:
     work in float64, as `sample` does; rows computed in float32 differ from what the
-    non-speculative engine draws from.
+    non-speculative engine draws from. The rules are Chapter 34's (apply_top_k_top_p, then
+    apply_min_p), applied in `sample`'s order to float64 rows.
     """
     raise NotImplementedError("Your engine: Chapter 37: warped_probs")
 
@@ -379,30 +381,13 @@ class VerifyStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
-# What the verifier cannot honour: each rule changes the logits of a row depending on the
-# tokens before it, or must see every token as it is produced.
-NOT_WITH_DRAFTS = (
-    ("penalties", lambda p: p.needs_penalties,
-     "they depend on the tokens before each row, and a verification row's history includes unverified drafts"),
-    ("logit_bias", lambda p: bool(p.logit_bias), "the verifier warps only temperature, top_k, top_p and min_p"),
-    ("allowed_token_ids", lambda p: p.allowed_token_ids is not None,
-     "the verifier warps only temperature, top_k, top_p and min_p"),
-    ("min_tokens", lambda p: p.min_tokens > 0, "it masks EOS row by row, and the verifier does not"),
-    ("logprobs", lambda p: p.logprobs is not None or p.prompt_logprobs is not None,
-     "the verifier reports no logprobs"),
-    ("guided decoding", lambda p: p.guided_regex is not None or p.guided_json is not None,
-     "a guide would have to advance over drafts that may be rejected"),
-)
-
-
-def refuse_with_drafter(request_id: str, params: SamplingParams, lora: object, features: object) -> None:
-    """Raise ValueError, naming the request and the rule, for what speculation refuses."""
+def refuse_with_drafter(request_id: str, lora: object, features: object) -> None:
+    """Raise ValueError, naming the request, for adapter and image requests: speculation
+    refuses them whatever their sampling parameters (those the verifier does not honour are
+    refused by serve.request.FIELD_RULES)."""
     if lora is not None or features:
         raise ValueError(f"request {request_id!r}: speculative decoding does not take adapter or image requests "
                          f"(Chapter 43): the drafts would be guessed without them")
-    for name, wanted, why in NOT_WITH_DRAFTS:
-        if wanted(params):
-            raise ValueError(f"request {request_id!r}: {name} cannot be used with speculative decoding: {why}")
 
 
 @dataclass
@@ -511,4 +496,4 @@ ASYNC_REFUSAL = ("speculative decoding needs synchronous scheduling (EngineConfi
 
 __all__ = ["propose_ngram", "warped_probs", "settle", "Draft", "Proposer", "NgramProposer", "DraftModelProposer",
            "DraftHeads", "train_heads", "HeadProposer", "VerifyStats", "Speculator", "refuse_with_drafter",
-           "NOT_WITH_DRAFTS", "ASYNC_REFUSAL"]
+           "ASYNC_REFUSAL"]

@@ -6,10 +6,11 @@ Literal types, so a misspelt value is a type error before it is a ValueError her
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
-Policy = Literal["fcfs", "priority"]
+Policy = Literal["fcfs", "priority", "aging"]
 PreemptionMode = Literal["recompute", "swap"]
 SamplerName = Literal["simple", "full"]
 KVCacheDtype = Literal["auto", "int8", "fp8"]
@@ -29,31 +30,38 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class SchedulerConfig:
-    """The part of EngineConfig the Scheduler reads."""
+    """What the Scheduler reads; EngineConfig takes every one of these fields too.
+
+    max_num_batched_tokens   token budget of one step (all requests' new tokens together)
+    max_num_seqs             most requests running at once
+    enable_chunked_prefill   split prompts across steps; off: a prompt must fit one budget
+    long_prefill_token_threshold  cap on one request's tokens per step (0: no cap)
+    policy                   the waiting queue's order (serve.scheduler.create_request_queue):
+                             "fcfs", "priority" (smaller priority value first), or "aging"
+                             ("priority", one level better per aging_seconds waited)
+    aging_seconds            the wait that earns one priority level under "aging"
+    preemption_mode          "recompute" or "swap"
+    max_loras                most distinct LoRA adapters running at once (Chapter 43)
+    """
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: Policy = "fcfs"
+    aging_seconds: float = 10.0
     preemption_mode: PreemptionMode = "recompute"
     max_loras: int = 4
 
 
 @dataclass
-class EngineConfig:
-    """Configuration of EngineCore.
+class EngineConfig(SchedulerConfig):
+    """Configuration of EngineCore: the SchedulerConfig fields, and
 
-    max_num_batched_tokens   token budget of one step (all requests' new tokens together)
-    max_num_seqs             most requests running at once
     block_size               tokens per KV block
     num_blocks               pool size in blocks; None sizes it from memory: on CUDA by
                              profiling (gpu_memory_utilization), elsewhere kv_cache_bytes
     kv_cache_bytes           pool bytes (all layers, K and V) when num_blocks is None off CUDA
     enable_prefix_caching    reuse cached full blocks through hash chains
-    enable_chunked_prefill   split prompts across steps; off: a prompt must fit one budget
-    long_prefill_token_threshold  cap on one request's tokens per step (0: no cap)
-    policy                   "fcfs" or "priority" (smaller priority value first)
-    preemption_mode          "recompute" or "swap"
     attention_backend        a name in serve.backends' registry
     seed                     seeds the engine's generator for unseeded sampled requests
     sampler                  "simple" (Chapter 31) or "full" (Chapter 34)
@@ -69,18 +77,11 @@ class EngineConfig:
                              "auto" ("cuda" on a CUDA device, else "inline")
     debug_checks             check the scheduler's and block manager's invariants
                              (course/testing/engine_checks.py) inside every step: slow, for tests
-    max_loras                most distinct LoRA adapters running at once (Chapter 43)
     """
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 256 << 20
     enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: Policy = "fcfs"
-    preemption_mode: PreemptionMode = "recompute"
     attention_backend: str = "reference"
     seed: int = 0
     sampler: SamplerName = "simple"
@@ -91,7 +92,6 @@ class EngineConfig:
     async_scheduling: bool = False
     device_queue: DeviceQueueMode = "auto"
     debug_checks: bool = False
-    max_loras: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +119,10 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError(f"EngineConfig.attention_backend must be a backend name, got {self.attention_backend!r}")
+        if (isinstance(self.aging_seconds, bool) or not isinstance(self.aging_seconds, (int, float))
+                or not 0 < self.aging_seconds < math.inf):
+            raise ValueError(f"EngineConfig.aging_seconds must be a finite number of seconds > 0, "
+                             f"got {self.aging_seconds!r}")
         if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
                 or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], "
@@ -129,7 +133,4 @@ class EngineConfig:
         return self
 
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
-                               enable_chunked_prefill=self.enable_chunked_prefill,
-                               long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.policy,
-                               preemption_mode=self.preemption_mode, max_loras=self.max_loras)
+        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in fields(SchedulerConfig)})

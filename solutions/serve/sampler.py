@@ -13,7 +13,7 @@ Chapter 31's SimpleSampler loops over rows. Chapter 34's Sampler treats the step
 and each rule is a handful of tensor operations on the whole matrix, in vLLM's order:
 
     guide mask -> allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties
-    -> (greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> draw
+    -> (greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> typical_p -> draw
 
 Log-probabilities are those of the RAW model distribution (log_softmax of the logits as
 the model produced them, before any rule), as vLLM reports them by default.
@@ -134,9 +134,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     """Keep, in every row, only its top_k highest logits and then the smallest set of its
     most likely tokens whose probability reaches top_p; the rest become -inf, in place.  (Your engine: Chapter 34)
 
-    logits [R, V] float32 (already divided by the temperature); top_k [R] int64, where a
-    value >= V means "off" (callers pass V for top_k = 0); top_p [R] float32 in (0, 1]
-    (1 = off). Returns `logits`.
+    logits [R, V] float32, or float64 for Chapter 37's warped_probs (already divided by
+    the temperature); top_k [R] int64, where a value >= V means "off" (callers pass V for
+    top_k = 0); top_p [R] in (0, 1], logits' dtype (1 = off). Returns `logits`.
     - top_k first: a token survives when its logit is >= the row's k-th highest logit
       (tokens tied with the k-th all survive, like transformers' TopKLogitsWarper);
     - top_p on the distribution that top_k left: sorted from most to least likely, a
@@ -154,6 +154,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop[:, 0] = False
     ordered = ordered.masked_fill(drop, float("-inf"))
     return logits.scatter_(1, order, ordered)
+
+
+def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al., 2022), as transformers' TypicalLogitsWarper:
+    in every row, rank the tokens by how far their surprise (-log p) lies from the row's
+    entropy, nearest first, and keep the shortest run of that ranking whose probability
+    reaches typical_p (tokens as far as the last one kept stay too); the rest become -inf,
+    in place. typical_p [R] in (0, 1], 1 = off. Returns `logits`."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    probs = log_probs.exp()
+    entropy = -(log_probs * probs).nansum(dim=-1, keepdim=True)     # 0 * -inf is NaN: a forbidden token adds 0
+    distance, order = (-log_probs - entropy).abs().sort(dim=-1)
+    mass = probs.gather(1, order).cumsum(dim=-1)
+    last = (mass < typical_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(max=logits.shape[-1] - 1)
+    drop_sorted = (distance > distance.gather(1, last)) & (typical_p < 1).unsqueeze(1)
+    return logits.masked_fill_(torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted), float("-inf"))
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
@@ -241,6 +257,7 @@ class SamplingTensors:
     temperature: torch.Tensor      # float32; 1.0 on greedy rows (they are never divided)
     greedy: torch.Tensor           # bool
     min_p: torch.Tensor            # float32
+    typical_p: torch.Tensor        # float32
     repetition: torch.Tensor       # float32
     presence: torch.Tensor         # float32
     frequency: torch.Tensor        # float32
@@ -255,6 +272,7 @@ class SamplingTensors:
         return cls(temperature=column([1.0 if p.greedy else p.temperature for p in params], torch.float32),
                    greedy=column([p.greedy for p in params], torch.bool),
                    min_p=column([p.min_p for p in params], torch.float32),
+                   typical_p=column([p.typical_p for p in params], torch.float32),
                    repetition=column([p.repetition_penalty for p in params], torch.float32),
                    presence=column([p.presence_penalty for p in params], torch.float32),
                    frequency=column([p.frequency_penalty for p in params], torch.float32))
@@ -378,6 +396,8 @@ class Sampler:
                 sampled = [r.params for r in requests]          # greedy rows need no filter
                 filter_top_k_top_p(processed, [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab
                                                for p in sampled], [1.0 if p.greedy else p.top_p for p in sampled])
+            if any(r.params.typical_p < 1 for r in requests):
+                apply_typical_p(processed, params.typical_p)
             probs = torch.softmax(processed, dim=-1)
             draws = self._draw(probs, requests, generators)
             tokens = torch.where(params.greedy, tokens, draws)

@@ -40,6 +40,7 @@ from .batch import build_batch
 from .blocks import BlockManager
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner
+from .sampler import apply_min_p, apply_top_k_top_p
 from .update import SampledTokens, StepUpdate
 
 if TYPE_CHECKING:
@@ -90,21 +91,15 @@ def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     and a draft model's rows both go through this one function: rejection sampling only
     preserves the distribution when target and draft are warped by the same rules. Trap:
     work in float64, as `sample` does; rows computed in float32 differ from what the
-    non-speculative engine draws from.
+    non-speculative engine draws from. The rules are Chapter 34's (apply_top_k_top_p, then
+    apply_min_p), applied in `sample`'s order to float64 rows.
     """
     scaled = logits.double() / params.temperature
-    if params.top_k and params.top_k < scaled.shape[-1]:
-        kth = scaled.topk(params.top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        ordered, order = probs.sort(dim=-1, descending=True)
-        reached = (ordered.cumsum(dim=-1) - ordered) >= params.top_p
-        reached[:, 0] = False
-        probs = probs.masked_fill(torch.zeros_like(reached).scatter(-1, order, reached), 0.0)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * params.min_p, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    rows, vocab = scaled.shape
+    top_k = torch.full((rows,), params.top_k if 0 < params.top_k < vocab else vocab, device=scaled.device)
+    apply_top_k_top_p(scaled, top_k, scaled.new_full((rows,), params.top_p))
+    apply_min_p(scaled, scaled.new_full((rows,), params.min_p))
+    return torch.softmax(scaled, dim=-1)
 
 
 def settle(engine: EngineCore, request: Request, emitted: Sequence[int]) -> tuple[list[int], Status | None]:
@@ -412,30 +407,13 @@ class VerifyStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
-# What the verifier cannot honour: each rule changes the logits of a row depending on the
-# tokens before it, or must see every token as it is produced.
-NOT_WITH_DRAFTS = (
-    ("penalties", lambda p: p.needs_penalties,
-     "they depend on the tokens before each row, and a verification row's history includes unverified drafts"),
-    ("logit_bias", lambda p: bool(p.logit_bias), "the verifier warps only temperature, top_k, top_p and min_p"),
-    ("allowed_token_ids", lambda p: p.allowed_token_ids is not None,
-     "the verifier warps only temperature, top_k, top_p and min_p"),
-    ("min_tokens", lambda p: p.min_tokens > 0, "it masks EOS row by row, and the verifier does not"),
-    ("logprobs", lambda p: p.logprobs is not None or p.prompt_logprobs is not None,
-     "the verifier reports no logprobs"),
-    ("guided decoding", lambda p: p.guided_regex is not None or p.guided_json is not None,
-     "a guide would have to advance over drafts that may be rejected"),
-)
-
-
-def refuse_with_drafter(request_id: str, params: SamplingParams, lora: object, features: object) -> None:
-    """Raise ValueError, naming the request and the rule, for what speculation refuses."""
+def refuse_with_drafter(request_id: str, lora: object, features: object) -> None:
+    """Raise ValueError, naming the request, for adapter and image requests: speculation
+    refuses them whatever their sampling parameters (those the verifier does not honour are
+    refused by serve.request.FIELD_RULES)."""
     if lora is not None or features:
         raise ValueError(f"request {request_id!r}: speculative decoding does not take adapter or image requests "
                          f"(Chapter 43): the drafts would be guessed without them")
-    for name, wanted, why in NOT_WITH_DRAFTS:
-        if wanted(params):
-            raise ValueError(f"request {request_id!r}: {name} cannot be used with speculative decoding: {why}")
 
 
 @dataclass
@@ -544,4 +522,4 @@ ASYNC_REFUSAL = ("speculative decoding needs synchronous scheduling (EngineConfi
 
 __all__ = ["propose_ngram", "warped_probs", "settle", "Draft", "Proposer", "NgramProposer", "DraftModelProposer",
            "DraftHeads", "train_heads", "HeadProposer", "VerifyStats", "Speculator", "refuse_with_drafter",
-           "NOT_WITH_DRAFTS", "ASYNC_REFUSAL"]
+           "ASYNC_REFUSAL"]

@@ -11,7 +11,7 @@ offending field. The policy for fields:
   its token ids and the prompt's). Messages take any role string the chat template
   renders; keys besides role, content and name are ignored, except tool calls (refused).
   With Chapter 34's full sampler: logprobs (completions: how many top tokens, 0..5; chat:
-  true/false with top_logprobs 0..20), presence_penalty and frequency_penalty (-2..2),
+  true/false with top_logprobs 0..20), typical_p, presence_penalty and frequency_penalty (-2..2),
   logit_bias (token id -> -100..100) and vLLM's repetition_penalty (> 0). An engine with
   Chapter 31's simple sampler refuses those requests itself (a 400 naming the sampler).
 - OpenAI fields this engine cannot honour (prompt logprobs, suffix, tools, ...):
@@ -45,8 +45,6 @@ TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "function_call")
 
 MAX_LOGPROBS = 5                # OpenAI's limit for /v1/completions' logprobs
 MAX_TOP_LOGPROBS = 20           # and for chat's top_logprobs
-MAX_LOGIT_BIAS = 100.0          # OpenAI's range for a logit_bias value: -100..100
-SEED_RANGE = 1 << 64            # torch seeds are 64-bit; sample i of n is seeded seed + i
 MAX_INTEGER = 1 << 64           # no integer anywhere in a body is this large or larger (in size)
 MAX_INTEGER_DIGITS = 20         # 2**64 has 20 digits: a longer one is refused without converting it
 
@@ -72,7 +70,7 @@ class Limits:
 COMMON_FIELDS = {"model", "max_tokens", "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                  "stream_options", "user", "stop_token_ids", "ignore_eos", "min_tokens", "return_token_ids", "logprobs",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
-                 "guided_regex", "guided_json", "structured_outputs"}
+                 "guided_regex", "guided_json", "structured_outputs", "typical_p"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -181,13 +179,16 @@ def _check_string(value: str, where: str, max_chars: int) -> None:
 Default = TypeVar("Default", int, None)
 
 
-def _integer(body: dict[str, Any], name: str, default: Default, low: int, high: int | None = None) -> int | Default:
+def _integer(body: dict[str, Any], name: str, default: Default, low: int | None = None,
+             high: int | None = None) -> int | Default:
+    """The body's integer `name` (default when absent or null), checked against the wire's
+    own bounds low..high, when given (ranges of SamplingParams' fields are its own)."""
     value = body.get(name, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(name, f"{name} must be an integer, got {_shown(value)}")
-    if value < low or (high is not None and value > high):
+    if low is not None and (value < low or (high is not None and value > high)):
         allowed = f">= {low}" if high is None else f"between {low} and {high}"
         raise bad(name, f"{name} must be {allowed}, got {value}")
     return value
@@ -278,8 +279,8 @@ def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
 
 
 def _logit_bias(body: dict[str, Any], limits: Limits, vocab_size: int | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias: an object from token ids (as decimal strings) to numbers in
-    -100..100. Every bad key is named, not only the first."""
+    """OpenAI's logit_bias: an object from token ids (as decimal strings) to numbers. Every
+    bad key is named, not only the first."""
     bias = body.get("logit_bias")
     if bias is None:
         return None
@@ -292,12 +293,10 @@ def _logit_bias(body: dict[str, Any], limits: Limits, vocab_size: int | None) ->
         allowed = "" if vocab_size is None else f" (0..{vocab_size - 1})"
         raise bad("logit_bias", f"logit_bias keys must be token ids{allowed} written in decimal; "
                                 f"not: {', '.join(_shown(key) for key in not_ids[:10])}")
-    out_of_range = [key for key, value in bias.items() if isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or abs(value) > MAX_LOGIT_BIAS]
-    if out_of_range:
-        raise bad("logit_bias", f"logit_bias values must be numbers between -{MAX_LOGIT_BIAS:g} and "
-                                f"{MAX_LOGIT_BIAS:g}; not: "
-                                f"{', '.join(f'{key}: {_shown(bias[key])}' for key in out_of_range[:10])}")
+    not_numbers = [key for key, value in bias.items() if isinstance(value, bool) or not isinstance(value, (int, float))]
+    if not_numbers:             # their range is SamplingParams' rule
+        raise bad("logit_bias", f"logit_bias values must be numbers; not: "
+                                f"{', '.join(f'{key}: {_shown(bias[key])}' for key in not_numbers[:10])}")
     return {int(key): float(value) for key, value in bias.items()}
 
 
@@ -402,13 +401,6 @@ def guide_field(body: dict[str, Any]) -> str | None:
         if body.get(name) is not None:
             return name
     return None
-
-
-def _penalty(body: dict[str, Any], name: str) -> float:
-    value = _number(body, name, 0.0)
-    if not -2 <= value <= 2:
-        raise bad(name, f"{name} must be between -2 and 2, got {value}")
-    return value
 
 
 def _messages(body: dict[str, Any], limits: Limits) -> list[dict[str, str]]:
@@ -544,12 +536,6 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise bad("temperature", f"temperature must be between 0 and 2, got {temperature}")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad("top_p", f"top_p must be in (0, 1], got {top_p}")
-    min_p = _number(body, "min_p", 0.0)
-    if not 0 <= min_p <= 1:
-        raise bad("min_p", f"min_p must be in [0, 1], got {min_p}")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
@@ -560,33 +546,37 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", f"user must be a string, got {_shown(user)}")
-    repetition = _number(body, "repetition_penalty", 1.0)
-    if repetition <= 0:
-        raise bad("repetition_penalty", f"repetition_penalty must be > 0, got {repetition}")
     regex, schema = _guided(body, limits)
     n = _integer(body, "n", 1, 1, limits.max_n)
-    min_tokens = _integer(body, "min_tokens", 0, 0, max_tokens)
+    min_tokens = _integer(body, "min_tokens", 0)
     echo = not chat and _flag(body, "echo")
     logprobs = _logprobs(body, chat)
     if echo and logprobs is not None and stream:
         raise bad("echo", "echo with logprobs is not streamed by this server; ask without stream",
                   code="unsupported_field")
-    params = sampling_params_class(
-        n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-        top_k=max(top_k, 0), min_p=min_p, seed=_integer(body, "seed", None, 0, SEED_RANGE - n),
-        stop_token_ids=_stop_token_ids(body, limits, vocab_size), ignore_eos=_flag(body, "ignore_eos"),
-        min_tokens=min_tokens,
-        logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
-        presence_penalty=_penalty(body, "presence_penalty"),
-        frequency_penalty=_penalty(body, "frequency_penalty"), repetition_penalty=repetition,
-        logit_bias=_logit_bias(body, limits, vocab_size), guided_regex=regex, guided_json=schema)
+    try:        # SamplingParams holds the ranges (serve.request.FIELD_RULES); its message names the field
+        params = sampling_params_class(
+            n=n, max_tokens=max_tokens, temperature=temperature, top_p=_number(body, "top_p", 1.0),
+            top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0), typical_p=_number(body, "typical_p", 1.0),
+            seed=_integer(body, "seed", None),
+            stop_token_ids=_stop_token_ids(body, limits, vocab_size), ignore_eos=_flag(body, "ignore_eos"),
+            min_tokens=min_tokens,
+            logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body, limits, vocab_size), guided_regex=regex, guided_json=schema)
+    except ValueError as exc:
+        raise bad(_field_in(str(exc), tuple(body)), str(exc)) from None
     return ParsedRequest(chat, model, list(prompt_ids), params, _stop_strings(body, limits), stream, include_usage,
                          _flag(body, "return_token_ids"), sent=tuple(body), echo=echo)
 
 
 # Words of the engine's messages that stand for a field of the body.
+_GUIDE_FIELDS = ("guided_regex", "guided_json", "structured_outputs", "response_format")
 _FIELD_WORDS = {"penalties": ("presence_penalty", "frequency_penalty", "repetition_penalty"),
-                "guided": ("guided_regex", "guided_json", "structured_outputs", "response_format"),
+                "guided": _GUIDE_FIELDS, "guided_regex": _GUIDE_FIELDS, "guided_json": _GUIDE_FIELDS,
+                "logprobs": ("logprobs", "top_logprobs"), "prompt_logprobs": ("echo", "logprobs"),
                 "token": ("prompt", "messages"), "prompt": ("prompt", "messages")}
 
 
@@ -594,10 +584,15 @@ def field_named(message: str, parsed: ParsedRequest) -> str | None:
     """The body field an engine refusal (a ValueError's message) is about: of the fields the
     client sent, the one the message names first; None when it names none. The engine
     speaks of SamplingParams' fields, which carry the API's names."""
+    return _field_in(message, parsed.sent)
+
+
+def _field_in(message: str, fields: Sequence[str]) -> str | None:
+    """field_named for a body whose fields are `fields`."""
     best: tuple[int, str] | None = None
     for word in re.finditer(r"[a-z_]+", message):
         candidates = _FIELD_WORDS.get(word.group(), (word.group(),))
-        sent = [name for name in candidates if name in parsed.sent]
+        sent = [name for name in candidates if name in fields]
         if sent and (best is None or word.start() < best[0]):
             best = (word.start(), sent[0])
     return best[1] if best else None
@@ -612,9 +607,10 @@ def logprobs_object(chat: bool, entries: Sequence[TokenLogprobs], decode: Callab
     bytes, top_logprobs}]}, or completions' {tokens, token_logprobs, top_logprobs,
     text_offset}. Token strings are each token decoded alone; a token that is part of a
     multi-byte character decodes to U+FFFD, which is what "bytes" is for in chat. The
-    completions' top_logprobs dicts are keyed by token string, so a token whose string is
-    empty, unreadable or already a key there is keyed "token_id:<id>" (vLLM's spelling)
-    rather than silently overwriting another."""
+    completions' top_logprobs dicts hold the chosen token first, then the top ones (as
+    vLLM's do: logprobs=0 lists the chosen token alone), keyed by token string, so a token
+    whose string is empty, unreadable or already a key there is keyed "token_id:<id>"
+    (vLLM's spelling) rather than silently overwriting another."""
     def piece(token_id: int) -> str:
         return decode([token_id])
 
@@ -634,7 +630,9 @@ def logprobs_object(chat: bool, entries: Sequence[TokenLogprobs], decode: Callab
 
     def top(entry: TokenLogprobs) -> dict[str, float]:
         found: dict[str, float] = {}
-        for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
+        listed = [(entry.token_id, entry.logprob)] + [(t, lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)
+                                                      if t != entry.token_id]
+        for token_id, logprob in listed:
             key = piece(token_id)
             if not key or "\ufffd" in key or key in found:
                 key = f"token_id:{token_id}"
