@@ -204,7 +204,7 @@ def step_contender(label: str, make: Callable, workloads) -> Contender:
     return Contender(label, lambda workload: Recorded(make(workload)), serve)
 
 
-def core_contender(impl, model, backend: str, block_size: int = 16) -> Contender:
+def core_contender(impl, model, backend: str, block_size: int = 16, dtype: str = "auto") -> Contender:
     serve_modules = {name: impl.load(f"serve.{name}") for name in ("engine", "config", "request")}
     workloads = impl.load("workloads")
     eos = getattr(model.cfg, "eos_token_id", None)
@@ -212,7 +212,7 @@ def core_contender(impl, model, backend: str, block_size: int = 16) -> Contender
     def make(workload):
         blocks = sum(-(-(len(it.prompt_ids) + it.max_tokens) // block_size) for it in workload.items) + 8
         config = serve_modules["config"].EngineConfig(num_blocks=blocks, block_size=block_size,
-                                                      attention_backend=backend)
+                                                      attention_backend=backend, dtype=dtype)
         return CoreSteps(serve_modules["engine"].EngineCore(model, config, eos_token_id=eos), serve_modules["request"])
 
     return step_contender(f"core/{backend}", make, workloads)
@@ -278,6 +278,47 @@ def hf_contender(model, static: bool, batch: int | None = None, subset: int | No
     else:
         label = "hf " + ("static" if static else "default") + (f", batches of {batch}" if batch else "")
     return Contender(label, lambda workload: None, serve, streams=False, subset=subset)
+
+
+# --- reduced precision: agreement instead of equality -----------------------------------------
+
+def agreement(outputs: dict, reference: dict, items: list, logits_of: Callable) -> dict:
+    """How closely `outputs` follow `reference` (both {request_id: tokens}, already cut) when
+    the two ran in a reduced precision, where bit equality is not the rule: requests whose
+    tokens are identical, the share of the reference's tokens inside each request's common
+    prefix, and at every first divergence the margin by which `logits_of(prompt + prefix)`
+    (the reference model's logits for the next token, float32 [vocab]) preferred its own
+    token to the other's. A rounding difference shows as a near tie (a margin of a few
+    hundredths of a logit in bfloat16); a bug shows as a wide margin or a low share."""
+    prompts = {it.request_id: it.prompt_ids for it in items}
+    same, common, total, margins = 0, 0, 0, []
+    for rid, want in reference.items():
+        got = outputs[rid]
+        total += len(want)
+        prefix = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        common += prefix
+        if got == want:
+            same += 1
+        elif prefix < min(len(want), len(got)):       # a different token, not only a different length
+            logits = logits_of(prompts[rid] + want[:prefix])
+            margins.append((float(logits[want[prefix]] - logits[got[prefix]]), rid, prefix))
+    widest = max(margins, default=None)
+    return {"identical_requests": f"{same} of {len(reference)}",
+            "tokens_in_common_prefix": round(common / max(1, total), 3),
+            "first_divergences": len(margins),
+            "widest_divergence_margin": None if widest is None else round(widest[0], 4),
+            "widest_divergence_at": None if widest is None else f"{widest[1]} token {widest[2]}"}
+
+
+def next_token_logits(model) -> Callable:
+    """logits_of for agreement(): a causal LM (ours or transformers') on one token list."""
+    device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def logits_of(tokens: list) -> torch.Tensor:
+        out = model(torch.tensor([tokens], device=device))
+        return (out.logits if hasattr(out, "logits") else out)[0, -1].float().cpu()
+    return logits_of
 
 
 # --- running -----------------------------------------------------------------------------------
@@ -503,6 +544,11 @@ def summarise(workload: Workload, lines: list) -> dict:
     hf = {label: value for label, value in tok.items() if label.startswith("hf")}
     hf_static = max((v for k, v in hf.items() if "static" in k), default=None)
     out = {"workload": workload.name, "outputs_identical": all(line.get("identical", True) for line in lines)}
+    held = [line for line in lines if "agreement" in line]
+    if held:       # a reduced-precision run: equality was not asked, agreement was
+        del out["outputs_identical"]
+        out["widest_divergence_margin"] = max((line["agreement"]["widest_divergence_margin"] or 0.0
+                                               for line in held), default=0.0)
     for label in (k for k in tok if k.startswith("core/")):
         backend = label.split("/", 1)[1]
         out[f"{backend}_vs_ch24"] = ratio(tok[label], tok.get("ch24 slots"))
