@@ -131,17 +131,17 @@ def run(args):
     exact = args.dtype != "bfloat16"
     for workload, contenders in plans:
         eos = workload.model.cfg.eos_token_id
-        first = None
+        first = held_to = None
         if not exact:   # rounding may part greedy paths: held to transformers by agreement, not equality
             held_to = next((c for c in contenders if c.label.startswith("hf")), contenders[0])
-            first = bench.report(held_to, workload, eos, impl.load("workloads"))[1]
+            theirs = bench.report(held_to, workload, eos, impl.load("workloads"))[1]
             logits_of = bench.next_token_logits(bench.transformers_model(workload.model))
         mine = []
         for contender in contenders:
-            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), None if not exact else first)
-            if not exact and contender is not held_to:
+            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first if exact else None)
+            if held_to is not None and contender is not held_to:
                 line["agreement_with"] = held_to.label
-                line["agreement"] = bench.agreement(outputs, {rid: first[rid] for rid in outputs}, workload.items,
+                line["agreement"] = bench.agreement(outputs, {rid: theirs[rid] for rid in outputs}, workload.items,
                                                     logits_of)
             first = first or outputs
             mine.append(line)

@@ -15,6 +15,7 @@ SamplerName = Literal["simple", "full"]
 KVCacheDtype = Literal["auto", "int8", "fp8"]
 CudaGraphs = Literal["off", "auto", "on", "static"]
 DeviceQueueMode = Literal["auto", "cuda", "thread", "inline"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 # field -> the values it takes (the Literal's arguments)
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -24,6 +25,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_dtype": get_args(KVCacheDtype),
     "cuda_graphs": get_args(CudaGraphs),
     "device_queue": get_args(DeviceQueueMode),
+    "dtype": get_args(ModelDtype),
 }
 
 
@@ -70,6 +72,10 @@ class EngineConfig:
     debug_checks             check the scheduler's and block manager's invariants
                              (course/testing/engine_checks.py) inside every step: slow, for tests
     max_loras                most distinct LoRA adapters running at once (Chapter 43)
+    dtype                    the weights' and KV pool's dtype: "auto" keeps the model's; a name
+                             ("bfloat16": AMX/AVX512-BF16 matmuls on a recent CPU, tensor cores
+                             on a GPU) casts the model's weights IN PLACE when the core is built
+                             (Chapter 32). Norm statistics, RoPE angles and logits stay float32.
     """
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -92,6 +98,7 @@ class EngineConfig:
     device_queue: DeviceQueueMode = "auto"
     debug_checks: bool = False
     max_loras: int = 4
+    dtype: ModelDtype = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
