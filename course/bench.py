@@ -321,6 +321,57 @@ def next_token_logits(model) -> Callable:
     return logits_of
 
 
+def hf_continuous_contender(model, block_size: int = 16) -> Contender:
+    """transformers' own continuous batching (the manager behind `generate_batch`: a paged KV
+    cache, requests joining and leaving the batch step by step), greedy, each request with
+    its own max_tokens and the model's EOS: the strongest transformers path, and the closest
+    to the engine's design. Like the core, it gets a pool sized to the workload (blocks of
+    `block_size` tokens) and a 2,048-token step budget, and builds its manager untimed (in
+    make): sized from free memory instead, its setup alone fills tens of gigabytes."""
+    import logging
+
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+    hf = transformers_model(model)
+    eos = getattr(model.cfg, "eos_token_id", None)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)    # per-run notices, not results
+
+    @torch.inference_mode()
+    def make(workload):
+        longest = max(it.max_tokens for it in workload.items)
+        settings = GenerationConfig(do_sample=False, eos_token_id=-1 if eos is None else eos, pad_token_id=0,
+                                    max_new_tokens=longest)
+        blocks = sum(-(-(len(it.prompt_ids) + it.max_tokens) // block_size) for it in workload.items) + 8
+        sizes = ContinuousBatchingConfig(block_size=block_size, num_blocks=blocks, max_batch_tokens=2048)
+        hints = WorkloadHints(max_prompt_length=max(len(it.prompt_ids) for it in workload.items),
+                              max_generated_length=longest, num_requests=len(workload.items))
+        manager = hf.init_continuous_batching(settings, sizes, hints)
+        manager.warmup()
+        return manager
+
+    @torch.inference_mode()
+    def serve(manager, items):
+        outputs = {}
+        manager.start()
+        try:
+            for it in items:
+                manager.add_request(list(it.prompt_ids), request_id=it.request_id, max_new_tokens=it.max_tokens)
+            while len(outputs) < len(items):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    outputs[result.request_id] = list(result.generated_tokens)
+                elif result is None and not manager.is_running():
+                    raise RuntimeError(f"transformers' continuous batching stopped with {len(outputs)} of "
+                                       f"{len(items)} requests done")
+        finally:
+            # Ask the loop to end and return: joining it waits out its idle poll (over a
+            # second), teardown that no request waits for.
+            manager.stop(block=False)
+        return outputs, None
+
+    return Contender("hf generate_batch", make, serve, streams=False)
+
+
 # --- running -----------------------------------------------------------------------------------
 
 def _sync(device):

@@ -7,6 +7,8 @@ interleaved round by round (a busy moment on a shared machine slows every conten
   hf default       transformers' generate (its class of the model's family) on the whole batch, left-padded
   hf static        the same with cache_implementation="static" (preallocated KV), the
                    whole batch and, when there are more than 16 requests, batches of 16
+  hf generate_batch transformers' continuous batching (paged KV cache, requests joining and
+                   leaving the batch every step, each with its own max_tokens)
   hf one at a time transformers' generate on one request after another, as a naive server
                    would: the first 8 requests are timed and their rate stands for the
                    workload's (the line's rate_of_first_requests says so)
@@ -204,7 +206,8 @@ def _contenders(impl, bench, workload, device, backends, args):
     contenders = ([bench.core_contender(impl, model, b, dtype=name) for b in backends]
                   + [bench.slots_contender(impl, model)])
     if not args.no_hf and not workload.timed_arrivals:
-        contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True)]
+        contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True),
+                       bench.hf_continuous_contender(model)]
         if len(workload.items) > 16:
             contenders.append(bench.hf_contender(model, static=True, batch=16))
         # How a naive server runs transformers: one request after another (a subset, timed).
