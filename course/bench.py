@@ -351,7 +351,7 @@ def hf_continuous_contender(model, block_size: int = 16) -> Contender:
 
     @torch.inference_mode()
     def serve(manager, items):
-        outputs = {}
+        outputs: dict[str, list] = {}
         manager.start()
         try:
             for it in items:
