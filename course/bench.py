@@ -47,10 +47,20 @@ class Workload:
     shape: dict
     timed_arrivals: bool = False          # Poisson: requests arrive while others run
     checkpoint: str | None = None
+    threads: int = 1                      # torch threads every contender runs it with
 
     @property
     def longest(self) -> int:
         return max(len(it.prompt_ids) + it.max_tokens for it in self.items)
+
+
+def with_threads(workload: Workload, threads: int, label: bool) -> Workload:
+    """The same workload (items, model) timed with `threads` torch threads; with `label`,
+    its name says so, so each thread count keeps its own lines and rounds."""
+    twin = dataclasses.replace(workload, threads=threads,
+                               name=f"{workload.name} threads={threads}" if label else workload.name)
+    twin.model = getattr(workload, "model", None)
+    return twin
 
 
 def _scaled(bounds: tuple, scale: float, floor: int = 4) -> tuple:
@@ -399,7 +409,8 @@ def report(contender: Contender, workload: Workload, eos: int | None, workloads,
     items = {it.request_id: it for it in workload.items}
     outputs = {rid: cut(tokens, items[rid].max_tokens, eos) for rid, tokens in outputs.items()}
     tokens = sum(len(v) for v in outputs.values())
-    line = {"workload": workload.name, "contender": contender.label, "requests": len(outputs),
+    line = {"workload": workload.name, "contender": contender.label, "threads": workload.threads,
+            "dtype": str(next(workload.model.parameters()).dtype).removeprefix("torch."), "requests": len(outputs),
             "output_tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
     rounds = contender.rounds.get(workload.name, [])
     if len(rounds) > 1:                  # the spread a busy machine gives: every round's rate

@@ -87,3 +87,18 @@ def test_run_py_bench_in_bfloat16_reports_agreement(impl, device, capsys):
     assert core["agreement_with"].startswith("hf") and "widest_divergence_margin" in core["agreement"], core
     summary = next(line for line in lines if "vectorised_vs_ch24" in line)
     assert "widest_divergence_margin" in summary and "outputs_identical" not in summary, summary
+
+
+def test_bench_threads_option_makes_one_labelled_plan_per_count():
+    from course.cli import CommandError
+    from course.commands import bench as command
+    assert command._thread_counts("1,2") == [1, 2] and command._thread_counts(None) == []
+    for wrong in ("0", "two", ","):
+        with pytest.raises(CommandError, match="--threads"):
+            command._thread_counts(wrong)
+    workload = bench.Workload("seed", [], {})
+    workload.model = "the same weights"
+    twin = bench.with_threads(workload, 2, label=True)
+    assert (twin.name, twin.threads, twin.model) == ("seed threads=2", 2, "the same weights"), \
+        "each thread count keeps its own lines (its name) and the workload's model"
+    assert bench.with_threads(workload, 1, label=False).name == "seed"

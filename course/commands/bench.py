@@ -42,7 +42,7 @@ import json
 
 import torch
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
+from course.cli import CommandError, add_device_argument, add_impl_argument
 from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 from course.models.smollm2 import SmolLM2Unavailable
 
@@ -74,7 +74,9 @@ def add_arguments(parser):
                              "transformers' by agreement and divergence margins, not equality")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers' generate out")
     parser.add_argument("--repeat", type=int, default=2, help="timed rounds; each contender's best counts (default 2)")
-    add_threads_argument(parser, help="torch threads for every contender (default: 1 on CPU, torch's choice on CUDA)")
+    parser.add_argument("--threads", default=None,
+                        help="torch threads for every contender, or several counts comma-separated (1,2: every "
+                             "workload timed at each, interleaved; default: 1 on CPU, torch's choice on CUDA)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one run of the core with each backend: share of step time per part")
     parser.add_argument("--plot", default=None, metavar="FILE", help="draw throughput and latency bars into FILE")
@@ -84,7 +86,10 @@ def add_arguments(parser):
 def run(args):
     from course import bench
     from course.commands._setup import SMOLLM2_CHAPTERS, needs_chapters, prepare
+    thread_counts = _thread_counts(args.threads)
+    args.threads = thread_counts[0] if thread_counts else None
     impl, device = prepare(args)
+    thread_counts = thread_counts or [torch.get_num_threads()]
     specs = [_workload_spec(text.strip(), args) for text in args.workloads.split(",") if text.strip()]
     if not specs:
         raise CommandError(f"--workloads takes names from {', '.join(WORKLOADS)}; got {args.workloads!r}")
@@ -106,16 +111,21 @@ def run(args):
         plans = [(w, _contenders(impl, bench, w, device, backends, args)) for w in workloads]
     except (ValueError, SmolLM2Unavailable) as exc:
         raise CommandError(str(exc)) from None
+    # One plan per workload and thread count, the same contenders (and weights) in each.
+    plans = [(bench.with_threads(w, threads, len(thread_counts) > 1), contenders)
+             for w, contenders in plans for threads in thread_counts]
     progress = bench.Progress(sum(len(c) for _, c in plans) * (args.repeat + 1), enabled=not args.quiet)
     try:
         for workload, contenders in plans:          # warm-up: first calls pay one-off costs
             warm = bench.Workload(workload.name, workload.items[:2], workload.shape)
+            torch.set_num_threads(workload.threads)
             for contender in contenders:
                 progress.show(f"warm-up {workload.name}: {contender.label}")
                 contender.serve(contender.make(warm), warm.items)
                 progress.tick()
         for _ in range(args.repeat):
             for workload, contenders in plans:
+                torch.set_num_threads(workload.threads)
                 for contender in contenders:
                     progress.show(f"{workload.name}: {contender.label}")
                     bench.timed_run(contender, workload, device)
@@ -213,6 +223,19 @@ def _contenders(impl, bench, workload, device, backends, args):
         # How a naive server runs transformers: one request after another (a subset, timed).
         contenders.append(bench.hf_contender(model, static=False, batch=1, subset=ONE_AT_A_TIME_SUBSET))
     return contenders
+
+
+def _thread_counts(text):
+    """--threads "1,2" -> [1, 2]; None -> [] (the device's default)."""
+    if text is None:
+        return []
+    try:
+        counts = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise CommandError(f"--threads takes whole numbers, comma-separated; got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise CommandError(f"--threads counts must be at least 1; got {text!r}")
+    return counts
 
 
 def _dtype(args, device):
