@@ -12,7 +12,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -48,6 +48,7 @@ class Workload:
     timed_arrivals: bool = False          # Poisson: requests arrive while others run
     checkpoint: str | None = None
     threads: int = 1                      # torch threads every contender runs it with
+    model: Any = field(default=None, repr=False)     # the weights every contender serves it with
 
     @property
     def longest(self) -> int:
@@ -57,10 +58,8 @@ class Workload:
 def with_threads(workload: Workload, threads: int, label: bool) -> Workload:
     """The same workload (items, model) timed with `threads` torch threads; with `label`,
     its name says so, so each thread count keeps its own lines and rounds."""
-    twin = dataclasses.replace(workload, threads=threads,
+    return dataclasses.replace(workload, threads=threads,
                                name=f"{workload.name} threads={threads}" if label else workload.name)
-    twin.model = getattr(workload, "model", None)
-    return twin
 
 
 def _scaled(bounds: tuple, scale: float, floor: int = 4) -> tuple:
