@@ -381,6 +381,61 @@ def hf_continuous_contender(model, block_size: int = 16) -> Contender:
     return Contender("hf generate_batch", make, serve, streams=False)
 
 
+# --- the machine's limits (a roofline) --------------------------------------------------------
+
+def _best_seconds(work: Callable, rounds: int) -> float:
+    work()                                           # first call: allocation, kernel choice
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine_limits(device: torch.device, dtypes: list, size: int = 2048, rounds: int = 5) -> dict:
+    """This machine's two roofs at the current torch thread count: the matmul rate in each of
+    `dtypes` (FLOP/s of a size x size product, the best of `rounds`) and the memory bandwidth
+    (bytes read and written per second by a copy of 256 MiB, far larger than any cache)."""
+    limits: dict = {"threads": torch.get_num_threads(), "matmul_tflops": {}}
+    for dtype in dtypes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        seconds = _best_seconds(lambda a=a, b=b: (a @ b, _sync(device)), rounds)
+        limits["matmul_tflops"][str(dtype).removeprefix("torch.")] = round(2 * size ** 3 / seconds / 1e12, 3)
+    source = torch.empty(64 << 20, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    seconds = _best_seconds(lambda: (target.copy_(source), _sync(device)), rounds)
+    limits["memory_gb_s"] = round(2 * source.numel() * 4 / seconds / 1e9, 1)
+    return limits
+
+
+def matmul_weights(model) -> int:
+    """Weights that take part in a matrix product per token (every nn.Linear, the LM head
+    among them even when tied to the embedding, which is only gathered)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def roofline_share(line: dict, workload: Workload, limits: dict) -> dict:
+    """What share of this machine's limits a contender's line reached. The model's matmul
+    work is 2 FLOPs per weight per token, prompt and output tokens alike (attention and
+    prefix-cache hits aside: a lower bound); the bytes are one read of every weight per
+    step (engines report their steps). The slower of the two roofs is the step's limit."""
+    dtype = line["dtype"]
+    weights = matmul_weights(workload.model)
+    served = workload.items[:line["requests"]]
+    tokens = sum(len(it.prompt_ids) for it in served) + line["output_tokens"]
+    peak = limits["matmul_tflops"].get(dtype)
+    share: dict = {}
+    if peak:
+        share["of_matmul_peak"] = round(2 * weights * tokens / line["seconds"] / (peak * 1e12), 3)
+    if line.get("steps"):
+        element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        share["of_memory_bandwidth"] = round(line["steps"] * weights * element / line["seconds"]
+                                             / (limits["memory_gb_s"] * 1e9), 3)
+    return share
+
+
 # --- running -----------------------------------------------------------------------------------
 
 def _sync(device):

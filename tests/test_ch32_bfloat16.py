@@ -102,3 +102,16 @@ def test_bench_threads_option_makes_one_labelled_plan_per_count():
     assert (twin.name, twin.threads, twin.model) == ("seed threads=2", 2, "the same weights"), \
         "each thread count keeps its own lines (its name) and the workload's model"
     assert bench.with_threads(workload, 1, label=False).name == "seed"
+
+
+def test_roofline_share_counts_two_flops_per_weight_per_token_and_one_weight_read_per_step(tiny_model):
+    weights = bench.matmul_weights(tiny_model)
+    linears = [m for m in tiny_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert weights == sum(m.weight.numel() for m in linears) and tiny_model.lm_head in linears
+    workload = bench.Workload("w", [item("a", [1] * 30), item("b", [2] * 10)], {}, model=tiny_model)
+    line = {"dtype": "float32", "requests": 2, "output_tokens": 60, "seconds": 2.0, "steps": 25}
+    share = bench.roofline_share(line, workload, {"matmul_tflops": {"float32": 1e-6}, "memory_gb_s": 1e-3})
+    assert share["of_matmul_peak"] == round(2 * weights * 100 / 2.0 / 1e6, 3), share
+    assert share["of_memory_bandwidth"] == round(25 * weights * 4 / 2.0 / 1e6, 3), share
+    limits = bench.machine_limits(torch.device("cpu"), [torch.float32], size=64, rounds=1)
+    assert limits["matmul_tflops"]["float32"] > 0 and limits["memory_gb_s"] > 0, limits

@@ -77,6 +77,9 @@ def add_arguments(parser):
     parser.add_argument("--threads", default=None,
                         help="torch threads for every contender, or several counts comma-separated (1,2: every "
                              "workload timed at each, interleaved; default: 1 on CPU, torch's choice on CUDA)")
+    parser.add_argument("--roofline", action="store_true",
+                        help="first measure this machine's matmul peak (float32, bfloat16) and memory bandwidth "
+                             "at each thread count; every line then says what share of them it reached")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one run of the core with each backend: share of step time per part")
     parser.add_argument("--plot", default=None, metavar="FILE", help="draw throughput and latency bars into FILE")
@@ -114,6 +117,12 @@ def run(args):
     # One plan per workload and thread count, the same contenders (and weights) in each.
     plans = [(bench.with_threads(w, threads, len(thread_counts) > 1), contenders)
              for w, contenders in plans for threads in thread_counts]
+    limits = {}
+    if args.roofline:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            limits[threads] = bench.machine_limits(device, [torch.float32, torch.bfloat16])
+            print(json.dumps({"roofline": limits[threads]}), flush=True)
     progress = bench.Progress(sum(len(c) for _, c in plans) * (args.repeat + 1), enabled=not args.quiet)
     try:
         for workload, contenders in plans:          # warm-up: first calls pay one-off costs
@@ -151,6 +160,8 @@ def run(args):
         mine = []
         for contender in contenders:
             line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first if exact else None)
+            if workload.threads in limits:
+                line["roofline"] = bench.roofline_share(line, workload, limits[workload.threads])
             if held_to is not None and contender is not held_to:
                 line["agreement_with"] = held_to.label
                 line["agreement"] = bench.agreement(outputs, {rid: theirs[rid] for rid in outputs}, workload.items,
