@@ -16,7 +16,9 @@ row p % block_size. Query head h reads K/V head h // (heads // kv_heads) (GQA).
 
 On a machine without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1,
 chosen by importing Chapter 30's triton_kernels first): slow, but the same code.
-On a GPU, tl.dot needs tiles of at least 16 in every dimension: block_size >= 16.
+On a GPU, tl.dot needs the inner dimension of each product to be at least 16 (the head
+dimension in q k^T; the key tile, that is block_size, in p v): block_size >= 16. Fewer
+query rows are padded by the compiler itself.
 
 A quantized pool (TritonBackend(kv_cache_dtype="int8" or "fp8")) is read in place too: the
 kernel loads the 8-bit codes and each token's per-head scale and multiplies them in
