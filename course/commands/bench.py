@@ -27,8 +27,17 @@ options after colons, `NAME:vocab=N:config=qwen3-0.6b:scale=X`, which override -
 --config and --scale for it alone, so one run measures several shapes (the name with its
 options labels its lines).
 
-Prints one JSON line per contender and workload (tok_s from its fastest round, tok_s_rounds
-every round's, the spread a busy machine gives; streaming
+--dtype bfloat16 runs every contender on bfloat16 weights (and the core's KV pool, through
+EngineConfig.dtype): AMX or AVX512-BF16 matmuls on a CPU that has them. Rounding then parts
+greedy paths at near ties, so each line is held to transformers' outputs by agreement (the
+requests identical, the share of tokens before the first divergence) and by the margin
+transformers' logits gave its own token over the other at each first divergence, not by
+equality. --threads 1,2 times every workload at each thread count in the same interleaved
+rounds. --roofline first measures this machine's matmul rate (float32, bfloat16) and
+memory bandwidth at each thread count, and each line says what share of them it reached.
+
+Prints one JSON line per contender and workload (its threads and dtype; tok_s from its
+fastest round, tok_s_rounds every round's, the spread a busy machine gives; streaming
 engines also TTFT/TPOT percentiles, with Chapter 22's replay), then one summary line per
 workload with the ratios, and with --profile the share of a core step spent in each part.
 Outputs are compared request by request with the first contender's: a difference is
