@@ -115,3 +115,16 @@ def test_roofline_share_counts_two_flops_per_weight_per_token_and_one_weight_rea
     assert share["of_memory_bandwidth"] == round(25 * weights * 4 / 2.0 / 1e6, 3), share
     limits = bench.machine_limits(torch.device("cpu"), [torch.float32], size=64, rounds=1)
     assert limits["matmul_tflops"]["float32"] > 0 and limits["memory_gb_s"] > 0, limits
+
+
+def test_run_py_core_in_bfloat16_runs_every_engine_on_bfloat16_weights(impl, device, capsys):
+    from course import cli
+    status = cli.main(["core", "--impl", impl.spec.text, "--device", str(device), "--requests", "3",
+                       "--vocab-size", "320", "--repeat", "1", "--dtype", "bfloat16", "--backend", "vectorised"])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py core --dtype bfloat16 failed (a near-tie difference is reported, not an error):\n" \
+                        f"{out}{err}"
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    summary = next(line for line in lines if "outputs_identical" in line)
+    assert summary["dtype"] == "bfloat16", summary
+    assert all(line["tok_s"] > 0 for line in lines if "engine" in line), out
