@@ -12,7 +12,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -47,10 +47,19 @@ class Workload:
     shape: dict
     timed_arrivals: bool = False          # Poisson: requests arrive while others run
     checkpoint: str | None = None
+    threads: int = 1                      # torch threads every contender runs it with
+    model: Any = field(default=None, repr=False)     # the weights every contender serves it with
 
     @property
     def longest(self) -> int:
         return max(len(it.prompt_ids) + it.max_tokens for it in self.items)
+
+
+def with_threads(workload: Workload, threads: int, label: bool) -> Workload:
+    """The same workload (items, model) timed with `threads` torch threads; with `label`,
+    its name says so, so each thread count keeps its own lines and rounds."""
+    return dataclasses.replace(workload, threads=threads,
+                               name=f"{workload.name} threads={threads}" if label else workload.name)
 
 
 def _scaled(bounds: tuple, scale: float, floor: int = 4) -> tuple:
@@ -204,7 +213,7 @@ def step_contender(label: str, make: Callable, workloads) -> Contender:
     return Contender(label, lambda workload: Recorded(make(workload)), serve)
 
 
-def core_contender(impl, model, backend: str, block_size: int = 16) -> Contender:
+def core_contender(impl, model, backend: str, block_size: int = 16, dtype: str = "auto") -> Contender:
     serve_modules = {name: impl.load(f"serve.{name}") for name in ("engine", "config", "request")}
     workloads = impl.load("workloads")
     eos = getattr(model.cfg, "eos_token_id", None)
@@ -212,7 +221,7 @@ def core_contender(impl, model, backend: str, block_size: int = 16) -> Contender
     def make(workload):
         blocks = sum(-(-(len(it.prompt_ids) + it.max_tokens) // block_size) for it in workload.items) + 8
         config = serve_modules["config"].EngineConfig(num_blocks=blocks, block_size=block_size,
-                                                      attention_backend=backend)
+                                                      attention_backend=backend, dtype=dtype)
         return CoreSteps(serve_modules["engine"].EngineCore(model, config, eos_token_id=eos), serve_modules["request"])
 
     return step_contender(f"core/{backend}", make, workloads)
@@ -280,6 +289,153 @@ def hf_contender(model, static: bool, batch: int | None = None, subset: int | No
     return Contender(label, lambda workload: None, serve, streams=False, subset=subset)
 
 
+# --- reduced precision: agreement instead of equality -----------------------------------------
+
+def agreement(outputs: dict, reference: dict, items: list, logits_of: Callable) -> dict:
+    """How closely `outputs` follow `reference` (both {request_id: tokens}, already cut) when
+    the two ran in a reduced precision, where bit equality is not the rule: requests whose
+    tokens are identical, the share of the reference's tokens inside each request's common
+    prefix, and at every first divergence the margin by which `logits_of(prompt + prefix)`
+    (the reference model's logits for the next token, float32 [vocab]) preferred its own
+    token to the other's. A rounding difference shows as a near tie (a margin of a few
+    hundredths of a logit in bfloat16); a bug shows as a wide margin or a low share."""
+    prompts = {it.request_id: it.prompt_ids for it in items}
+    same, common, total, margins = 0, 0, 0, []
+    for rid, want in reference.items():
+        got = outputs[rid]
+        total += len(want)
+        prefix = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        common += prefix
+        if got == want:
+            same += 1
+        elif prefix < min(len(want), len(got)):       # a different token, not only a different length
+            logits = logits_of(prompts[rid] + want[:prefix])
+            margins.append((float(logits[want[prefix]] - logits[got[prefix]]), rid, prefix))
+    widest = max(margins, default=None)
+    return {"identical_requests": f"{same} of {len(reference)}",
+            "tokens_in_common_prefix": round(common / max(1, total), 3),
+            "first_divergences": len(margins),
+            "widest_divergence_margin": None if widest is None else round(widest[0], 4),
+            "widest_divergence_at": None if widest is None else f"{widest[1]} token {widest[2]}"}
+
+
+def next_token_logits(model) -> Callable:
+    """logits_of for agreement(): a causal LM (ours or transformers') on one token list."""
+    device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def logits_of(tokens: list) -> torch.Tensor:
+        out = model(torch.tensor([tokens], device=device))
+        return (out.logits if hasattr(out, "logits") else out)[0, -1].float().cpu()
+    return logits_of
+
+
+def hf_continuous_contender(model, block_size: int = 16) -> Contender:
+    """transformers' own continuous batching (the manager behind `generate_batch`: a paged KV
+    cache, requests joining and leaving the batch step by step), greedy, each request with
+    its own max_tokens and the model's EOS: the strongest transformers path, and the closest
+    to the engine's design. Like the core, it gets a pool sized to the workload (blocks of
+    `block_size` tokens) and a 2,048-token step budget, and builds its manager untimed (in
+    make): sized from free memory instead, its setup alone fills tens of gigabytes."""
+    import logging
+
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+    hf = transformers_model(model)
+    eos = getattr(model.cfg, "eos_token_id", None)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)    # per-run notices, not results
+
+    @torch.inference_mode()
+    def make(workload):
+        longest = max(it.max_tokens for it in workload.items)
+        settings = GenerationConfig(do_sample=False, eos_token_id=-1 if eos is None else eos, pad_token_id=0,
+                                    max_new_tokens=longest)
+        blocks = sum(-(-(len(it.prompt_ids) + it.max_tokens) // block_size) for it in workload.items) + 8
+        sizes = ContinuousBatchingConfig(block_size=block_size, num_blocks=blocks, max_batch_tokens=2048)
+        hints = WorkloadHints(max_prompt_length=max(len(it.prompt_ids) for it in workload.items),
+                              max_generated_length=longest, num_requests=len(workload.items))
+        manager = hf.init_continuous_batching(settings, sizes, hints)
+        manager.warmup()
+        return manager
+
+    @torch.inference_mode()
+    def serve(manager, items):
+        outputs: dict[str, list] = {}
+        manager.start()
+        try:
+            for it in items:
+                manager.add_request(list(it.prompt_ids), request_id=it.request_id, max_new_tokens=it.max_tokens)
+            while len(outputs) < len(items):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    outputs[result.request_id] = list(result.generated_tokens)
+                elif result is None and not manager.is_running():
+                    raise RuntimeError(f"transformers' continuous batching stopped with {len(outputs)} of "
+                                       f"{len(items)} requests done")
+        finally:
+            # Ask the loop to end and return: joining it waits out its idle poll (over a
+            # second), teardown that no request waits for.
+            manager.stop(block=False)
+        return outputs, None
+
+    return Contender("hf generate_batch", make, serve, streams=False)
+
+
+# --- the machine's limits (a roofline) --------------------------------------------------------
+
+def _best_seconds(work: Callable, rounds: int) -> float:
+    work()                                           # first call: allocation, kernel choice
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def machine_limits(device: torch.device, dtypes: list, size: int = 2048, rounds: int = 5) -> dict:
+    """This machine's two roofs at the current torch thread count: the matmul rate in each of
+    `dtypes` (FLOP/s of a size x size product, the best of `rounds`) and the memory bandwidth
+    (bytes read and written per second by a copy of 256 MiB, far larger than any cache)."""
+    limits: dict = {"threads": torch.get_num_threads(), "matmul_tflops": {}}
+    for dtype in dtypes:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        seconds = _best_seconds(lambda a=a, b=b: (a @ b, _sync(device)), rounds)
+        limits["matmul_tflops"][str(dtype).removeprefix("torch.")] = round(2 * size ** 3 / seconds / 1e12, 3)
+    source = torch.empty(64 << 20, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    seconds = _best_seconds(lambda: (target.copy_(source), _sync(device)), rounds)
+    limits["memory_gb_s"] = round(2 * source.numel() * 4 / seconds / 1e9, 1)
+    return limits
+
+
+def matmul_weights(model) -> int:
+    """Weights that take part in a matrix product per token (every nn.Linear, the LM head
+    among them even when tied to the embedding, which is only gathered)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def roofline_share(line: dict, workload: Workload, limits: dict) -> dict:
+    """What share of this machine's limits a contender's line reached. The model's matmul
+    work is 2 FLOPs per weight per token, prompt and output tokens alike (attention and
+    prefix-cache hits aside: a lower bound); the bytes are one read of every weight per
+    step (engines report their steps). The slower of the two roofs is the step's limit."""
+    dtype = line["dtype"]
+    weights = matmul_weights(workload.model)
+    served = workload.items[:line["requests"]]
+    tokens = sum(len(it.prompt_ids) for it in served) + line["output_tokens"]
+    peak = limits["matmul_tflops"].get(dtype)
+    share: dict = {}
+    if peak:
+        share["of_matmul_peak"] = round(2 * weights * tokens / line["seconds"] / (peak * 1e12), 3)
+    if line.get("steps"):
+        element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        share["of_memory_bandwidth"] = round(line["steps"] * weights * element / line["seconds"]
+                                             / (limits["memory_gb_s"] * 1e9), 3)
+    return share
+
+
 # --- running -----------------------------------------------------------------------------------
 
 def _sync(device):
@@ -307,7 +463,8 @@ def report(contender: Contender, workload: Workload, eos: int | None, workloads,
     items = {it.request_id: it for it in workload.items}
     outputs = {rid: cut(tokens, items[rid].max_tokens, eos) for rid, tokens in outputs.items()}
     tokens = sum(len(v) for v in outputs.values())
-    line = {"workload": workload.name, "contender": contender.label, "requests": len(outputs),
+    line = {"workload": workload.name, "contender": contender.label, "threads": workload.threads,
+            "dtype": str(next(workload.model.parameters()).dtype).removeprefix("torch."), "requests": len(outputs),
             "output_tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
     rounds = contender.rounds.get(workload.name, [])
     if len(rounds) > 1:                  # the spread a busy machine gives: every round's rate
@@ -503,6 +660,11 @@ def summarise(workload: Workload, lines: list) -> dict:
     hf = {label: value for label, value in tok.items() if label.startswith("hf")}
     hf_static = max((v for k, v in hf.items() if "static" in k), default=None)
     out = {"workload": workload.name, "outputs_identical": all(line.get("identical", True) for line in lines)}
+    held = [line for line in lines if "agreement" in line]
+    if held:       # a reduced-precision run: equality was not asked, agreement was
+        del out["outputs_identical"]
+        out["widest_divergence_margin"] = max((line["agreement"]["widest_divergence_margin"] or 0.0
+                                               for line in held), default=0.0)
     for label in (k for k in tok if k.startswith("core/")):
         backend = label.split("/", 1)[1]
         out[f"{backend}_vs_ch24"] = ratio(tok[label], tok.get("ch24 slots"))

@@ -342,10 +342,11 @@ def test_engine_with_triton_backend_matches_solo_generate(serve, tiny_model, ref
 # --- the chapter's command -----------------------------------------------------------------------------
 
 def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
-    """`python run.py bench` shrunk to a few seconds: every contender serves the seed
-    workload (2 requests, 320-token vocabulary) with identical outputs (the command exits 2
-    otherwise), prints its JSON line, the summary has the ratios, the profile's shares add
-    up to the whole step, and --plot writes a picture."""
+    """`python run.py bench` shrunk to a few seconds: every contender (transformers'
+    continuous batching among them) serves the seed workload (2 requests, 320-token
+    vocabulary) with identical outputs (the command exits 2 otherwise), prints its JSON
+    line, the summary has the ratios, the profile's shares add up to the whole step, and
+    --plot writes a picture."""
     from course import cli
     picture = tmp_path / "bench.png"
     status = cli.main(["bench", "--impl", impl.spec.text, "--device", str(device), "--workloads", "seed:vocab=320",
@@ -356,7 +357,7 @@ def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
     assert status == 0, f"run.py bench failed:\n{out}{err}"
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     runs = {line["contender"]: line for line in lines if "contender" in line}
-    assert {"core/reference", "core/vectorised", "ch24 slots", "hf default", "hf static",
+    assert {"core/reference", "core/vectorised", "ch24 slots", "hf default", "hf static", "hf generate_batch",
             "hf one at a time, first 8"} <= set(runs), out
     assert all(line["tok_s"] > 0 and line["requests"] == 2 for line in runs.values()), out
     assert {line["workload"] for line in lines} == {"seed:vocab=320"}, "a workload's own options name its lines"

@@ -7,6 +7,8 @@ interleaved round by round (a busy moment on a shared machine slows every conten
   hf default       transformers' generate (its class of the model's family) on the whole batch, left-padded
   hf static        the same with cache_implementation="static" (preallocated KV), the
                    whole batch and, when there are more than 16 requests, batches of 16
+  hf generate_batch transformers' continuous batching (paged KV cache, requests joining and
+                   leaving the batch every step, each with its own max_tokens)
   hf one at a time transformers' generate on one request after another, as a naive server
                    would: the first 8 requests are timed and their rate stands for the
                    workload's (the line's rate_of_first_requests says so)
@@ -25,8 +27,17 @@ options after colons, `NAME:vocab=N:config=qwen3-0.6b:scale=X`, which override -
 --config and --scale for it alone, so one run measures several shapes (the name with its
 options labels its lines).
 
-Prints one JSON line per contender and workload (tok_s from its fastest round, tok_s_rounds
-every round's, the spread a busy machine gives; streaming
+--dtype bfloat16 runs every contender on bfloat16 weights (and the core's KV pool, through
+EngineConfig.dtype): AMX or AVX512-BF16 matmuls on a CPU that has them. Rounding then parts
+greedy paths at near ties, so each line is held to transformers' outputs by agreement (the
+requests identical, the share of tokens before the first divergence) and by the margin
+transformers' logits gave its own token over the other at each first divergence, not by
+equality. --threads 1,2 times every workload at each thread count in the same interleaved
+rounds. --roofline first measures this machine's matmul rate (float32, bfloat16) and
+memory bandwidth at each thread count, and each line says what share of them it reached.
+
+Prints one JSON line per contender and workload (its threads and dtype; tok_s from its
+fastest round, tok_s_rounds every round's, the spread a busy machine gives; streaming
 engines also TTFT/TPOT percentiles, with Chapter 22's replay), then one summary line per
 workload with the ratios, and with --profile the share of a core step spent in each part.
 Outputs are compared request by request with the first contender's: a difference is
@@ -40,7 +51,7 @@ import json
 
 import torch
 
-from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
+from course.cli import CommandError, add_device_argument, add_impl_argument
 from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 from course.models.smollm2 import SmolLM2Unavailable
 
@@ -66,9 +77,18 @@ def add_arguments(parser):
                         help="multiply request counts and lengths (default 1.0; the seed workload keeps its lengths)")
     parser.add_argument("--rate", type=float, default=1.0,
                         help="Poisson arrivals per second at scale 1 (divided by --scale; default 1.0)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="weights and KV of every contender (default auto: bfloat16 on CUDA, float32 on a CPU); "
+                             "bfloat16 runs on AMX or AVX512-BF16 where the CPU has them, and outputs are held to "
+                             "transformers' by agreement and divergence margins, not equality")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers' generate out")
     parser.add_argument("--repeat", type=int, default=2, help="timed rounds; each contender's best counts (default 2)")
-    add_threads_argument(parser, help="torch threads for every contender (default: 1 on CPU, torch's choice on CUDA)")
+    parser.add_argument("--threads", default=None,
+                        help="torch threads for every contender, or several counts comma-separated (1,2: every "
+                             "workload timed at each, interleaved; default: 1 on CPU, torch's choice on CUDA)")
+    parser.add_argument("--roofline", action="store_true",
+                        help="first measure this machine's matmul peak (float32, bfloat16) and memory bandwidth "
+                             "at each thread count; every line then says what share of them it reached")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one run of the core with each backend: share of step time per part")
     parser.add_argument("--plot", default=None, metavar="FILE", help="draw throughput and latency bars into FILE")
@@ -78,7 +98,10 @@ def add_arguments(parser):
 def run(args):
     from course import bench
     from course.commands._setup import SMOLLM2_CHAPTERS, needs_chapters, prepare
+    thread_counts = _thread_counts(args.threads)
+    args.threads = thread_counts[0] if thread_counts else None
     impl, device = prepare(args)
+    thread_counts = thread_counts or [torch.get_num_threads()]
     specs = [_workload_spec(text.strip(), args) for text in args.workloads.split(",") if text.strip()]
     if not specs:
         raise CommandError(f"--workloads takes names from {', '.join(WORKLOADS)}; got {args.workloads!r}")
@@ -100,16 +123,27 @@ def run(args):
         plans = [(w, _contenders(impl, bench, w, device, backends, args)) for w in workloads]
     except (ValueError, SmolLM2Unavailable) as exc:
         raise CommandError(str(exc)) from None
+    # One plan per workload and thread count, the same contenders (and weights) in each.
+    plans = [(bench.with_threads(w, threads, len(thread_counts) > 1), contenders)
+             for w, contenders in plans for threads in thread_counts]
+    limits = {}
+    if args.roofline:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            limits[threads] = bench.machine_limits(device, [torch.float32, torch.bfloat16])
+            print(json.dumps({"roofline": limits[threads]}), flush=True)
     progress = bench.Progress(sum(len(c) for _, c in plans) * (args.repeat + 1), enabled=not args.quiet)
     try:
         for workload, contenders in plans:          # warm-up: first calls pay one-off costs
             warm = bench.Workload(workload.name, workload.items[:2], workload.shape)
+            torch.set_num_threads(workload.threads)
             for contender in contenders:
                 progress.show(f"warm-up {workload.name}: {contender.label}")
                 contender.serve(contender.make(warm), warm.items)
                 progress.tick()
         for _ in range(args.repeat):
             for workload, contenders in plans:
+                torch.set_num_threads(workload.threads)
                 for contender in contenders:
                     progress.show(f"{workload.name}: {contender.label}")
                     bench.timed_run(contender, workload, device)
@@ -122,12 +156,25 @@ def run(args):
         progress.close()
 
     lines, problems = [], []
+    # auto keeps each device's own rule (equality, as on CUDA in bfloat16 before the option);
+    # an asked-for bfloat16 run is held to transformers by agreement.
+    exact = args.dtype != "bfloat16"
     for workload, contenders in plans:
         eos = workload.model.cfg.eos_token_id
-        first = None
+        first = held_to = None
+        if not exact:   # rounding may part greedy paths: held to transformers by agreement, not equality
+            held_to = next((c for c in contenders if c.label.startswith("hf")), contenders[0])
+            theirs = bench.report(held_to, workload, eos, impl.load("workloads"))[1]
+            logits_of = bench.next_token_logits(bench.transformers_model(workload.model))
         mine = []
         for contender in contenders:
-            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first)
+            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first if exact else None)
+            if workload.threads in limits:
+                line["roofline"] = bench.roofline_share(line, workload, limits[workload.threads])
+            if held_to is not None and contender is not held_to:
+                line["agreement_with"] = held_to.label
+                line["agreement"] = bench.agreement(outputs, {rid: theirs[rid] for rid in outputs}, workload.items,
+                                                    logits_of)
             first = first or outputs
             mine.append(line)
             if not line.get("identical", True):
@@ -180,19 +227,42 @@ def _workload_spec(text, args):
 
 def _contenders(impl, bench, workload, device, backends, args):
     """Every contender of one workload, on one model built for it (same weights for all)."""
+    dtype = _dtype(args, device)
     if workload.checkpoint:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         workload.model = model = impl.checkpoint.load_model(workload.checkpoint, dtype=dtype, device=device)
     else:
-        workload.model = model = bench.build_model(impl, device, workload.shape)
-    contenders = [bench.core_contender(impl, model, b) for b in backends] + [bench.slots_contender(impl, model)]
+        workload.model = model = bench.build_model(impl, device, workload.shape, dtype)
+    name = str(dtype).removeprefix("torch.")
+    contenders = ([bench.core_contender(impl, model, b, dtype=name) for b in backends]
+                  + [bench.slots_contender(impl, model)])
     if not args.no_hf and not workload.timed_arrivals:
-        contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True)]
+        contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True),
+                       bench.hf_continuous_contender(model)]
         if len(workload.items) > 16:
             contenders.append(bench.hf_contender(model, static=True, batch=16))
         # How a naive server runs transformers: one request after another (a subset, timed).
         contenders.append(bench.hf_contender(model, static=False, batch=1, subset=ONE_AT_A_TIME_SUBSET))
     return contenders
+
+
+def _thread_counts(text):
+    """--threads "1,2" -> [1, 2]; None -> [] (the device's default)."""
+    if text is None:
+        return []
+    try:
+        counts = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise CommandError(f"--threads takes whole numbers, comma-separated; got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise CommandError(f"--threads counts must be at least 1; got {text!r}")
+    return counts
+
+
+def _dtype(args, device):
+    """--dtype as a torch dtype; auto: bfloat16 on CUDA, float32 elsewhere."""
+    if args.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, args.dtype)
 
 
 def _profile(impl, bench, workload, backend, device):

@@ -16,6 +16,7 @@ SamplerName = Literal["simple", "full"]
 KVCacheDtype = Literal["auto", "int8", "fp8"]
 CudaGraphs = Literal["off", "auto", "on", "static"]
 DeviceQueueMode = Literal["auto", "cuda", "thread", "inline"]
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 # field -> the values it takes (the Literal's arguments)
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -25,6 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kv_cache_dtype": get_args(KVCacheDtype),
     "cuda_graphs": get_args(CudaGraphs),
     "device_queue": get_args(DeviceQueueMode),
+    "dtype": get_args(ModelDtype),
 }
 
 
@@ -77,6 +79,10 @@ class EngineConfig(SchedulerConfig):
                              "auto" ("cuda" on a CUDA device, else "inline")
     debug_checks             check the scheduler's and block manager's invariants
                              (course/testing/engine_checks.py) inside every step: slow, for tests
+    dtype                    the weights' and KV pool's dtype: "auto" keeps the model's; a name
+                             ("bfloat16": AMX/AVX512-BF16 matmuls on a recent CPU, tensor cores
+                             on a GPU) casts the model's weights IN PLACE when the core is built
+                             (Chapter 32). Norm statistics, RoPE angles and logits stay float32.
     """
     block_size: int = 16
     num_blocks: int | None = None
@@ -92,6 +98,7 @@ class EngineConfig(SchedulerConfig):
     async_scheduling: bool = False
     device_queue: DeviceQueueMode = "auto"
     debug_checks: bool = False
+    dtype: ModelDtype = "auto"
 
     def __post_init__(self) -> None:
         self.validate()

@@ -112,6 +112,8 @@ class EngineCore:
             from .spec_decode import ASYNC_REFUSAL
             raise ValueError(ASYNC_REFUSAL)
         flat = FlatModel(model) if not isinstance(model, FlatModel) else model
+        if config.dtype != "auto":               # before anything reads the weights' dtype (Chapter 32)
+            flat.to(getattr(torch, config.dtype))
         if vision is not None:                   # Chapter 43: checked and wired before anything is built on it
             from .vision import attach_vision
             attach_vision(flat, vision.encoder, vision.image_token_id, vision.sections)
