@@ -66,7 +66,7 @@ TABLE = {
     ("static shapes", "adapters"): "together",
     ("static shapes", "images"): "together",
     ("async scheduling", "penalties"): "together",
-    ("async scheduling", "guided"): r"guided decoding \(Chapter 35\) needs .* synchronous scheduling",
+    ("async scheduling", "guided"): "together",
     ("async scheduling", "speculation"): r"speculative decoding needs synchronous scheduling",
     ("async scheduling", "adapters"): "together",
     ("async scheduling", "images"): "together",
