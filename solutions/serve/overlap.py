@@ -232,7 +232,7 @@ class AsyncStepper(StepUpdate):
         self.host_seconds += time.perf_counter() - started
         outputs = self.settle(self.inflight) if self.inflight is not None else []
         self.inflight = None
-        if launched is not None and launched.sampling and self.device_sampler is None:
+        if launched is not None and launched.batch is not None and self.device_sampler is None:
             self.sample_on_host(launched)
         if launched is not None and plan.scheduled:
             self.count_launched(launched)
