@@ -376,16 +376,33 @@ TINY_BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4
 def test_the_pool_is_sized_from_kv_cache_bytes(serve, tiny_model, monkeypatch, case):
     """Off CUDA with num_blocks=None, the pool holds kv_cache_bytes // (bytes of one block), a
     block's bytes following block_size, the model's dtype and its number of pools (K and V: 2;
-    a model with `kv_pools = 1` keeps one latent pool)."""
+    a model whose capabilities declare kv_pools=1 keeps one latent pool)."""
+    import dataclasses
+
     import torch
     model = tiny_model.to(torch.bfloat16) if case.get("dtype") == "bfloat16" else tiny_model
     if "kv_pools" in case:
-        monkeypatch.setattr(model, "kv_pools", case["kv_pools"], raising=False)
+        monkeypatch.setattr(model, "capabilities", dataclasses.replace(model.capabilities, kv_pools=case["kv_pools"]))
     engine = make_engine(serve, model, num_blocks=None, kv_cache_bytes=case["kv_cache_bytes"],
                          block_size=case["block_size"])
     assert engine.blocks.num_blocks == case["expect"], (
         f"{case}: a pool of {case['kv_cache_bytes']} bytes holds {case['expect']} whole blocks, "
         f"the engine made {engine.blocks.num_blocks}")
+
+
+def test_a_model_declares_its_capabilities_in_one_typed_attribute(serve, tiny_model):
+    """ModelCapabilities.of reads `model.capabilities` and nothing else: a model without one
+    is refused by name, and a misspelt capability fails where it is declared instead of
+    falling back to a default."""
+    import dataclasses
+
+    capabilities = serve.interfaces.ModelCapabilities
+    assert capabilities.of(tiny_model) == tiny_model.capabilities
+    assert capabilities.of(tiny_model).context_limit == tiny_model.context_limit
+    with pytest.raises(TypeError, match="object declares no ModelCapabilities"):
+        capabilities.of(object())
+    with pytest.raises(TypeError, match="kv_pool"):
+        dataclasses.replace(tiny_model.capabilities, kv_pool=1)
 
 
 def test_a_pool_too_small_for_one_block_is_refused(serve, tiny_model):

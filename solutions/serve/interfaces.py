@@ -15,7 +15,7 @@ DrafterContext), never the engine itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -262,10 +262,14 @@ class ModelCapabilities:
             declared = model.capabilities
         except AttributeError:
             declared = None
-        if not isinstance(declared, cls):
-            raise TypeError(f"{type(model).__name__} declares no ModelCapabilities: the engine core takes a model "
-                            f"whose `capabilities` attribute holds one (Qwen3ForCausalLM sets its own)")
-        return declared
+        if isinstance(declared, cls):
+            return declared
+        if is_dataclass(declared) and type(declared).__name__ == cls.__name__:
+            # The same declaration from another copy of this package (the reference's model
+            # in a learner's engine): every field is read, so a missing one still raises.
+            return cls(**{f.name: getattr(declared, f.name) for f in fields(cls)})
+        raise TypeError(f"{type(model).__name__} declares no ModelCapabilities: the engine core takes a model "
+                        f"whose `capabilities` attribute holds one (Qwen3ForCausalLM sets its own)")
 
 
 __all__ = ["AttentionBackend", "TokenSampler", "Guide", "StopRule", "SampledTokens", "UpdateHooks",
