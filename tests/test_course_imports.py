@@ -1,4 +1,5 @@
-"""The package's modules import one another without a circle (issue 33).
+"""The package's modules import one another without a circle, and the modes that run a step
+reach the engine only through its public parts (issue 33).
 
 A circle (serve/backends.py importing paged_kernels.py, which imports serve/backends.py)
 means neither side can be understood, tested or replaced alone, and which module loads
@@ -148,3 +149,41 @@ def test_the_check_sees_a_circle_closed_inside_a_function(tmp_path):
     assert graph["planted.serve.core"] == {"planted.kernels"}, graph
     assert graph["planted.serve.types"] == set(), "an import under TYPE_CHECKING never runs"
     assert circles(graph) == [["planted.kernels", "planted.serve.core", "planted.kernels"]]
+
+
+# The modes and plug-ins that run a step: they reach the engine only through its public
+# parts (schedule, execute_model, sample_tokens, record_prompt_logprobs, update) and what
+# it hands them (a stop rule, a DrafterContext), never its private methods or its state.
+STEP_PLUG_INS = ("serve/overlap.py", "serve/spec_decode.py")
+
+
+def reaches_into_the_engine(path: Path) -> list[str]:
+    """`engine._private` reads and `engine.attribute = ...` writes (also `self.engine.x`) in a file."""
+    def is_engine(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "engine") or (
+            isinstance(node, ast.Attribute) and node.attr == "engine")
+
+    found = []
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_engine(node.value) and node.attr.startswith("_"):
+            found.append(f"line {node.lineno}: reads engine.{node.attr}")
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and is_engine(target.value):
+                found.append(f"line {target.lineno}: writes engine.{target.attr}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["solutions", "engine"])
+@pytest.mark.parametrize("plug_in", STEP_PLUG_INS)
+def test_step_plug_ins_use_only_the_engines_public_parts(package, plug_in):
+    found = reaches_into_the_engine(ROOT / package / plug_in)
+    assert not found, f"{package}/{plug_in} reaches into the engine: " + "; ".join(found)
+
+
+def test_the_boundary_check_sees_a_write_and_a_private_call(tmp_path):
+    planted = tmp_path / "stepper.py"
+    planted.write_text("def step(engine):\n    engine.preemptions += 1\n    return engine._sample()\n")
+    assert reaches_into_the_engine(planted) == ["line 2: writes engine.preemptions", "line 3: reads engine._sample"]

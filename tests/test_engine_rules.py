@@ -390,6 +390,27 @@ def test_the_pool_is_sized_from_kv_cache_bytes(serve, tiny_model, monkeypatch, c
         f"the engine made {engine.blocks.num_blocks}")
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["synchronous", "asynchronous"])
+def test_each_step_checks_its_plan_once_and_the_scheduler_once_per_update(serve, tiny_model, asynchronous):
+    """With debug checks on, a step's plan is checked once (EngineCore.schedule) and the
+    scheduler once per applied step (EngineCore.update): the asynchronous engine calls the
+    same parts, so it checks no more and no less."""
+    from types import SimpleNamespace
+
+    engine = make_engine(serve, tiny_model, num_blocks=32, block_size=4, async_scheduling=asynchronous)
+    calls = {"plan": 0, "scheduler": 0}
+    engine.checks = SimpleNamespace(check_plan=lambda *_: calls.update(plan=calls["plan"] + 1),
+                                    check_scheduler=lambda *_: calls.update(scheduler=calls["scheduler"] + 1))
+    engine.add_request("a", [1, 2, 3, 4, 5], serve.request.SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("b", [6, 7, 8], serve.request.SamplingParams(max_tokens=6, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    assert calls == {"plan": steps, "scheduler": engine.steps}, (
+        f"{steps} calls of step, {engine.steps} steps applied: the checks ran {calls}")
+
+
 def test_a_model_declares_its_capabilities_in_one_typed_attribute(serve, tiny_model):
     """ModelCapabilities.of reads `model.capabilities` and nothing else: a model without one
     is refused by name, and a misspelt capability fails where it is declared instead of
