@@ -33,7 +33,7 @@ use its mixture of experts, or whose RoPE is scaled, is refused by name.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
@@ -169,12 +169,13 @@ class LatentAttention(nn.Module):
 
 class DeepseekV2ForCausalLM(Qwen3ForCausalLM):
     """Qwen3's decoder stack (dense SwiGLU MLPs, RMSNorms, LM head) with latent attention."""
-    kv_pools = 1                         # the pool sizing rule counts one tensor per layer, not K and V
 
     def __init__(self, cfg: MLAConfig) -> None:
         super().__init__(cfg)
         for index, layer in enumerate(self.model.layers):
             layer.self_attn = LatentAttention(cfg, index)
+        # Its own pool shape and layout; the sizing rule counts one tensor per layer, not K and V.
+        self.capabilities = replace(self.capabilities, kv_spec=self.kv_spec, allocate_kv=self.allocate_kv, kv_pools=1)
 
     def kv_spec(self) -> tuple[int, int, int]:
         """(layers, kv_heads, width) of the cache: one "head" holding latent + rotary key."""

@@ -30,6 +30,7 @@ from torch import nn
 
 from .layers import RMSNorm
 from .qwen3 import Qwen3Attention, Qwen3Config, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
+from .serve.interfaces import ModelCapabilities
 
 
 @dataclass
@@ -172,6 +173,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.capabilities = ModelCapabilities(context_limit=cfg.max_position_embeddings)
 
 
 Qwen3Moe = Qwen3MoeForCausalLM

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from .attention import causal_attention
 from .layers import RMSNorm, apply_rope, rope_cos_sin
+from .serve.interfaces import ModelCapabilities
 
 if TYPE_CHECKING:
     from .kv_cache import ModelCache
@@ -190,6 +191,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # What it declares to Chapter 31's engine core beyond its modules: a family that
+        # changes one (latent attention's pool, scaled rotary tables) sets a replaced copy.
+        self.capabilities = ModelCapabilities(context_limit=cfg.max_position_embeddings)
 
     @property
     def context_limit(self) -> int:

@@ -20,7 +20,7 @@ The registry is keyed by the Hugging Face class name in config.json's "architect
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +191,7 @@ class LlamaForCausalLM(Qwen3ForCausalLM):
             # An instance attribute shadows Qwen3Model's method on purpose (its forward calls
             # self.rope_tables); mypy refuses any assignment to a method, hence the ignore.
             self.model.rope_tables = partial(scaled_rope_tables, cfg)  # type: ignore[method-assign]
+        self.capabilities = replace(self.capabilities, rope_tables=self.rope_tables)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, head_dim] for Chapter 31's FlatModel (flat positions [N])."""

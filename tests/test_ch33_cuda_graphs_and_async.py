@@ -423,9 +423,9 @@ class ShiftedGreedy:
 
 
 def test_async_with_a_custom_sampler_equals_the_synchronous_engine(serve, overlap, tiny_model):
-    """A sampler other than SimpleSampler runs on the device queue on copies of the requests
-    whose in-flight token is known: its tokens, and the request its failure aborts, must be
-    the synchronous engine's."""
+    """A sampler other than SimpleSampler runs on the host once the step before is applied,
+    on requests that hold step t's token and not yet step t + 1's placeholder: its tokens,
+    and the request its failure aborts, must be the synchronous engine's."""
     prompts, max_tokens = five_requests(seed=1)
     outputs = {}
     for asynchronous in (False, True):

@@ -340,9 +340,10 @@ def test_seeded_output_survives_chunking_preemption_and_neighbours(serve, tiny_m
 
 
 def test_async_scheduling_with_the_full_sampler_equals_the_synchronous_engine(serve, impl, tiny_model):
-    """Chapter 33's asynchronous engine runs the full sampler on copies of the requests
-    whose in-flight token is filled in: penalties, bad words, min_tokens, seeds, logprobs
-    and prompt logprobs must come out exactly as the synchronous engine's."""
+    """Chapter 33's asynchronous engine runs the full sampler once the step before is
+    applied, on requests that hold what the synchronous engine shows: penalties, bad
+    words, min_tokens, seeds, logprobs and prompt logprobs must come out exactly as the
+    synchronous engine's."""
     prompts = [list(range(30, 52)), [5, 6, 7], list(range(60, 80)), [9, 8, 7, 6]]
     every = [params(serve, 12, temperature=1.0, top_p=0.95, seed=7, repetition_penalty=1.3, prompt_logprobs=2,
                     logprobs=2),

@@ -400,16 +400,54 @@ TINY_BLOCK_BYTES = 2 * 2 * 4 * 2 * 16 * 4
 def test_the_pool_is_sized_from_kv_cache_bytes(serve, tiny_model, monkeypatch, case):
     """Off CUDA with num_blocks=None, the pool holds kv_cache_bytes // (bytes of one block), a
     block's bytes following block_size, the model's dtype and its number of pools (K and V: 2;
-    a model with `kv_pools = 1` keeps one latent pool)."""
+    a model whose capabilities declare kv_pools=1 keeps one latent pool)."""
+    import dataclasses
+
     import torch
     model = tiny_model.to(torch.bfloat16) if case.get("dtype") == "bfloat16" else tiny_model
     if "kv_pools" in case:
-        monkeypatch.setattr(model, "kv_pools", case["kv_pools"], raising=False)
+        monkeypatch.setattr(model, "capabilities", dataclasses.replace(model.capabilities, kv_pools=case["kv_pools"]))
     engine = make_engine(serve, model, num_blocks=None, kv_cache_bytes=case["kv_cache_bytes"],
                          block_size=case["block_size"])
     assert engine.blocks.num_blocks == case["expect"], (
         f"{case}: a pool of {case['kv_cache_bytes']} bytes holds {case['expect']} whole blocks, "
         f"the engine made {engine.blocks.num_blocks}")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["synchronous", "asynchronous"])
+def test_each_step_checks_its_plan_once_and_the_scheduler_once_per_update(serve, tiny_model, asynchronous):
+    """With debug checks on, a step's plan is checked once (EngineCore.schedule) and the
+    scheduler once per applied step (EngineCore.update): the asynchronous engine calls the
+    same parts, so it checks no more and no less."""
+    from types import SimpleNamespace
+
+    engine = make_engine(serve, tiny_model, num_blocks=32, block_size=4, async_scheduling=asynchronous)
+    calls = {"plan": 0, "scheduler": 0}
+    engine.checks = SimpleNamespace(check_plan=lambda *_: calls.update(plan=calls["plan"] + 1),
+                                    check_scheduler=lambda *_: calls.update(scheduler=calls["scheduler"] + 1))
+    engine.add_request("a", [1, 2, 3, 4, 5], serve.request.SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("b", [6, 7, 8], serve.request.SamplingParams(max_tokens=6, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    assert calls == {"plan": steps, "scheduler": engine.steps}, (
+        f"{steps} calls of step, {engine.steps} steps applied: the checks ran {calls}")
+
+
+def test_a_model_declares_its_capabilities_in_one_typed_attribute(serve, tiny_model):
+    """ModelCapabilities.of reads `model.capabilities` and nothing else: a model without one
+    is refused by name, and a misspelt capability fails where it is declared instead of
+    falling back to a default."""
+    import dataclasses
+
+    capabilities = serve.interfaces.ModelCapabilities
+    assert capabilities.of(tiny_model) == tiny_model.capabilities
+    assert capabilities.of(tiny_model).context_limit == tiny_model.context_limit
+    with pytest.raises(TypeError, match="object declares no ModelCapabilities"):
+        capabilities.of(object())
+    with pytest.raises(TypeError, match="kv_pool"):
+        dataclasses.replace(tiny_model.capabilities, kv_pool=1)
 
 
 def test_a_pool_too_small_for_one_block_is_refused(serve, tiny_model):

@@ -18,9 +18,10 @@ read the blocks in place).
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -415,11 +416,17 @@ register_backend("reference", ReferenceBackend)
 register_backend("vectorised", VectorisedBackend)
 
 
-def _triton_backend(**options: Any) -> AttentionBackend:
-    """Imported on first use: importing triton decides, once, whether kernels are compiled or
-    interpreted, and a process that never asks for this backend should not make that choice."""
-    from ..paged_kernels import TritonBackend
-    return TritonBackend(**options)
+def lazy_backend(module: str, name: str) -> Callable[..., AttentionBackend]:
+    """A factory for the backend class `name` of `module` (relative to this package), whose
+    module is imported on the first get_backend, as vLLM's registry resolves a backend by its
+    qualified name. The core names a plug-in without importing it: the plug-in imports the
+    core (Chapter 32's TritonBackend extends ReferenceBackend), never the other way round."""
+    def build(**options: Any) -> AttentionBackend:
+        backend_class = getattr(importlib.import_module(module, __package__), name)
+        return cast("AttentionBackend", backend_class(**options))
+    return build
 
 
-register_backend("triton", _triton_backend)
+# Importing triton decides, once, whether kernels are compiled or interpreted: a process that
+# never asks for this backend should not make that choice.
+register_backend("triton", lazy_backend("..paged_kernels", "TritonBackend"))

@@ -1,33 +1,34 @@
 """Chapter 33: asynchronous scheduling, the host plans step t+1 while the device runs step t.
 
 The synchronous step is a relay: the host schedules and builds a batch while the device
-waits, then the device computes while the host waits for the sampled tokens. Each engine
-call of this module does, in this order:
+waits, then the device computes while the host waits for the sampled tokens. The
+asynchronous engine calls the synchronous engine's own parts (EngineCore.schedule,
+ModelRunner.prepare, EngineCore.execute_model, EngineCore.sample_tokens, EngineCore.update),
+in another order; each call of `AsyncStepper.step` does:
 
-    1. schedule step t+1; a request whose token from step t is not read back yet holds a
-       PLACEHOLDER in its token list (num_placeholders counts them), so the scheduler sees
-       the right lengths and gives it its next decode;
-    2. build step t+1's batch on the host and hand its device part (swaps, placeholder
-       inputs filled from step t's sampled tokens, forward, sampling) to the device queue,
-       behind step t: the device never waits for the host;
+    1. schedule step t+1 (EngineCore.schedule); a request whose token from step t is not
+       read back yet holds a PLACEHOLDER in its token list (num_placeholders counts them),
+       so the scheduler sees the right lengths and gives it its next decode;
+    2. build step t+1's batch on the host, and hand its device part to the device queue,
+       behind step t: swaps and forward (EngineCore.execute_model), with each placeholder
+       input filled from step t's sampled tokens on the device; with Chapter 31's
+       SimpleSampler, the sampling too (`sample_on_device`): the device never waits;
     3. only now wait for step t's tokens and hand them to EngineCore.update, whose hooks
-       this stepper extends: each token is written over its placeholder, the stop rules
-       apply to it, and the outputs are made there, as for a synchronous step.
+       this stepper extends: each token is written over its placeholder, the stop rule
+       applies to it, and the outputs are made there, as for a synchronous step;
+    4. with any other sampler, sample step t+1 now (EngineCore.sample_tokens), on the host,
+       from the logits its forward left: the requests hold exactly what the synchronous
+       engine shows its sampler (step t's tokens applied, step t+1's not yet), so penalties,
+       a custom sampler and guided decoding (each guide advanced by step t's token) see the
+       same history and draw the same tokens. A request step t finished is not sampled;
+    5. count step t+1's rows as computed and append a placeholder per sampled request.
 
 So step t's device work overlaps step t+1's host work. The cost: a request that stops at
 step t (an EOS nobody knew about yet) has already been given a row in step t+1, computed
 for nothing and thrown away; max_tokens is known in advance, so the scheduler never gives
-a request a row past its last token (its last token is "in flight").
-
-Sampling. Chapter 31's SimpleSampler is redone on the device (`sample_on_device`): nothing is
-read back until step 3. Any other sampler (Chapter 34's full sampler, a custom one) reads
-the requests' token lists (penalties, bad words, min_tokens), so it runs inside the device
-part, after step t's tokens exist, on copies of the requests whose placeholder holds step
-t's token (`settled_view`): it sees exactly what the synchronous engine shows it. With the
-"thread" queue that still overlaps; with "cuda" the host thread reads step t's tokens
-before sampling step t+1, which costs the overlap but not the outputs. Guided decoding is
-refused (EngineCore.add_request): its mask for step t+1 must be built from a guide advanced
-by step t's token, on the host, before the step can be launched.
+a request a row past its last token (its last token is "in flight"). Step 4 costs more:
+the host waits for step t+1's forward before it can plan step t+2, as vLLM's asynchronous
+scheduler does for structured outputs; only the forward of step t+1 overlaps step t's update.
 
 The device queue keeps the device part of each step in order:
     "cuda"    runs it on the host thread, which only enqueues kernels on the current stream,
@@ -38,24 +39,23 @@ The device queue keeps the device part of each step in order:
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sampling import sample
-from .batch import build_batch
+from .interfaces import SampledTokens, StopRule
 from .request import PLACEHOLDER, Request, RequestOutput, Status
 from .sampler import SimpleSampler
-from .update import SampledTokens, StepUpdate
+from .update import StepUpdate
 
 if TYPE_CHECKING:
     from .batch import Batch
-    from .engine import EngineCore
+    from .engine import EngineCore, ModelOutput
     from .scheduler import SchedulerOutput
 
 QUEUE_MODES = ("cuda", "thread", "inline")
@@ -63,24 +63,23 @@ QUEUE_MODES = ("cuda", "thread", "inline")
 
 @dataclass
 class InflightStep:
-    """A launched step whose tokens the host has not read yet (EngineCore.inflight).
+    """A launched step whose tokens the host has not read yet (AsyncStepper.inflight).
 
-    plan: its SchedulerOutput; sampling: the requests with a sampled row, in row order;
-    row_of: request id -> its row in `tokens`; tokens: int64 [len(sampling)] on the device
-    once the device part ran; handle: what DeviceQueue.wait needs to read them.
-    With a sampler other than SimpleSampler the device part also leaves logprobs and
-    failed (by request id, as EngineCore._sample returns them) and, when the batch has
-    prompt-logprob rows (Chapter 34), batch and prompt_rows (their logits)."""
+    plan: its SchedulerOutput; batch: its Batch on the device (None: swaps only);
+    sampling: the requests with a sampled row, in row order; row_of: request id -> its row
+    in `tokens`; tokens: int64 [len(sampling)] on the device once sampled (0 in the row of
+    a request that was not sampled); handle: what DeviceQueue.wait needs to read them;
+    output: the ModelOutput its forward left (EngineCore.execute_model); sampled: the
+    host's SampledTokens, when the host sampled it (step 4 of the module docstring)."""
     plan: SchedulerOutput
+    batch: Batch | None
     sampling: list[Request]
     row_of: dict[str, int]
     tokens: torch.Tensor | None = None
-    handle: Any = None
+    handle: Future[torch.Tensor | None] | tuple[torch.Tensor, torch.cuda.Event] | None = None
     launched_at: float = field(default_factory=time.perf_counter)
-    logprobs: dict[str, Any] = field(default_factory=dict)
-    failed: dict[str, Exception] = field(default_factory=dict)
-    batch: Batch | None = None
-    prompt_rows: torch.Tensor | None = None
+    output: ModelOutput | None = None
+    sampled: SampledTokens | None = None
 
 
 class DeviceQueue:
@@ -94,27 +93,32 @@ class DeviceQueue:
         self.mode = mode
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="device-queue") if mode == "thread" else None
 
-    def submit(self, step: InflightStep, work: Callable[[], torch.Tensor]) -> None:
-        """Queue `work` (returns the step's sampled tokens) behind every earlier step."""
-        def run() -> torch.Tensor:
+    def submit(self, step: InflightStep, work: Callable[[], torch.Tensor | None]) -> None:
+        """Queue `work` behind every earlier step; it returns the step's sampled tokens, or
+        None when the host samples them afterwards (AsyncStepper.sample_on_host)."""
+        def run() -> torch.Tensor | None:
             step.tokens = work()
             return step.tokens
         if self.worker is not None:
             step.handle = self.worker.submit(run)
             return
         tokens = run()
-        if self.mode == "cuda":
+        if self.mode == "cuda" and tokens is not None:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
             step.handle = (host, done)
 
+    def ran(self, step: InflightStep) -> None:
+        """Block until `step`'s device part has run on the worker thread (its output exists)."""
+        if isinstance(step.handle, Future):
+            step.handle.result()
+
     def wait(self, step: InflightStep) -> list[int]:
         """Block until `step`'s tokens exist; return them as Python ints (the one host read)."""
-        if isinstance(step.handle, Future):
-            return step.handle.result().tolist()
-        if self.mode == "cuda":
+        self.ran(step)
+        if isinstance(step.handle, tuple):
             host, done = step.handle
             done.synchronize()
             return host.tolist()
@@ -173,22 +177,6 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request], generators: 
     return tokens
 
 
-def settled_view(request: Request, length: int, row: int | None, previous_tokens: Callable[[], list[int]]) -> Request:
-    """A shallow copy of `request` as the synchronous engine would hand it to its sampler:
-    its first `length` tokens (its length when the step was launched), the trailing
-    placeholder replaced by the previous step's token for it (row `row` of
-    previous_tokens(), which reads them only when asked). The copy owns its token list, so
-    the host may settle or extend the request's own list meanwhile."""
-    view = copy.copy(request)
-    view.token_ids = request.token_ids[:length]          # one slice: atomic beside the host thread
-    view.num_placeholders = 0
-    if view.token_ids and view.token_ids[-1] == PLACEHOLDER:
-        if row is None:
-            raise RuntimeError(f"request {request.request_id!r}: a placeholder with no step in flight to fill it")
-        view.token_ids[-1] = previous_tokens()[row]
-    return view
-
-
 def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without making the host wait: on CUDA through pinned memory
     (a copy from pageable memory waits for every kernel already queued: no overlap left)."""
@@ -209,50 +197,52 @@ def upload(batch: Batch, device: torch.device) -> Batch:
 class AsyncStepper(StepUpdate):
     """EngineCore.step when EngineConfig.async_scheduling is on (see the module docstring).
 
-    It extends Chapter 31's update through its hooks: rows are counted when a step is
-    launched (advance does nothing when its tokens arrive), a token is written over its
-    placeholder (commit), and outputs list only known tokens (report)."""
+    It calls the engine's own parts (schedule, execute_model, sample_tokens,
+    record_prompt_logprobs, update) and owns only what is its own: the step in flight, the
+    placeholders, the device queue. It extends Chapter 31's update through its hooks: rows
+    are counted when a step is launched (advance does nothing when its tokens arrive), a
+    token is written over its placeholder (commit), and outputs list only known tokens (report)."""
 
     doing = "settling its token"
 
     def __init__(self, engine: EngineCore, mode: str | None = None) -> None:
         self.engine = engine
         # Chapter 31's SimpleSampler is redone on the device, drawing from its generator;
-        # any other sampler runs on settled views.
+        # any other sampler runs on the host once the step before is applied (step 4).
         sampler = engine.sampler
         self.device_sampler = sampler if type(sampler) is SimpleSampler else None
         self.queue = DeviceQueue(mode or ("cuda" if engine.device.type == "cuda" else "inline"))
+        self.inflight: InflightStep | None = None      # the launched, unread step
         self.host_seconds = 0.0           # time spent scheduling and building batches
         self.wait_seconds = 0.0           # time spent waiting for tokens
 
     def step(self) -> list[RequestOutput]:
         engine = self.engine
         started = time.perf_counter()
-        plan = engine.last_plan = engine.scheduler.schedule()
-        if engine.checks is not None:
-            engine.checks.check_plan(plan, engine.scheduler, f"async engine step {engine.steps}, the plan")
-        engine.preemptions += len(plan.preempted)
-        launched = self.launch(plan, engine.inflight) if plan.scheduled or plan.swap_out or plan.swap_in else None
+        plan = engine.schedule()
+        launched = self.launch(plan) if plan.scheduled or plan.swap_out or plan.swap_in else None
         self.host_seconds += time.perf_counter() - started
-        outputs = self.settle(engine.inflight) if engine.inflight is not None else []
-        engine.inflight = launched if launched is not None and launched.plan.scheduled else None
-        if engine.checks is not None:
-            engine.checks.check_scheduler(engine.scheduler, f"after async engine step {engine.steps}")
+        outputs = self.settle(self.inflight) if self.inflight is not None else []
+        self.inflight = None
+        if launched is not None and launched.batch is not None and self.device_sampler is None:
+            self.sample_on_host(launched)
+        if launched is not None and plan.scheduled:
+            self.count_launched(launched)
+            self.inflight = launched
         return outputs
 
-    def launch(self, plan: SchedulerOutput, previous: InflightStep | None) -> InflightStep:
-        """Build the plan's batch, queue its device part, and advance the requests as if
-        their tokens were known: num_computed_tokens moves on, sampled rows become
-        placeholders."""
+    def launch(self, plan: SchedulerOutput) -> InflightStep:
+        """Build the plan's batch on the host and queue its device part behind the step in
+        flight: swaps and forward (EngineCore.execute_model), placeholder inputs filled
+        from the step in flight's tokens, and with SimpleSampler the sampling too."""
         engine, runner = self.engine, self.engine.runner
+        previous = self.inflight
         scheduled = plan.scheduled
         batch = None
         fill_rows: list[int] = []          # rows whose input is a placeholder
         fill_from: list[int] = []          # ... and the row of `previous.tokens` that holds its value
         if scheduled:
-            pad_to = runner.graphs.pad_size(scheduled) if runner.graphs is not None else None
-            batch = build_batch(scheduled, plan.block_tables, runner.block_size, "cpu", pad_to)
-            runner.add_step_inputs(batch, scheduled)
+            batch = runner.prepare(scheduled, plan.block_tables, device="cpu")
             for (request, n), start in zip(scheduled, batch.meta.query_start_loc_cpu):
                 for offset in range(n):
                     if request.token_ids[request.num_computed_tokens + offset] == PLACEHOLDER:
@@ -263,87 +253,78 @@ class AsyncStepper(StepUpdate):
                         fill_from.append(previous.row_of[request.request_id])
             batch = upload(batch, runner.device)
         fill_index = [move(torch.tensor(x, dtype=torch.int64), runner.device) for x in (fill_rows, fill_from)]
-        counts = {r.request_id: k for (r, _), k in zip(scheduled, batch.sample_counts if batch else []) if k}
-        sampling = [r for r, _ in scheduled if r.request_id in counts]
-        lengths = [r.num_tokens for r in sampling]       # before this step's placeholders are appended
-        step = InflightStep(plan, sampling, {r.request_id: i for i, r in enumerate(sampling)})
+        counts = batch.sample_counts if batch is not None else []
+        sampling = [r for (r, _), k in zip(scheduled, counts) if k]
+        step = InflightStep(plan, batch, sampling, {r.request_id: i for i, r in enumerate(sampling)})
+        # Seeded requests' generators as they are now: a request may finish (and its
+        # generator go) before a worker thread samples this step.
         generators = {r.request_id: engine.generators[r.request_id] for r in sampling
                       if r.request_id in engine.generators}
-        device = runner.device
+        device_sampler = self.device_sampler
 
-        def device_part() -> torch.Tensor:
-            for victim, old_blocks in plan.swap_out:
-                runner.swap_out(victim, old_blocks)
-            for resumed, new_blocks in plan.swap_in:
-                runner.swap_in(resumed, new_blocks)
-            if batch is None:
-                return torch.empty(0, dtype=torch.int64, device=device)
-            if fill_rows:
+        def device_part() -> torch.Tensor | None:
+            if batch is not None and fill_rows:
                 assert previous is not None and previous.tokens is not None
                 batch.input_ids[fill_index[0]] = previous.tokens[fill_index[1]]
-            logits = runner.execute(batch)
-            if batch.prompt_spans:             # prompt-logprob rows follow the sampling rows (Chapter 34)
-                step.batch, step.prompt_rows = batch, logits[batch.num_sample_rows:]
-                logits = logits[:batch.num_sample_rows]
+            step.output = engine.execute_model(plan, batch)
+            if step.output is None or device_sampler is None:
+                return None
             if not sampling:
-                return torch.empty(0, dtype=torch.int64, device=device)
-            if self.device_sampler is not None:
-                return sample_on_device(logits, sampling, generators, self.device_sampler.generator)
-            return self.sample_views(step, logits, previous, lengths, counts, generators)
+                return torch.empty(0, dtype=torch.int64, device=runner.device)
+            return sample_on_device(step.output.logits, sampling, generators, device_sampler.generator)
 
         self.queue.submit(step, device_part)
-        for request, n in scheduled:
-            request.num_computed_tokens += n
-        for request in sampling:
-            request.token_ids.append(PLACEHOLDER)
-            request.num_placeholders += 1
-        for request, _ in scheduled:
-            engine.scheduler.publish_computed(request)
         return step
 
-    def sample_views(self, step: InflightStep, logits: torch.Tensor, previous: InflightStep | None,
-                     lengths: list[int], counts: dict[str, int], generators: dict[str, torch.Generator]
-                     ) -> torch.Tensor:
-        """The engine's own sampler (EngineCore._sample: its isolation of failing requests
-        included) on settled views of the step's requests; leaves logprobs and failures on
-        `step` and returns the tokens as an int64 device tensor (0 for a failed request,
-        whose next row is thrown away)."""
-        known: list[list[int]] = []
+    def sample_on_host(self, step: InflightStep) -> None:
+        """Step 4: once the step before is applied, sample `step` with the engine's own
+        sampler (EngineCore.sample_tokens) from the logits its forward left; its tokens go
+        to the device, where the next step's placeholders are filled from them."""
+        self.queue.ran(step)
+        assert step.output is not None and step.batch is not None
+        step.sampled = self.engine.sample_tokens(step.plan, step.batch, step.output.logits)
+        chosen = [step.sampled.tokens[r.request_id][0] if r.request_id in step.sampled.tokens else 0
+                  for r in step.sampling]
+        step.tokens = move(torch.tensor(chosen, dtype=torch.int64), step.output.logits.device)
 
-        def previous_tokens() -> list[int]:        # read step t's tokens once, and only if a view needs them
-            if not known:
-                assert previous is not None and previous.tokens is not None
-                known.append(previous.tokens.tolist())
-            return known[0]
-
-        row_of = previous.row_of if previous is not None else {}
-        views = [settled_view(r, n, row_of.get(r.request_id), previous_tokens) for r, n in zip(step.sampling, lengths)]
-        sampled = self.engine._sample(logits, views, counts, generators)
-        step.logprobs, step.failed = sampled.logprobs, sampled.failed
-        chosen = [sampled.tokens[r.request_id][0] if r.request_id in sampled.tokens else 0 for r in step.sampling]
-        return torch.tensor(chosen, dtype=torch.int64, device=logits.device)
+    def count_launched(self, step: InflightStep) -> None:
+        """Advance the launched step's requests as if their tokens were known: their rows
+        count as computed, each sampled request gets a placeholder, full blocks are
+        published. A request that finished meanwhile is left as it is."""
+        publish = self.engine.scheduler.publish_computed
+        for request, n in step.plan.scheduled:
+            if not request.status.finished:
+                request.num_computed_tokens += n
+        for request in step.sampling:
+            if not request.status.finished:
+                request.token_ids.append(PLACEHOLDER)
+                request.num_placeholders += 1
+        for request, _ in step.plan.scheduled:
+            if not request.status.finished:
+                publish(request)
 
     def settle(self, step: InflightStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them through the engine's update."""
         engine = self.engine
         waited = time.perf_counter()
-        tokens = self.queue.wait(step)
+        sampled = step.sampled
+        if sampled is None:
+            tokens = self.queue.wait(step)
+            sampled = SampledTokens({r.request_id: [token] for r, token in zip(step.sampling, tokens)})
         self.wait_seconds += time.perf_counter() - waited
-        if step.prompt_rows is not None and step.batch is not None:
-            engine._record_prompt_logprobs(step.batch, step.prompt_rows)
-        sampled = SampledTokens({r.request_id: [token] for r, token in zip(step.sampling, tokens)},
-                                step.logprobs, step.failed)
+        if step.batch is not None and step.output is not None:
+            engine.record_prompt_logprobs(step.batch, step.output.prompt_rows)
         return engine.update(step.plan, sampled)
 
     # --- the update's hooks -------------------------------------------------------------------
 
-    def advance(self, engine: EngineCore, request: Request, n: int) -> None:
-        """Nothing: launch counted the rows (the next step was planned on them)."""
+    def advance(self, request: Request, n: int) -> None:
+        """Nothing: the rows were counted at launch (the next step was planned on them)."""
 
-    def commit(self, engine: EngineCore, request: Request, tokens: list[int]) -> tuple[list[int], Status | None]:
+    def commit(self, request: Request, tokens: list[int], stop: StopRule) -> tuple[list[int], Status | None]:
         (token,) = tokens
-        return [int(token)], settle_token(request, token, engine.check_stop)
+        return [int(token)], settle_token(request, token, stop)
 
-    def report(self, engine: EngineCore, request: Request, kept: list[int], logprobs: Any) -> RequestOutput:
+    def report(self, request: Request, output: RequestOutput) -> RequestOutput:
         """The output lists only known tokens: a placeholder's value is not read yet."""
-        return replace(engine.make_output(request, kept, logprobs), output_token_ids=known_output(request))
+        return replace(output, output_token_ids=known_output(request))

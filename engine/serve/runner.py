@@ -132,15 +132,13 @@ class ModelRunner:
                 raw_bytes(tensor).index_copy_(0, index.to(tensor.device), host.to(tensor.device, non_blocking=True))
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
-                pad_to: int | None = None, previous: object | None = None) -> Batch:
+                pad_to: int | None = None, device: torch.device | str | None = None) -> Batch:
         """The step's Batch; decode steps are padded to a graph bucket when graphs are on.
-        `previous` is not taken: asynchronous scheduling (Chapter 33, serve/overlap.py) fills
-        placeholder tokens on the device queue, after the step that samples them."""
-        if previous is not None:
-            raise ValueError("ModelRunner.prepare builds host batches only; serve.overlap fills placeholders")
+        device: where its tensors live (default the runner's); the asynchronous engine
+        (Chapter 33) builds it in host memory, fills the placeholder tokens and uploads it."""
         if pad_to is None and self.graphs is not None:
             pad_to = self.graphs.pad_size(scheduled)
-        batch = build_batch(scheduled, block_tables, self.block_size, self.device, pad_to)
+        batch = build_batch(scheduled, block_tables, self.block_size, device or self.device, pad_to)
         return self.add_step_inputs(batch, scheduled)
 
     def add_step_inputs(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:

@@ -132,8 +132,8 @@ class PipelineRunner(ModelRunner):
         self.pieces: list[Batch] = []
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
-                pad_to: int | None = None, previous: object | None = None) -> Batch:
-        batch = super().prepare(scheduled, block_tables, pad_to, previous)
+                pad_to: int | None = None, device: torch.device | str | None = None) -> Batch:
+        batch = super().prepare(scheduled, block_tables, pad_to, device)
         self.pieces = [build_batch(part, block_tables, self.block_size, self.device)
                        for part in split_micro_batches(scheduled, self.micro_batches)]
         return batch

@@ -202,5 +202,6 @@ def shard_model(model: Qwen3ForCausalLM, rank: int, world: int,
     sharded.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, vocab, group)
     sharded.cfg = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // world,
                                       num_key_value_heads=len(kv_heads))
-    sharded.agree_num_blocks = functools.partial(smallest_over_group, group=group)
+    sharded.capabilities = dataclasses.replace(sharded.capabilities,
+                                               agree_num_blocks=functools.partial(smallest_over_group, group=group))
     return cast("Qwen3ForCausalLM", sharded)

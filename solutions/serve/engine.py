@@ -1,12 +1,14 @@
 """Chapter 31: EngineCore, the loop that ties requests, blocks, scheduler and model together.
 
     add_request  validate everything, then queue (n > 1 becomes n requests)
-    step         schedule -> swaps -> one flattened batch -> one forward -> sample -> update
+    step         schedule() -> runner.prepare -> execute_model() -> sample_tokens() -> update()
     update       the one place a step's tokens reach its requests (serve.update's hooks)
     generate     a blocking helper: many prompts in, their finished outputs back
 
+A step is these named parts, called in this order by `step`; Chapter 33's asynchronous
+engine (serve.overlap) calls the very same parts in another order and copies none of them.
 Features of later chapters plug into seams here: parts handed to the constructor (sampler,
-drafter, runner), the update's hooks, one-line delegations in step. Asking for a feature
+drafter, runner), the update's hooks, the stop rule the hooks apply. Asking for a feature
 the engine cannot combine with another raises an error that says why.
 """
 from __future__ import annotations
@@ -18,9 +20,9 @@ import math
 import operator
 import os
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
@@ -29,7 +31,7 @@ from .blocks import BlockManager
 from .config import EngineConfig
 from .flat_model import FlatModel
 from .guided import GuideFactory
-from .interfaces import AttentionBackend, Drafter, TokenSampler, UpdateHooks
+from .interfaces import AttentionBackend, Drafter, DrafterContext, StopRule, TokenSampler, UpdateHooks
 from .overlap import AsyncStepper, InflightStep, drop_placeholders
 from .request import (
     FULL,
@@ -46,7 +48,7 @@ from .request import (
 from .runner import ModelRunner, profile_num_blocks
 from .sampler import Sampler, SimpleSampler, TokenLogprobs, check_token_ids, token_logprobs
 from .scheduler import Scheduler, SchedulerOutput
-from .update import GuidedUpdate, SampledTokens, StepUpdate
+from .update import SampledTokens, StepUpdate, guided
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
@@ -63,6 +65,14 @@ MODEL_EOS: Literal["model"] = "model"
 
 # Setting this environment variable to 1 turns on EngineConfig.debug_checks for every engine.
 DEBUG_CHECKS_ENV = "COURSE_ENGINE_DEBUG_CHECKS"
+
+
+class ModelOutput(NamedTuple):
+    """What EngineCore.execute_model gives back for a batch: logits, float32 [L, vocab], of
+    its sampling rows (the first batch.num_sample_rows), and prompt_rows, the logits of its
+    prompt-logprob rows (Chapter 34; None when it has none)."""
+    logits: torch.Tensor
+    prompt_rows: torch.Tensor | None
 
 
 def invariant_checks(config: EngineConfig) -> ModuleType | None:
@@ -90,8 +100,8 @@ class EngineCore:
     sampler: anything with the sampler interface of serve.sampler (default: SimpleSampler, or
              Chapter 34's full Sampler with EngineConfig(sampler="full")).
     vocab_bytes: each token's bytes, for constrained decoding (Chapter 35).
-    drafter: speculative decoding (Chapter 37): a serve.spec_decode.Speculator; refused with
-             asynchronous scheduling (serve.spec_decode.ASYNC_REFUSAL says why).
+    drafter: speculative decoding (Chapter 37): a serve.spec_decode.Speculator (it may
+             refuse the engine when bound to it: asynchronous scheduling, for one).
     runner: what builds the ModelRunner, called as runner(flat, num_blocks, block_size,
             backend) (default ModelRunner; a pipeline stage's runner in Chapter 41).
     adapters: LoRA adapters to serve (Chapter 43), stacked into a serve.lora.AdapterBank on
@@ -108,9 +118,6 @@ class EngineCore:
         if config is None:
             config = EngineConfig()
         self.config = config.validate()
-        if drafter is not None and config.async_scheduling:
-            from .spec_decode import ASYNC_REFUSAL
-            raise ValueError(ASYNC_REFUSAL)
         flat = FlatModel(model) if not isinstance(model, FlatModel) else model
         if config.dtype != "auto":               # before anything reads the weights' dtype (Chapter 32)
             flat.to(getattr(torch, config.dtype))
@@ -147,10 +154,12 @@ class EngineCore:
         self.last_plan: SchedulerOutput | None = None   # the SchedulerOutput of the latest step (for tools and widgets)
         self.drafter = drafter                  # Chapter 37 (serve.spec_decode.Speculator)
         if drafter is not None:
-            drafter.bind(self)
+            drafter.bind(DrafterContext(
+                self.vocab_size, self.max_model_len, pool_blocks, config.block_size, config.attention_backend,
+                config.async_scheduling, self.generators, self.engine_generator, self.scheduler.trim,
+                lambda: self.runner.last_hidden))
             # What it keeps for a request goes when the request does.
             self.scheduler.on_finish = lambda request: drafter.forget(request.request_id)
-        self.inflight: InflightStep | None = None     # the launched, unread step (Chapter 33)
         self.checks = invariant_checks(config)    # course.testing.engine_checks when debug checks are on
         self._generate_calls = 0
         # cuda_graphs -> the GraphRunner's mode ("static" is the padded path without capture);
@@ -159,8 +168,9 @@ class EngineCore:
         graph_mode = {"off": None, "static": "off", "on": "on", "auto": "auto" if on_cuda else None}[config.cuda_graphs]
         if graph_mode is not None:
             self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
-        # How update() applies a step's tokens: Chapter 31's rules, with guides when they can exist.
-        self.plain_update = GuidedUpdate() if self.guides is not None else StepUpdate()
+        # The stop rule update() hands its hooks: Chapter 31's, guides first when they can exist (Chapter 35).
+        self.stop_rule: StopRule = guided(self.check_stop) if self.guides is not None else self.check_stop
+        self.plain_update = StepUpdate()
         queue = None if config.device_queue == "auto" else config.device_queue
         self.async_steps = AsyncStepper(self, queue) if config.async_scheduling else None   # Chapter 33
 
@@ -377,16 +387,12 @@ class EngineCore:
 
     def _check_features(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
         if self.drafter is not None:                       # Chapter 37: what speculation cannot verify
-            from .spec_decode import refuse_with_drafter
-            refuse_with_drafter(request_id, lora, features)
+            self.drafter.check_request(request_id, params, lora, features)
         why = refusal(params, self.sampler_name)         # serve.request.FIELD_RULES says who honours what
         if why is not None:
             raise ValueError(f"request {request_id!r}: {why}")
-        if (params.guided_regex is not None or params.guided_json is not None) and (
-                self.guides is None or self.config.async_scheduling):
-            raise ValueError(f"request {request_id!r}: guided decoding (Chapter 35) needs the engine's vocab_bytes "
-                             f"and synchronous scheduling (step t+1's mask comes from the guide advanced by step "
-                             f"t's token, which the asynchronous engine has not read when it launches step t+1)")
+        if (params.guided_regex is not None or params.guided_json is not None) and self.guides is None:
+            raise ValueError(f"request {request_id!r}: guided decoding (Chapter 35) needs the engine's vocab_bytes")
         check_token_ids(request_id, params, self.vocab_size)
 
     def abort_request(self, request_id: str) -> Request | list[Request | None] | None:
@@ -410,11 +416,16 @@ class EngineCore:
         return request
 
     @property
+    def inflight(self) -> InflightStep | None:
+        """The launched step whose tokens are not read yet (Chapter 33; None when synchronous)."""
+        return self.async_steps.inflight if self.async_steps is not None else None
+
+    @property
     def has_unfinished(self) -> bool:
         """True while any request waits or runs, or a launched step is unread."""
         return bool(self.scheduler.has_unfinished) or self.inflight is not None
 
-    # --- the two stubs -------------------------------------------------------------------------
+    # --- the stubs and the parts of a step ---------------------------------------------------------
 
     def check_stop(self, request: Request, index: int = -1) -> Status | None:
         """Why the request ends after its token at `index` (the newest by default), or None.  (Your engine: Chapter 31)
@@ -448,50 +459,91 @@ class EngineCore:
         """One engine iteration; returns a RequestOutput per request that gained a token or
         finished this step, in plan order.  (Your engine: Chapter 31)
 
-        Afterwards self.last_plan is this step's SchedulerOutput and self.preemptions has grown
-        by len(plan.preempted). Returns [] when nothing is scheduled (swaps still happen).
-        Seams, which later chapters replace (go through them, never around): the plan comes
-        from self.scheduler; block copies and compute from self.runner (swap_out / swap_in
-        per (request, blocks) pair; prepare(plan.scheduled, plan.block_tables) -> Batch;
-        execute(batch) -> float32 logits [L, vocab] for batch.logits_indices); tokens from
-        self._sample(logits, requests, {id: sampled rows}) -> SampledTokens over exactly the
-        requests with sampled rows, in plan order; self.update applies them.
-        Order: every swap-out before any swap-in (a block freed by one may be reused by the
-        other), both before any compute.
-        Later chapters: with self.async_steps set (Chapter 33) the step is
-        self.async_steps.step(); prompt-logprob rows, after the first batch.num_sample_rows,
-        go to self._record_prompt_logprobs(batch, rows), never to the sampler (Chapter 34);
-        with self.drafter set (Chapter 37) self.drafter.verify(self, plan, batch, logits)
-        gives the SampledTokens. With self.checks set (EngineConfig.debug_checks):
-        checks.check_plan(plan, scheduler, where) on every plan before it is carried out.
+        A step is the engine's named parts, each used once, in this order; later chapters
+        change what happens inside a part, never the order, so go through them, never around:
+          self.schedule() -> plan (kept as self.last_plan, preemptions counted);
+          self.runner.prepare(plan.scheduled, plan.block_tables) -> Batch, only when
+            plan.scheduled is not empty (no batch otherwise);
+          self.execute_model(plan, batch) -> ModelOutput (its swaps happen even without a batch);
+          self.record_prompt_logprobs(batch, output.prompt_rows) (Chapter 34; it ignores None);
+          self.sample_tokens(plan, batch, output.logits) -> SampledTokens;
+          self.update(plan, sampled) -> the outputs.
+        Returns [] when nothing is scheduled (after the swaps). With self.async_steps set
+        (Chapter 33) the step is self.async_steps.step(), which calls these same parts in
+        another order.
         """
-        if self.async_steps is not None:                  # Chapter 33: plan t + 1 while t runs
+        if self.async_steps is not None:                  # Chapter 33: the same parts, another order
             return self.async_steps.step()
+        plan = self.schedule()
+        batch = self.runner.prepare(plan.scheduled, plan.block_tables) if plan.scheduled else None
+        output = self.execute_model(plan, batch)
+        if batch is None or output is None:
+            return []
+        self.record_prompt_logprobs(batch, output.prompt_rows)
+        return self.update(plan, self.sample_tokens(plan, batch, output.logits))
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's plan (self.scheduler.schedule()), kept as self.last_plan, its
+        preemptions counted in self.preemptions and, with self.checks set
+        (EngineConfig.debug_checks), checked by checks.check_plan before anything carries it out."""
         plan = self.last_plan = self.scheduler.schedule()
         if self.checks is not None:
             self.checks.check_plan(plan, self.scheduler, f"engine step {self.steps}, the plan")
         self.preemptions += len(plan.preempted)
+        return plan
+
+    def execute_model(self, plan: SchedulerOutput, batch: Batch | None) -> ModelOutput | None:
+        """Carry out a plan's block copies, then run its batch.  (Your engine: Chapter 31)
+
+        plan: the step's SchedulerOutput; batch: its Batch (self.runner.prepare), or None
+        when nothing is scheduled. Every (request, blocks) pair of plan.swap_out goes to
+        self.runner.swap_out before any pair of plan.swap_in goes to self.runner.swap_in (a
+        block one frees may be the block the other fills), and both before the forward pass.
+        Returns None without a batch; else a ModelOutput of self.runner.execute(batch)'s
+        float32 logits [L, vocab] (one row per batch.logits_indices): `logits` its first
+        batch.num_sample_rows rows, `prompt_rows` the rest when batch.prompt_spans is not
+        empty (Chapter 34's prompt-logprob rows), else None.
+        It changes no request and no counter of the engine: the asynchronous engine (Chapter
+        33) runs it on its device queue, possibly on another thread.
+        """
         for victim, old_blocks in plan.swap_out:          # all copies out before any copy in
             self.runner.swap_out(victim, old_blocks)
         for resumed, new_blocks in plan.swap_in:
             self.runner.swap_in(resumed, new_blocks)
-        if not plan.scheduled:
-            return []
-        batch = self.runner.prepare(plan.scheduled, plan.block_tables)
+        if batch is None:
+            return None
         logits = self.runner.execute(batch)
-        if batch.prompt_spans:                  # prompt-logprob rows follow the sampling rows (Chapter 34)
-            self._record_prompt_logprobs(batch, logits[batch.num_sample_rows:])
-            logits = logits[:batch.num_sample_rows]
+        if not batch.prompt_spans:
+            return ModelOutput(logits, None)
+        return ModelOutput(logits[:batch.num_sample_rows], logits[batch.num_sample_rows:])
+
+    def sample_tokens(self, plan: SchedulerOutput, batch: Batch, logits: torch.Tensor) -> SampledTokens:
+        """The step's new tokens from its sampling rows (logits: ModelOutput.logits): the
+        drafter's verification when there is one (Chapter 37), else the sampler's draws for
+        every request with sampled rows (batch.sample_counts). A request that finished since
+        the plan was made (the asynchronous engine samples a step after applying the one
+        before it) is not sampled, as the synchronous engine would not sample it; its rows
+        are left out. One request's failure is its own (see _sample)."""
         if self.drafter is not None:                      # Chapter 37: verify the drafts instead
-            return self.update(plan, self.drafter.verify(self, plan, batch, logits))
-        rows = {request.request_id: k for (request, _), k in zip(plan.scheduled, batch.sample_counts) if k}
-        sampled = self._sample(logits, [r for r, _ in plan.scheduled if r.request_id in rows], rows)
-        return self.update(plan, sampled)
+            return self.drafter.verify(plan, batch, logits)
+        live: list[Request] = []
+        rows: dict[str, int] = {}
+        keep: list[int] = []                              # the rows of live requests
+        start = 0
+        for (request, _), count in zip(plan.scheduled, batch.sample_counts):
+            if count and not request.status.finished:
+                live.append(request)
+                rows[request.request_id] = count
+                keep.extend(range(start, start + count))
+            start += count
+        if len(keep) < start:
+            logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+        return self._sample(logits, live, rows)
 
     @property
     def update_hooks(self) -> UpdateHooks:
         """How update() applies tokens: the drafter's (Chapter 37), the asynchronous
-        stepper's (Chapter 33), or Chapter 31's own (with guides, Chapter 35)."""
+        stepper's (Chapter 33), or Chapter 31's own."""
         return self.drafter or self.async_steps or self.plain_update
 
     def update(self, plan: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
@@ -499,21 +551,23 @@ class EngineCore:
 
         Outputs follow plan order. hooks is self.update_hooks, the seam through which Chapters
         33 and 37 change how tokens land: call its methods, never inline Chapter 31's bodies.
-        Every (request, n) of plan.scheduled is advanced by hooks.advance(self, request, n)
+        They see a request and what the step decided for it, never the engine.
+        Every (request, n) of plan.scheduled is advanced by hooks.advance(request, n)
         (Chapter 31's: num_computed_tokens grows by n), except one already finished (aborted
         while its step ran), which is skipped entirely. Each advanced request ends in exactly one state:
           - failed (in sampled.failed, or hooks.commit raised): finished alone, as aborted,
-            its output carrying the error with sampled.doing or hooks.doing
+            its output carrying the error with sampled.doing or hooks.doing (prefixed by
+            "advancing its guide or " for a request with a guide, Chapter 35)
             (self._abort_with_error);
           - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published
             (self.scheduler.publish_computed), no output;
-          - tokens: kept, status = hooks.commit(self, request, tokens) (appended, stop rules
-            applied); full blocks published (self.scheduler.publish_computed);
+          - tokens: kept, status = hooks.commit(request, tokens, self.stop_rule) (appended,
+            stop rule applied); full blocks published (self.scheduler.publish_computed);
             first_token_time set once; a status finishes it within this call
             (self.scheduler.finish: its blocks serve the next step) and drops its generator
-            from self.generators; its output is hooks.report(self, request, kept,
-            self._keep_logprobs(request, sampled.logprobs)).
-        Then hooks.after_update(self, plan, advanced) sees the (request, kept) pairs still
+            from self.generators; its output is hooks.report(request, self.make_output(
+            request, kept, self._keep_logprobs(request, sampled.logprobs))).
+        Then hooks.after_update(plan, advanced) sees the (request, kept) pairs still
         running, and self.steps grows by one. With self.checks set:
         checks.check_scheduler(scheduler, where) once the step is applied.
         Isolation: one request's failure is never the step's; the others carry on.
@@ -525,7 +579,7 @@ class EngineCore:
         for request, n in plan.scheduled:
             if request.status.finished:
                 continue
-            hooks.advance(self, request, n)
+            hooks.advance(request, n)
             rid = request.request_id
             if rid in sampled.failed:
                 outputs.append(self._abort_with_error(request, sampled.failed[rid], sampled.doing))
@@ -535,9 +589,10 @@ class EngineCore:
                 self.scheduler.publish_computed(request)
                 continue
             try:
-                kept, reason = hooks.commit(self, request, tokens)
+                kept, reason = hooks.commit(request, tokens, self.stop_rule)
             except Exception as exc:                          # e.g. a guide that breaks on this token
-                outputs.append(self._abort_with_error(request, exc, hooks.doing))
+                doing = hooks.doing if request.guide is None else f"advancing its guide or {hooks.doing}"
+                outputs.append(self._abort_with_error(request, exc, doing))
                 continue
             self.scheduler.publish_computed(request)
             if request.first_token_time is None:
@@ -547,24 +602,22 @@ class EngineCore:
                 self.scheduler.finish(request, reason)
             else:
                 advanced.append((request, kept))
-            outputs.append(hooks.report(self, request, kept, self._keep_logprobs(request, sampled.logprobs)))
-        hooks.after_update(self, plan, advanced)
+            logprobs = self._keep_logprobs(request, sampled.logprobs)
+            outputs.append(hooks.report(request, self.make_output(request, kept, logprobs)))
+        hooks.after_update(plan, advanced)
         self.steps += 1
         if self.checks is not None:
             self.checks.check_scheduler(self.scheduler, f"after engine step {self.steps}")
         return outputs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: dict[str, int],
-                own: dict[str, torch.Generator] | None = None) -> SampledTokens:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: dict[str, int]) -> SampledTokens:
         """New tokens and logprobs by request id, and the error of each request whose sampling
         failed. One request must not cost the others their step: when the batched call fails,
         each request is sampled alone, from the generator states the step started with, so
-        every other request draws exactly what it would have drawn. own: the seeded
-        generators by request id (default self.generators; the asynchronous engine passes
-        those it captured when it launched the step)."""
+        every other request draws exactly what it would have drawn."""
         if not requests:
             return SampledTokens()
-        own = self.generators if own is None else own
+        own: Mapping[str, torch.Generator] = self.generators
         ids = [r.request_id for r in requests]
         generators = [self.engine_generator] + [own[i] for i in ids if i in own]
         states = [g.get_state() for g in generators]
@@ -600,11 +653,14 @@ class EngineCore:
         request.logprobs += found.get(request.request_id) or []
         return list(request.logprobs)
 
-    def _record_prompt_logprobs(self, batch: Batch, rows: torch.Tensor) -> None:
-        """Chapter 34: the log-probabilities of prompt tokens, one row per prompt position
-        that predicts a prompt token, kept in request.prompt_logprobs: entry p
-        belongs to prompt token p (entry 0 is None: nothing predicts the first token). A
+    def record_prompt_logprobs(self, batch: Batch, rows: torch.Tensor | None) -> None:
+        """Chapter 34: the log-probabilities of prompt tokens from a batch's prompt-logprob
+        rows (ModelOutput.prompt_rows; None: the batch has none, nothing to do), one row per
+        prompt position that predicts a prompt token, kept in request.prompt_logprobs: entry
+        p belongs to prompt token p (entry 0 is None: nothing predicts the first token). A
         position already recorded (a prompt computed again after preemption) is kept."""
+        if rows is None:
+            return
         targets = [token for _, _, tokens in batch.prompt_spans for token in tokens]
         widths = [request.params.prompt_logprobs or 0 for request, _, tokens in batch.prompt_spans for _ in tokens]
         found = token_logprobs(rows, torch.tensor(targets, dtype=torch.int64, device=rows.device), widths)

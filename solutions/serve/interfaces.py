@@ -6,21 +6,42 @@ a constrained-decoding guide in Chapter 35, a drafter in Chapter 37) or to exten
 update after sampling (its hooks). The engine keeps calling them exactly as it calls its
 defaults; `isinstance(x, AttentionBackend)` checks
 that the names exist (runtime_checkable), the docstrings state the rest of the contract.
+
+This module is a leaf: it imports no other module of the package when it runs, and never
+the engine, so the engine, its plug-ins and their tests all depend on it and it on none of
+them. What a hook or a drafter may use of the engine is handed to it (a stop rule, a
+DrafterContext), never the engine itself.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:                       # annotations only: no import cycle at run time
+if TYPE_CHECKING:                       # the data types the contracts name, for annotations only
     from .batch import Batch, BatchMeta
-    from .engine import EngineCore
-    from .request import Request, RequestOutput, Status
+    from .request import Request, RequestOutput, SamplingParams, Status
     from .scheduler import SchedulerOutput
-    from .update import SampledTokens
+
+# The engine's stop rules for the token at `index` of a request's list (EngineCore.check_stop,
+# with guides advanced first when the engine has them, Chapter 35): a finish status or None.
+StopRule = Callable[["Request", int], "Status | None"]
+
+
+@dataclass
+class SampledTokens:
+    """A step's results by request id, before EngineCore.update applies them.
+
+    tokens: the new tokens of each request that sampled (one; with speculation, its accepted
+    drafts then one token of the target's); logprobs: what the sampler reported for them
+    (Chapter 34); failed: the error of each request whose sampling or verification failed,
+    and `doing`, the words its error message uses for that work."""
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, Any] = field(default_factory=dict)
+    failed: dict[str, Exception] = field(default_factory=dict)
+    doing: str = "sampling"
 
 
 @runtime_checkable
@@ -113,50 +134,83 @@ class Guide(Protocol):
 @runtime_checkable
 class UpdateHooks(Protocol):
     """What EngineCore.update asks of the way a step runs (serve.update.StepUpdate is
-    Chapter 31's; Chapters 33, 35 and 37 extend it).
+    Chapter 31's; Chapters 33 and 37 extend it). Each method sees one request and what the
+    step decided for it, never the engine.
 
     Contract:
-    - `advance(engine, request, n)`: the step computed the request's next n tokens (Chapter
-      31: num_computed_tokens grows by n; the asynchronous engine counted them at launch).
-    - `commit(engine, request, tokens)` puts the step's new tokens in the request and applies
-      the stop rules to each; returns (the tokens kept, a finish status or None). It does not
-      finish the request (update does, after reporting). It may raise: update then aborts
-      that request alone, its error saying `doing`.
-    - `report(engine, request, kept, logprobs)` -> the request's RequestOutput for the step.
-    - `after_update(engine, plan, advanced)` runs once per step after every request is
-      updated; advanced: (request, tokens kept) for those that gained tokens and still run.
+    - `advance(request, n)`: the step computed the request's next n tokens (Chapter 31:
+      num_computed_tokens grows by n; the asynchronous engine counted them at launch).
+    - `commit(request, tokens, stop)` puts the step's new tokens in the request and applies
+      `stop` (the engine's StopRule) to each; returns (the tokens kept, a finish status or
+      None). It does not finish the request (update does, after reporting). It may raise:
+      update then aborts that request alone, its error saying `doing`.
+    - `report(request, output)` -> the request's RequestOutput for the step, given the one
+      EngineCore.make_output made for the tokens kept (returned as is, or changed).
+    - `after_update(plan, advanced)` runs once per step after every request is updated;
+      advanced: (request, tokens kept) for those that gained tokens and still run.
     """
     doing: str
 
-    def advance(self, engine: EngineCore, request: Request, n: int) -> None: ...
+    def advance(self, request: Request, n: int) -> None: ...
 
-    def commit(self, engine: EngineCore, request: Request, tokens: list[int]) -> tuple[list[int], Status | None]: ...
+    def commit(self, request: Request, tokens: list[int], stop: StopRule) -> tuple[list[int], Status | None]: ...
 
-    def report(self, engine: EngineCore, request: Request, kept: list[int], logprobs: Any) -> RequestOutput: ...
+    def report(self, request: Request, output: RequestOutput) -> RequestOutput: ...
 
-    def after_update(self, engine: EngineCore, plan: SchedulerOutput,
-                     advanced: list[tuple[Request, list[int]]]) -> None: ...
+    def after_update(self, plan: SchedulerOutput, advanced: list[tuple[Request, list[int]]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """What a drafter learns of the engine it is built into, once (Drafter.bind).
+
+    vocab_size, max_model_len, num_blocks, block_size, attention_backend: the target
+    engine's (a draft model's pool is sized from them); async_scheduling: whether the
+    engine plans step t + 1 before reading step t's tokens; generators: the engine's map of
+    seeded requests' own generators (live: it follows add_request and finish); default_generator:
+    the one every other request draws from; trim(request, n): give back the request's
+    blocks past its first n tokens (Scheduler.trim); last_hidden(): the target's hidden
+    rows of the latest forward pass' sampling rows (ModelRunner.last_hidden), or None.
+    """
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    attention_backend: str
+    async_scheduling: bool
+    generators: Mapping[str, torch.Generator]
+    default_generator: torch.Generator
+    trim: Callable[[Request, int], None]
+    last_hidden: Callable[[], torch.Tensor | None]
+
+    def generator_for(self, request_id: str) -> torch.Generator:
+        """The generator a request draws from: its own when seeded, else the engine's."""
+        return self.generators.get(request_id, self.default_generator)
 
 
 @runtime_checkable
 class Drafter(UpdateHooks, Protocol):
     """Speculative decoding inside the engine (Chapter 37), the engine's `drafter`.
 
-    Contract: `verify(engine, plan, batch, logits)` takes the place of sampling in
-    EngineCore.step: logits are the batch's sampling rows (1 + the drafts fed, per request);
-    it returns, per request, the accepted drafts then one token of the target's
+    Contract: `verify(plan, batch, logits)` takes the place of sampling in
+    EngineCore.sample_tokens: logits are the batch's sampling rows (1 + the drafts fed, per
+    request); it returns, per request, the accepted drafts then one token of the target's
     (SampledTokens). Its update hooks then commit those tokens, give back the blocks of
-    rejected drafts (engine.scheduler.trim), and after the update propose the next drafts.
+    rejected drafts (DrafterContext.trim), and after the update propose the next drafts.
+    `check_request(request_id, params, lora, features)` raises ValueError, naming the
+    request and the rule, for what the drafter cannot verify (EngineCore.add_request asks it);
     `forget(request_id)` drops what it keeps for a request that finished or was aborted;
-    `bind(engine)` is called once by the engine being built with it, before any request.
+    `bind(context)` is called once by the engine being built with it, before any request,
+    and may refuse that engine (ValueError).
     """
 
-    def verify(self, engine: EngineCore, plan: SchedulerOutput, batch: Batch,
-               logits: torch.Tensor) -> SampledTokens: ...
+    def verify(self, plan: SchedulerOutput, batch: Batch, logits: torch.Tensor) -> SampledTokens: ...
+
+    def check_request(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
 
-    def bind(self, engine: EngineCore) -> None: ...
+    def bind(self, context: DrafterContext) -> None: ...
 
 
 @runtime_checkable
@@ -178,9 +232,11 @@ class WindowedAttention(Protocol):
 
 @dataclass(frozen=True)
 class ModelCapabilities:
-    """What a loaded model may declare beyond Qwen3ForCausalLM's modules, as attributes of
-    the same names; FlatModel reads them once (`of`), so nothing else in the engine asks a
-    model what it can do. A model that declares none gets these defaults.
+    """What a loaded model declares beyond Qwen3ForCausalLM's modules, in one typed
+    attribute, `model.capabilities` (Qwen3ForCausalLM sets its own; a family that changes
+    one sets a copy with that field replaced, dataclasses.replace). FlatModel reads it once
+    (`of`), so nothing else in the engine asks a model what it can do, and a misspelt field
+    is a TypeError where the model is built, never a silent default.
 
     context_limit: the positions it was trained for (Chapter 17; None: no limit known).
     kv_spec() -> (layers, kv_heads, head_dim): a pool shape other than its config's
@@ -200,10 +256,21 @@ class ModelCapabilities:
     rope_tables: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
-    def of(cls, model: object) -> ModelCapabilities:
-        """The capabilities `model` declares (the one place that looks)."""
-        return cls(**{f.name: getattr(model, f.name) for f in fields(cls) if hasattr(model, f.name)})
+    def of(cls, model: Any) -> ModelCapabilities:
+        """The capabilities `model` declares; a TypeError names a model that declares none."""
+        try:
+            declared = model.capabilities
+        except AttributeError:
+            declared = None
+        if isinstance(declared, cls):
+            return declared
+        if is_dataclass(declared) and type(declared).__name__ == cls.__name__:
+            # The same declaration from another copy of this package (the reference's model
+            # in a learner's engine): every field is read, so a missing one still raises.
+            return cls(**{f.name: getattr(declared, f.name) for f in fields(cls)})
+        raise TypeError(f"{type(model).__name__} declares no ModelCapabilities: the engine core takes a model "
+                        f"whose `capabilities` attribute holds one (Qwen3ForCausalLM sets its own)")
 
 
-__all__ = ["AttentionBackend", "TokenSampler", "Guide", "UpdateHooks", "Drafter", "PagedAttention",
-           "WindowedAttention", "ModelCapabilities"]
+__all__ = ["AttentionBackend", "TokenSampler", "Guide", "StopRule", "SampledTokens", "UpdateHooks",
+           "DrafterContext", "Drafter", "PagedAttention", "WindowedAttention", "ModelCapabilities"]

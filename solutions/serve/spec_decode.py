@@ -14,8 +14,10 @@ all of them at once:
 Three proposers share one interface (`propose`): n-gram lookup in the request's own tokens,
 a smaller draft model with a KV pool of its own, and heads on the target's last hidden
 state (Medusa style). `Speculator` is the engine's `drafter` (serve.interfaces.Drafter), handed to
-EngineCore when it is built: its `verify` takes the place of sampling in EngineCore.step,
-and it extends EngineCore.update through the update's hooks (serve.update).
+EngineCore when it is built: its `verify` takes the place of sampling in
+EngineCore.sample_tokens, and it extends EngineCore.update through the update's hooks
+(serve.update). It never sees the engine: what it needs of it comes once, in the
+DrafterContext that `bind` receives.
 
 Acceptance: a greedy request keeps the drafts that equal the target's argmax (Chapter 26's
 accept_greedy), so its output is exactly the non-speculative engine's. A sampled request
@@ -28,7 +30,7 @@ resamples from p with x removed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,15 +40,15 @@ from torch import nn
 from ..speculative import accept_greedy, accept_sampled
 from .batch import build_batch
 from .blocks import BlockManager
+from .interfaces import DrafterContext, SampledTokens, StopRule
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner
 from .sampler import apply_min_p, apply_top_k_top_p
-from .update import SampledTokens, StepUpdate
+from .update import StepUpdate
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
     from .batch import Batch
-    from .engine import EngineCore
     from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -102,24 +104,27 @@ def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(scaled, dim=-1)
 
 
-def settle(engine: EngineCore, request: Request, emitted: Sequence[int]) -> tuple[list[int], Status | None]:
+def settle(request: Request, emitted: Sequence[int], stop: StopRule,
+           trim: Callable[[Request, int], None]) -> tuple[list[int], Status | None]:
     """Commit a verified step's tokens to a request and give back what the drafts used.  (Your engine: Chapter 37)
 
     Called after the step's forward, when request.num_computed_tokens already counts every
     scheduled row (the real token AND the drafts fed behind it). emitted: the accepted
-    drafts followed by the target's own token (1 .. k + 1 ints), in order.
+    drafts followed by the target's own token (1 .. k + 1 ints), in order; stop(request,
+    index): the engine's stop rule (EngineCore.check_stop's contract); trim(request, n):
+    gives back the request's blocks past its first n tokens (Scheduler.trim).
     Afterwards:
     - request.token_ids ends with emitted up to and including the first token that
-      engine.check_stop says ends the request (each token judged as the newest, with those
+      stop(request, -1) says ends the request (each token judged as the newest, with those
       before it appended); every token after that one is dropped;
     - num_computed_tokens is min(its value, num_tokens - 1): only rows of kept tokens hold
       valid K/V, and the newest token is never computed (Chapter 31's invariant);
     - the request holds no block past its first num_computed_tokens tokens (those that held
-      only rejected drafts are back in the pool, unpublished: engine.scheduler.trim), and
-      every full block of accepted tokens is published (engine.scheduler.publish_computed).
-      Keys come from request.token_ids only, so a rejected draft is never published.
+      only rejected drafts are back in the pool, unpublished: trim). EngineCore.update then
+      publishes its full blocks; keys come from request.token_ids only, so a rejected
+      draft is never published.
     Returns (the tokens appended, the stop status or None). It does not finish the request
-    (the caller does, so it can report the output first); check_stop may raise, and then
+    (the caller does, so it can report the output first); the stop rule may raise, and then
     the tokens appended before the failure stay appended.
     """
     kept: list[int] = []
@@ -127,12 +132,11 @@ def settle(engine: EngineCore, request: Request, emitted: Sequence[int]) -> tupl
     for token in emitted:
         request.append(token)
         kept.append(int(token))
-        reason = engine.check_stop(request)
+        reason = stop(request, -1)
         if reason is not None:
             break
     request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-    engine.scheduler.trim(request, request.num_computed_tokens)
-    engine.scheduler.publish_computed(request)
+    trim(request, request.num_computed_tokens)
     return kept, reason
 
 
@@ -148,20 +152,21 @@ class Draft:
 
 
 class Proposer(Protocol):
-    """Where drafts come from. `propose` gets the requests that just gained tokens and are
-    still running, each request's cap on guesses, and the target's hidden row of each
-    request's newest token (heads read it); it returns one Draft per request, in order.
-    `release(request_id)` forgets whatever the proposer keeps for a request that finished
-    or lost its K/V (preemption)."""
+    """Where drafts come from. `propose` gets the engine's DrafterContext, the requests that
+    just gained tokens and are still running, each request's cap on guesses, and the
+    target's hidden row of each request's newest token (heads read it); it returns one
+    Draft per request, in order. `release(request_id)` forgets whatever the proposer keeps
+    for a request that finished or lost its K/V (preemption); `bind(context)` sizes what it
+    keeps for the engine being built."""
 
     name: str
 
-    def propose(self, engine: EngineCore, requests: Sequence[Request], limits: Sequence[int],
+    def propose(self, context: DrafterContext, requests: Sequence[Request], limits: Sequence[int],
                 hidden: torch.Tensor | None) -> list[Draft]: ...
 
     def release(self, request_id: str) -> None: ...
 
-    def bind(self, engine: EngineCore) -> None: ...
+    def bind(self, context: DrafterContext) -> None: ...
 
 
 @dataclass
@@ -175,14 +180,14 @@ class NgramProposer:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"NgramProposer needs 1 <= min_n <= max_n, got min_n={self.min_n}, max_n={self.max_n}")
 
-    def propose(self, engine: EngineCore, requests: Sequence[Request], limits: Sequence[int],
+    def propose(self, context: DrafterContext, requests: Sequence[Request], limits: Sequence[int],
                 hidden: torch.Tensor | None) -> list[Draft]:
         return [Draft(propose_ngram(r.token_ids, limit, self.max_n, self.min_n)) for r, limit in zip(requests, limits)]
 
     def release(self, request_id: str) -> None:
         pass
 
-    def bind(self, engine: EngineCore) -> None:
+    def bind(self, context: DrafterContext) -> None:
         pass
 
 
@@ -211,16 +216,16 @@ class DraftModelProposer:
         self.draft, self.pool = draft, (num_blocks, block_size, backend)
         self.shadows: dict[str, Request] = {}
 
-    def bind(self, engine: EngineCore) -> None:
+    def bind(self, context: DrafterContext) -> None:
         """Build the draft's pool for the engine being built, or refuse a draft that guesses
         in another vocabulary."""
-        if self.draft.cfg.vocab_size != engine.vocab_size:
+        if self.draft.cfg.vocab_size != context.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.draft.cfg.vocab_size}) differs from the target's "
-                             f"({engine.vocab_size}): its guesses would be other tokens")
+                             f"({context.vocab_size}): its guesses would be other tokens")
         num_blocks, block_size, backend = self.pool
-        num_blocks = num_blocks or engine.blocks.num_blocks
-        block_size = block_size or engine.config.block_size
-        self.runner = ModelRunner(self.draft, num_blocks, block_size, backend or engine.config.attention_backend)
+        num_blocks = num_blocks or context.num_blocks
+        block_size = block_size or context.block_size
+        self.runner = ModelRunner(self.draft, num_blocks, block_size, backend or context.attention_backend)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
 
     def release(self, request_id: str) -> None:
@@ -245,7 +250,7 @@ class DraftModelProposer:
         return shadow
 
     @torch.inference_mode()
-    def propose(self, engine: EngineCore, requests: Sequence[Request], limits: Sequence[int],
+    def propose(self, context: DrafterContext, requests: Sequence[Request], limits: Sequence[int],
                 hidden: torch.Tensor | None) -> list[Draft]:
         work = []                 # (request, shadow, limit) that have room in the draft pool
         for request, limit in zip(requests, limits):
@@ -269,7 +274,7 @@ class DraftModelProposer:
                     token = int(logits[row].argmax())
                 else:
                     probs = warped_probs(logits[row:row + 1], params)
-                    generator = engine.generators.get(request.request_id, engine.engine_generator)
+                    generator = context.generator_for(request.request_id)
                     token = int(torch.multinomial(probs, 1, generator=generator))
                     rows[request.request_id].append(probs[0])
                 guesses[request.request_id].append(token)
@@ -371,7 +376,7 @@ class HeadProposer:
     name: str = "heads"
 
     @torch.inference_mode()
-    def propose(self, engine: EngineCore, requests: Sequence[Request], limits: Sequence[int],
+    def propose(self, context: DrafterContext, requests: Sequence[Request], limits: Sequence[int],
                 hidden: torch.Tensor | None) -> list[Draft]:
         if hidden is None or not requests:
             return [Draft([]) for _ in requests]
@@ -383,7 +388,7 @@ class HeadProposer:
     def release(self, request_id: str) -> None:
         pass
 
-    def bind(self, engine: EngineCore) -> None:
+    def bind(self, context: DrafterContext) -> None:
         pass
 
 
@@ -422,7 +427,8 @@ class Speculator(StepUpdate):
 
     It extends Chapter 31's update through its hooks: `verify` replaces sampling, `commit`
     is `settle` (accepted drafts kept, rejected drafts' blocks given back), and
-    `after_update` proposes the next step's drafts.
+    `after_update` proposes the next step's drafts. What it uses of the engine is the
+    DrafterContext `bind` gives it.
 
     Hand it to the engine when it is built: EngineCore(model, config, drafter=Speculator(proposer, k))."""
     proposer: Any
@@ -432,6 +438,7 @@ class Speculator(StepUpdate):
     # The last step's target hidden rows (heads read them) and each request's first row there.
     hidden: torch.Tensor | None = field(default=None, repr=False)
     first_row: dict[str, int] = field(default_factory=dict, repr=False)
+    context: DrafterContext = field(init=False, repr=False)      # set by bind
 
     doing = "settling its verified tokens"
 
@@ -439,16 +446,23 @@ class Speculator(StepUpdate):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"Speculator: k (draft tokens per step) must be an integer >= 1, got {self.k!r}")
 
-    def bind(self, engine: EngineCore) -> None:
-        """Called by EngineCore when it is built with this drafter: the proposer sizes what
-        it keeps (a draft model's pool) for that engine."""
-        self.proposer.bind(engine)
+    def bind(self, context: DrafterContext) -> None:
+        """Called by EngineCore when it is built with this drafter: refuses an engine that
+        schedules asynchronously (ASYNC_REFUSAL), then the proposer sizes what it keeps (a
+        draft model's pool) for that engine."""
+        if context.async_scheduling:
+            raise ValueError(ASYNC_REFUSAL)
+        self.context = context
+        self.proposer.bind(context)
+
+    def check_request(self, request_id: str, params: SamplingParams, lora: object, features: object) -> None:
+        refuse_with_drafter(request_id, lora, features)
 
     def forget(self, request_id: str) -> None:
         self.draft_probs.pop(request_id, None)
         self.proposer.release(request_id)
 
-    def verify_one(self, engine: EngineCore, request: Request, logits: torch.Tensor, drafts: list[int],
+    def verify_one(self, request: Request, logits: torch.Tensor, drafts: list[int],
                    probs: torch.Tensor | None) -> list[int]:
         """The tokens this step emits for one request: accepted drafts, then one of the target's."""
         if request.params.greedy:
@@ -457,15 +471,14 @@ class Speculator(StepUpdate):
         if probs is None:            # deterministic guesses: a point mass on each
             probs = torch.zeros(len(drafts), target.shape[-1], dtype=target.dtype, device=target.device)
             probs[range(len(drafts)), drafts] = 1.0
-        generator = engine.generators.get(request.request_id, engine.engine_generator)
-        return accept_sampled(target, probs.to(target), drafts, generator)
+        return accept_sampled(target, probs.to(target), drafts, self.context.generator_for(request.request_id))
 
-    def verify(self, engine: EngineCore, plan: SchedulerOutput, batch: Batch, logits: torch.Tensor) -> SampledTokens:
+    def verify(self, plan: SchedulerOutput, batch: Batch, logits: torch.Tensor) -> SampledTokens:
         """Each request's emitted tokens (accepted drafts, then the target's own) from its
         verification rows; a request whose verification raises fails alone."""
         for request in plan.preempted:                 # their K/V are gone: so is the draft's
             self.forget(request.request_id)
-        self.hidden = engine.runner.last_hidden
+        self.hidden = self.context.last_hidden()
         self.first_row = {}
         sampled = SampledTokens(doing="verifying its draft tokens")
         row = 0
@@ -477,7 +490,7 @@ class Speculator(StepUpdate):
             if count == 0:                              # a mid-prompt chunk
                 continue
             try:
-                emitted = self.verify_one(engine, request, logits[first:row], drafts,
+                emitted = self.verify_one(request, logits[first:row], drafts,
                                           None if probs is None else probs[:len(drafts)])
             except Exception as exc:
                 sampled.failed[request.request_id] = exc
@@ -490,23 +503,22 @@ class Speculator(StepUpdate):
             self.stats.verifications += 1
         return sampled
 
-    def commit(self, engine: EngineCore, request: Request, tokens: list[int]) -> tuple[list[int], Status | None]:
-        kept, reason = settle(engine, request, tokens)
+    def commit(self, request: Request, tokens: list[int], stop: StopRule) -> tuple[list[int], Status | None]:
+        kept, reason = settle(request, tokens, stop, self.context.trim)
         self.stats.emitted += len(kept)
         return kept, reason
 
-    def after_update(self, engine: EngineCore, plan: SchedulerOutput,
-                     advanced: list[tuple[Request, list[int]]]) -> None:
+    def after_update(self, plan: SchedulerOutput, advanced: list[tuple[Request, list[int]]]) -> None:
         """Set next step's spec_token_ids: never more guesses than tokens the request may
         still emit minus one (the target always adds one), nor past max_model_len."""
         if not advanced:
             return
         requests = [r for r, _ in advanced]
         limits = [max(0, min(self.k, r.params.max_tokens - r.num_output_tokens - 1,
-                             engine.max_model_len - r.num_tokens - 1)) for r in requests]
+                             self.context.max_model_len - r.num_tokens - 1)) for r in requests]
         newest = [self.first_row[r.request_id] + len(kept) - 1 for r, kept in advanced]
         rows = self.hidden[newest] if self.hidden is not None else None
-        for request, draft in zip(requests, self.proposer.propose(engine, requests, limits, rows)):
+        for request, draft in zip(requests, self.proposer.propose(self.context, requests, limits, rows)):
             request.spec_token_ids = [int(t) for t in draft.tokens]
             if draft.probs is not None and draft.tokens:
                 self.draft_probs[request.request_id] = draft.probs
