@@ -470,11 +470,11 @@ class IncrementalDetokenizer:
     """Text for a stream of token ids, released only when it will not change.
 
     A token can end in the middle of a character (an emoji is 4 bytes, often 2-3 tokens), so
-    decoding each token alone prints U+FFFD garbage. push() keeps two offsets into the ids:
-    `prefix_offset`, where the window of context starts, and `read_offset`, where the text
-    already returned ends. It returns only the text past read_offset, and only once the window
-    decodes to complete characters. Invariant: the concatenation of everything push() and
-    flush() returned equals tokenizer.decode(all ids, skip_special_tokens).
+    decoding each token alone prints U+FFFD garbage. The stream keeps every id pushed and two
+    offsets into them: `read_offset`, where the text already returned ends, and
+    `prefix_offset`, where the context decoded together with the new ids begins.
+    Invariant: the concatenation of everything push() and flush() returned equals
+    tokenizer.decode(all ids, skip_special_tokens).
     """
 
     def __init__(self, tokenizer: BPETokenizer, skip_special_tokens: bool = False) -> None:
