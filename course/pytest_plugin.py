@@ -252,6 +252,8 @@ def pytest_runtest_makereport(item, call):
     elif call.excinfo is not None and item.config.getoption("tbstyle") in ("auto", "short"):
         # (a notebook cell, nbval's item, has no fixtures)
         compact = _hypothesis_report(call.excinfo, item.config, set(getattr(item, "fixturenames", ())))
+        if compact is None and milestone:
+            compact = _library_error_report(call.excinfo, item.config)
         if compact is not None:
             report.longrepr = compact
             # Hypothesis announces the end of our shorter shrinking as "more than five minutes".
@@ -296,6 +298,25 @@ def _hypothesis_report(excinfo, config, fixtures: set[str]) -> str | None:
                  f" for at most {SHRINK_SECONDS} s (--stress shrinks it for longer)") + ":")
     lines += case
     lines.append("(pytest --tb=long prints the whole traceback)")
+    return "\n".join(lines)
+
+
+def _library_error_report(excinfo, config) -> str | None:
+    """An error raised inside a library (torch's IndexError from an embedding lookup, say)
+    said short: the error, then the last calls outside the library (the code under test,
+    the test), instead of a hundred lines of the library's source. None for anything else."""
+    entries = list(excinfo.traceback)
+    if not entries or excinfo.errisinstance((AssertionError, pytest.fail.Exception, pytest.skip.Exception)) \
+            or "site-packages" not in str(entries[-1].path):
+        return None
+    outside = [entry for entry in entries if "site-packages" not in str(entry.path)]
+    library = str(entries[-1].path).split("site-packages", 1)[1].strip("/\\").split("/")[0].split("\\")[0]
+    lines = [f"E   {excinfo.type.__name__}: {excinfo.value}".rstrip()]     # the line pytest itself starts with E
+    for entry in outside[-3:]:
+        where = _shown_path(entry.path, config.invocation_params.dir)
+        statement = str(entry.statement).strip().splitlines()[0] if entry.statement else ""
+        lines.append(f"  at {where}:{entry.lineno + 1} ({entry.name}): {statement}")
+    lines.append(f"  (raised inside {library}; pytest --tb=long prints the whole traceback)")
     return "\n".join(lines)
 
 

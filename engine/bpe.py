@@ -128,20 +128,20 @@ def count_pairs(word_counts: dict[tuple[str, ...], int]) -> Counter[tuple[str, s
 
     word_counts: a word (a tuple of its current symbols, e.g. ("Ġ", "th", "e")) -> how many
         times the word occurs in the corpus.
-    Returns a Counter mapping (left, right) -> the number of times `left` is directly
-    followed by `right`, summed over every word and weighted by the word's count. A pair that
-    occurs twice inside one word counts twice for each occurrence of the word
-    (("a", "a", "a") has the pair ("a", "a") twice). Pairs never span two words.
+    Returns a Counter (left, right) -> how many times, in the whole corpus, a symbol `left`
+    stands directly before a symbol `right`. Pairs never span two words.
+    Example: {("a", "a", "a"): 2, ("a", "b"): 1} -> {("a", "a"): 4, ("a", "b"): 1}.
     """
     raise NotImplementedError("Your engine: Chapter 36: count_pairs")
 
 
 def merge_word(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
-    """The word with every occurrence of `pair` replaced by one joined symbol.  (Your engine: Chapter 36)
+    """The word with the pair's occurrences replaced by one joined symbol.  (Your engine: Chapter 36)
 
-    word: a tuple of symbols; pair: (left, right). Occurrences are taken left to right and do
-    not overlap: merging ("a", "a") in ("a", "a", "a") gives ("aa", "a"), not ("a", "aa").
-    A word without the pair comes back equal to itself. The input tuple is not modified.
+    word: a tuple of symbols; pair: (left, right). Returns a tuple whose symbols, joined, spell
+    the same string as the word's; every symbol of the word ends up in exactly one symbol of
+    the result. A word without the pair comes back equal to itself; the input is not modified.
+    Examples with pair ("a", "a"): ("a", "a", "a") -> ("aa", "a"); ("ba", "a") -> ("ba", "a").
     """
     raise NotImplementedError("Your engine: Chapter 36: merge_word")
 
@@ -150,11 +150,11 @@ def train_bpe(text: str, vocab_size: int, pre: str = "gpt2") -> list[tuple[str, 
     """Learn byte-level BPE merges from `text`.  (Your engine: Chapter 36)
 
     vocab_size: the vocabulary wanted, the 256 byte symbols (bytes_to_unicode) included;
-    pre: the pre-tokenizer. Merges never cross the pieces pretokenize(text, pre) cuts the
-    text into, each spelled in the byte alphabet. Returns the merges in the order learned
-    (rank 0 first), as (left, right) pairs of symbols: merge r is the most frequent adjacent
-    pair once merges 0 .. r-1 are applied, ties going to the smallest pair in Python's order
-    (training is deterministic); at most vocab_size - 256 merges, fewer when no pair is left.
+    pre: the pre-tokenizer. Returns the merges in the order learned (rank 0 first), as
+    (left, right) pairs of symbols, at most vocab_size - 256 of them (fewer when no pair is
+    left). Merge r is the most frequent adjacent pair of the corpus as merges 0 .. r-1 left
+    it, counted inside the pieces of pretokenize(text, pre) spelled in the byte alphabet.
+    Deterministic: of equally frequent pairs, the one that sorts first wins.
     Errors: ValueError naming 256 when vocab_size < 256; pretokenize's for an unknown `pre`.
     """
     raise NotImplementedError("Your engine: Chapter 36: train_bpe")
@@ -273,14 +273,12 @@ class BPETokenizer:
         """One pre-tokenized piece, spelled in the byte alphabet -> its token ids.  (Your engine: Chapter 36)
 
         word: e.g. "Ġlower" (" lower"), one byte symbol per character. Returns the ids
-        (self.token_to_id) of the symbols the learned merges make of the word when replayed in
-        rank order (self.merge_ranks, rank 0 first, each on every occurrence): what training made
-        of it. An empty word gives []. Results are cached per word by encode.
-        Traps: the rank decides, not the position nor the length of a match (left-to-right or
-        longest-match gives ids the model never saw); a byte symbol missing from the vocabulary
-        (SmolLM2 lacks the bytes that only begin characters of unassigned planes, e.g. 0xF1) is
-        dropped before merging, as the tokenizers library does, so such text does not survive a
-        round trip.
+        (self.token_to_id) of the tokens training would have made of this word: the same
+        tokens the tokenizers library gives with these merges (self.merge_ranks, rank 0 the
+        first learned). An empty word gives []. encode caches the result per word.
+        Traps: a tokenization that merely spells the word with tokens of the vocabulary is not
+        enough (the model only saw the one training made); a byte symbol the vocabulary lacks
+        (SmolLM2 has none for 0xF1) is left out, as the tokenizers library does.
         """
         raise NotImplementedError("Your engine: Chapter 36: BPETokenizer.encode_word")
 
@@ -324,12 +322,12 @@ class BPETokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Token ids -> text.  (Your engine: Chapter 36)
 
-        ids: ints in 0 .. vocab_size - 1. Returns the UTF-8 decoding of all the ids' bytes
-        (token_bytes) taken together, never token by token: one token may hold half a character.
-        Invalid or truncated sequences become U+FFFD, never an exception. Special tokens are
-        written as their names ("<|im_end|>") unless skip_special_tokens, which drops them.
-        Errors: ValueError naming the id and the vocabulary's range (0..vocab_size - 1) for an
-        id outside it.
+        ids: ints in 0 .. vocab_size - 1. Returns the text the ids stand for: decode(encode(t))
+        == t. A token may hold half a character (token_bytes(id) need not be valid UTF-8), so a
+        character split over two ids comes back whole. Bytes that are not valid UTF-8 read as
+        U+FFFD, never an exception. Special tokens read as their names ("<|im_end|>"), or are
+        left out with skip_special_tokens. Errors: ValueError naming the id and the range
+        0..vocab_size - 1 for an id outside it.
         """
         raise NotImplementedError("Your engine: Chapter 36: BPETokenizer.decode")
 
@@ -432,11 +430,11 @@ class IncrementalDetokenizer:
     """Text for a stream of token ids, released only when it will not change.
 
     A token can end in the middle of a character (an emoji is 4 bytes, often 2-3 tokens), so
-    decoding each token alone prints U+FFFD garbage. push() keeps two offsets into the ids:
-    `prefix_offset`, where the window of context starts, and `read_offset`, where the text
-    already returned ends. It returns only the text past read_offset, and only once the window
-    decodes to complete characters. Invariant: the concatenation of everything push() and
-    flush() returned equals tokenizer.decode(all ids, skip_special_tokens).
+    decoding each token alone prints U+FFFD garbage. The stream keeps every id pushed and two
+    offsets into them: `read_offset`, where the text already returned ends, and
+    `prefix_offset`, where the context decoded together with the new ids begins.
+    Invariant: the concatenation of everything push() and flush() returned equals
+    tokenizer.decode(all ids, skip_special_tokens).
     """
 
     def __init__(self, tokenizer: BPETokenizer, skip_special_tokens: bool = False) -> None:
@@ -453,8 +451,10 @@ class IncrementalDetokenizer:
         """Add one token id; return the text that became complete and stable (often "").  (Your engine: Chapter 36)
 
         token_id: an int in the vocabulary. Invariants:
-          - text once returned never changes, so text that ends in an unfinished character
-            (which decodes to U+FFFD) is held back;
+          - nothing returned is ever taken back: never half a character;
+          - nothing is held longer than needed: once decode(self.ids) ends in a complete
+            character, everything up to it has been returned (a U+FFFD that is really in the
+            text is no reason to wait, once a character follows it);
           - everything push() and flush() return, joined, equals
             tokenizer.decode(self.ids, skip_special_tokens);
           - self.ids holds every id pushed; the text of ids[:read_offset] has been returned, and
@@ -506,13 +506,14 @@ class StopStringMatcher:
     def push(self, text: str) -> StopCheck:
         """Add newly detokenized text; return what may be sent.  (Your engine: Chapter 36)
 
-        text: the stream's next piece (may be ""). When a stop string occurs in the held text
-        plus `text`, returns StopCheck(the text before it, True, that stop string) and the stream
-        is over (self.held "", self.stopped True); if several occur, the one that ENDS first
-        wins, then the longest. Otherwise returns StopCheck(what may be sent), keeping in
-        self.held the longest tail that is a proper prefix of some stop string.
-        Invariants: no text sent is ever part of a stop string; the result does not depend on
-        how the stream was cut into pushes. Errors: ValueError for a push after a stop.
+        text: the stream's next piece (may be ""). Returns StopCheck(text, stopped, stop_string).
+        The stream stops where a character-by-character stream would first have completed a stop
+        string (the longest, of two completed by the same character): `text` is then everything
+        before that stop string not sent yet, and the stream is over (self.held "", self.stopped
+        True). Otherwise `text` is what can be sent now and self.held what cannot yet.
+        Invariants: no text sent is ever part of a stop string, and no text is held that could
+        not still become one; the results do not depend on how the stream was cut into pushes.
+        Errors: ValueError for a push after a stop.
         """
         raise NotImplementedError("Your engine: Chapter 36: StopStringMatcher.push")
 

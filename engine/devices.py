@@ -233,8 +233,8 @@ def plan_layers(layer_bytes: Sequence[int], free_bytes: Sequence[int]) -> list[i
     and stages"); S > L ("a stage with no layer", which would only relay); a negative size
     or a budget that is not positive (sizes ">= 0", budgets "> 0"); even the best plan
     overfills a stage ("do not fit", naming that stage and the bytes missing).
-    Trap: compare fractions exactly (fractions.Fraction), not as floats: two plans with
-    the same peak must tie.
+    Trap, as a property: two plans whose fullest stages are equally full tie exactly
+    (3/9 and 1/3 are the same fill), so rounding never decides between them.
     """
     raise NotImplementedError("Your engine: Chapter 40: plan_layers")
 

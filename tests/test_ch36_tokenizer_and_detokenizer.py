@@ -14,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from course.testing import bpe_oracle
 from course.testing.milestone_helpers import first_difference
@@ -60,10 +62,19 @@ def oracle(metadata):
     return bpe_oracle.library_tokenizer(metadata)
 
 
+RANK_RULE = ("a word gets the tokens training made of it: merges apply lowest rank first, wherever in "
+             "the word, until no adjacent pair is a merge")
+
+
 def tokenizer_symbols(text):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
     table = bytes_to_unicode()
     return [table[b] for b in text.encode("utf-8")]
+
+
+def spelled(tokenizer, ids):
+    """Ids as the tokens they are, for messages: [278 'Ġthe', 11 ',']."""
+    return "[" + ", ".join(f"{i} {tokenizer.tokens[i]!r}" for i in ids) + "]"
 
 
 def oracle_ids(oracle, text, parse_special=False):
@@ -100,11 +111,65 @@ def test_pretokenize_matches_tokenizers(bpe, pre):
 def test_count_pairs_and_merge_word(bpe):
     counts = bpe.count_pairs({("a", "a", "a"): 2, ("a", "b"): 1})
     assert dict(counts) == {("a", "a"): 4, ("a", "b"): 1}, (
-        f"count_pairs: ('a','a','a') x2 holds the pair ('a','a') twice per word, so 4; ('a','b') once; "
-        f"got {dict(counts)}")
-    assert bpe.merge_word(("a", "a", "a"), ("a", "a")) == ("aa", "a"), "merge_word merges left to right, no overlaps"
-    assert bpe.merge_word(("x", "a", "b", "a", "b"), ("a", "b")) == ("x", "ab", "ab"), "every occurrence is merged"
+        f"count_pairs counts every adjacent pair of every word, times the word's count: ('a','a','a') "
+        f"occurring twice holds the pair ('a','a') twice per word, so 4; ('a','b') once; got {dict(counts)}")
+    merged = bpe.merge_word(("a", "a", "a"), ("a", "a"))
+    assert isinstance(merged, tuple), f"merge_word returns a tuple of symbols (words are dict keys); got {merged!r}"
+    assert merged == ("aa", "a"), (
+        f"merge_word(('a','a','a'), ('a','a')): no symbol is used by two merges, the first pair wins: "
+        f"('aa', 'a'), got {merged}")
+    assert bpe.merge_word(("x", "a", "b", "a", "b"), ("a", "b")) == ("x", "ab", "ab"), (
+        "merge_word merges every occurrence of the pair, the last one included")
+    assert bpe.merge_word(("ba", "a"), ("a", "a")) == ("ba", "a"), (
+        "merge_word matches whole symbols: the 'a' ending the symbol 'ba' is not the symbol 'a'")
     assert bpe.merge_word(("a", "b"), ("b", "c")) == ("a", "b"), "a word without the pair is unchanged"
+
+
+def naive_merges(pieces, count):
+    """A naive trainer: each word a list of symbols, every pair counted afresh each round.
+    Returns [(merge, {pair: times seen} at that round)]."""
+    words = [list(piece) for piece in pieces]
+    rounds = []
+    for _ in range(count):
+        seen = Counter()
+        for word in words:
+            seen.update(zip(word, word[1:]))
+        if not seen:
+            break
+        top = max(seen.values())
+        best = sorted(pair for pair, n in seen.items() if n == top)[0]
+        rounds.append((best, seen))
+        for word in words:
+            i = 0
+            while i < len(word) - 1:
+                if (word[i], word[i + 1]) == best:
+                    word[i:i + 2] = [word[i] + word[i + 1]]
+                i += 1
+    return rounds
+
+
+def assert_merges_like_naive(bpe, text, vocab_size):
+    merges = bpe.train_bpe(text, vocab_size)
+    rounds = naive_merges([tokenizer_symbols(piece) for piece in bpe.pretokenize(text)], vocab_size - 256)
+    for rank, (expected, seen) in enumerate(rounds):
+        if rank >= len(merges) or merges[rank] == expected:
+            continue
+        got = merges[rank]
+        if seen.get(got) == seen[expected]:
+            raise AssertionError(f"train_bpe({text[:30]!r}...): merge {rank} is {got}, but {expected} is seen as often "
+                                 f"({seen[expected]} times) and ties go to the pair that sorts first")
+        raise AssertionError(f"train_bpe({text[:30]!r}...): merge {rank} is the most frequent pair once merges "
+                             f"0..{rank - 1} are applied: {expected} ({seen[expected]} times), got {got} "
+                             f"({seen.get(got, 0)} times)")
+    assert len(merges) == len(rounds), (
+        f"train_bpe(vocab_size={vocab_size}) learns vocab_size - 256 = {len(rounds)} merges (fewer only when no "
+        f"pair is left); got {len(merges)}")
+
+
+def test_train_bpe_tiny_corpus(bpe):
+    """The chapter's corpus: merge 1 is a tie, ('h','e') and ('t','h') both seen 4 times."""
+    assert_merges_like_naive(bpe, "the cat sat on the mat; the rat sat on the hat", 256 + 8)
+    assert_merges_like_naive(bpe, "aaaa aaaa ab", 256 + 5)        # runs out of pairs: fewer merges
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +178,12 @@ def trained(bpe):
     return corpus, bpe.train_bpe(corpus, 256 + 120)
 
 
-def test_train_bpe_first_merge_and_size(bpe, trained):
+def test_train_bpe_merges_and_size(bpe, trained):
     corpus, merges = trained
-    assert len(merges) == 120, f"train_bpe(vocab_size=376) learns 376 - 256 = 120 merges; got {len(merges)}"
-    # The most frequent adjacent pair of byte symbols inside pre-tokenized words, counted naively.
-    pairs = Counter()
-    for piece in bpe.pretokenize(corpus):
-        symbols = tokenizer_symbols(piece)
-        pairs.update(zip(symbols, symbols[1:]))
-    top = max(pairs.values())
-    expected = min(pair for pair, n in pairs.items() if n == top)
-    assert merges[0] == expected, f"the first merge is the most frequent pair {expected} ({top} times); got {merges[0]}"
+    assert_merges_like_naive(bpe, corpus[:3000], 256 + 40)
+    assert len(merges) == 120, f"train_bpe(vocab_size=376) learns vocab_size - 256 = 120 merges; got {len(merges)}"
     assert bpe.train_bpe(corpus[:2000], 256 + 20) == bpe.train_bpe(corpus[:2000], 256 + 20), (
-        "training is deterministic (ties: smallest pair)")
+        "training is deterministic (ties: the pair that sorts first)")
     tokens = {"".join(m) for m in merges}
     assert len(tokens) == len(merges), "each merge makes a new token"
 
@@ -141,7 +199,7 @@ def test_trained_tokenizer_encodes_like_tokenizers(bpe, trained):
     got, expected = ours.encode(text), oracle.encode(text).ids
     i = first_difference(got, expected)
     assert got == expected, (f"encode with your trained merges differs from the tokenizers library at token {i}: "
-                             f"{got[i:i + 5]} vs {expected[i:i + 5]}")
+                             f"{got[i:i + 5]} vs {expected[i:i + 5]}: {RANK_RULE}")
     assert ours.decode(got) == text, "decode(encode(text)) == text with trained merges"
     assert len(got) < 0.75 * len(text.encode()), (
         f"120 merges should cut the byte count by more than a quarter: "
@@ -158,7 +216,8 @@ def test_train_bpe_rejects_a_vocabulary_below_256(bpe):
 def test_loaded_from_gguf_metadata(smol, metadata):
     assert smol.vocab_size == 49152, f"SmolLM2 has 49,152 tokens; got {smol.vocab_size}"
     assert smol.eos_token_id == metadata["tokenizer.ggml.eos_token_id"] == 2, "eos is <|im_end|> (id 2)"
-    assert smol.decode([1, 2]) == "<|im_start|><|im_end|>", "special tokens decode to their names"
+    assert smol.decode([1, 2]) == "<|im_start|><|im_end|>", (
+        f"special tokens decode to their names (unless skip_special_tokens); got {smol.decode([1, 2])!r}")
 
 
 def test_book_encodes_like_tokenizers(smol, oracle, request):
@@ -168,8 +227,8 @@ def test_book_encodes_like_tokenizers(smol, oracle, request):
         got, expected = smol.encode(text), oracle_ids(oracle, text)
         i = first_difference(got, expected)
         assert got == expected, (f"{path.name}: token {i} differs from the tokenizers library: yours "
-                                 f"{got[i:i + 5]} ({smol.decode(got[i:i + 5])!r}), expected {expected[i:i + 5]} "
-                                 f"({oracle.decode(expected[i:i + 5])!r})")
+                                 f"{spelled(smol, got[i:i + 5])}, expected {spelled(smol, expected[i:i + 5])}; "
+                                 f"{RANK_RULE}")
         assert smol.decode(got) == text, f"{path.name}: decode(encode(text)) is not the text"
 
 
@@ -177,7 +236,8 @@ def test_book_encodes_like_tokenizers(smol, oracle, request):
 def test_torture_text_encodes_like_tokenizers(smol, oracle, text):
     got = smol.encode(text, parse_special=True)
     expected = oracle_ids(oracle, text, parse_special=True)
-    assert got == expected, f"encode({text!r}, parse_special=True): {got}, the tokenizers library gives {expected}"
+    assert got == expected, (f"encode({text!r}, parse_special=True): {spelled(smol, got)}, the tokenizers library "
+                             f"gives {spelled(smol, expected)}; {RANK_RULE}")
     plain = smol.encode(text)
     assert plain == oracle_ids(oracle, text), (
         f"encode({text!r}) without parse_special spells special-token names as text")
@@ -186,7 +246,12 @@ def test_torture_text_encodes_like_tokenizers(smol, oracle, text):
 
 def test_bytes_the_vocabulary_lacks_are_dropped_like_tokenizers(smol, oracle):
     for text in ("a\U00050000b", "a\x1db"):     # SmolLM2 has no token for the bytes 0xF1 and 0x1D
-        assert smol.encode(text) == oracle_ids(oracle, text), f"encode({text!r}) drops what it cannot spell"
+        rule = f"encode({text!r}) leaves out a byte symbol the vocabulary lacks, as the tokenizers library does"
+        try:
+            got = smol.encode(text)
+        except (KeyError, ValueError) as error:
+            pytest.fail(f"{rule}; it raised {type(error).__name__}: {error}")
+        assert got == oracle_ids(oracle, text), f"{rule}; got {spelled(smol, got)}"
 
 
 def test_special_tokens_only_when_asked(smol):
@@ -200,12 +265,19 @@ def test_special_tokens_only_when_asked(smol):
 
 
 def test_decode_of_any_ids_matches_tokenizers(smol, oracle):
+    text = "Go 🚀 naïve 日本"
+    ids = smol.encode(text)
+    assert smol.decode(ids) == text, (
+        f"decode({ids}) gave {smol.decode(ids)!r}, not {text!r}: the ids' bytes are decoded together, so a "
+        f"character split over tokens (the rocket is {len(smol.encode('🚀'))} of them) comes back whole")
     rng = random.Random(36)
     ordinary = [i for i in range(smol.vocab_size) if i > 16]
     for _ in range(200):
         ids = rng.sample(ordinary, rng.randint(1, 6))
         got, expected = smol.decode(ids), oracle.decode(ids, skip_special_tokens=False)
-        assert got == expected, f"decode({ids}): {got!r}, expected {expected!r} (broken UTF-8 becomes U+FFFD)"
+        assert got == expected, (f"decode({ids}): {got!r}, expected {expected!r}: the ids' bytes are decoded "
+                                 f"together, so a character split over tokens comes back whole, and bytes "
+                                 f"that are not valid UTF-8 read as U+FFFD")
 
 
 def test_decode_rejects_ids_outside_the_vocabulary(smol):
@@ -244,7 +316,7 @@ def test_chat_template_rejects_malformed_messages(smol):
 
 def stream_texts():
     chapter = ROOT / "chapters/03-tokens-embeddings-logits/03-tokens-embeddings-logits.md"
-    return [t for t in TORTURE if t] + [chapter.read_text()[:1500]]
+    return [t for t in TORTURE if t] + [chapter.read_text()[:1500], "a real \ufffd in the text, then more"]
 
 
 @pytest.mark.parametrize("skip_special_tokens", [False, True])
@@ -260,6 +332,10 @@ def test_incremental_detokenizer_every_prefix(bpe, smol, oracle, skip_special_to
                                            f"which is not a prefix of the full decode {full[-20:]!r}")
             if "\ufffd" not in text:
                 assert "\ufffd" not in sent, f"the stream sent U+FFFD after {k} tokens: half a character went out"
+            if not full.endswith("\ufffd"):
+                assert sent == full, (f"after {k} tokens of {text[:30]!r} the decode ends in a complete character, "
+                                      f"yet the stream holds {full[len(sent):][:20]!r}: text is held only while it "
+                                      f"ends in an unfinished character")
         sent += detok.flush()
         assert sent == oracle.decode(ids, skip_special_tokens=skip_special_tokens), (
             f"pushes + flush != decode for {text[:30]!r}")
@@ -288,13 +364,28 @@ def test_incremental_detokenizer_holds_half_characters(bpe, smol):
     assert detok.flush() == "\ufffd", "flush sends an unfinished character as U+FFFD"
 
 
+def test_incremental_detokenizer_releases_a_real_replacement_character(bpe, smol):
+    """U+FFFD that is really in the text goes out as soon as a character follows it."""
+    ids = smol.encode("ok \ufffd x y z")
+    detok = bpe.IncrementalDetokenizer(smol)
+    sent = "".join(detok.push(i) for i in ids)
+    assert sent == "ok \ufffd x y z", (
+        f"the stream sent {sent!r} of 'ok \ufffd x y z' before flush: only a trailing U+FFFD (an unfinished "
+        f"character) is held back, not one in the middle of the text")
+
+
 def test_incremental_detokenizer_rejects_bad_ids_untouched(bpe, smol):
     rocket = smol.encode("🚀")
     detok = bpe.IncrementalDetokenizer(smol)
     detok.push(rocket[0])
     with pytest.raises(ValueError):
         detok.push(10 ** 6)
-    assert "".join(detok.push(i) for i in rocket[1:]) == "🚀", "a rejected id leaves the stream as it was"
+    rule = "a rejected id leaves the stream as it was (validate before changing any state)"
+    try:
+        rest = "".join(detok.push(i) for i in rocket[1:])
+    except ValueError as error:
+        pytest.fail(f"{rule}; the next good id raised ValueError: {error}")
+    assert rest == "🚀", f"{rule}; the rocket's other tokens gave {rest!r}"
 
 
 def reference_stop(text, stops):
@@ -307,28 +398,73 @@ def reference_stop(text, stops):
     return text, None
 
 
+STOP_RULE = ("the stream stops where a character-by-character stream would first complete a stop string "
+             "(the one that ENDS first; of two ending together, the longer), sends everything before it, and "
+             "holds back only the longest tail that may still become one")
+
+
+def stream_through_matcher(bpe, text, stops, cuts):
+    """Push `text` cut at `cuts` into a StopStringMatcher: (text sent, stop string or None)."""
+    matcher = bpe.StopStringMatcher(stops)
+    sent, bounds = "", [0, *sorted(set(cuts)), len(text)]
+    for start, end in zip(bounds, bounds[1:]):
+        out = matcher.push(text[start:end])
+        sent += out.text
+        if out.stopped:
+            return sent, out.stop_string
+    return sent + matcher.flush(), None
+
+
+def assert_stream_stops_like_a_scan(bpe, text, stops, cuts):
+    expected = reference_stop(text, stops)
+    got = stream_through_matcher(bpe, text, stops, cuts)
+    pieces = [text[a:b] for a, b in zip([0, *sorted(set(cuts))], [*sorted(set(cuts)), len(text)])]
+    assert got == expected, (
+        f"text {text!r} pushed as {pieces}, stops {stops}: the stream sent {got[0]!r} and stopped on {got[1]!r}; "
+        f"expected {expected[0]!r} and {expected[1]!r}: {STOP_RULE}")
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_stop_strings_any_chunking(bpe, seed):
     rng = random.Random(seed)
     alphabet = "ab\nU:"
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
     stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
-    expected_text, expected_stop = reference_stop(text, stops)
-    matcher = bpe.StopStringMatcher(stops)
-    sent, stop, position = "", None, 0
-    while position < len(text):
-        chunk = text[position:position + rng.randint(1, 5)]
-        position += len(chunk)
-        out = matcher.push(chunk)
-        sent += out.text
-        if out.stopped:
-            stop = out.stop_string
-            break
-    if stop is None:
-        sent += matcher.flush()
-    assert (sent, stop) == (expected_text, expected_stop), (
-        f"text {text!r}, stops {stops}: the stream sent {sent!r} and stopped on {stop!r}; "
-        f"expected {expected_text!r} and {expected_stop!r}")
+    cuts = [rng.randint(0, len(text)) for _ in range(rng.randint(0, 8))]
+    assert_stream_stops_like_a_scan(bpe, text, stops, cuts)
+
+
+@pytest.mark.parametrize("text, stops, cuts, sent, stop", [
+    ("xabcd", ["abcd", "bc"], [], "xa", "bc"),           # "bc" ends first, though "abcd" starts first
+    ("xabcd", ["bc", "abc"], [], "x", "abc"),            # both end at the c: the longer wins
+    ("aab", ["aab"], [2], "", "aab"),                    # "aa" is held whole: both a's may start "aab"
+    ("xaab", ["aab", "b"], [1, 3], "x", "aab"),
+])
+def test_stop_strings_fixed_cases(bpe, text, stops, cuts, sent, stop):
+    assert reference_stop(text, stops) == (sent, stop)
+    assert_stream_stops_like_a_scan(bpe, text, stops, cuts)
+
+
+@st.composite
+def texts_and_stops(draw):
+    """A text over a small alphabet, stop strings cut from it (so they do occur, often
+    overlapping each other) or drawn freely, and the cuts of the stream."""
+    text = draw(st.text(alphabet="ab:\n", max_size=24))
+    pieces = []
+    for _ in range(draw(st.integers(1, 3))):
+        if text and draw(st.booleans()):
+            start = draw(st.integers(0, len(text) - 1))
+            pieces.append(text[start:draw(st.integers(start + 1, min(len(text), start + 5)))])
+        else:
+            pieces.append(draw(st.text(alphabet="ab:\n", min_size=1, max_size=4)))
+    cuts = draw(st.lists(st.integers(0, len(text)), max_size=8))
+    return text, pieces, cuts
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True)
+@given(case=texts_and_stops())
+def test_stop_strings_cut_from_the_text(bpe, case):
+    assert_stream_stops_like_a_scan(bpe, *case)
 
 
 def test_stop_string_across_tokens_is_held_back(bpe):

@@ -163,22 +163,35 @@ def test_sse_event_frames_one_json_line_then_a_blank_line(impl):
     compact = 'data: {"choices":[{"text":"line one\\nline two é"}],"n":1}\n\n'
     assert frame == compact, f"the payload is compact JSON (no spaces after , and :) with non-ASCII written as " \
                              f"itself: expected {compact!r}, got {frame!r}"
-    assert sse_event("[DONE]") == "data: [DONE]\n\n"
+    done = sse_event("[DONE]")
+    assert done == "data: [DONE]\n\n", f"the end of a stream is the bare string [DONE], not JSON: got {done!r}"
+
+
+def _admit(loop, door, count, expected, rule):
+    """door.try_admit(count) must raise `expected` (None: admit), with `rule` said otherwise."""
+    try:
+        door.try_admit(count)
+    except (loop.QueueFull, ValueError) as error:
+        assert expected is not None and isinstance(error, expected), \
+            f"try_admit({count}) with {door.inside} of {door.capacity} inside raised {type(error).__name__}: {rule}"
+        return
+    assert expected is None, \
+        f"try_admit({count}) let it in with {door.inside - count} of {door.capacity} inside: {rule}"
 
 
 def test_admission_control_bounds_the_server(impl):
     loop = impl.load("server.loop")
     door = loop.AdmissionControl(max_running=2, max_waiting=3)
-    door.try_admit(4)
-    door.try_admit(1)
-    with pytest.raises(loop.QueueFull):
-        door.try_admit(1)
+    _admit(loop, door, 4, None, "a request of n=4 fits in an empty server of 5 places")
+    assert door.inside == 4, f"n samples take n places: inside {door.inside} after admitting n=4, expected 4"
+    _admit(loop, door, 1, None, "the server holds up to its capacity, 5, the last place included")
+    _admit(loop, door, 1, loop.QueueFull, "a full server refuses with QueueFull (a 429: it may fit later)")
     assert door.inside == 5, f"a refused request must not count: inside {door.inside}, expected 5"
     door.release(2)
-    door.try_admit(2)
-    with pytest.raises(ValueError):
-        door.try_admit(6)                  # more than the server can ever hold: the client must change it
-    assert door.inside == 5
+    _admit(loop, door, 2, None, "released places are free again")
+    _admit(loop, door, 6, ValueError, "n above the capacity can never be served: a ValueError (a 400), "
+                                      "not QueueFull (a 429 would make the client retry for ever)")
+    assert door.inside == 5, f"a refused request must not count: inside {door.inside}, expected 5"
 
 
 def test_text_stream_cuts_at_stop_strings_and_holds_back_prefixes(impl):
@@ -189,7 +202,8 @@ def test_text_stream_cuts_at_stop_strings_and_holds_back_prefixes(impl):
     assert sent[:3] == ["ab", "", ""], f"'He' and 'Hel' could begin 'Hello' and must wait, got {sent[:3]}"
     assert sent[3] == "Help", f"'Help' is no stop string: release it, got {sent[3]!r}"
     assert "".join(sent) == "abHelp ", f"text must end just before the stop string, got {''.join(sent)!r}"
-    assert stream.stopped and stream.push([65]) == "" and stream.flush() == ""
+    assert stream.stopped, "after a stop string the stream is stopped"
+    assert stream.push([65]) == "" and stream.flush() == "", "after a stop string, every later push sends nothing"
 
 
 def test_text_stream_cuts_at_the_earliest_stop_string_not_the_first_listed(impl):
@@ -807,8 +821,12 @@ def test_a_planted_delivery_fault_costs_its_submission_alone(impl, device):
     b = serve_loop.Submission("b", [4, 5, 6], request.SamplingParams(max_tokens=8), broken)
     loop.submit(a)
     loop.submit(b)
-    while loop.run_once():
-        pass
+    try:
+        while loop.run_once():
+            pass
+    except PlantedFault:
+        pytest.fail("run_once let a submission's failing deliver escape: deliveries go through self.hand, so a "
+                    "broken client costs its own submission alone")
     assert good[0] == serve_loop.ACCEPTED and good[-1].finished, \
         "the healthy submission must run to its end while the other one's deliveries fail"
     assert loop.routes == {}, f"a submission whose delivery failed must leave the routing table: {sorted(loop.routes)}"

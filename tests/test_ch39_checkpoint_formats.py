@@ -49,6 +49,17 @@ def oracle_tensors(path):
     return {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
 
 
+# What each block type holds, as the failure messages state it.
+LAYOUTS = {"F32": "plain float32 values", "F16": "plain float16 values, widened to float32",
+           "Q8_0": "a 34-byte block is a float16 scale d (bytes 0-1), then 32 signed int8 quants q; value = d * q",
+           "Q4_0": "an 18-byte block is a float16 scale d, then 16 bytes of nibbles q (low nibbles are values "
+                   "0-15, high nibbles 16-31); value = d * (q - 8)",
+           "Q4_1": "a 20-byte block is a float16 scale d, a float16 minimum m, then 16 bytes of nibbles q (low "
+                   "nibbles are values 0-15, high nibbles 16-31); value = d * q + m"}
+METADATA_LAYOUT = ("every number in GGUF is little-endian; a string is a u64 byte length, then UTF-8 bytes; an array "
+                   "is a u32 element type, a u64 count, then the elements, each read as its own type")
+
+
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_dequantization_is_bit_exact(impl, tmp_path, kind):
     rng = np.random.default_rng(5)
@@ -56,20 +67,26 @@ def test_dequantization_is_bit_exact(impl, tmp_path, kind):
     values[2] = 0.0                                   # an all-zero block: scale 0
     path = write_gguf(tmp_path / f"{kind}.gguf", {"w": (values, kind)})
     want = oracle_tensors(path)["w"]
-    got = impl.gguf.GGUFFile(path).tensor("w")
+    try:
+        got = impl.gguf.GGUFFile(path).tensor("w")
+    except (RuntimeError, ValueError) as error:
+        pytest.fail(f"{kind}: dequantizing raised {type(error).__name__} ({error}): {LAYOUTS[kind]}")
     assert got.dtype == torch.float32, f"{kind}: dequantized to {got.dtype}, expected float32"
     assert tuple(got.shape) == want.shape, f"{kind}: shape {tuple(got.shape)}, gguf package {want.shape}"
     diff = np.flatnonzero(got.numpy().ravel() != want.ravel())
     assert diff.size == 0, (f"{kind}: {diff.size} of {want.size} values differ from gguf.quants.dequantize; "
                             f"first at flat index {diff[0]} (block {diff[0] // 32}, value {diff[0] % 32} of it): "
-                            f"got {got.numpy().ravel()[diff[0]]}, expected {want.ravel()[diff[0]]}")
+                            f"got {got.numpy().ravel()[diff[0]]}, expected {want.ravel()[diff[0]]}: {LAYOUTS[kind]}")
 
 
 def test_unpack_nibbles_order(impl):
     packed = torch.arange(16, dtype=torch.uint8).reshape(1, 16) * 16 + (15 - torch.arange(16, dtype=torch.uint8))
     got = impl.gguf.unpack_nibbles(packed)
     want = list(range(15, -1, -1)) + list(range(16))           # low nibbles first, then the high ones
-    assert got.tolist() == [want], f"unpack_nibbles gave {got.tolist()[0]}, expected {want}"
+    assert got.tolist() == [want], (f"unpack_nibbles gave {got.tolist()[0]}, expected {want}: the low nibbles of "
+                                    f"bytes 0-15 are values 0-15, their high nibbles values 16-31")
+    assert got.dtype == torch.int16, (f"unpack_nibbles returns int16, got {got.dtype}: Q4_0 subtracts 8 from each "
+                                      f"value, which a uint8 would wrap around")
 
 
 METADATA = [("test.u8", "uint8", 200), ("test.i8", "int8", -100), ("test.u16", "uint16", 60000),
@@ -86,15 +103,21 @@ def test_header_metadata_and_tensor_table(impl, tmp_path):
                "c.weight": (rng.standard_normal((3, 2, 32)), "Q4_1")}
     path = write_gguf(tmp_path / "meta.gguf", tensors, METADATA, arch="test")
     reader = gguf.GGUFReader(str(path))
-    ours = impl.gguf.GGUFFile(path)
+    try:
+        ours = impl.gguf.GGUFFile(path)
+    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as error:
+        pytest.fail(f"reading a file the gguf package wrote raised {type(error).__name__} ({error}): "
+                    f"{METADATA_LAYOUT}")
     want = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     want["test.nested"] = [[1, 2], [3]]     # the package's contents() flattens arrays of arrays; this was written
     for key, value in want.items():
         got = ours.metadata.get(key)
         if isinstance(value, float):
-            assert got == pytest.approx(value, rel=1e-7), f"metadata {key!r}: {got!r}, gguf package {value!r}"
+            assert got == pytest.approx(value, rel=1e-7), \
+                f"metadata {key!r}: {got!r}, gguf package {value!r}: {METADATA_LAYOUT}"
         else:
-            assert got == value, f"metadata {key!r}: {got!r}, gguf package {value!r}"
+            assert got == value and type(got) is type(value), \
+                f"metadata {key!r}: {got!r}, gguf package {value!r}: {METADATA_LAYOUT} (a bool is a bool)"
     assert set(ours.metadata) == set(want), f"metadata keys differ: {set(ours.metadata) ^ set(want)}"
     assert ours.version == 3
     assert ours.data_start % 64 == 0, f"data starts at {ours.data_start}, not on the 64-byte alignment the file sets"
@@ -160,7 +183,8 @@ def test_undo_rope_permutation(impl):
     weight = torch.arange(2 * 8 * 3).reshape(16, 3)            # 2 heads of head_dim 8
     stored = torch.from_numpy(llama_cpp_permute(weight.numpy(), 2))
     got = impl.gguf.undo_rope_permutation(stored, 2)
-    assert torch.equal(got, weight), f"rows come back as {got[:, 0].tolist()}, expected {weight[:, 0].tolist()}"
+    assert torch.equal(got, weight), (f"rows come back as {got[:, 0].tolist()}, expected {weight[:, 0].tolist()}: "
+                                      f"within every head, row 2i + s of the file is our row s * head_dim / 2 + i")
 
 
 TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",

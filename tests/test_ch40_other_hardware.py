@@ -43,10 +43,36 @@ def test_auto_picks_the_first_present_kind(devices):
     assert devices.pick_device("cpu") == torch.device("cpu")
 
 
+def refused(call, choice, match, rule):
+    """call(choice) must raise ValueError with `match` in its message; `rule` says why."""
+    try:
+        got = call(choice)
+    except ValueError as error:
+        assert match in str(error), \
+            f"{call.__name__}({choice!r}) raised {str(error)!r}, which should say {match!r}: {rule}"
+        return
+    pytest.fail(f"{call.__name__}({choice!r}) returned {got!r}: {rule}")
+
+
+def test_auto_follows_the_order_whatever_is_present(devices, monkeypatch):
+    """Pretended device counts (this machine may have no accelerator): auto takes the first
+    kind of cuda, mps, xpu, cpu that has a device."""
+    for present, want in ((("mps", "xpu"), "mps"), (("xpu",), "xpu"), (("cuda", "xpu"), "cuda"), ((), "cpu")):
+        monkeypatch.setattr(devices, "device_count",
+                            lambda kind, present=present: int(kind in present or kind == "cpu"))
+        got = devices.pick_device("auto")
+        assert got == torch.device(want), (f"with devices of kinds {present or 'none'} (and the cpu), auto must try "
+                                           f"cuda, mps, xpu, then cpu: {want}, got {got}")
+
+
+def test_an_index_past_the_devices_is_refused(devices):
+    refused(devices.pick_device, "cpu:1", "cpu:1", "an index must be below device_count(kind): there is one cpu")
+
+
 @pytest.mark.parametrize("choice", ["tpu", "gpu", "cuda:x", ""])
 def test_unknown_device_names_are_refused(devices, choice):
-    with pytest.raises(ValueError, match=repr(choice).replace("[", r"\[")):
-        devices.pick_device(choice)
+    refused(devices.pick_device, choice, repr(choice), "a name torch does not know is refused, the message quoting "
+                                                       "the choice as repr()")
 
 
 @pytest.mark.parametrize("kind", ["cuda", "mps", "xpu"])
@@ -55,8 +81,8 @@ def test_absent_or_out_of_range_devices_are_refused(devices, kind):
              "xpu": torch.xpu.device_count() if ACCELERATORS["xpu"] else 0,
              "mps": 1 if ACCELERATORS["mps"] else 0}[kind]
     if count == 0:
-        with pytest.raises(ValueError, match=f"no {kind} device"):
-            devices.pick_device(kind)
+        refused(devices.pick_device, kind, f"no {kind} device", f"a kind with no device present is refused, "
+                                                                  f"its message saying 'no {kind} device'")
         for ask in (devices.memory_info, devices.default_dtype):     # torch's own answer is an AssertionError
             with pytest.raises(ValueError, match=kind):
                 ask(kind)
@@ -114,10 +140,24 @@ def best_split(sizes, free):
     return best[0][0], best[1]
 
 
+PLAN_RULE = ("of the contiguous plans, one whose fullest stage (its bytes / its budget, compared exactly) is as "
+             "empty as possible; ties give stage 0 the most layers, then stage 1, ...; it fits when that stage is "
+             "at most full")
+
+
+def test_plan_layers_fixed_cases(devices):
+    for sizes, free, want in (([10] * 4, [100, 100], [0, 0, 1, 1]), ([10] * 4, [300, 100], [0, 0, 0, 1]),
+                              ([10] * 3, [100, 100], [0, 0, 1]), ([10] * 4, [20, 20], [0, 0, 1, 1]),
+                              ([1, 3, 1, 1], [4, 4], [0, 0, 1, 1])):
+        try:
+            got = devices.plan_layers(sizes, free)
+        except ValueError as error:
+            pytest.fail(f"plan_layers({sizes}, {free}) raised {error}; {want} fits: {PLAN_RULE}")
+        assert got == want, f"plan_layers({sizes}, {free}): {got}, expected {want}: {PLAN_RULE}"
+
+
 def test_plan_layers_matches_exhaustive_search(devices):
-    assert devices.plan_layers([10] * 4, [100, 100]) == [0, 0, 1, 1]
-    assert devices.plan_layers([10] * 4, [300, 100]) == [0, 0, 0, 1], "a bigger device takes more layers"
-    assert devices.plan_layers([10] * 3, [100, 100]) == [0, 0, 1], "ties go to the earlier stage"
+    rule = PLAN_RULE
     rng = random.Random(40)
     for _ in range(400):
         layers = rng.randint(1, 7)
@@ -125,19 +165,27 @@ def test_plan_layers_matches_exhaustive_search(devices):
         sizes = [rng.randint(0, 5) for _ in range(layers)]
         free = [rng.randint(1, 12) for _ in range(stages)]
         peak, want = best_split(sizes, free)
-        if peak > 1:
-            with pytest.raises(ValueError, match="do not fit"):
-                devices.plan_layers(sizes, free)
-        else:
-            assert devices.plan_layers(sizes, free) == want, f"sizes {sizes}, budgets {free}"
+        try:
+            got = devices.plan_layers(sizes, free)
+        except ValueError as error:
+            assert peak > 1, (f"plan_layers({sizes}, {free}) raised {error}, but {want} fits (its fullest stage is "
+                              f"{peak} full): {rule}")
+            assert "do not fit" in str(error), f"plan_layers({sizes}, {free}) must say the layers 'do not fit': {error}"
+            continue
+        assert peak <= 1, f"plan_layers({sizes}, {free}) returned {got}, yet no plan fits: it must say 'do not fit'"
+        assert got == want, f"plan_layers({sizes}, {free}): {got}, expected {want}: {rule}"
 
 
 @pytest.mark.parametrize("sizes, free, rule", [([], [1], "layers and stages"), ([1], [], "layers and stages"),
                                                ([1, 1], [5, 5, 5], "no layer"), ([1, -1], [5], ">= 0"),
                                                ([1, 1], [5, 0], "> 0")])
 def test_plan_layers_refuses_bad_input(devices, sizes, free, rule):
-    with pytest.raises(ValueError, match=rule):
-        devices.plan_layers(sizes, free)
+    try:
+        got = devices.plan_layers(sizes, free)
+    except ValueError as error:
+        assert rule in str(error), f"plan_layers({sizes}, {free}) must be refused naming the rule {rule!r}: {error}"
+        return
+    pytest.fail(f"plan_layers({sizes}, {free}) must be refused naming the rule {rule!r}; it returned {got}")
 
 
 # --- part two: the placed model in the engine ---------------------------------------------
@@ -192,7 +240,13 @@ def test_hand_over_counts_same_device_transfers(impl, devices):
     stream = torch.randn(3, placed.cfg.hidden_size)
     moved = placed.hand_over(stream, 1)
     assert torch.equal(moved, stream) and moved.device == torch.device("cpu")
-    assert (placed.transfers, placed.transfer_bytes) == (1, 3 * placed.cfg.hidden_size * 4)
+    assert (placed.transfers, placed.transfer_bytes) == (1, 3 * placed.cfg.hidden_size * 4), \
+        (f"hand_over counts every transfer, even between stages on the same device, and its bytes (N * D * element "
+         f"size): expected (1, {3 * placed.cfg.hidden_size * 4}), got ({placed.transfers}, {placed.transfer_bytes})")
+    half = placed.hand_over(stream.to(torch.bfloat16), 1)
+    assert half.dtype == torch.bfloat16 and placed.transfer_bytes == 3 * placed.cfg.hidden_size * 6, \
+        (f"a bfloat16 stream carries 2 bytes per value: the bytes are N * D * element size, whatever the dtype "
+         f"(got {placed.transfer_bytes} after a float32 and a bfloat16 hand-over of 3 rows)")
 
 
 def test_placed_pool_is_what_fits_on_every_device(impl, serve, devices, monkeypatch):

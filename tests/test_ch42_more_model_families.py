@@ -42,6 +42,10 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 # bookkeeping, a 32-number latent and an 8-channel rotary key per token, dense MLPs only.
 LATENT = {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk_nope_head_dim": 16,
           "qk_rope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 2}
+# What LatentAttention.paged_forward must keep, said when a latent family's engine run differs.
+LATENT_RULES = ("; latent attention in the engine: this step's entry (latent and rotary key, one tensor that is "
+                "both key and value) is written to the pool before attention reads it, and the softmax scale is "
+                "self.scale, not one derived from the query's width")
 # family label -> (transformers config class, model class, extra config fields)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -130,7 +134,7 @@ def test_family_engine_core_matches_solo_generate(impl, serve, label, mode, tmp_
                         lambda: reference().sampling.generate(ours, prompt, n, eos_token_id=EOS))  # noqa: B023
         assert result.output_token_ids == want, (
             f"{label}, {mode} preemption: request {i} ({len(prompt)}-token prompt) gave "
-            f"{result.output_token_ids}, solo generate {want}")
+            f"{result.output_token_ids}, solo generate {want}" + (LATENT_RULES if "latent" in label else ""))
 
 
 def test_unknown_architecture_names_the_known_ones(impl, tmp_path):
@@ -209,9 +213,14 @@ def test_latent_attention_refuses_what_it_does_not_build(impl):
 def test_sliding_window_mask_rule(impl):
     slots = torch.tensor([3, 4, 5])
     allowed = impl.families.sliding_window_allowed(slots, 3)
-    assert allowed.shape == (1, 1, 3, 6), f"shape {tuple(allowed.shape)}, expected (1, 1, 3, 6)"
+    assert allowed.shape == (1, 1, 3, 6), \
+        f"shape {tuple(allowed.shape)}, expected (1, 1, 3, 6): the keys are slots 0 .. the largest query slot"
     want = torch.tensor([[k > q - 3 for k in range(6)] for q in (3, 4, 5)])
-    assert torch.equal(allowed[0, 0], want), f"window 3: got\n{allowed[0, 0].int()}\nexpected\n{want.int()}"
+    assert torch.equal(allowed[0, 0], want), (f"window 3: got\n{allowed[0, 0].int()}\nexpected\n{want.int()}\n"
+                                              f"each query sees itself and the window - 1 slots before it")
+    batched = impl.families.sliding_window_allowed(torch.tensor([[3, 4, 5], [0, 1, 2]]), 3)
+    assert batched.shape == (2, 1, 3, 6), \
+        f"query slots [B, Tq] give one mask per sequence, [B, 1, Tq, K]: got shape {tuple(batched.shape)}"
 
 
 def test_llama3_frequencies_match_transformers(impl):
@@ -220,7 +229,10 @@ def test_llama3_frequencies_match_transformers(impl):
                                     rope_scaling={**SCALED, "rope_theta": 10000.0})
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](hcfg, "cpu")
     got = impl.families.llama3_inv_freq(16, 10000.0, SCALED)
-    assert torch.allclose(got, want.float(), rtol=1e-6, atol=0), f"Llama 3 frequencies {got} != transformers' {want}"
+    assert torch.allclose(got, want.float(), rtol=1e-6, atol=0), (
+        f"Llama 3 frequencies {got} != transformers' {want}: a channel whose wavelength 2 pi / f is below L / high "
+        f"keeps f, one above L / low gets f / factor, and in between the two are blended with the weight "
+        f"s = (L / w - low) / (high - low) on f")
 
 
 # --- the real model ---------------------------------------------------------------------------

@@ -70,10 +70,20 @@ def test_shrink_and_expand_match_one_matmul_per_row(impl):
     torch.testing.assert_close(base, before, msg="lora_expand changed its `base` argument in place")
     for i, slot in enumerate(slots.tolist()):
         t = lora_a[slot] @ x[i]
-        torch.testing.assert_close(shrunk[i], t, msg=f"lora_shrink row {i} (slot {slot})")
+        torch.testing.assert_close(shrunk[i], t,
+                                   msg=f"lora_shrink row {i} (slot {slot}): t[i] = lora_a[slots[i]] @ x[i]")
         torch.testing.assert_close(out[i], base[i] + scaling[slot] * (lora_b[slot] @ t),
-                                   msg=f"lora_expand row {i} (slot {slot})")
+                                   msg=f"lora_expand row {i} (slot {slot}): out[i] = base[i] + scaling[slots[i]] * "
+                                       f"(lora_b[slots[i]] @ shrunk[i])")
     assert torch.equal(out[slots == 0], base[slots == 0]), "rows of slot 0 (no adapter) must keep the base output"
+    try:                            # the bank stays float32; a bfloat16 model's rows come and go in bfloat16
+        half = lora.lora_shrink(x.bfloat16(), lora_a, slots)
+        assert half.dtype == torch.bfloat16, f"lora_shrink returns t in x's dtype: bfloat16, got {half.dtype}"
+        mixed = lora.lora_expand(base.bfloat16(), half, lora_b, scaling, slots)
+        assert mixed.dtype == torch.bfloat16, f"lora_expand returns base's dtype: bfloat16, got {mixed.dtype}"
+    except RuntimeError as error:
+        pytest.fail(f"bfloat16 rows with a float32 bank raised {error}: the results are in x's (shrink) and base's "
+                    f"(expand) dtype, the bank's matrices cast to it")
 
 
 # --- adapters through the engine --------------------------------------------------------------
@@ -101,7 +111,8 @@ def test_many_adapters_in_one_batch_match_peft_alone(impl, serve, tiny_model, ad
     for i, (prompt, name) in enumerate(zip(prompts, choices)):
         expected = peft_greedy(peft_model, name, prompt, 10)
         assert outputs[f"r{i}"].output_token_ids == expected, (
-            f"request r{i} with adapter {name}: engine {outputs[f'r{i}'].output_token_ids}, peft alone {expected}")
+            f"request r{i} with adapter {name}: engine {outputs[f'r{i}'].output_token_ids}, peft alone {expected}: "
+            f"every row of a request (each of its n rows in the step) carries its request's adapter slot")
     differ = {name: peft_greedy(peft_model, name, prompts[0], 10) != peft_greedy(peft_model, None, prompts[0], 10)
               for name in ADAPTERS}
     assert all(differ.values()), f"an adapter that changes nothing proves nothing: {differ}"
@@ -221,8 +232,12 @@ def test_mrope_positions_match_qwen3_vl(impl, qwen3_vl, case):
     prompt, grids = PROMPTS[case]
     expected, expected_delta = rope_index(qwen3_vl[0], prompt, grids)
     table, delta = vision.mrope_positions(prompt, IMAGE, grids)
-    assert torch.equal(table, expected), f"{case}: positions\n{table}\nexpected (transformers)\n{expected}"
-    assert delta == expected_delta, f"{case}: delta {delta}, transformers says {expected_delta}"
+    assert torch.equal(table, expected), (
+        f"{case}: positions\n{table}\nexpected (transformers)\n{expected}\ntext tokens get (p, p, p); image k, "
+        f"starting when the counter is s, gives its token (row, col), in row-major order, (s, s + row, s + col), "
+        f"and afterwards the counter is s + max(rows, cols)")
+    assert delta == expected_delta, \
+        f"{case}: delta {delta}, transformers says {expected_delta}: delta = table.max() + 1 - len(prompt)"
 
 
 def test_mrope_tables_match_qwen3_vl_rotary(impl, qwen3_vl):
@@ -243,7 +258,9 @@ def test_patch_order_matches_transformers(impl, rows, cols):
     got = vision.patch_positions(rows, cols, MERGE)
     expected = get_vision_position_ids(torch.tensor([[1, rows, cols]]), MERGE)
     assert torch.equal(got, expected), (f"patch_positions({rows}, {cols}, {MERGE}) starts {got[:6].tolist()}, "
-                                        f"transformers' order starts {expected[:6].tolist()}")
+                                        f"transformers' order starts {expected[:6].tolist()}: (row, col) pairs, "
+                                        f"merge x merge squares in row-major order of the squares, each square's "
+                                        f"patches in row-major order")
 
 
 def test_encoder_matches_qwen3_vl_image_features(impl, qwen3_vl):
@@ -302,6 +319,10 @@ def test_prompt_logits_match_qwen3_vl(impl, serve, qwen3_vl, device):
     assert_engine_idle(engine)
 
 
+IMAGE_ROWS_RULE = ("prepare_features places exactly the image rows whose positions fall in this step's [c, c + n), "
+                   "and after the prompt the positions are p + mrope_delta on all three axes")
+
+
 @pytest.mark.parametrize("squeeze", ["chunks through images", "preempted, recomputed", "preempted, swapped"])
 def test_image_and_text_requests_in_one_batch_match_qwen3_vl(impl, serve, qwen3_vl, device, squeeze):
     """Image and text requests share steps; a small token budget makes prefill chunks cut
@@ -313,13 +334,17 @@ def test_image_and_text_requests_in_one_batch_match_qwen3_vl(impl, serve, qwen3_
     engine = vision_engine(impl, serve, qwen3_vl, device, **config)
     add_image_requests(serve, engine, max_tokens=8)
     outputs = {}
-    while engine.has_unfinished:
-        outputs.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
+    try:
+        while engine.has_unfinished:
+            outputs.update({o.request_id: o.output_token_ids for o in engine.step() if o.finished})
+    except (IndexError, RuntimeError) as error:
+        pytest.fail(f"{squeeze}: a step raised {type(error).__name__} ({error}): {IMAGE_ROWS_RULE}")
     if "preempted" in squeeze:
         assert engine.preemptions, f"{squeeze}: the 7-block pool was meant to force a preemption"
     for seed, (rid, (case, sizes)) in enumerate(REQUESTS.items()):
         expected = qwen3_vl_greedy(qwen3_vl, PROMPTS[case][0], images(seed, *sizes), 8)
-        assert outputs[rid] == expected, f"request {rid!r}: engine {outputs[rid]}, Qwen3-VL alone {expected}"
+        assert outputs.get(rid) == expected, \
+            f"request {rid!r}, {squeeze}: engine {outputs.get(rid)}, Qwen3-VL alone {expected}: {IMAGE_ROWS_RULE}"
     assert_engine_idle(engine)
 
 

@@ -127,6 +127,14 @@ MILESTONES = {
         @pytest.mark.skip(reason="needs a GPU")
         def test_gpu_only(impl):
             pass
+
+        @pytest.mark.skip(reason="no CUDA (or ROCm) device here")
+        def test_cuda_only(impl):
+            pass
+
+        @pytest.mark.skip(reason="slow: run with --stress")
+        def test_stress_only(impl):
+            pass
     """,
     milestone_name(3): """
         import pytest
@@ -164,8 +172,12 @@ def test_a_broken_engine_costs_tests_never_the_report(setup, tmp_path):
     assert two["test_before"][0] == two["test_after"][0] == "passed"     # run again after the death
     assert two["test_die"] == ("failed", "the test process exited abruptly with status 3 (os._exit?) "
                                          "during this test")
-    assert two["test_gpu_only"] == ("skipped", "needs a GPU")
-    assert (by_number[2].passed, by_number[2].total) == (2, 3)
+    # A criterion that needs a GPU is BLOCKED on this machine (neither passed nor failed); a
+    # skip for any other reason stays a skip.
+    assert two["test_gpu_only"] == ("blocked", "needs a GPU")
+    assert two["test_cuda_only"] == ("blocked", "no CUDA (or ROCm) device here")
+    assert two["test_stress_only"] == ("skipped", "slow: run with --stress")
+    assert (by_number[2].passed, by_number[2].total, by_number[2].blocked) == (2, 3, 2)
 
     three = outcomes[3]
     assert three["test_crash"] == ("failed", "the test process was killed by SIGSEGV during this test")
@@ -177,18 +189,21 @@ def test_a_broken_engine_costs_tests_never_the_report(setup, tmp_path):
                for c in report.chapters)
 
     table = grade.format_table(report)
-    assert "2/3" in table and "SIGSEGV" in table and "status 3" in table
+    assert "2/3+2b" in table and "SIGSEGV" in table and "status 3" in table
+    assert "2 milestone(s) blocked" in table and "need a GPU" in table
 
     data = grade.to_json(report)
     json.dumps(data)
     assert data["totals"]["passed"] == 4 and data["totals"]["failed"] == 4
+    assert (data["totals"]["blocked"], data["totals"]["skipped"], data["chapters"][1]["blocked"]) == (2, 1, 2)
     assert data["chapters"][1]["notes"] == ["the test process exited abruptly with status 3 (os._exit?) "
                                             "during test_die"]
     junit = tmp_path / "grade.xml"
     grade.to_junit(report).write(junit)
     suites = ET.parse(junit).getroot()
     assert suites.get("failures") == "4" and len(suites.findall("testsuite")) == 3
-    assert len(suites.findall(".//testcase/failure")) == 4 and len(suites.findall(".//skipped")) == 1
+    assert len(suites.findall(".//testcase/failure")) == 4 and len(suites.findall(".//skipped")) == 3
+    assert len(suites.findall(".//skipped[@type='blocked']")) == 2
 
 
 def test_a_hang_no_timeout_can_interrupt_costs_the_chapter(setup, tmp_path):

@@ -79,3 +79,19 @@ def test_a_folder_of_checkouts_gives_one_gradebook(classroom, tmp_path):
 def test_a_folder_without_checkouts_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds no checkout"):
         gradebook.learner_checkouts(tmp_path)
+
+
+def test_criteria_that_need_a_gpu_are_blocked_in_the_gradebook(tmp_path):
+    """A milestone skipped for want of a GPU is neither passed nor failed nor merely skipped:
+    the gradebook says BLOCKED, in the CSV cell, its own column and the JSON line."""
+    from course.grading import grade
+    chapter = manifest.load().chapter(14)
+    tests = [grade.TestResult("t::test_cpu", "passed"), grade.TestResult("t::test_timeline", "blocked", "needs a GPU"),
+             grade.TestResult("t::test_slow", "skipped", "run with --stress")]
+    report = grade.GradeReport("engine", "engine", [grade.ChapterGrade(chapter, "t.py", 1, 1, tests)], 60, 600)
+    gradebook.write_gradebook([("ada", report)], tmp_path / "book.csv", tmp_path / "book.jsonl")
+    row = next(csv.DictReader((tmp_path / "book.csv").open()))
+    assert (row["ch14"], row["milestones_total"], row["milestones_blocked"]) == ("1/1 +1 blocked", "1", "1")
+    line = json.loads((tmp_path / "book.jsonl").read_text())
+    assert (line["passed"], line["blocked"], line["skipped"], line["total"]) == (1, 1, 1, 1)
+    assert line["status"] == "passed, 1 blocked (need a GPU)"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,12 +37,18 @@ from course.manifest import ROOT, Chapter
 
 DEFAULT_TEST_TIMEOUT = 120.0
 DEFAULT_CHAPTER_TIMEOUT = 900.0
+# A skip whose reason says the test needs a GPU ("needs a CUDA device", "CUDA graphs need
+# --device cuda", "no CUDA (or ROCm) device here"): on this machine the criterion can be
+# neither passed nor failed, so it is reported as BLOCKED, not as skipped (which reads as
+# "does not apply") nor as failed (which would blame the engine).
+NEEDS_A_GPU = re.compile(r"\bneeds?\b[^.;:]*\b(GPU|CUDA|ROCm)\b|\bno (GPU|CUDA|ROCm|MPS)\b|--device (cuda|mps)\b",
+                         re.IGNORECASE)
 
 
 @dataclass
 class TestResult:
     nodeid: str
-    outcome: str                    # "passed", "failed" or "skipped"
+    outcome: str                    # "passed", "failed", "skipped" or "blocked" (needs a GPU)
     message: str = ""
     duration: float = 0.0
 
@@ -74,17 +81,22 @@ class ChapterGrade:
 
     @property
     def total(self) -> int:
-        """Milestones that count: skipped ones (a GPU-only test on a CPU) do not."""
+        """Milestones that count: skipped and blocked ones (a GPU-only test on a CPU) do not."""
         return self.passed + self.failed
+
+    @property
+    def blocked(self) -> int:
+        """Milestones this machine cannot decide: they need a GPU it does not have."""
+        return self.count("blocked")
 
     @property
     def status(self) -> str:
         if self.milestone is None:
             return "no milestone"
         if self.total == 0:
-            return "no tests ran"
+            return "blocked (needs a GPU)" if self.blocked else "no tests ran"
         if self.failed == 0:
-            return "passed"
+            return "passed" + (f", {self.blocked} blocked (need a GPU)" if self.blocked else "")
         return "failed" if self.passed == 0 else "partial"
 
 
@@ -220,12 +232,14 @@ def _merge_phase(results: dict[str, TestResult], event: dict) -> None:
     message = event["message"]
     if outcome == "skipped":
         message = message.removeprefix("Skipped: ")
+        if NEEDS_A_GPU.search(message):
+            outcome = "blocked"
     elif event["when"] != "call":
         message = f"{event['when']}: {message}"        # the fixture, not the test body, failed
     if current is None:
         results[nodeid] = TestResult(nodeid, outcome, message if outcome != "passed" else "",
                                      event["duration"])
-    elif outcome == "failed" and current.outcome != "failed":
+    elif outcome in ("failed", "blocked") and current.outcome != "failed":
         results[nodeid] = TestResult(nodeid, "failed", message, current.duration + event["duration"])
     else:
         current.duration += event["duration"]
@@ -281,16 +295,20 @@ def format_table(report: GradeReport, failures: int = 5) -> str:
            f"per-test limit {report.test_timeout:g}s, per-chapter limit {report.chapter_timeout:g}s", "",
            f"{'ch':>3}  {'title':<{title_width}}  {'milestones':>10}  {'stubs':>7}  status"]
     for c in rows:
-        milestones = f"{c.passed}/{c.total}" if c.milestone else "-"
+        milestones = (f"{c.passed}/{c.total}" + (f"+{c.blocked}b" if c.blocked else "")) if c.milestone else "-"
         stubs = f"{c.stubs_done}/{c.stubs_total}" if c.stubs_total else "-"
         status = c.status + (f" ({'; '.join(c.notes)})" if c.notes else "")
         out.append(f"{c.chapter.number:>3}  {c.chapter.title:<{title_width}}  {milestones:>10}  {stubs:>7}  {status}")
     graded = [c for c in report.chapters if c.milestone]
     passed = sum(c.passed for c in graded)
     total = sum(c.total for c in graded)
+    blocked = sum(c.blocked for c in graded)
     out += ["", f"{passed}/{total} milestones passed in {len(graded)} chapter(s); "
                 f"{sum(c.stubs_done for c in report.chapters)}/{sum(c.stubs_total for c in report.chapters)} "
                 f"stubs done; {report.duration:.1f}s"]
+    if blocked:
+        out.append(f"{blocked} milestone(s) blocked (+Nb above): they need a GPU this machine does not have; "
+                   f"they count neither as passed nor as failed")
     if failures:
         lines = []
         for c in graded:
@@ -310,13 +328,14 @@ def to_json(report: GradeReport) -> dict:
         "totals": {"passed": sum(c.passed for c in report.chapters),
                    "failed": sum(c.failed for c in report.chapters),
                    "skipped": sum(c.count("skipped") for c in report.chapters),
+                   "blocked": sum(c.blocked for c in report.chapters),
                    "stubs_done": sum(c.stubs_done for c in report.chapters),
                    "stubs_total": sum(c.stubs_total for c in report.chapters)},
         "chapters": [{
             "number": c.chapter.number, "slug": c.chapter.slug, "title": c.chapter.title,
             "part": c.chapter.part, "book_status": c.chapter.status, "milestone": c.milestone,
             "status": c.status, "passed": c.passed, "failed": c.failed, "skipped": c.count("skipped"),
-            "total": c.total, "stubs_done": c.stubs_done, "stubs_total": c.stubs_total,
+            "blocked": c.blocked, "total": c.total, "stubs_done": c.stubs_done, "stubs_total": c.stubs_total,
             "duration_s": round(c.duration, 3), "notes": c.notes, "log_tail": c.log_tail,
             "tests": [asdict(t) for t in c.tests],
         } for c in report.chapters],
@@ -332,7 +351,7 @@ def to_junit(report: GradeReport) -> ET.ElementTree:
     for c in graded:
         suite = ET.SubElement(suites, "testsuite", name=f"ch{c.chapter.number:02d} {c.chapter.title}",
                               tests=str(len(c.tests)), failures=str(c.failed),
-                              skipped=str(c.count("skipped")), errors="0", time=f"{c.duration:.3f}")
+                              skipped=str(c.count("skipped") + c.blocked), errors="0", time=f"{c.duration:.3f}")
         properties = ET.SubElement(suite, "properties")
         ET.SubElement(properties, "property", name="stubs", value=f"{c.stubs_done}/{c.stubs_total}")
         for test in c.tests:
@@ -343,5 +362,7 @@ def to_junit(report: GradeReport) -> ET.ElementTree:
                 ET.SubElement(case, "failure", message=test.message[:500]).text = test.message
             elif test.outcome == "skipped":
                 ET.SubElement(case, "skipped", message=test.message[:500])
+            elif test.outcome == "blocked":             # JUnit has no such outcome: a skip that says so
+                ET.SubElement(case, "skipped", type="blocked", message=f"blocked: {test.message}"[:500])
     ET.indent(suites)
     return ET.ElementTree(suites)

@@ -3,10 +3,11 @@
 `grade_checkouts(folder)` grades every checkout (each subfolder holding an engine/) with
 course.grading.grade, which runs every chapter of every learner in its own subprocesses, so one
 learner's hang or crash costs that learner's tests only. `write_gradebook` writes:
-- a CSV with a row per learner and a column per graded chapter ("passed/total"), plus
-  milestones passed and stubs done over all chapters;
-- a JSON Lines file with one line per learner and chapter (passed, failed, skipped, total,
-  stubs done/total, status, notes).
+- a CSV with a row per learner and a column per graded chapter ("passed/total", then
+  "+N blocked" when N milestones need a GPU the grading machine lacks), plus milestones
+  passed, blocked and stubs done over all chapters;
+- a JSON Lines file with one line per learner and chapter (passed, failed, skipped, blocked,
+  total, stubs done/total, status, notes).
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def rows(results: list[tuple[str, grade_module.GradeReport]]) -> list[dict[str, 
                 continue
             out.append({"learner": learner, "chapter": c.chapter.number, "slug": c.chapter.slug,
                         "status": c.status, "passed": c.passed, "failed": c.failed,
-                        "skipped": c.count("skipped"), "total": c.total, "stubs_done": c.stubs_done,
+                        "skipped": c.count("skipped"), "blocked": c.blocked, "total": c.total,
+                        "stubs_done": c.stubs_done,
                         "stubs_total": c.stubs_total, "notes": c.notes})
     return out
 
@@ -70,12 +72,15 @@ def write_gradebook(results: list[tuple[str, grade_module.GradeReport]], csv_pat
     with open(csv_path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
         writer.writerow(["learner", *[f"ch{n:02d}" for n in chapters], "milestones_passed", "milestones_total",
-                         "stubs_done", "stubs_total"])
+                         "milestones_blocked", "stubs_done", "stubs_total"])
         for learner, _ in results:
             mine = {r["chapter"]: r for r in records if r["learner"] == learner}
-            cells = [f"{mine[n]['passed']}/{mine[n]['total']}" if n in mine else "" for n in chapters]
+            cells = [f"{mine[n]['passed']}/{mine[n]['total']}" + (f" +{mine[n]['blocked']} blocked"
+                                                                  if mine[n]["blocked"] else "")
+                     if n in mine else "" for n in chapters]
             writer.writerow([learner, *cells, sum(r["passed"] for r in mine.values()),
                              sum(r["total"] for r in mine.values()),
+                             sum(r["blocked"] for r in mine.values()),
                              sum(r["stubs_done"] for r in mine.values()),
                              sum(r["stubs_total"] for r in mine.values())])
     with open(jsonl_path, "w", encoding="utf-8") as handle:

@@ -66,17 +66,18 @@ def adopt_blocks(engine: EngineCore, keys: Sequence[bytes], contents: list[list[
 
     keys[i] (bytes): the prefix-cache key of shipped block i, keys[0] the sequence's first
     block; contents[layer][j][i]: block i's data for the j-th distinct pool tensor of that
-    layer (distinct_pools(engine.runner.kv_caches[layer]); a shipment that lists a latent
-    pool twice is fine too), in the storage dtype raw_bytes gives.
-    Afterwards the leading run of keys that fits is cached here, placed as
-    engine.blocks.prepare_store(keys) places it, and each of its blocks that was not cached
-    here before holds its shipped data in every layer's pool tensors: a request whose prompt
-    starts with those tokens finds them (find_cached_prefix) and reads the shipped K/V.
+    layer (distinct_pools(engine.runner.kv_caches[layer]): K and V, a quantized pool's
+    scales too, a latent pool's one tensor), in the storage dtype raw_bytes gives.
+    Afterwards the leading run of keys that fits in the pool is cached here as cached-free
+    blocks (engine.blocks.prepare_store publishes them), and every block that was not cached
+    here before holds, in every pool tensor of every layer, exactly the data shipped for its
+    key: a request whose prompt starts with those tokens finds them (find_cached_prefix) and
+    reads the shipped K/V. Blocks cached here before keep their own data.
     Returns how many blocks were filled (0 when every key was cached already).
     Errors: prepare_store's ValueError, pool untouched (prefix caching off: the message says
     "prefix caching"; a key not bytes; a key repeated).
-    Trap: a block's pool row is the block the block manager gave it, not i nor the sender's
-    block id; contents[...][i] belongs to keys[i] even when earlier keys needed no data.
+    Trap, as a property: each block's data lands in the pool row the block manager gave that
+    block, and the data is the one shipped for that block's own key.
     """
     raise NotImplementedError("Your engine: Chapter 41: adopt_blocks")
 

@@ -82,7 +82,8 @@ def sse_event(data: dict[str, Any] | str) -> str:
     Returns exactly "data: " + payload + "\n\n", where payload is "[DONE]" as is, or the
     dict as compact JSON: no spaces after "," and ":", non-ASCII characters written as
     themselves (not \\u escapes; the stream is UTF-8). The payload is one line.
-    Trap: json.dumps' defaults add spaces and escape non-ASCII: valid JSON, wrong frame.
+    Trap, as a property: "é" is one character of the frame, not six ("\\u00e9"), and the
+    frame has no space outside the strings: any valid JSON is not enough.
     """
     raise NotImplementedError("Your engine: Chapter 38: sse_event")
 

@@ -35,16 +35,16 @@ if TYPE_CHECKING:
 def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, world: int) -> range:
     """Which KV heads rank `rank` of `world` holds in its pool.  (Your engine: Chapter 41)
 
-    num_heads query heads share num_kv_heads KV heads in groups of num_heads // num_kv_heads;
-    rank r owns the query heads [r * h, (r + 1) * h) with h = num_heads // world, and must
-    hold every KV head those queries read, and no other.
-    - num_kv_heads % world == 0: the KV heads are split, num_kv_heads // world per rank,
-      consecutive (rank 0 the first ones).
-    - world % num_kv_heads == 0 (fewer KV heads than ranks): each KV head is REPLICATED on
-      world // num_kv_heads consecutive ranks; every rank holds exactly one.
-    Returns a range of KV head indices (never empty).
-    Raises ValueError naming the numbers when num_heads % world != 0, or when neither rule
-    applies (e.g. 9 heads / 3 KV heads on 2 ranks), or when world or rank is out of range.
+    num_heads query heads share num_kv_heads KV heads, each KV head read by an equal,
+    consecutive group of query heads; the ranks take equal consecutive shares of the query
+    heads, rank 0 the first. Returns the range of KV head indices this rank's query heads
+    read: every one of them, and no other (never empty; a KV head may be held by several ranks).
+    Examples (heads, KV heads, world): (8, 4, 2) -> rank 1 holds range(2, 4);
+    (8, 2, 4) -> ranks 0..3 hold range(0, 1), range(0, 1), range(1, 2), range(1, 2).
+    Errors: ValueError naming the numbers when the query heads do not split evenly over the
+    ranks, when the ranks would not all hold the same number of KV heads (neither of
+    num_kv_heads and world divides the other: 12 heads / 3 KV heads on 2 ranks), or when
+    world or rank is out of range.
     """
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of a {world}-rank group does not exist")
@@ -170,12 +170,24 @@ def smallest_over_group(count: int, group: dist.ProcessGroup | None = None) -> i
 
 def shard_model(model: Qwen3ForCausalLM, rank: int, world: int,
                 group: dist.ProcessGroup | None = None) -> Qwen3ForCausalLM:
-    """A copy of `model` holding rank's shard of every layer (the original is untouched).
+    """A copy of `model` holding rank's shard of every layer.  (Your engine: Chapter 41)
 
-    Its config counts this rank's query and KV heads, so the engine's pool for it holds
-    rank's KV heads only; its agree_num_blocks (smallest_over_group) makes an engine that
-    sizes its own pool take the size every rank can hold. Raises ValueError when a size
-    does not split over `world`."""
+    model: a loaded Qwen3ForCausalLM with dense MLPs; it is left untouched. rank, world:
+    this process's place in `group` (None: the default process group). world == 1 returns
+    the model itself.
+    Returns a model that FlatModel, the ModelRunner and EngineCore run unchanged, such that
+    when every rank of the group runs its shard on the same batch, every rank gets the
+    unsplit model's logits (all of the vocabulary). Besides:
+    - memory: a rank holds about 1/world of every projection, of the embedding table and
+      of the LM head (the norms whole);
+    - cfg: a copy that counts this rank's query heads and its KV heads (kv_heads_of_rank),
+      so the pool an engine builds from it holds those KV heads only;
+    - communication: one forward makes 1 + 2 * num_layers all-reduces and one all-gather;
+    - agree_num_blocks(count) -> the pool size every rank of the group agrees on, the
+      smallest count any rank passes (an engine that sizes its own pool calls it).
+    Errors: ValueError naming the size when the heads, the MLP's intermediate features or
+    the vocabulary do not split over world, and for a layer without a dense MLP.
+    """
     cfg = model.cfg
     if world == 1:
         return model
