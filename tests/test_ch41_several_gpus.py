@@ -246,8 +246,9 @@ def test_shard_model_cuts_every_layer(impl, one_rank_group):
         assert counted == (cfg.num_attention_heads // 2, len(kv)), \
             (f"rank {rank}'s cfg counts {counted} query and KV heads; its cfg counts its own heads, "
              f"{(cfg.num_attention_heads // 2, len(kv))}, so the engine's pool holds its KV heads only")
-        assert callable(getattr(shard, "agree_num_blocks", None)), \
-            f"rank {rank}'s shard has no agree_num_blocks: ranks that size their own pools would not agree on one"
+        assert callable(shard.capabilities.agree_num_blocks), \
+            (f"rank {rank}'s shard declares no capabilities.agree_num_blocks: ranks that size their own pools "
+             f"would not agree on one")
         table = shard.model.embed_tokens.weight
         assert table.shape[0] * 2 == cfg.vocab_size, \
             f"rank {rank} holds {table.shape[0]} rows of the {cfg.vocab_size}-row embedding table, not 1/2 of them"

@@ -55,3 +55,26 @@ def test_one_mistake_per_chapter_is_caught_with_its_rule_named():
     run = subprocess.run([sys.executable, "run.py", "mistakes", "--sample", "--jobs", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, f"the sample of the mistakes catalogue:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+
+
+def test_an_edit_that_does_not_compile_is_refused_by_name():
+    broken = mistakes.Mistake("layers.py", "rms_norm", before="return weight * normed", after="return weight *",
+                              rule="r", expect="e")
+    with pytest.raises(mistakes.CatalogueError, match="does not compile"):
+        mistakes.apply(broken, (mistakes.REFERENCE / "layers.py").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("log, verdict", [
+    ("E   AssertionError: ties go to the pair that sorts first\n", "caught"),
+    ("AssertionError: ties go to the pair that sorts first\n  raised at tests/x.py:3\n", "caught"),  # Hypothesis, short
+    ("FAILED tests/x.py::t - AssertionError: ties go to the pair that sorts first\n", "caught"),
+    ('>       assert merges[1] == pair, "ties go to the pair that sorts first"\nE   assert 1 == 2\n', "unnamed"),
+])
+def test_a_mistake_counts_as_caught_only_where_a_failure_line_names_the_rule(log, verdict):
+    assert mistakes._verdict(1, log, "ties go")[0] == verdict     # the test's source does not count
+
+
+def test_passing_hanging_and_unrunnable_tests_are_told_apart():
+    assert mistakes._verdict(0, "", "x")[0] == "survived"
+    assert mistakes._verdict(None, "", "x")[0] == "hung"
+    assert mistakes._verdict(4, "ERROR: file not found", "x")[0] == "error"

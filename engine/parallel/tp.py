@@ -166,8 +166,8 @@ def shard_model(model: Qwen3ForCausalLM, rank: int, world: int,
     - cfg: a copy that counts this rank's query heads and its KV heads (kv_heads_of_rank),
       so the pool an engine builds from it holds those KV heads only;
     - communication: one forward makes 1 + 2 * num_layers all-reduces and one all-gather;
-    - agree_num_blocks(count) -> the pool size every rank of the group agrees on, the
-      smallest count any rank passes (an engine that sizes its own pool calls it).
+    - capabilities.agree_num_blocks(count) -> the pool size every rank of the group agrees
+      on, the smallest count any rank passes (an engine that sizes its own pool calls it).
     Errors: ValueError naming the size when the heads, the MLP's intermediate features or
     the vocabulary do not split over world, and for a layer without a dense MLP.
     """

@@ -129,7 +129,10 @@ def apply(mistake: Mistake, source: str) -> str:
         raise CatalogueError(f"{mistake.label}: 'after' equals 'before'")
     head, tail = "".join(lines[:stub.body_start]), "".join(lines[stub.body_end:])
     mutated = head + body.replace(mistake.before, mistake.after) + tail
-    compile(mutated, mistake.file, "exec")              # a mistake must still run
+    try:
+        compile(mutated, mistake.file, "exec")
+    except SyntaxError as exc:
+        raise CatalogueError(f"{mistake.label}: the edit does not compile: {exc}") from None
     return mutated
 
 
@@ -190,8 +193,14 @@ def _child(arguments: list[str], log: Path) -> None:
         os._exit(status)
 
 
+# The lines of a pytest report that say why a test failed, never the test's source: pytest's
+# "E   " lines, the plugin's short Hypothesis report ("AssertionError: ..." at the margin) and
+# the summary's "FAILED node - message" lines.
+_FAILURE_LINE = re.compile(r"^(E |FAILED |[A-Za-z_.]*(Error|Exception|Failed): )")
+
+
 def _verdict(status: int | None, log: str, expect: str) -> tuple[str, str]:
-    failures = [line[2:].strip() for line in log.splitlines() if line.startswith("E ")]
+    failures = [line.removeprefix("E ").strip() for line in log.splitlines() if _FAILURE_LINE.match(line)]
     named = [line for line in failures if expect.lower() in line.lower()]
     if status is None:
         return "hung", f"no result after {CHILD_TIMEOUT:.0f} s"
@@ -216,10 +225,16 @@ def run(mistakes: list[Mistake], jobs: int = 2, progress=None) -> list[Outcome]:
         while pending or running:
             while pending and len(running) < jobs:
                 index, mistake = pending.pop(0)
-                chapter = chapter_of(mistake, stubs)
                 directory = scratch / f"m{index:04d}"
                 directory.mkdir()
-                package = mutant_package(mistake, directory)
+                try:
+                    chapter = chapter_of(mistake, stubs)
+                    package = mutant_package(mistake, directory)
+                except CatalogueError as exc:                     # a broken entry fails alone
+                    outcomes[index] = Outcome(mistake, 0, "error", 0.0, f"the entry does not apply: {exc}")
+                    if progress is not None:
+                        progress(outcomes[index])
+                    continue
                 log = directory / "pytest.log"
                 arguments = [*test_arguments(mistake, chapter), "--impl", str(package), "-x", "-q",
                              "-p", "no:cacheprovider", "-p", "no:xdist", "--timeout", str(TEST_TIMEOUT),
