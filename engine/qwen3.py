@@ -82,9 +82,9 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU feed-forward on [..., hidden].  (Your engine: Chapter 7)
 
-        The gate path goes through SiLU and multiplies the up path elementwise; the product
-        ([..., intermediate]) is projected back down. Works on any leading shape, which is
-        what lets Chapter 31 feed it flat [N, hidden] rows.
+        Returns [..., hidden], equal to transformers' Qwen3MLP with the same gate, up and
+        down weights (SwiGLU: the nonlinearity is SiLU, and it acts on the gate path only).
+        Any leading shape works, which lets Chapter 31 feed it flat [N, hidden] rows.
         """
         raise NotImplementedError("Your engine: Chapter 7: Qwen3MLP.forward")
 
@@ -140,9 +140,12 @@ class Qwen3DecoderLayer(nn.Module):
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """One decoder layer on the residual stream x [B, T, hidden].  (Your engine: Chapter 7)
 
-        Two residual branches, each reading a normalised copy of the stream: attention
-        (input_layernorm first) and the MLP (post_attention_layernorm first). The stream
-        itself is never normalised in place; each branch's output is added to it.
+        Returns the new stream, same shape and dtype; x itself is left unmodified. Equal to
+        transformers' Qwen3DecoderLayer: two pre-norm residual branches in order, attention
+        then MLP, each reading a normalised copy of the stream as it stands when the branch
+        starts (input_layernorm, post_attention_layernorm) and adding its output to it; the
+        stream itself is never normalised. cos, sin, slots, cache and allowed reach
+        self_attn unchanged.
         """
         raise NotImplementedError("Your engine: Chapter 7: Qwen3DecoderLayer.forward")
 

@@ -116,15 +116,14 @@ def weight_bytes(cfg: ModelShape, dtype: torch.dtype = torch.bfloat16) -> int:
 def flops_per_token(cfg: ModelShape, context: int = 0) -> int:
     """Forward FLOPs for one token that attends to `context` keys.  (Your engine: Chapter 2)
 
-    Two parts, counting a multiply-add as 2 FLOPs:
-      weights:   every token multiplies a vector by each matrix in matmul_parameters(cfg)
-                 once, which is 2 FLOPs per parameter;
-      attention: in every layer, each query head takes a dot product with `context` keys
-                 (Q K^T) and then a weighted sum of `context` values (A V), each costing
-                 2 * head_dim FLOPs per key.
-    `context` counts the keys the token sees, itself included (a decode step at position p
-    of a causal model has context p + 1). Norms, RoPE, softmax and SiLU are left out.
-    Returns an int.
+    cfg: any ModelShape; context >= 0: the keys the token sees, itself included (a decode
+    step at position p has context p + 1). Returns an int: the FLOPs of the matrix products
+    in one token's forward pass, a multiply-add counted as 2, so it equals what torch's
+    FlopCounterMode counts for a decode step at that context. Counted: every projection and
+    MLP matrix, the LM head (tied or not: it is a real product), and attention's scores and
+    weighted sum over the visible keys. Left out: norms, RoPE, softmax, SiLU.
+    Properties: linear in `context`; the part that grows with `context` depends on the query
+    heads, not on the key/value heads.
     """
     attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim_of(cfg) * context
     return 2 * matmul_parameters(cfg) + attention
@@ -133,10 +132,10 @@ def flops_per_token(cfg: ModelShape, context: int = 0) -> int:
 def kv_bytes_per_token(cfg: ModelShape, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of KV cache one token occupies, over all layers.  (Your engine: Chapter 2)
 
-    Each layer stores one key and one value vector per key/value head for every token:
-    num_key_value_heads * head_dim numbers each, in `dtype`. Query heads store nothing, so
-    grouped-query attention divides this by num_attention_heads / num_key_value_heads.
-    Qwen3-8B in bfloat16: 2 * 36 * 8 * 128 * 2 = 147,456 bytes.
+    cfg: any ModelShape; dtype: the cache's element type. Returns an int: what one token
+    slot of a KV cache for this model takes in `dtype`, all layers together (the reference
+    KVCache's nbytes divided by its slots). Property: it depends on num_key_value_heads and
+    not on num_attention_heads. Example: Qwen3-8B in bfloat16 gives 147,456 bytes.
     """
     per_layer = 2 * cfg.num_key_value_heads * head_dim_of(cfg) * bytes_per_element(dtype)
     return cfg.num_hidden_layers * per_layer
@@ -167,17 +166,15 @@ def step_cost(cfg: ModelShape, new_tokens: int, past_tokens: int = 0, batch: int
     """FLOPs and bytes of one forward step of a batch of sequences.  (Your engine: Chapter 2)
 
     Each of `batch` sequences already has `past_tokens` in its KV cache and feeds
-    `new_tokens` new ones: a prefill is (new_tokens=prompt length, past_tokens=0), a decode
-    step is (new_tokens=1, past_tokens=length so far).
-      flops: the i-th new token (i = 1 .. new_tokens) sees past_tokens + i keys (causal), so
-             sum flops_per_token(cfg, past_tokens + i) over the new tokens, times batch.
-      bytes: the weight matrices (matmul_parameters in `dtype`) are read once per step,
-             however many tokens share them; each sequence reads the K and V of its
-             past_tokens and writes those of its new_tokens (kv_bytes_per_token each).
-             Activations are ignored: they are small beside weights and cache.
-    Returns StepCost(flops, bytes) with ints. The point of the model: weight bytes are
-    shared by every token in the step, FLOPs are not, so intensity grows with the number of
-    tokens in a step.
+    `new_tokens` new ones: a prefill is (prompt length, 0), a decode step is (1, length so
+    far). Returns StepCost(flops, bytes), both ints.
+      flops: exactly what feeding the new tokens one at a time would cost under causal
+             attention, for every sequence of the batch.
+      bytes: the weight matrices (those of matmul_parameters, in `dtype`) read once for the
+             whole step, plus, per sequence, the K and V of all its tokens (past ones read,
+             new ones written). Activations, norms and the embedding table are left out.
+    Property: weight bytes are shared by every token of the step and FLOPs are not, so the
+    intensity grows with the tokens in a step.
     """
     weights = 2 * matmul_parameters(cfg)
     attention_per_key = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim_of(cfg)

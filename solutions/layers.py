@@ -33,10 +33,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
     positions: int tensor [T] or [B, T]. Returns cos, sin of shape [1, 1, T, head_dim]
     (or [B, 1, T, head_dim]) in `dtype`, ready to broadcast over [B, H, T, head_dim].
-    Frequency i (of head_dim // 2) is theta ** (-2i / head_dim); the table repeats the
-    head_dim // 2 angles twice ("rotate half" layout: channel c pairs with c + head_dim/2).
-    Angles are computed in float32 from integer positions: in bfloat16 a position like
-    1000 is not even representable exactly.
+    With D = head_dim and c < D/2, columns c and c + D/2 hold the same angle, positions[t]
+    * theta ** (-2c / D) ("rotate half" layout: channel c pairs with c + D/2). Property:
+    the values are those of float32 angles from the exact integer positions, whatever
+    `dtype` is (in bfloat16 a position like 30001 is not even representable).
     """
     half = head_dim // 2
     inv_freq = theta ** (-torch.arange(0, half, dtype=torch.float32, device=positions.device) * 2 / head_dim)

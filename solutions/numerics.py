@@ -39,9 +39,9 @@ def ulp(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     representable magnitude in `dtype`. For a normal number in [2**k, 2**(k+1)) that is
     finfo(dtype).eps * 2**k; below the smallest normal number (finfo(dtype).tiny), and at
     zero, it is the smallest spacing, eps * tiny (subnormals); inf and nan give nan.
-    Trap: x may be in another format than `dtype`, and then computing in either one can
-    lose the spacing or x's exponent (float32's smallest spacing, 2**-149, is 0 in
-    bfloat16; a bfloat16 value above 65504 is inf in float16): compute in float64.
+    Trap, as a property: exact whatever the pair of formats, though x may be in another
+    format than `dtype` (float32's smallest spacing, 2**-149, is 0 in bfloat16; a bfloat16
+    value above 65504 is inf in float16).
     """
     dtype = x.dtype if dtype is None else dtype
     info = torch.finfo(dtype)
@@ -68,8 +68,8 @@ class ErrorStats:
 def measure_error(approx: torch.Tensor, reference: torch.Tensor) -> ErrorStats:
     """Error statistics of `approx` against `reference` (same shape).  (Your engine: Chapter 12)
 
-    Trap: every statistic is computed in float64, whatever the inputs' dtypes (a difference
-    taken in a 16-bit format would round the error itself). Absolute error |a - r|;
+    Trap, as a property: every statistic is exact to float64, whatever the inputs' dtypes
+    (a difference taken in a 16-bit format would round the error itself). Absolute error |a - r|;
     relative error |a - r| / |r| over the elements whose reference is not zero (a relative
     error at zero is meaningless; max_rel is 0.0 when every reference is zero); ulp error
     |a - r| / ulp(r, approx.dtype), the error in units of the grid the approximation lives

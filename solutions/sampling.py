@@ -38,8 +38,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
         seeded draws token for token with this one, so the same seed must give the same ids;
       - numerically robust for every valid setting: no finite logits, temperature at or above
         the threshold, top_p in (0, 1] or min_p in [0, 1] may produce NaN, an empty set or an
-        error; float32 loses tiny values (a top_p of 1e-39 is below its smallest normal
-        number and may read as 0), so the sampled path's arithmetic is float64.
+        error (temperature=1e-4 on logits near 100 draws a valid id; top_p=1e-39, below
+        float32's smallest normal number, keeps exactly the most likely token).
     """
     squeeze = logits.dim() == 1
     rows = logits.reshape(-1, logits.shape[-1])

@@ -57,11 +57,12 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int] | torch.Tensor, skip_special: bool = True) -> str:
         """A sequence of ints (or a 1-D tensor) -> str.  (Your engine: Chapter 3)
 
-        The byte ids are decoded as UTF-8 together, not one by one (a character's bytes are
-        only meaningful together); bytes that do not form valid UTF-8 (a character cut short)
-        become U+FFFD, never an error. With skip_special, special ids are removed as if absent
-        (bytes on either side of one join up); otherwise each is written as its name
-        ("<|eos|>") and splits the bytes around it. Ids outside 0 .. vocab_size - 1 raise
+        Properties: decode(encode(text, add_bos=True)) == text for every str; a character
+        whose bytes are spread over several ids comes back whole ([195, 169] -> "é"); bytes
+        that are not valid UTF-8 (a character cut short) become U+FFFD, never an error.
+        With skip_special, a special id reads as if it were absent ([0xC3, eos, 0xA9] ->
+        "é"); otherwise it reads as its name and separates the bytes on its two sides
+        ([0xC3, eos, 0xA9] -> "\ufffd<|eos|>\ufffd"). Ids outside 0 .. vocab_size - 1 raise
         ValueError.
         """
         pieces, pending = [], bytearray()
@@ -92,9 +93,9 @@ def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Look up the embedding row of every token id.  (Your engine: Chapter 3)
 
     ids: int64 tensor of any shape [...]; table: [vocab, hidden]. Returns [..., hidden] in
-    the table's dtype: row ids[i] of the table for each position. This equals multiplying a
-    one-hot vector by the table, but costs a copy of hidden numbers instead of vocab * hidden
-    multiply-adds.
+    the table's dtype, exactly equal to torch.nn.Embedding with this table (no scaling).
+    The same numbers as one_hot(ids) @ table, for a copy of hidden numbers per position
+    instead of vocab * hidden multiply-adds.
     """
     return table[ids]
 
@@ -103,9 +104,10 @@ def lm_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Score every vocabulary entry against the final hidden states.  (Your engine: Chapter 3)
 
     hidden: [..., hidden_size]; weight: [vocab, hidden_size] (the LM head; with tied
-    embeddings, the embedding table itself). Logit v is the dot product of the hidden state
-    with row v of weight. The product runs in the inputs' dtype; the result is returned in
-    float32, as the model's logits always are (softmax and sampling want the extra bits).
+    embeddings, the embedding table itself). Returns [..., vocab] in float32, one logit per
+    position and vocabulary entry: logit v scores the hidden state against row v of weight
+    (unnormalised: no softmax). The product runs in the inputs' dtype; only the result is
+    widened to float32, as the model's logits always are.
     """
     return F.linear(hidden, weight).float()
 

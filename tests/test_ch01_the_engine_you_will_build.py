@@ -53,6 +53,22 @@ def hf_parameter_count(values):
     return sum(p.numel() for p in model.parameters())
 
 
+def which_part(difference, values):
+    """The piece of the model a count that is off by `difference` most likely got wrong."""
+    layers, hidden = values["num_hidden_layers"], values["hidden_size"]
+    head_dim = values.get("head_dim") or hidden // values["num_attention_heads"]
+    parts = [
+        (values["vocab_size"] * hidden, "the vocab_size x hidden_size matrix: a tied embedding and LM head counts "
+                                        "once, an untied one twice"),
+        (layers * 2 * head_dim, "q_norm and k_norm: one head_dim vector each per layer, shared by the heads"),
+        (layers * 2 * hidden, "the two layer norms of every layer (hidden_size each)"),
+        (hidden, "the final norm after the last layer (hidden_size)"),
+    ]
+    named = [part for size, part in parts if size == abs(difference)]    # sizes can coincide
+    return " or ".join(named) or ("the attention projections' widths: q and o are num_attention_heads x head_dim, "
+                                  "k and v num_key_value_heads x head_dim (with a bias each when attention_bias)")
+
+
 @pytest.mark.parametrize("name", list(SMALL_CONFIGS))
 def test_count_matches_transformers(impl, name):
     values = SMALL_CONFIGS[name]
@@ -60,7 +76,7 @@ def test_count_matches_transformers(impl, name):
     expected = hf_parameter_count(values)
     assert got == expected, (f"config {name!r} ({values}): count_parameters gave {got:,}, but transformers' "
                              f"Qwen3ForCausalLM with this config has {expected:,} parameters "
-                             f"(difference {got - expected:+,})")
+                             f"(difference {got - expected:+,}); check {which_part(got - expected, values)}")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -80,9 +96,10 @@ def test_count_without_embeddings(impl):
         tables = 1 if values["tie_word_embeddings"] else 2
         expected = hf_parameter_count(values) - tables * values["vocab_size"] * values["hidden_size"]
         got = impl.cost.count_parameters(cfg, embeddings=False)
+        head = "and the untied LM head" if tables == 2 else "(tied to the LM head)"
         assert got == expected, (f"config {name!r}: count_parameters(cfg, embeddings=False) gave {got:,}, "
-                                 f"expected {expected:,}: everything except the embedding table "
-                                 f"{'and the untied LM head' if tables == 2 else '(tied to the LM head)'}")
+                                 f"expected {expected:,}: non-embedding parameters are everything except the "
+                                 f"embedding table {head}")
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))

@@ -92,7 +92,8 @@ def test_flops_per_token_is_about_twice_the_parameters(impl):
     two_per_weight = 2 * (6_946_075_648 + 151936 * 4096)
     got = impl.cost.flops_per_token(cfg, 0)
     assert abs(got - two_per_weight) / two_per_weight < 1e-4, (
-        f"Qwen3-8B with no context: about 2 FLOPs per multiplied weight ({two_per_weight:,}); got {got:,}")
+        f"Qwen3-8B with no context: about 2 FLOPs per multiplied weight, the LM head included "
+        f"({two_per_weight:,}); got {got:,}")
     # The attention term: 4 * layers * heads * head_dim FLOPs per key seen.
     per_key = 4 * 36 * 32 * 128
     assert impl.cost.flops_per_token(cfg, 4096) - got == 4096 * per_key, (
@@ -111,7 +112,8 @@ def test_step_flops_match_the_model(impl, tiny_cfg, batch, past, new):
     got = impl.cost.step_cost(tiny_cfg, new, past, batch=batch).flops
     assert got == batch * one_at_a_time, (
         f"batch={batch}, past_tokens={past}, new_tokens={new}: the tiny model runs {batch * one_at_a_time:,} FLOPs "
-        f"(FlopCounterMode, one token at a time: token i sees past + i keys); step_cost gave {got:,}")
+        f"(FlopCounterMode, one token at a time: token i sees past + i keys, and every sequence of the batch "
+        f"pays its own); step_cost gave {got:,}")
     if new == 1:
         assert got == measured_flops(tiny_cfg, past, 1, batch=batch)
 
@@ -127,7 +129,8 @@ def test_step_bytes(impl, tiny_cfg, dtype):
         got = impl.cost.step_cost(tiny_cfg, new, past, batch=batch, dtype=dtype).bytes
         assert got == expected, (
             f"{dtype}, batch={batch}, past_tokens={past}, new_tokens={new}: the step reads every weight matrix once "
-            f"({matrices:,} numbers, the LM head included) and the K/V of past + new tokens per sequence: "
+            f"({matrices:,} numbers, the LM head included, norms and embedding table left out) and the K/V of "
+            f"past + new tokens per sequence: "
             f"{expected:,} bytes; step_cost gave {got:,}")
 
 

@@ -58,7 +58,8 @@ def test_whole_prompt(impl, device, heads, kv_heads):
     pos = torch.arange(7, device=device)
     got = impl.attention.causal_attention(q, k, v, pos, pos)
     check(got, oracle(q, k, v, visible(pos, pos, 2)),
-          f"a 7-token prompt, {heads} query heads sharing {kv_heads} K/V heads")
+          f"a 7-token prompt (each query sees the keys at its own position and before), {heads} query heads "
+          f"sharing {kv_heads} K/V heads (query head h reads K/V head h // {heads // kv_heads})")
 
 
 def test_matches_is_causal(impl, device):
@@ -74,7 +75,8 @@ def test_chunk_in_the_middle(impl, device):
     q_pos, k_pos = torch.arange(5, 9, device=device), torch.arange(12, device=device)
     got = impl.attention.causal_attention(q, k, v, q_pos, k_pos)
     check(got, oracle(q, k, v, visible(q_pos, k_pos, 2)),
-          "a chunk of queries at positions 5..8 with keys at 0..11 (keys 9..11 must stay invisible)")
+          "a chunk of queries at positions 5..8 with keys at 0..11 (positions, not row numbers, decide: "
+          "keys 0..p are visible to the query at p, keys 9..11 to none)")
 
 
 def test_one_decode_step(impl, device):
@@ -111,7 +113,8 @@ def test_allowed_mask(impl, device):
     allowed[1, :, :, 0] = False                                          # row 1's first key is padding
     got = impl.attention.causal_attention(q, k, v, pos, pos, allowed=allowed)
     check(got, oracle(q, k, v, visible(pos, pos, 2) & allowed),
-          "allowed = a 3-key sliding window (and, in batch row 1, a masked padding key)")
+          "allowed = a 3-key sliding window (and, in batch row 1, a masked padding key), intersected with the "
+          "causal rule")
 
 
 def test_rows_with_no_visible_key_are_zero(impl, device):

@@ -69,10 +69,12 @@ def test_apply_matches_complex_rotation(impl, device, dtype):
     cos, sin = impl.layers.rope_cos_sin(pos, 16, THETA, dtype)
     got = impl.layers.apply_rope(x, cos, sin)
     expected = complex_rotation(x, pos)
-    assert got.shape == x.shape and got.dtype == dtype
+    assert got.shape == x.shape and got.dtype == dtype, (
+        f"apply_rope keeps x's shape and dtype: {tuple(x.shape)} {dtype} in, got {tuple(got.shape)} {got.dtype}")
     torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-5, atol=2e-5,
                                msg=lambda m: f"apply_rope on [2, 3, 9, 16] at positions 20..28 vs the complex "
-                                             f"rotation of pairs (c, c + 8): {m}")
+                                             f"rotation of pairs (c, c + 8): x[c] + i x[c + 8] multiplied by "
+                                             f"e^(i angle): {m}")
 
 
 def test_flat_rows(impl, device):

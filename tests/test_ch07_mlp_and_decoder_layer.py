@@ -100,7 +100,8 @@ def test_decoder_layer_matches_hand_composition(impl, cfg, layer, device):
     expected = hand_composed(layer, x, cfg.rms_norm_eps)
     err = (got.double() - expected).abs().max().item()
     assert err < 1e-4, (f"decoder layer differs from x + attn(input_layernorm(x)), "
-                        f"then h + mlp(post_attention_layernorm(h)) by {err:.3g}")
+                        f"then h + mlp(post_attention_layernorm(h)) by {err:.3g} (pre-norm: each branch reads a "
+                        f"normalised copy, the stream itself is only added to)")
     assert len(layer.self_attn.calls) == 1, (
         f"attention should run once per layer call, ran {len(layer.self_attn.calls)} times")
     seen = layer.self_attn.calls[0][0].double()

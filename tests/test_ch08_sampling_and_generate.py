@@ -58,6 +58,16 @@ CASES = {
     "top_k 5, top_p 0.7, temperature 1.5": dict(temperature=1.5, top_k=5, top_p=0.7),
     "top_p 0.9, min_p 0.3, temperature 0.8": dict(temperature=0.8, top_p=0.9, min_p=0.3),
 }
+RULES = {    # what each filter keeps, in the chapter's words, for failure messages
+    "temperature": "the draw follows softmax(logits / temperature)",
+    "top_k": "top_k keeps the k highest logits",
+    "top_p": "top_p keeps the smallest highest-probability set whose mass reaches top_p",
+    "min_p": "min_p keeps the tokens whose probability is at least min_p times the top one's",
+}
+
+
+def rules_of(options):
+    return "; ".join(rule for name, rule in RULES.items() if name in options)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -67,13 +77,13 @@ def test_frequencies_match_the_filtered_softmax(impl, device, case):
     got = frequencies(impl, LOGITS.to(device), **options)
     outside = [i for i in range(len(LOGITS)) if expected[i] == 0 and got[i] > 0]
     assert not outside, f"{case}: drew token(s) {outside}, which the filters remove (expected support "\
-                        f"{[i for i in range(len(LOGITS)) if expected[i] > 0]})"
+                        f"{[i for i in range(len(LOGITS)) if expected[i] > 0]}; {rules_of(options)})"
     # Five standard deviations of a binomial frequency: a correct sampler essentially never fails.
     bound = 5 * torch.sqrt(expected * (1 - expected) / DRAWS) + 1e-3
     worst = int(((got - expected).abs() - bound).argmax())
     assert ((got - expected).abs() <= bound).all(), (
         f"{case}: token {worst} was drawn with frequency {got[worst]:.4f}, expected {expected[worst]:.4f} "
-        f"(expected distribution {[round(float(p), 3) for p in expected]}, "
+        f"({rules_of(options)}; expected distribution {[round(float(p), 3) for p in expected]}, "
         f"measured {[round(float(p), 3) for p in got]})")
 
 
@@ -203,7 +213,8 @@ def test_greedy_matches_an_argmax_loop(impl, ref_model, device, generate, prompt
             tokens.append(expected[-1])
     got = generate(ref_model, prompt, 12)
     first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
-    assert got == expected, (f"prompt {prompt}: greedy generate should repeat the argmax loop; first difference at "
+    assert got == expected, (f"prompt {prompt}: greedy generate should repeat the argmax loop (each token from the "
+                             f"logits at the last position of the whole sequence so far); first difference at "
                              f"step {first}: expected {expected[first] if first is not None else None}, got "
                              f"{got[first] if first is not None and first < len(got) else 'nothing'} "
                              f"(expected {expected}, got {got})")

@@ -81,8 +81,9 @@ def assert_close(got, want, what):
     worst = divmod(int(err.flatten().argmax()), err.shape[-1])
     assert float(err.max()) <= ATOL, (
         f"{what}: max |ours - transformers| = {float(err.max()):.3g} > {ATOL} "
-        f"(worst at flat row {worst[0]}, channel {worst[1]}); check q_norm/k_norm come before RoPE "
-        f"and that query head h reads K/V head h // (H // Hkv)")
+        f"(worst at flat row {worst[0]}, channel {worst[1]}); check: q_norm/k_norm come before RoPE; q and k "
+        f"are rotated, v is not; query head h reads K/V head h // (H // Hkv); the heads are merged back per "
+        f"token before o_proj")
 
 
 @pytest.mark.parametrize("name, overrides", CASES, ids=[c[0] for c in CASES])

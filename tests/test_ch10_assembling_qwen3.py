@@ -43,13 +43,16 @@ def prompts(cfg, batch, length, seed, device):
 
 def assert_logits_close(got, want, what):
     assert got.dtype == torch.float32, f"{what}: logits must be float32, got {got.dtype}"
-    assert got.shape == want.shape, f"{what}: logits {tuple(got.shape)}, transformers {tuple(want.shape)}"
+    assert got.shape == want.shape, (f"{what}: logits {tuple(got.shape)}, transformers {tuple(want.shape)} (logits "
+                                     f"for every position)")
     err = (got - want.float()).abs()
     bound = REL_TOL * max(1.0, float(want.abs().max()))
     b, t, v = (int(i) for i in torch.unravel_index(err.argmax(), err.shape))
     assert float(err.max()) <= bound, (
         f"{what}: max |ours - transformers| = {float(err.max()):.3g} > {bound:.3g} at sequence {b}, "
-        f"position {t}, token {v} (ours {float(got[b, t, v]):.5f}, transformers {float(want[b, t, v]):.5f})")
+        f"position {t}, token {v} (ours {float(got[b, t, v]):.5f}, transformers {float(want[b, t, v]):.5f}); "
+        f"check: the layers run in order on one stream, all with the same rotary tables, then the final norm; the "
+        f"LM head is lm_head (the embedding's matrix only when tied)")
 
 
 @pytest.mark.parametrize("name, overrides", CONFIGS, ids=[c[0] for c in CONFIGS])
@@ -105,8 +108,21 @@ def test_positions_argument_matches_position_ids(impl, device):
         got = ours(ids, positions=positions)
         want = theirs(ids, position_ids=positions[None].expand(2, 9)).logits
         plain = ours(ids)
+    assert float((plain - got).abs().max()) > 1e-3, (
+        "the positions argument had no effect on the logits: positions= must reach RoPE (they default to the "
+        "cache slots only when left out)")
     assert_logits_close(got, want, f"Qwen3ForCausalLM with positions {positions.tolist()}")
-    assert float((plain - got).abs().max()) > 1e-3, "the positions argument had no effect on the logits"
+
+
+def test_hidden_states_are_transformers_last_hidden_state(impl, device):
+    cfg, ours, theirs = build_pair(impl, {}, device)
+    ids = prompts(cfg, 2, 9, seed=13, device=device)
+    with torch.no_grad():
+        got, want = ours.model(ids), theirs.model(ids).last_hidden_state
+    err = float((got - want).abs().max())
+    assert err <= REL_TOL * max(1.0, float(want.abs().max())), (
+        f"Qwen3Model's output is {err:.3g} from transformers' last_hidden_state, the stream after the last layer "
+        f"and the final norm")
 
 
 def test_rows_of_a_batch_are_independent(impl, device):

@@ -46,12 +46,22 @@ def check_logits(loaded, hf, what, device="cpu"):
     assert err <= bound, f"{what}: loaded model's logits are {err:.3g} from transformers' (bound {bound:.3g})"
 
 
+def loads(impl, path, rule, **options):
+    """load_checkpoint(path), with a failure that names the rule a good directory relies on."""
+    try:
+        return impl.checkpoint.load_checkpoint(path, **options)
+    except Exception as error:
+        pytest.fail(f"load_checkpoint({path.name}) raised {type(error).__name__}: {error}; {rule}")
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_single_file_checkpoint(impl, tmp_path, device, tied):
     hf = hf_model(impl, tie_word_embeddings=tied)
     path = saved(hf, tmp_path / "ckpt")
     assert (path / "model.safetensors").is_file()
-    model = impl.checkpoint.load_checkpoint(path, device=device)
+    rule = ("a tied checkpoint stores no lm_head.weight: lm_head must be the embedding tensor itself" if tied
+            else "every parameter comes from the file")
+    model = loads(impl, path, rule, device=device)
     assert isinstance(model, impl.qwen3.Qwen3ForCausalLM), f"load_checkpoint returned {type(model)}"
     assert not model.training, "load_checkpoint must return the model in eval mode"
     assert model.cfg.tie_word_embeddings == tied
@@ -72,7 +82,11 @@ def test_sharded_checkpoint(impl, tmp_path, tied):
     for shard in shards:
         with safe_open(path / shard, framework="pt") as handle:
             truth.update({name: shard for name in handle.keys()})
-    locations = impl.checkpoint.tensor_locations(path)
+    try:
+        locations = impl.checkpoint.tensor_locations(path)
+    except Exception as error:
+        pytest.fail(f"tensor_locations on a sharded checkpoint raised {type(error).__name__}: {error}; the index's "
+                    f"shard names are files in the checkpoint's directory")
     got = {name: getattr(file, "name", str(file)) for name, file in locations.items()}
     assert got == truth, (
         f"tensor_locations disagrees with the shards' contents: {set(got.items()) ^ set(truth.items())}")
@@ -85,7 +99,8 @@ def test_dtype_cast(impl, tmp_path):
     path = saved(hf, tmp_path / "ckpt")
     model = impl.checkpoint.load_checkpoint(path, dtype=torch.bfloat16)
     dtypes = {p.dtype for p in model.parameters()}
-    assert dtypes == {torch.bfloat16}, f"dtype=bfloat16 gave parameters of {dtypes}"
+    assert dtypes == {torch.bfloat16}, (f"dtype=bfloat16 gave parameters of {dtypes}: every parameter is cast to "
+                                        f"the requested dtype")
     theirs = hf.state_dict()
     for name, param in model.state_dict().items():
         assert torch.equal(param, theirs[name].to(torch.bfloat16)), (
@@ -112,13 +127,35 @@ def test_match_names_rules(impl):
     match = impl.checkpoint.match_names
     ours = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     files = {"model.embed_tokens.weight": "a", "model.norm.weight": "a", "lm_head.weight": "b"}
-    assert match(files, ours, tied=False) == {n: n for n in ours}
-    # Tied: lm_head.weight in the file is skipped, not loaded twice.
-    assert match(files, ours, tied=True) == {n: n for n in ours[:2]}
+    CheckpointError = impl.checkpoint.CheckpointError
+
+    def paired(locations, tied, rule):
+        try:
+            return match(locations, ours, tied=tied)
+        except CheckpointError as error:
+            pytest.fail(f"match_names({sorted(locations)}, tied={tied}) raised {error}; {rule}")
+
+    rule = "a tensor pairs with the parameter of its own name"
+    assert paired(files, False, rule) == {n: n for n in ours}, rule
+    rule = "with tied embeddings a stored lm_head.weight is skipped: the embedding is loaded once"
+    assert paired(files, True, rule) == {n: n for n in ours[:2]}, rule
     bare = {"embed_tokens.weight": "a", "norm.weight": "a",
             "layers.0.self_attn.rotary_emb.inv_freq": "a"}
-    assert match(bare, ours, tied=True) == {"embed_tokens.weight": "model.embed_tokens.weight",
-                                            "norm.weight": "model.norm.weight"}
+    rule = "names saved without the 'model.' prefix get it; names ending in IGNORED_SUFFIXES are skipped"
+    assert paired(bare, True, rule) == {"embed_tokens.weight": "model.embed_tokens.weight",
+                                        "norm.weight": "model.norm.weight"}, rule
+    for locations, named, rule in [
+        ({"model.embed_tokens.weight": "a"}, "model.norm.weight",
+         "a parameter that no file provides is a CheckpointError naming it"),
+        ({**files, "norm.weight": "c"}, "norm.weight",
+         "two file tensors that map onto one parameter are a CheckpointError naming the second"),
+    ]:
+        try:
+            match(locations, ours, tied=False)
+        except CheckpointError as error:
+            assert named in str(error), f"{rule}; the error says: {error}"
+            continue
+        pytest.fail(f"match_names({sorted(locations)}) returned: {rule}")
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -137,37 +174,45 @@ def rewrite_config(path, change):
     file.write_text(json.dumps(config))
 
 
-def expect_error(impl, path, *fragments):
-    with pytest.raises(impl.checkpoint.CheckpointError) as info:
+def expect_error(impl, path, rule, *fragments):
+    """load_checkpoint(path) must raise CheckpointError naming every fragment; `rule` says why."""
+    try:
         impl.checkpoint.load_checkpoint(path)
-    message = str(info.value)
+    except impl.checkpoint.CheckpointError as error:
+        message = str(error)
+    except Exception as error:
+        pytest.fail(f"{rule}: expected a CheckpointError, got {type(error).__name__}: {error}")
+    else:
+        pytest.fail(f"{rule}: load_checkpoint raised nothing")
     for fragment in fragments:
-        assert fragment in message, f"the error should name {fragment!r}; it says: {message}"
+        assert fragment in message, f"{rule}: the error should name {fragment!r}; it says: {message}"
     return message
 
 
 def test_error_missing_tensor(impl, tmp_path):
     path = saved(hf_model(impl), tmp_path / "ckpt")
     rewrite_tensors(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    expect_error(impl, path, "model.layers.1.mlp.up_proj.weight")
+    expect_error(impl, path, "a parameter the files lack is an error", "model.layers.1.mlp.up_proj.weight")
 
 
 def test_error_missing_untied_head(impl, tmp_path):
     path = saved(hf_model(impl), tmp_path / "ckpt")
     rewrite_tensors(path, lambda t: t.pop("lm_head.weight"))
-    expect_error(impl, path, "lm_head.weight")
+    expect_error(impl, path, "an untied model needs lm_head.weight from the files", "lm_head.weight")
 
 
 def test_error_unexpected_tensor(impl, tmp_path):
     path = saved(hf_model(impl), tmp_path / "ckpt")
     rewrite_tensors(path, lambda t: t.update({"model.layers.0.self_attn.q_bias": torch.zeros(64)}))
-    expect_error(impl, path, "model.layers.0.self_attn.q_bias", "model.safetensors")
+    expect_error(impl, path, "a tensor that matches no parameter is an error", "model.layers.0.self_attn.q_bias",
+                 "model.safetensors")
 
 
 def test_error_shape_mismatch(impl, tmp_path):
     path = saved(hf_model(impl), tmp_path / "ckpt")
     rewrite_config(path, lambda c: c.update(intermediate_size=200))
-    message = expect_error(impl, path, "mlp", "model.safetensors")
+    message = expect_error(impl, path, "a tensor whose shape differs from the parameter's is an error", "mlp",
+                           "model.safetensors")
     assert "192" in message and "200" in message, f"the error should give both shapes; it says: {message}"
 
 
@@ -178,29 +223,37 @@ def test_error_shape_mismatch_in_a_shard(impl, tmp_path):
     tensors = safetensors_torch.load_file(path / shard)
     tensors["model.norm.weight"] = torch.ones(65)
     safetensors_torch.save_file(tensors, path / shard, metadata={"format": "pt"})
-    expect_error(impl, path, "model.norm.weight", shard)
+    expect_error(impl, path, "a tensor whose shape differs from the parameter's is an error", "model.norm.weight",
+                 shard)
 
 
 @pytest.mark.parametrize("arch, model_type", [("LlamaForCausalLM", "llama"), ("Qwen2ForCausalLM", "qwen2")])
 def test_error_unknown_architecture(impl, tmp_path, arch, model_type):
     path = saved(hf_model(impl), tmp_path / "ckpt")
     rewrite_config(path, lambda c: c.update(architectures=[arch], model_type=model_type))
-    expect_error(impl, path, arch)
+    expect_error(impl, path, "only Qwen3 checkpoints load", arch)
 
 
 def test_error_missing_shard(impl, tmp_path):
     path = saved(hf_model(impl), tmp_path / "sharded", max_shard_size="60KB")
     victim = sorted(path.glob("model-*.safetensors"))[1]
     victim.unlink()
-    expect_error(impl, path, victim.name)
+    expect_error(impl, path, "a shard the index names must be in the directory", victim.name)
+
+
+def test_error_empty_weight_map(impl, tmp_path):
+    path = saved(hf_model(impl), tmp_path / "sharded", max_shard_size="60KB")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    expect_error(impl, path, "an index without a (non-empty) weight_map is an error", "model.safetensors.index.json")
 
 
 def test_error_no_weights_or_config(impl, tmp_path):
     path = saved(hf_model(impl), tmp_path / "ckpt")
     (path / "model.safetensors").unlink()
-    expect_error(impl, path, "model.safetensors")
+    expect_error(impl, path, "a directory without weights is an error naming the file it looked for",
+                 "model.safetensors")
     (path / "config.json").unlink()
-    expect_error(impl, path, "config.json")
+    expect_error(impl, path, "a directory without config.json is an error", "config.json")
 
 
 def test_saved_checkpoint_loads_in_transformers(impl, tmp_path):

@@ -36,6 +36,16 @@ def sample_values(dtype, seed=0):
     return torch.cat([values, powers, extras]).to(dtype)
 
 
+def grid_region(value, dtype):
+    """Which rule of the grid's spacing applies at `value`, for failure messages."""
+    info, magnitude = torch.finfo(dtype), abs(value)
+    if magnitude == 0:
+        return "at zero the spacing is the smallest one, eps * tiny"
+    if magnitude < info.tiny:
+        return "below the smallest normal number (a subnormal) the spacing stays eps * tiny"
+    return "in [2^k, 2^(k+1)) the spacing is eps * 2^k"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_ulp_is_the_grid_spacing(impl, dtype):
     x = sample_values(dtype)
@@ -46,7 +56,8 @@ def test_ulp_is_the_grid_spacing(impl, dtype):
     want = up.double() - mag.double()
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, (f"{dtype}: ulp({float(x[bad[0]])!r}) = {float(got[bad[0]])!r}, but the next "
-                              f"{dtype} number is {float(want[bad[0]])!r} away ({bad.numel()} values wrong)")
+                              f"{dtype} number is {float(want[bad[0]])!r} away ({bad.numel()} values wrong; "
+                              f"{grid_region(float(x[bad[0]]), dtype)})")
     # The same numbers asked about in another dtype's grid.
     if dtype != torch.bfloat16:
         y = x.double()
@@ -55,7 +66,8 @@ def test_ulp_is_the_grid_spacing(impl, dtype):
         exact_bf = (bf.double() == y.abs())
         spacing = torch.nextafter(bf, torch.full_like(bf, float("inf"))).double() - bf.double()
         assert torch.equal(again[exact_bf], spacing[exact_bf]), "ulp(x, dtype) must use dtype's grid"
-    assert torch.isnan(impl.numerics.ulp(torch.tensor([float("inf"), float("nan")], dtype=dtype))).all()
+    assert torch.isnan(impl.numerics.ulp(torch.tensor([float("inf"), float("nan")], dtype=dtype))).all(), (
+        "inf and nan have no spacing: ulp gives nan for them")
 
 
 def test_measure_error_statistics(impl):
@@ -64,8 +76,9 @@ def test_measure_error_statistics(impl):
     stats = impl.numerics.measure_error(approx, reference)
     a = approx.double()
     err = (a - reference).abs()
-    assert stats.max_abs == pytest.approx(float(err.max()), rel=1e-12)
-    assert stats.mean_abs == pytest.approx(float(err.mean()), rel=1e-12)
+    exact = "max_abs and mean_abs are float64 statistics of |approx - reference|, the error itself never rounded"
+    assert stats.max_abs == pytest.approx(float(err.max()), rel=1e-12), exact
+    assert stats.mean_abs == pytest.approx(float(err.mean()), rel=1e-12), exact
     nz = reference != 0
     assert stats.max_rel == pytest.approx(float((err[nz] / reference[nz].abs()).max()), rel=1e-12), \
         "max_rel must skip zero references (element 2 has reference 0)"
@@ -74,7 +87,14 @@ def test_measure_error_statistics(impl):
         "the error 0.5 at reference 0 is measured in bfloat16's smallest spacing, 2^-133"
     small = impl.numerics.measure_error(approx[:2], reference[:2])
     assert small.max_ulp == pytest.approx(1.0, rel=1e-12), "1.0078125 vs 1.0 is one bfloat16 ulp"
-    assert all(isinstance(v, float) for v in (stats.max_abs, stats.mean_abs, stats.max_rel, stats.max_ulp))
+    assert all(isinstance(v, float) for v in (stats.max_abs, stats.mean_abs, stats.max_rel, stats.max_ulp)), (
+        "ErrorStats holds plain Python floats")
+    try:
+        at_zero = impl.numerics.measure_error(approx[2:3], reference[2:3])
+    except Exception as error:
+        pytest.fail(f"measure_error with every reference zero raised {type(error).__name__}: {error}; max_rel is 0.0 "
+                    f"when every reference is zero")
+    assert at_zero.max_rel == 0.0, f"max_rel is 0.0 when every reference is zero; got {at_zero.max_rel}"
 
 
 def test_measure_error_does_not_round_the_error(impl):
@@ -132,8 +152,10 @@ def test_batch_drift_matches_an_independent_run(impl, tiny, length):
     report = impl.numerics.batch_drift(tiny, prompts)
     assert len(report) == len(prompts)
     for i, (got, want) in enumerate(zip(report, independent_drift(tiny, prompts))):
-        assert (got.max_abs, got.differing, got.argmax_flips) == want, \
-            f"prompt {i} (length {length}): batch_drift says {got}, running it here gives {want}"
+        assert (got.max_abs, got.differing, got.argmax_flips) == want, (
+            f"prompt {i} (length {length}): batch_drift says {got}, running it here gives {want} (solo = the prompt "
+            f"alone, batched = its row of the one batch of all prompts; max_abs = largest |solo - batched|, "
+            f"differing = logits whose bits differ, argmax_flips = positions whose argmax differs)")
         assert got.argmax_flips == 0, f"prompt {i}: batching flipped a greedy choice of the tiny model"
 
 

@@ -128,8 +128,26 @@ def test_planted_divergence_found_at_the_right_token(impl, model, device):
     assert (d.prompt_index, d.step, d.expected, d.got) == (1, where, good[where], bad[where]), (
         f"harness reports prompt {d.prompt_index}, step {d.step}, expected {d.expected}, got {d.got}; "
         f"transformers' generate parts at prompt 1, step {where}: {good[where]} vs {bad[where]}")
-    assert d.context == prompt + good[:where], f"context {d.context}, expected {prompt + good[:where]}"
-    assert d.margin_a > 0 and d.margin_b > 0, f"each model prefers its own token: margins {d.margin_a}, {d.margin_b}"
+    assert d.context == prompt + good[:where], (f"context {d.context}, expected {prompt + good[:where]}: the prompt "
+                                                f"plus the tokens both agreed on, before the step where they part")
+    assert d.margin_a > 0 and d.margin_b > 0, (f"each model prefers its own token: margin_a = a's logit of expected "
+                                               f"minus got, margin_b = b's logit of got minus expected; got margins "
+                                               f"{d.margin_a}, {d.margin_b}")
+
+
+def test_an_output_that_stops_early_is_an_error(impl, model):
+    """A shorter output is a different stopping rule, not a numerical divergence."""
+    try:
+        impl.parity.greedy_parity(model, model, [[1, 2, 3]], 4, generate_a=lambda *_: [7, 8, 9, 10],
+                                  generate_b=lambda *_: [7, 8])
+    except ValueError as error:
+        assert "prompt 0" in str(error), f"the ValueError should name the prompt ('prompt 0'); it says: {error}"
+        return
+    except Exception as error:
+        pytest.fail(f"one output stopping before the other must raise ValueError naming the prompt (a different "
+                    f"stopping rule is not a divergence); got {type(error).__name__}: {error}")
+    pytest.fail("one output stopping before the other must raise ValueError naming the prompt (a different "
+                "stopping rule is not a divergence); greedy_parity returned")
 
 
 def test_planted_divergence_in_the_logits(impl, model):
@@ -142,5 +160,19 @@ def test_planted_divergence_in_the_logits(impl, model):
     assert min(report.per_position[0][4:]) > 1e-3, "positions from the token on must differ"
     assert report.first_position_over(1e-6) == [4, None, 0]
     worst_prompt, worst_pos = report.worst
-    assert report.per_position[worst_prompt][worst_pos] == report.max_abs
-    assert 0 < report.argmax_agreement < 1
+    assert worst_prompt < len(prompts) and worst_pos < len(prompts[worst_prompt]), (
+        f"worst is (prompt index, position) of the largest difference; got {report.worst}")
+    assert report.per_position[worst_prompt][worst_pos] == report.max_abs, (
+        f"worst is (prompt index, position) of the largest difference; got {report.worst}")
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        pairs = [(model(torch.tensor([p], device=device))[0].double().cpu(),
+                  broken(torch.tensor([p], device=device))[0].double().cpu()) for p in prompts]
+    differences = torch.cat([(a - b).abs().flatten() for a, b in pairs])
+    assert report.mean_abs == pytest.approx(float(differences.mean()), rel=1e-9), (
+        f"mean_abs weighs every logit of every prompt equally (a long prompt counts more): expected "
+        f"{float(differences.mean()):.6g}, got {report.mean_abs:.6g}")
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in pairs) / sum(len(p) for p in prompts)
+    assert report.argmax_agreement == pytest.approx(agree), (
+        f"argmax_agreement is the fraction of all positions, over all prompts, whose argmaxes agree: expected "
+        f"{agree:.4g}, got {report.argmax_agreement:.4g}")

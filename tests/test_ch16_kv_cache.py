@@ -91,10 +91,12 @@ def test_cache_memory_is_the_formula(impl, dtype):
 def test_cached_logits_equal_full_recompute(impl, tiny_model, ref_model, device):
     ids = prompt_ids(23, seed=1)
     cache = impl.kv_cache.KVCache.for_model(tiny_model, 1, 40)
-    step_logits = []
+    step_logits, fed = [], 0
     for chunk in (ids[:9], ids[9:10], ids[10:]):            # a prefill in three uneven pieces
         step_logits.append(tiny_model(torch.tensor([chunk], device=device), cache=cache)[0])
-    assert cache.length == 23, f"three calls fed 23 tokens; cache.length is {cache.length}"
+        fed += len(chunk)
+        assert cache.length == fed, (f"the calls so far fed {fed} tokens; cache.length is {cache.length} (a forward "
+                                     f"pass advances the cache once, by the tokens it fed, after the last layer)")
     full = ref_model(torch.tensor([ids], device=device))[0]
     torch.testing.assert_close(torch.cat(step_logits), full, atol=1e-4, rtol=1e-4,
                                msg="logits of a prefill fed in chunks through the cache differ from one full pass")

@@ -15,6 +15,19 @@ MISTAKES = [
     Mistake("layers.py", "rms_norm",
             before="torch.rsqrt(variance + eps)).to(x.dtype)",
             after="torch.rsqrt(variance + eps))",
-            rule="the output has the input's dtype: the normalised x is cast back before the weight multiplies it",
-            expect="output"),
+            rule="the output has the input's dtype",
+            expect="bfloat16 output"),
+    Mistake("layers.py", "rms_norm",
+            before="""    normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+    return weight * normed""",
+            after="""    normed = x.float() * torch.rsqrt(variance + eps)
+    return (weight * normed).to(x.dtype)""",
+            rule="the normalised x is cast back to the input dtype before the weight multiplies it, as Qwen3 does",
+            expect="only then multiply",
+            tests=("tests/test_ch04_rmsnorm.py::test_16_bit_rounding_matches_qwen3",)),
+    Mistake("layers.py", "rms_norm",
+            before="mean(dim=-1, keepdim=True)",
+            after="mean(dim=0, keepdim=True)",
+            rule="the statistic is taken over the last axis (each token's channels), not over the tokens",
+            expect="differs from torch.nn.RMSNorm"),
 ]
