@@ -12,7 +12,9 @@ the UTF-8 byte sequences of its code points.
 
 The subset: literals; escapes (\\n \\t \\r \\f \\v \\xHH \\uHHHH \\UHHHHHHHH and escaped
 metacharacters); classes [a-z], [^...]; \\d \\w \\s and their negations with their ASCII
-meaning (Python's re.ASCII); "." (any character but newline); groups (...) and (?:...);
+meaning (Python's re.ASCII), or ECMA-262's with ecma=True (JSON Schema's "pattern": its
+\\s adds NBSP, the BOM and Unicode's spaces, and its "." excludes every line terminator);
+"." (any character but newline); groups (...) and (?:...);
 alternation |; the quantifiers * + ? {m} {m,} {m,n} {,n}. The whole text must match
 (re.fullmatch), so anchors are refused, as are backreferences, lookarounds and lazy
 quantifiers (which cannot change what fullmatch accepts, and which we refuse rather
@@ -78,6 +80,12 @@ SPACE = _normalise([(ord(c), ord(c)) for c in " \t\n\r\f\v"])
 ANY_BUT_NEWLINE = complement(_normalise([(10, 10)]))
 CLASS_ESCAPES = {"d": DIGITS, "D": complement(DIGITS), "w": WORD, "W": complement(WORD),
                  "s": SPACE, "S": complement(SPACE)}
+# ECMA-262's WhiteSpace and LineTerminator code points, which its \s matches (ES2024 22.2.2.9).
+ECMA_SPACE = _normalise([(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+                         (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
+                         (0xFEFF, 0xFEFF)])
+ECMA_CLASS_ESCAPES = {**CLASS_ESCAPES, "s": ECMA_SPACE, "S": complement(ECMA_SPACE)}
+ECMA_ANY = complement(_normalise([(10, 10), (13, 13), (0x2028, 0x2029)]))
 CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 METACHARACTERS = set(".^$*+?{}[]\\|()")
@@ -117,8 +125,10 @@ Node = Chars | Concat | Alt | Repeat
 class _Parser:
     """Recursive descent over the pattern: alternation > concatenation > quantified atom."""
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, ecma: bool) -> None:
         self.pattern = pattern
+        self.classes = ECMA_CLASS_ESCAPES if ecma else CLASS_ESCAPES
+        self.any = ECMA_ANY if ecma else ANY_BUT_NEWLINE
         self.pos = 0
         self.depth = 0                                  # groups open at self.pos
 
@@ -214,7 +224,7 @@ class _Parser:
             return Chars(self.char_class())
         self.pos += 1
         if char == ".":
-            return Chars(ANY_BUT_NEWLINE)
+            return Chars(self.any)
         if char == "\\":
             return Chars(self.escape())
         return Chars(_normalise([(ord(char), ord(char))]))
@@ -225,8 +235,8 @@ class _Parser:
             raise self.fail("bad escape (end of pattern)")
         char = self.pattern[self.pos]
         self.pos += 1
-        if char in CLASS_ESCAPES:
-            return CLASS_ESCAPES[char]
+        if char in self.classes:
+            return self.classes[char]
         if char in CONTROL_ESCAPES:
             return _normalise([(ord(CONTROL_ESCAPES[char]),) * 2])
         if char in HEX_ESCAPES:
@@ -282,11 +292,12 @@ class _Parser:
         return _normalise([(ord(char), ord(char))])
 
 
-def parse_regex(pattern: str) -> Node:
-    """The syntax tree of `pattern`; ValueError naming the position and the rule it breaks."""
+def parse_regex(pattern: str, ecma: bool = False) -> Node:
+    """The syntax tree of `pattern` (ecma: its classes and "." as ECMA-262 reads them);
+    ValueError naming the position and the rule it breaks."""
     if not isinstance(pattern, str):
         raise ValueError(f"a regex is a str, got {type(pattern).__name__}")
-    return _Parser(pattern).parse()
+    return _Parser(pattern, ecma).parse()
 
 
 # --- characters to UTF-8 byte ranges ----------------------------------------------------------
@@ -628,6 +639,56 @@ def minimize(dfa: DFA) -> DFA:
 def compile_nfa(nfa: NFA) -> DFA:
     """The trimmed, minimal DFA of an NFA."""
     return minimize(trim(determinize(nfa)))
+
+
+def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
+    """The product automaton of `a` and `b`: it accepts the strings for which keep(a accepts,
+    b accepts) holds (and: intersection; a and not b: difference). A missing move counts as a
+    move to a rejecting sink, so a difference keeps the strings b never reads to the end.
+    Trimmed and minimal; None when it accepts nothing. ValueError past MAX_DFA_STATES."""
+    sink_a, sink_b = a.num_states, b.num_states              # each side's sink: its row is all sinks
+    moves_a = np.vstack([np.where(a.transitions >= 0, a.transitions, sink_a), np.full((1, 256), sink_a)])
+    moves_b = np.vstack([np.where(b.transitions >= 0, b.transitions, sink_b), np.full((1, 256), sink_b)])
+    accepts_a = np.append(a.accepting, False)
+    accepts_b = np.append(b.accepting, False)
+    width = sink_b + 1
+    number = {a.start * width + b.start: 0}
+    order = [a.start * width + b.start]
+    rows: list[np.ndarray] = []
+    while len(rows) < len(order):
+        pair = order[len(rows)]
+        codes = moves_a[pair // width].astype(np.int64) * width + moves_b[pair % width]
+        row = np.empty(256, dtype=np.int32)
+        for code in np.unique(codes).tolist():
+            if code not in number:
+                if len(order) >= MAX_DFA_STATES:
+                    raise ValueError(f"combining two automata needs more than MAX_DFA_STATES={MAX_DFA_STATES} states")
+                number[code] = len(order)
+                order.append(code)
+            row[codes == code] = number[code]
+        rows.append(row)
+    pairs = np.array(order, dtype=np.int64)
+    accepting = np.array([keep(bool(x), bool(y)) for x, y in zip(accepts_a[pairs // width], accepts_b[pairs % width])])
+    if not accepting.any():
+        return None
+    return minimize(trim(DFA(np.stack(rows), accepting, 0)))
+
+
+def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:
+    """Add a DFA's states to `nfa` as a fragment (start, end) that reads its language: the
+    way a compiled piece (a difference, a product) joins a larger automaton."""
+    states = [nfa.new_state() for _ in range(dfa.num_states)]
+    end = nfa.new_state()
+    for state, row in enumerate(dfa.transitions.tolist()):
+        low = 0
+        for byte in range(1, 257):                      # one edge per run of bytes with one target
+            if byte == 256 or row[byte] != row[low]:
+                if row[low] >= 0:
+                    nfa.edges[states[state]].append((low, byte - 1, states[row[low]]))
+                low = byte
+        if dfa.accepting[state]:
+            nfa.link(states[state], end)
+    return states[dfa.start], end
 
 
 def compile_regex(pattern: str) -> DFA:
