@@ -44,7 +44,7 @@ import json
 import math
 from collections.abc import Callable
 from decimal import Decimal
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 from urllib.parse import unquote
 
@@ -416,15 +416,13 @@ class _SchemaCompiler:
         self.nfa = NFA()
         self.separator = parse_regex("," + whitespace)
         self.colon = parse_regex(":" + whitespace)
-        self.nodes: dict[str, Node] = {}
         self.resources = 0              # sub-schemas with their own $id around the one being built
 
     # --- small pieces ---
     def pattern(self, text: str) -> Fragment:
-        node = self.nodes.get(text)
-        if node is None:
-            node = self.nodes[text] = parse_regex(text)
-        return add_fragment(self.nfa, node)
+        """A fragment for a regex: its minimal DFA's states (compiled once per text, and far
+        fewer than the Thompson construction's, which keeps determinising the whole fast)."""
+        return add_dfa(self.nfa, _pattern_automaton(text))
 
     def nothing(self) -> Fragment:
         """A fragment that accepts no string: the place of a value that cannot be written."""
@@ -528,7 +526,7 @@ class _SchemaCompiler:
         if depth > MAX_NESTING:
             raise ValueError(f"schema at {where}: nested more than MAX_NESTING={MAX_NESTING} levels")
         if schema is True:
-            return self.free(FREE_DEPTH)
+            return add_dfa(self.nfa, self.free_automaton())
         if schema is False:
             return self.nothing()
         identifier = schema.get("$id", schema.get("id") if self.draft == 4 else None) if isinstance(schema,
@@ -675,15 +673,17 @@ class _SchemaCompiler:
         return result
 
     def conditional(self, rest: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
-        """if/then/else as the union of two schemas that each imply it: the rest with if and
-        then, and the rest with then and else (which holds whichever way if goes); the
-        second alone when else is absent (it contains the first)."""
+        """if/then/else as the union of the schemas that each imply it, those that compile:
+        the rest with if and then, with "not if" and else, and with then and else (which
+        holds whichever way if goes). Without else, then alone contains if-and-then."""
         others = {k: v for k, v in rest.items() if k not in ("if", "then", "else")}
         condition, then, otherwise = rest.get("if", True), rest.get("then", True), rest.get("else", True)
         if isinstance(condition, bool):                # decided without a value
             branches = [[then if condition else otherwise]]
+        elif otherwise is True:
+            branches = [[then], [{"not": condition}]]
         else:
-            branches = [[then, otherwise]] if otherwise is True else [[condition, then], [then, otherwise]]
+            branches = [[condition, then], [{"not": condition}, otherwise], [then, otherwise]]
         fragments, errors = [], []
         for parts in branches:
             parts = [part for part in parts if part is not True]
@@ -806,6 +806,8 @@ class _SchemaCompiler:
             # not all of the names present: one of them absent (listed with the schema false)
             return self.nfa.choice([self.value({**others, "properties": {**properties, name: False}},
                                                where, depth + 1, refs) for name in negated["required"]])
+        if set(negated) <= {"properties", "required", "type"} and negated.get("type", "object") == "object":
+            return self.not_object(negated, others, where, depth, refs)
         if set(negated) <= {"enum", "const"}:
             values = list(negated.get("enum", [])) + ([negated["const"]] if "const" in negated else [])
             kept = self.sub_dfa(others, where, depth + 1, refs)
@@ -816,6 +818,29 @@ class _SchemaCompiler:
             return add_dfa(self.nfa, difference) if difference is not None else self.nothing()
         raise ValueError(f"schema at {where}: keyword 'not' is supported around type, enum, const or required "
                          f"only (the complement of {sorted(negated)[0]!r} is not computed)")
+
+    def not_object(self, negated: dict[str, Any], others: dict[str, Any], where: str, depth: int,
+                   refs: tuple[str, ...]) -> Fragment:
+        """Objects that fail an object schema of properties and required: one required name
+        absent, or one listed property present with a value its schema refuses (each way
+        that compiles; a non-object satisfies such a schema, so none is written)."""
+        properties, required = negated.get("properties", {}), negated.get("required", [])
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            raise ValueError(f"schema at {where}.not: properties must be an object and required a list")
+        own = others.get("properties", {})
+        ways = [{**others, "type": "object", "not": {"required": [name]}} for name in required]
+        ways += [{**others, "type": "object", "required": list(others.get("required", [])) + [name],
+                  "properties": {**own, name: {"allOf": [own.get(name, True), {"not": sub}]}}}
+                 for name, sub in properties.items()]
+        fragments, errors = [], []
+        for way in ways:
+            try:
+                fragments.append(self.value(way, where, depth + 1, refs))
+            except ValueError as error:
+                errors.append(error)
+        if not fragments:
+            raise errors[0] if errors else ValueError(f"schema at {where}: no object fails the schema under 'not'")
+        return self.nfa.choice(fragments)
 
     def choices(self, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
         if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
@@ -972,9 +997,7 @@ class _SchemaCompiler:
         elif "pattern" in schema:
             body = self.search(schema["pattern"], where)
         else:
-            character = self.nodes.get(STRING_CHARACTER) or parse_regex(STRING_CHARACTER)
-            self.nodes[STRING_CHARACTER] = character
-            body = add_repeat(self.nfa, lambda: add_fragment(self.nfa, character), low, high)
+            body = add_repeat(self.nfa, lambda: self.pattern(STRING_CHARACTER), low, high)
         return self.nfa.chain([quote, body, self.pattern('"')])
 
     def search(self, pattern: Any, where: str, raw_only: bool = False) -> Fragment:
@@ -1183,8 +1206,16 @@ class _SchemaCompiler:
         high = self.count(schema, "maxProperties", where)
         counted = "minProperties" in schema or "maxProperties" in schema
         if counted and groups:
-            raise ValueError(f"schema at {where}: minProperties/maxProperties with extra keys are not supported "
-                             f"(list the properties and set additionalProperties false)")
+            if high is not None or low > 1:
+                raise ValueError(f"schema at {where}: minProperties above 1 or maxProperties with extra keys are "
+                                 f"not supported (list the properties and set additionalProperties false)")
+            if low == 1:                          # at least one member: any object but {}
+                uncounted = {k: v for k, v in schema.items() if k not in ("minProperties", "maxProperties")}
+                whole = self.sub_dfa(uncounted, where, depth, refs)
+                empty = compile_regex(r"\{\}")
+                left = None if whole is None else combine(whole, empty, lambda a, b: a and not b)
+                return self.nothing() if left is None else add_dfa(self.nfa, left)
+            counted = False
         nfa = self.nfa
         opening, closing = self.pattern(r"\{"), self.pattern(r"\}")
         # state[k]: after the properties considered so far, k of them written (counting only
@@ -1308,6 +1339,15 @@ class _SchemaCompiler:
         nfa.link(opening[1], node(""))
         return opening[0], end
 
+    def free_automaton(self) -> DFA:
+        """The minimal DFA of free(FREE_DEPTH), built once per whitespace rule."""
+        automaton = _FREE_AUTOMATA.get(self.whitespace)
+        if automaton is None:
+            compiler = _SchemaCompiler(True, self.whitespace, self.strict, self.draft)
+            compiler.nfa.start, compiler.nfa.accept = compiler.free(FREE_DEPTH)
+            automaton = _FREE_AUTOMATA[self.whitespace] = compile_nfa(compiler.nfa)
+        return automaton
+
     def free(self, depth: int) -> Fragment:
         """Any JSON value nested at most `depth` containers deep."""
         scalars = [self.pattern('"' + STRING_CHARACTER + '*"'), self.pattern(NUMBER),
@@ -1325,6 +1365,14 @@ class _SchemaCompiler:
         members = add_repeat(self.nfa, member, 0, None, lambda: add_fragment(self.nfa, self.separator))
         obj = self.nfa.chain([self.pattern(r"\{"), members, self.pattern(r"\}")])
         return self.nfa.choice(scalars + [array, obj])
+
+
+_FREE_AUTOMATA: dict[str, DFA] = {}
+
+
+@lru_cache(maxsize=4096)
+def _pattern_automaton(text: str) -> DFA:
+    return compile_regex(text)
 
 
 def _is_key(key: DFA | None, name: str) -> bool:
@@ -1370,7 +1418,8 @@ def _load(schema: Any) -> Any:
 
 def draft_of(schema: Any) -> int:
     """The draft a schema names in "$schema" (4, 6, 7, 2019, 2020); LATEST_DRAFT when it
-    names none. ValueError for draft-03 and for a name this compiler does not know."""
+    names none, or a meta-schema that is not a draft (Snowplow's, say), as validators read
+    it. ValueError for draft-03."""
     name = schema.get("$schema") if isinstance(schema, dict) else None
     if name is None:
         return LATEST_DRAFT
@@ -1379,8 +1428,7 @@ def draft_of(schema: Any) -> int:
     for marker, draft in DRAFTS.items():
         if isinstance(name, str) and marker in name:
             return draft
-    raise ValueError(f"$schema {_shown(name)} names no JSON Schema draft this compiler knows "
-                     f"({', '.join(DRAFTS)})")
+    return LATEST_DRAFT
 
 
 def schema_to_nfa(schema: Any, whitespace: str = OPTIONAL_SPACE, strict: bool = True) -> NFA:

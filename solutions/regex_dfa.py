@@ -12,8 +12,9 @@ the UTF-8 byte sequences of its code points.
 
 The subset: literals; escapes (\\n \\t \\r \\f \\v \\xHH \\uHHHH \\UHHHHHHHH and escaped
 metacharacters); classes [a-z], [^...]; \\d \\w \\s and their negations with their ASCII
-meaning (Python's re.ASCII), or ECMA-262's with ecma=True (JSON Schema's "pattern": its
-\\s adds NBSP, the BOM and Unicode's spaces, and its "." excludes every line terminator);
+meaning (Python's re.ASCII), or with ecma=True those of JSON Schema's "pattern", which
+validators read with ECMA-262's or with Python's engine: a class is cut to the characters
+both engines agree on (see ecma_class_escapes), and "." excludes every line terminator;
 "." (any character but newline); groups (...) and (?:...);
 alternation |; the quantifiers * + ? {m} {m,} {m,n} {,n}. The whole text must match
 (re.fullmatch), so anchors are refused, as are backreferences, lookarounds and lazy
@@ -25,6 +26,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -80,11 +82,50 @@ SPACE = _normalise([(ord(c), ord(c)) for c in " \t\n\r\f\v"])
 ANY_BUT_NEWLINE = complement(_normalise([(10, 10)]))
 CLASS_ESCAPES = {"d": DIGITS, "D": complement(DIGITS), "w": WORD, "W": complement(WORD),
                  "s": SPACE, "S": complement(SPACE)}
-# ECMA-262's WhiteSpace and LineTerminator code points, which its \s matches (ES2024 22.2.2.9).
+# ECMA-262's WhiteSpace and LineTerminator code points, which its \\s matches (ES2024 22.2.2.9),
+# and those of Python's re (which validators written in Python use): \\s is written only as
+# a character both call a space, \\S, \\D and \\W only as one neither calls a space, a
+# digit or a word character, so that what is written matches under either engine.
 ECMA_SPACE = _normalise([(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
                          (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
                          (0xFEFF, 0xFEFF)])
-ECMA_CLASS_ESCAPES = {**CLASS_ESCAPES, "s": ECMA_SPACE, "S": complement(ECMA_SPACE)}
+PYTHON_SPACE = _normalise([(code, code) for code in range(0x3001) if chr(code).isspace()])
+
+
+@lru_cache(maxsize=None)
+def _unicode_class(name: str) -> CharSet:
+    """The code points Python's re counts as digits ("d") or word characters ("w"), as
+    intervals: a scan of every code point, made once, on first use (a fraction of a second)."""
+    test = str.isdecimal if name == "d" else (lambda char: char.isalnum() or char == "_")
+    runs: list[tuple[int, int]] = []
+    start = -1
+    for code in range(MAX_CODE_POINT + 2):
+        inside = code <= MAX_CODE_POINT and not SURROGATES[0] <= code <= SURROGATES[1] and test(chr(code))
+        if inside and start < 0:
+            start = code
+        elif not inside and start >= 0:
+            runs.append((start, code - 1))
+            start = -1
+    return _normalise(runs)
+
+
+class _EcmaClasses(dict):
+    """The class escapes of a JSON Schema pattern; \\D and \\W are computed when first asked."""
+
+    def __missing__(self, key: str) -> CharSet:
+        if key not in "DW":
+            raise KeyError(key)
+        value = self[key] = complement(_normalise(CLASS_ESCAPES[key.lower()] + _unicode_class(key.lower())))
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return key in ("d", "w", "s", "S", "D", "W")
+
+
+ECMA_CLASS_ESCAPES = _EcmaClasses(d=DIGITS, w=WORD, s=intersection(ECMA_SPACE, PYTHON_SPACE),
+                                  S=complement(_normalise(ECMA_SPACE + PYTHON_SPACE)))
+
+
 ECMA_ANY = complement(_normalise([(10, 10), (13, 13), (0x2028, 0x2029)]))
 CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
