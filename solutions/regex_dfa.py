@@ -620,12 +620,56 @@ def trim(dfa: DFA) -> DFA:
     return renumbered(dfa, order, np.where(alive, np.arange(dfa.num_states), -1))
 
 
+MOORE_ROUNDS = 48                      # vectorised refinement rounds tried before Hopcroft's
+
+
+def _moore_rounds(columns: np.ndarray, accepting: np.ndarray, rounds: int) -> np.ndarray | None:
+    """Moore's refinement in numpy: every round splits each block by the blocks its states
+    move to on every class, all at once. The block of each state once no block splits, or
+    None when `rounds` rounds were not enough (a long chain: Hopcroft's order is then used)."""
+    block = _row_classes(np.concatenate([accepting[:, None], columns >= 0], axis=1).astype(np.int64))
+    count = int(block.max()) + 1
+    for _ in range(rounds):
+        moved = np.where(columns >= 0, block[np.maximum(columns, 0)], -1)
+        block = _row_classes(np.concatenate([block[:, None], moved], axis=1))
+        if int(block.max()) + 1 == count:
+            return block
+        count = int(block.max()) + 1
+    return None
+
+
+def _row_classes(rows: np.ndarray) -> np.ndarray:
+    """A number per row, equal for equal rows (0, 1, ... in sorted order of the rows)."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    starts = np.concatenate([[0], np.any(ordered[1:] != ordered[:-1], axis=1)]).cumsum()
+    numbers = np.empty(len(rows), dtype=np.int64)
+    numbers[order] = starts
+    return numbers
+
+
 def minimize(dfa: DFA) -> DFA:
-    """The smallest DFA for the same language (Hopcroft's partition refinement, O(C E log S)
-    for S states, C byte classes and E moves): states that accept alike, have moves on the
-    same bytes and move to the same blocks on every byte merge. Expects a trimmed DFA (so a
-    -1 move and a move into a live state always differ)."""
+    """The smallest DFA for the same language: states that accept alike, have moves on the
+    same bytes and move to the same blocks on every byte merge. Partition refinement: up to
+    MOORE_ROUNDS rounds of Moore's (each vectorised), which settle the automata of schemas;
+    when they do not, Hopcroft's (O(C E log S) for S states, C byte classes and E moves).
+    Expects a trimmed DFA (so a -1 move and a move into a live state always differ)."""
     columns = distinct_columns(dfa.transitions)
+    settled = _moore_rounds(columns, dfa.accepting, MOORE_ROUNDS)
+    dense = settled if settled is not None else _hopcroft(dfa, columns)
+    # One representative per block, in breadth-first order from the start's block.
+    first_of_block = np.full(int(dense.max()) + 1, -1, dtype=np.int64)
+    first_of_block[dense[::-1]] = np.arange(dfa.num_states)[::-1]
+    is_first = np.zeros(dfa.num_states, dtype=bool)
+    is_first[first_of_block] = True
+    representative = first_of_block[dense]           # every state -> its block's first state
+    reduced = np.where(columns >= 0, representative[np.maximum(columns, 0)], -1)
+    order = breadth_first(reduced, int(representative[dfa.start]), is_first)
+    return renumbered(dfa, order, representative)
+
+
+def _hopcroft(dfa: DFA, columns: np.ndarray) -> np.ndarray:
+    """Each state's block (numbered densely) by Hopcroft's partition refinement."""
     size, num_classes = columns.shape
     # inverse[c]: the states sorted by their target on class c, and where each target's run
     # starts (the -1 moves sort first and are never looked up).
@@ -665,16 +709,7 @@ def minimize(dfa: DFA) -> DFA:
                     pending.add((new, k))
                 else:
                     pending.add((new if len(part) <= len(blocks[block]) else block, k))
-    _, dense = np.unique(np.array(block_of, dtype=np.int64), return_inverse=True)
-    # One representative per block, in breadth-first order from the start's block.
-    first_of_block = np.full(int(dense.max()) + 1, -1, dtype=np.int64)
-    first_of_block[dense[::-1]] = np.arange(dfa.num_states)[::-1]
-    is_first = np.zeros(dfa.num_states, dtype=bool)
-    is_first[first_of_block] = True
-    representative = first_of_block[dense]           # every state -> its block's first state
-    reduced = np.where(columns >= 0, representative[np.maximum(columns, 0)], -1)
-    order = breadth_first(reduced, int(representative[dfa.start]), is_first)
-    return renumbered(dfa, order, representative)
+    return np.unique(np.array(block_of, dtype=np.int64), return_inverse=True)[1].reshape(-1)
 
 
 def compile_nfa(nfa: NFA) -> DFA:

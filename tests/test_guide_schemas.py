@@ -298,3 +298,37 @@ def test_the_test_suite_is_never_accepted_wrong(json_regex, name):
     assert compiled >= SUITE_REACHED[name][0] and accepted >= SUITE_REACHED[name][1], (
         f"{name}.json: {compiled} schemas compiled and {accepted} valid instances accepted, fewer than the "
         f"{SUITE_REACHED[name]} reached before")
+
+
+# --- a corpus of schemas like those clients send (tests/data/schema_corpus, made by make_corpus.py) ---
+
+CORPUS = json.loads((pathlib.Path(__file__).parent / "data" / "schema_corpus" / "corpus.json").read_text("utf-8"))
+CORPUS_FAST = CORPUS[::10]                 # 30 schemas, every kind; --stress takes all 300
+
+
+def pytest_generate_tests(metafunc):
+    if "corpus_entry" in metafunc.fixturenames:
+        entries = CORPUS if metafunc.config.getoption("stress") else CORPUS_FAST
+        metafunc.parametrize("corpus_entry", entries, ids=[entry["name"] for entry in entries])
+
+
+def test_the_corpus_compiles_and_its_automata_are_sound(json_regex, corpus_entry, request):
+    """Every corpus schema compiles; its automaton accepts every valid instance (written in
+    the schema's property order, as json.dumps writes it and compactly), refuses every
+    invalid one, and every document its random walks spell validates under the schema's own
+    draft (jsonschema, formats checked)."""
+    schema, name = corpus_entry["schema"], corpus_entry["name"]
+    dfa = json_regex.compile_schema(schema)
+    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator = validator_class(schema, format_checker=validator_class.FORMAT_CHECKER)
+    for instance in corpus_entry["valid"]:
+        for text in (json.dumps(instance), json.dumps(instance, separators=(",", ":"), ensure_ascii=False)):
+            assert dfa.fullmatch(text.encode("utf-8")), f"{name}: the automaton refuses {text}, which is valid"
+    for instance in corpus_entry["invalid"]:
+        for text in (json.dumps(instance), json.dumps(instance, separators=(",", ":"), ensure_ascii=False)):
+            assert not dfa.fullmatch(text.encode("utf-8")), f"{name}: the automaton accepts {text}, which is invalid"
+    count = 400 if request.config.getoption("stress") else 40
+    for text in walks(dfa, count, seed=len(name), max_bytes=400):
+        document = json.loads(text)
+        errors = [error.message for error in validator.iter_errors(document)]
+        assert not errors, f"{name}: the automaton accepts {text!r}, which the schema refuses: {errors[0]}"

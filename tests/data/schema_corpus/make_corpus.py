@@ -213,7 +213,8 @@ def workflow(rng):
     ok_step = {"name": "build", "run": "make"}
     job_ok = {"runs-on": "ubuntu-latest", "steps": [ok_step]}
     valid = [{"on": events[0], "jobs": {"build": job_ok}},
-             {"name": "ci", "on": events[:2], "jobs": {"test": {"runs-on": "macos-latest", "timeout-minutes": 30, "steps": [ok_step]}}}]
+             {"name": "ci", "on": events[:2],          # properties in the schema's order
+              "jobs": {"test": {"runs-on": "macos-latest", "timeout-minutes": 30, "steps": [ok_step]}}}]
     invalid = [{"on": "nope", "jobs": {"build": job_ok}}, {"on": events[0], "jobs": {"1bad": job_ok}},
                {"on": events[0], "jobs": {"build": {"runs-on": "ubuntu-latest", "steps": []}}},
                {"on": [events[0], events[0]], "jobs": {"b": job_ok}}]
@@ -287,7 +288,8 @@ def config(rng):
     invalid = [{"root": "yes"}, {"rules": {"semi": "loud"}}, {"plugins": ["react", "react"]}, {"ratio": 0},
                {"unknown": 1}]
     if draft == DRAFT_2020:
-        schema[defs]["rule"]["oneOf"][1] = {"type": "array", "minItems": 1, "prefixItems": [{"$ref": f"#/{defs}/level"}]}
+        schema[defs]["rule"]["oneOf"][1] = {"type": "array", "minItems": 1,
+                                            "prefixItems": [{"$ref": f"#/{defs}/level"}]}
         valid.append({"rules": {"quotes": ["error", "double"]}})
     else:
         valid.append({"rules": {"quotes": ["error", {"avoidEscape": True}]}})
