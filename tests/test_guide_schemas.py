@@ -332,3 +332,16 @@ def test_the_corpus_compiles_and_its_automata_are_sound(json_regex, corpus_entry
         document = json.loads(text)
         errors = [error.message for error in validator.iter_errors(document)]
         assert not errors, f"{name}: the automaton accepts {text!r}, which the schema refuses: {errors[0]}"
+
+
+def test_a_missing_additional_properties_is_strict_unless_asked(json_regex):
+    """By default an object schema that lists properties gets no other key (what a model
+    should write); strict=False is JSON Schema's rule (any other key, any value)."""
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    extra = b'{"age": 4, "x": [1, {"y": null}]}'
+    assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(extra)), "table error"
+    assert not json_regex.compile_schema(schema).fullmatch(extra), (
+        "the default (strict) must refuse a key the schema does not list")
+    open_rule = json_regex.compile_schema(schema, strict=False)
+    assert open_rule.fullmatch(extra), "strict=False must accept extra keys, as JSON Schema does"
+    assert not open_rule.fullmatch(b'{"age": 4, "age": 5}'), "an extra key must differ from the listed names"

@@ -93,6 +93,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never to complete (Chapter 34)
     guided_regex: str | None = None        # Chapter 35
     guided_json: object = None             # Chapter 35
+    guided_json_strict: bool = True        # a missing additionalProperties forbids extra keys (Chapter 35)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
@@ -145,6 +146,8 @@ class SamplingParams:
                f"bad_words_token_ids must be non-empty token sequences, got {self.bad_words_token_ids}")
         _check(self.guided_regex is None or self.guided_json is None,
                "give guided_regex or guided_json, not both")
+        _check(isinstance(self.guided_json_strict, bool),
+               f"guided_json_strict must be True or False, got {self.guided_json_strict!r}")
         return self
 
     @property
