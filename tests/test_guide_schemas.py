@@ -177,10 +177,10 @@ def test_instances_drawn_from_the_schema_are_accepted(json_regex, name):
 
 @pytest.mark.parametrize("schema, words", [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
-    ({"not": {"type": "object", "properties": {"a": {"type": "null"}}}}, "'not'.*complement"),
+    ({"not": {"type": "array", "items": {"type": "null"}}}, "'not'.*complement"),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
     ({"type": "array", "items": {"type": "integer"}, "contains": {"type": "null"}, "minContains": 2}, "minContains"),
-    ({"if": {"type": "string"}, "then": {"uniqueItems": True, "type": "array", "items": {}}}, "uniqueItems"),
+    ({"type": "array", "contains": {"type": "null"}, "maxContains": 2}, "maxContains"),
     ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}, r"\$\.properties\.a.*local"),
     ({"$ref": "#/$defs/missing"}, "points at nothing"),
     ({"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False}, "'a'"),
@@ -260,7 +260,7 @@ SUITE_REACHED = {
     "draft2020-12/maxProperties": (0, 0), "draft2020-12/maximum": (2, 6), "draft2020-12/minContains": (3, 7),
     "draft2020-12/minItems": (2, 4), "draft2020-12/minLength": (2, 4), "draft2020-12/minProperties": (0, 0),
     "draft2020-12/minimum": (2, 8), "draft2020-12/multipleOf": (1, 2), "draft2020-12/not": (2, 9),
-    "draft2020-12/oneOf": (2, 2), "draft2020-12/optional/ecmascript-regex": (13, 18), "draft2020-12/pattern": (2, 8),
+    "draft2020-12/oneOf": (2, 2), "draft2020-12/optional/ecmascript-regex": (13, 14), "draft2020-12/pattern": (2, 8),
     "draft2020-12/patternProperties": (5, 9), "draft2020-12/prefixItems": (4, 9), "draft2020-12/properties": (6, 15),
     "draft2020-12/propertyNames": (6, 17), "draft2020-12/ref": (19, 22), "draft2020-12/required": (5, 12),
     "draft2020-12/type": (11, 20), "draft2020-12/uniqueItems": (3, 25), "draft4/additionalItems": (8, 12),

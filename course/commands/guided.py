@@ -99,7 +99,7 @@ def measure(guided, request, name, vocab_bytes, eos, grammar, fields, args):
         index.mask(index.dfa.start)
         first_mask_s.append(time.perf_counter() - start)
     rng = random.Random(args.seed)
-    cold_s = walk_steps(factory, params, eos, rng, args.walks)
+    cold_s = walk_steps(guided.GuideFactory(vocab_bytes, eos, len(vocab_bytes)), params, eos, rng, args.walks)
     start = time.perf_counter()
     index.precompute()
     precompute_s = time.perf_counter() - start
