@@ -345,3 +345,19 @@ def test_a_missing_additional_properties_is_strict_unless_asked(json_regex):
     open_rule = json_regex.compile_schema(schema, strict=False)
     assert open_rule.fullmatch(extra), "strict=False must accept extra keys, as JSON Schema does"
     assert not open_rule.fullmatch(b'{"age": 4, "age": 5}'), "an extra key must differ from the listed names"
+
+
+def test_a_request_asks_for_the_open_rule_with_guided_json_strict(impl):
+    """SamplingParams(guided_json_strict=False), which the server sets for OpenAI's
+    response_format.json_schema.strict false, compiles the schema under JSON Schema's rule;
+    the two rules are cached apart."""
+    guided, request = impl.load("serve.guided"), impl.load("serve.request")
+    vocab = [bytes([b]) for b in range(256)] + [b""]
+    factory = guided.GuideFactory(vocab, 256, len(vocab))
+    schema = {"type": "object", "properties": {"a": {"type": "null"}}}
+    strict = factory(request.SamplingParams(guided_json=schema)).index.dfa
+    open_rule = factory(request.SamplingParams(guided_json=schema, guided_json_strict=False)).index.dfa
+    assert not strict.fullmatch(b'{"a": null, "b": 1}'), "the default must refuse a key the schema does not list"
+    assert open_rule.fullmatch(b'{"a": null, "b": 1}'), "guided_json_strict=False must allow extra keys"
+    with pytest.raises(ValueError, match="guided_json_strict"):
+        request.SamplingParams(guided_json=schema, guided_json_strict="no")
