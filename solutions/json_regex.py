@@ -1,38 +1,67 @@
 """Chapter 35: a JSON schema compiled to a byte automaton (Chapter 35's regex engine).
 
-    compile_schema(schema, whitespace=OPTIONAL_SPACE) -> a minimal DFA (regex_dfa.DFA)
-    schema_to_nfa(schema, whitespace=OPTIONAL_SPACE)  -> its NFA, before determinising
+    compile_schema(schema, whitespace=OPTIONAL_SPACE, strict=True) -> a minimal DFA (regex_dfa.DFA)
+    schema_to_nfa(schema, whitespace=OPTIONAL_SPACE, strict=True)  -> its NFA, before determinising
 
 Every string the automaton accepts is a JSON document that validates against the schema
-(sound); most documents that validate are accepted when they are written compactly or the
-way json.dumps writes them (the rules below say exactly which are not). The schema is
-compiled to NFA fragments wired together directly, not to regex text: a sub-schema is built
-once and the fragments that use it share it through loops, so nested arrays or optional
-properties grow the automaton linearly, where a regex would write the items pattern twice
-per level.
+under the draft its "$schema" names (sound); most documents that validate are accepted when
+they are written compactly or the way json.dumps writes them (the rules below say exactly
+which are not). The schema is compiled to NFA fragments wired together directly, not to
+regex text: a sub-schema is built once and the fragments that use it share it through
+loops, so nested arrays or optional properties grow the automaton linearly. Where two
+languages must be intersected or subtracted (a pattern with a length, "not" around listed
+values, patternProperties keys), their DFAs are combined (regex_dfa.combine) and joined to
+the NFA as a fragment.
 
-What is honoured (anything else is refused with a ValueError naming the keyword, its place
+Drafts: draft-04, -06, -07, 2019-09 and 2020-12, by "$schema" (none, or a meta-schema that
+is not a draft: 2020-12, as validators read it; draft-03 is refused). Their old forms are
+read as such: draft-04's boolean exclusiveMinimum/Maximum, array "items" with
+"additionalItems" before 2020-12, "dependencies", "definitions", and a "$ref"'s siblings
+ignored up to draft-07 (applied beside it after).
+
+What is honoured (a keyword this module does not know is an annotation, as in JSON Schema;
+a known one it cannot compile is refused with a ValueError naming it, its place
 "$.properties.age" and the reason, never ignored):
-- "type" (one or a list; without "type" every type is allowed), "enum" and "const" (JSON
-  equality: 1 and 1.0 are one value, true is not 1), "anyOf", "oneOf" (its options must be
-  disjoint: checked on their automata), "allOf" (options merged into one schema when their
-  keywords do not disagree), local "$ref" ("#", "#/$defs/...", "#/definitions/...").
+- "type" (one or a list), "enum" and "const" (JSON equality: 1 and 1.0 are one value, true
+  is not 1; the values are filtered by every keyword beside them), "anyOf", "oneOf" (its
+  options shown apart: by type, by listed values, by a required property's listed values,
+  or for scalars by their automata), "allOf" (parts merged keyword by keyword: the stricter
+  bound, both schemas of one property), "not" (around a type, scalar enum/const values,
+  "required", or an object schema of properties and required), "if"/"then"/"else" (the
+  union of the branches that compile: if+then, not-if+else, then+else), local "$ref" ("#",
+  "#/$defs/...", "#/definitions/...", or the root's own $id followed by one of those).
 - integers: "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" (digit-range
-  automata); an integer is written without exponent, "1.0" counts as the integer 1 (one
-  zero after the point, as encoders of floats write it; never "1.00").
+  automata), "multipleOf" (an integer up to MAX_MULTIPLE); written without fraction or
+  exponent (9, never 9.0, which draft-04 does not count as an integer).
+- numbers with bounds: written without exponent, at most FRACTION_DIGITS digits after the
+  point; a bound with more digits than that after the point, or one of 1e8 or more with a
+  fraction, is refused. "multipleOf" only with an integer step (then the number is an
+  integer).
 - strings: "minLength"/"maxLength" (characters, as JSON Schema counts them), "pattern"
-  (a search, as JSON Schema reads it, through regex_dfa; the matched part is written with
-  unescaped characters only), "format" in FORMATS.
-- arrays: "items" (a schema, true, or false), "prefixItems", "minItems", "maxItems".
+  (a search, through regex_dfa with ecma=True: its classes cut to the characters ECMA-262
+  and Python's re agree on; the matched part is written with unescaped characters only),
+  "format" in FORMATS (another format JSON Schema defines is refused; one it does not, an
+  annotation).
+- arrays: "items" (a schema, true, or false), "prefixItems", "minItems", "maxItems",
+  "uniqueItems" (items that list their values: each written at most once, in the listed
+  order), "contains" (with "minContains" 0 or 1).
 - objects: "properties" (written in the order listed; a property not in "required" may be
-  left out), "required", "additionalProperties" (false; true or a schema: extra keys, none
-  equal to a listed name, after the listed ones), "minProperties"/"maxProperties" (without
-  extra keys).
+  left out), "required" (a name without a schema gets additionalProperties'),
+  "additionalProperties", "patternProperties" (extra keys after the listed ones, written
+  with unescaped characters, never equal to a listed name; a key gets the schema of the
+  one pattern it matches; keys matching two are not written), "propertyNames",
+  "minProperties"/"maxProperties" (without extra keys; "minProperties": 1 with them),
+  "dependentRequired"/"dependentSchemas" (one object schema per choice of which named
+  properties are present, at most MAX_VARIANTS).
+A missing "additionalProperties" forbids keys the object does not list when it lists
+properties (strict=True, the default: OpenAI's strict mode); strict=False follows JSON
+Schema, where it allows any extra key.
 Limits, stated: a "$ref" inside its own expansion is followed MAX_REF_DEPTH times, deeper
 values of it cannot be written; a free-form value (the schema true, or {}; an array without
 "items"; extra properties under "additionalProperties": true) nests at most FREE_DEPTH
-containers deep; schema nesting is at most regex_dfa.MAX_NESTING levels; the automaton's
-size is bounded by regex_dfa.MAX_NFA_STATES and MAX_DFA_STATES.
+containers deep; the schema's JSON nests at most MAX_JSON_DEPTH levels and its schemas at
+most regex_dfa.MAX_NESTING; the automaton's size is bounded by regex_dfa.MAX_NFA_STATES and
+MAX_DFA_STATES.
 Whitespace: none anywhere except `whitespace` after every "," and ":" (by default at most
 one space, so both compact output and json.dumps's ", "/": " are accepted; indented output
 is not). Bounded on purpose: an unbounded rule lets a model write spaces until max_tokens.
