@@ -46,7 +46,7 @@ a known one it cannot compile is refused with a ValueError naming it, its place
   "uniqueItems" (items that list their values: each written at most once, in the listed
   order), "contains" (with "minContains" 0 or 1).
 - objects: "properties" (written in the order listed; a property not in "required" may be
-  left out), "required" (a name without a schema gets additionalProperties'),
+  left out), "required" (a name without a schema gets additionalProperties' schema, or any value),
   "additionalProperties", "patternProperties" (extra keys after the listed ones, written
   with unescaped characters, never equal to a listed name; a key gets the schema of the
   one pattern it matches; keys matching two are not written), "propertyNames",
@@ -1195,7 +1195,7 @@ class _SchemaCompiler:
         keys = {pattern: self.apart(partial(_SchemaCompiler.key, pattern=pattern, where=where))
                 for pattern in patterns}
         for name in [n for n in required if n not in properties]:
-            if extra is False and not any(_is_key(keys[p], name) for p in patterns):
+            if extra is False and not any(_is_key(keys[p], name, unknown=False) for p in patterns):
                 raise ValueError(f"schema at {where}: required property {name!r} has no schema in properties, and "
                                  f"additionalProperties (or its strict default) forbids it")
             properties[name] = extra if extra is not False else True
@@ -1404,12 +1404,12 @@ def _pattern_automaton(text: str) -> DFA:
     return compile_regex(text)
 
 
-def _is_key(key: DFA | None, name: str) -> bool:
+def _is_key(key: DFA | None, name: str, unknown: bool = True) -> bool:
     """Does a patternProperties key automaton (raw characters) take the property `name`?
-    A name it cannot spell raw counts as matched: its pattern's schema then applies too,
-    which only ever takes values away."""
+    For a name it cannot spell raw, `unknown`: True where counting it as matched only takes
+    values away (its pattern's schema then applies too), False where it would allow more."""
     if any(ord(char) < 0x20 or char in '"\\' for char in name):
-        return True
+        return unknown
     return key is not None and key.fullmatch(('"' + name + '"').encode("utf-8"))
 
 
