@@ -1,47 +1,83 @@
 """Chapter 35: a JSON schema compiled to a byte automaton (Chapter 35's regex engine).
 
-    compile_schema(schema, whitespace=OPTIONAL_SPACE) -> a minimal DFA (regex_dfa.DFA)
-    schema_to_nfa(schema, whitespace=OPTIONAL_SPACE)  -> its NFA, before determinising
+    compile_schema(schema, whitespace=OPTIONAL_SPACE, strict=True) -> a minimal DFA (regex_dfa.DFA)
+    schema_to_nfa(schema, whitespace=OPTIONAL_SPACE, strict=True)  -> its NFA, before determinising
 
 Every string the automaton accepts is a JSON document that validates against the schema
-(sound); most documents that validate are accepted when they are written compactly or the
-way json.dumps writes them (the rules below say exactly which are not). The schema is
-compiled to NFA fragments wired together directly, not to regex text: a sub-schema is built
-once and the fragments that use it share it through loops, so nested arrays or optional
-properties grow the automaton linearly, where a regex would write the items pattern twice
-per level.
+under the draft its "$schema" names (sound); most documents that validate are accepted when
+they are written compactly or the way json.dumps writes them (the rules below say exactly
+which are not). The schema is compiled to NFA fragments wired together directly, not to
+regex text: a sub-schema is built once and the fragments that use it share it through
+loops, so nested arrays or optional properties grow the automaton linearly. Where two
+languages must be intersected or subtracted (a pattern with a length, "not" around listed
+values, patternProperties keys), their DFAs are combined (regex_dfa.combine) and joined to
+the NFA as a fragment.
 
-What is honoured (anything else is refused with a ValueError naming the keyword, its place
+Drafts: draft-04, -06, -07, 2019-09 and 2020-12, by "$schema" (none, or a meta-schema that
+is not a draft: 2020-12, as validators read it; draft-03 is refused). Their old forms are
+read as such: draft-04's boolean exclusiveMinimum/Maximum, array "items" with
+"additionalItems" before 2020-12, "dependencies", "definitions", and a "$ref"'s siblings
+ignored up to draft-07 (applied beside it after).
+
+What is honoured (a keyword this module does not know is an annotation, as in JSON Schema;
+a known one it cannot compile is refused with a ValueError naming it, its place
 "$.properties.age" and the reason, never ignored):
-- "type" (one or a list; without "type" every type is allowed), "enum" and "const" (JSON
-  equality: 1 and 1.0 are one value, true is not 1), "anyOf", "oneOf" (its options must be
-  disjoint: checked on their automata), "allOf" (options merged into one schema when their
-  keywords do not disagree), local "$ref" ("#", "#/$defs/...", "#/definitions/...").
+- "type" (one or a list), "enum" and "const" (JSON equality: 1 and 1.0 are one value, true
+  is not 1; the values are filtered by every keyword beside them), "anyOf", "oneOf" (its
+  options shown apart: by type, by listed values, by a required property's listed values,
+  or for scalars by their automata), "allOf" (parts merged keyword by keyword: the stricter
+  bound, both schemas of one property), "not" (around a type, scalar enum/const values,
+  "required", or an object schema of properties and required), "if"/"then"/"else" (the
+  union of the branches that compile: if+then, not-if+else, then+else), local "$ref" ("#",
+  "#/$defs/...", "#/definitions/...", or the root's own $id followed by one of those).
 - integers: "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" (digit-range
-  automata); an integer is written without exponent, "1.0" counts as the integer 1 (one
-  zero after the point, as encoders of floats write it; never "1.00").
+  automata), "multipleOf" (an integer up to MAX_MULTIPLE); written without fraction or
+  exponent (9, never 9.0, which draft-04 does not count as an integer).
+- numbers with bounds: written without exponent, at most FRACTION_DIGITS digits after the
+  point; a bound with more digits than that after the point, or one of 1e8 or more with a
+  fraction, is refused. "multipleOf" only with an integer step (then the number is an
+  integer).
 - strings: "minLength"/"maxLength" (characters, as JSON Schema counts them), "pattern"
-  (a search, as JSON Schema reads it, through regex_dfa; the matched part is written with
-  unescaped characters only), "format" in FORMATS.
-- arrays: "items" (a schema, true, or false), "prefixItems", "minItems", "maxItems".
+  (a search, through regex_dfa with ecma=True: its classes cut to the characters ECMA-262
+  and Python's re agree on; the matched part is written with unescaped characters only),
+  "format" in FORMATS (another format JSON Schema defines is refused; one it does not, an
+  annotation).
+- arrays: "items" (a schema, true, or false), "prefixItems", "minItems", "maxItems",
+  "uniqueItems" (items that list their values: each written at most once, in the listed
+  order), "contains" (with "minContains" 0 or 1).
 - objects: "properties" (written in the order listed; a property not in "required" may be
-  left out), "required", "additionalProperties" (false; true or a schema: extra keys, none
-  equal to a listed name, after the listed ones), "minProperties"/"maxProperties" (without
-  extra keys).
+  left out), "required" (a name without a schema gets additionalProperties' schema, or any value),
+  "additionalProperties", "patternProperties" (extra keys after the listed ones, written
+  with unescaped characters, never equal to a listed name; a key gets the schema of the
+  one pattern it matches; keys matching two are not written), "propertyNames",
+  "minProperties"/"maxProperties" (without extra keys; "minProperties": 1 with them),
+  "dependentRequired"/"dependentSchemas" (one object schema per choice of which named
+  properties are present, at most MAX_VARIANTS).
+A missing "additionalProperties" forbids keys the object does not list when it lists
+properties (strict=True, the default: OpenAI's strict mode); strict=False follows JSON
+Schema, where it allows any extra key.
 Limits, stated: a "$ref" inside its own expansion is followed MAX_REF_DEPTH times, deeper
 values of it cannot be written; a free-form value (the schema true, or {}; an array without
 "items"; extra properties under "additionalProperties": true) nests at most FREE_DEPTH
-containers deep; schema nesting is at most regex_dfa.MAX_NESTING levels; the automaton's
-size is bounded by regex_dfa.MAX_NFA_STATES and MAX_DFA_STATES.
+containers deep; the schema's JSON nests at most MAX_JSON_DEPTH levels and its schemas at
+most regex_dfa.MAX_NESTING; the automaton's size is bounded by regex_dfa.MAX_NFA_STATES and
+MAX_DFA_STATES.
 Whitespace: none anywhere except `whitespace` after every "," and ":" (by default at most
 one space, so both compact output and json.dumps's ", "/": " are accepted; indented output
 is not). Bounded on purpose: an unbounded rule lets a model write spaces until max_tokens.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from collections.abc import Callable
+from decimal import Decimal
+from functools import lru_cache, partial
 from typing import Any
+from urllib.parse import unquote
+
+import numpy as np
 
 from .regex_dfa import (
     DFA,
@@ -54,9 +90,12 @@ from .regex_dfa import (
     Concat,
     Node,
     Repeat,
+    add_dfa,
     add_fragment,
     add_repeat,
+    combine,
     compile_nfa,
+    compile_regex,
     complement,
     escape,
     intersection,
@@ -78,9 +117,7 @@ STRING_CHARACTER = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
                     r"|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 RAW_CHARACTERS: CharSet = complement(((0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))))
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-# 1.0 is the integer 1 in JSON Schema, and encoders of floats write it so; one zero only,
-# because a model that may add zeros forever (SmolLM2 did, "11.000...") never ends the number.
-INTEGER_FRACTION = r"(?:\.0)?"
+FRACTION_DIGITS = 6                  # digits after the point of a number with bounds
 _DATE = (r"[1-9][0-9]{3}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
          r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")        # February 29 left out: every date written exists
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
@@ -90,36 +127,208 @@ FORMATS = {
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
     "email": r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+",
     "ipv4": _OCTET + r"(?:\." + _OCTET + "){3}",
+    "hostname": r"(?:[a-z0-9](?:[a-z0-9-]{0,18}[a-z0-9])?\.){0,3}[a-z](?:[a-z0-9-]{0,18}[a-z0-9])?",
+    "uri": r"[a-z][a-z0-9+.-]*://[a-zA-Z0-9._~-]+(?:/[a-zA-Z0-9._~-]+)*/?",
+    "uri-reference": r"(?:[a-z][a-z0-9+.-]*://)?[a-zA-Z0-9._~-]+(?:/[a-zA-Z0-9._~-]+)*/?",
+    "json-pointer": r"(?:/(?:[^~/\x00-\x1f\\\"]|~[01])*)*",
 }
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "$defs",
-               "definitions", "readOnly", "writeOnly", "deprecated", "contentMediaType", "contentEncoding"}
+# The formats JSON Schema defines: one outside FORMATS is refused; a format outside this set
+# (int64, color, ...) is an annotation, as validators read it.
+SPEC_FORMATS = {"date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname", "ipv4",
+                "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
+                "relative-json-pointer", "regex"}
+DRAFTS = {"draft-04": 4, "draft-06": 6, "draft-07": 7, "2019-09": 2019, "2020-12": 2020}
+LATEST_DRAFT = 2020                  # a schema without a known "$schema" is read as 2020-12 (as validators do)
+# Keywords that assert something and are not compiled: refused with the reason, never ignored.
+WHY_REFUSED = {
+    "unevaluatedProperties": "unevaluated* keywords depend on what the other keywords evaluated",
+    "unevaluatedItems": "unevaluated* keywords depend on what the other keywords evaluated",
+    "$dynamicRef": "only local $ref is followed", "$recursiveRef": "only local $ref is followed",
+    "maxContains": "counting the matching items is not compiled",
+    "extends": "draft-03 is not supported", "disallow": "draft-03 is not supported",
+    "divisibleBy": "draft-03 is not supported",
+}
+# Every keyword the compiler reads; any other keyword (title, description, id, examples,
+# x-kubernetes-..., markdownDescription...) is an annotation, as JSON Schema reads unknown
+# keywords, and is ignored.
 KEYWORDS_BY_TYPE = {
     "string": {"minLength", "maxLength", "pattern", "format"},
-    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
-    "number": set(),
+    "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
+    "number": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"},
     "boolean": set(), "null": set(),
-    "array": {"items", "prefixItems", "minItems", "maxItems"},
-    "object": {"properties", "required", "additionalProperties", "minProperties", "maxProperties"},
+    "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains"},
+    "object": {"properties", "required", "additionalProperties", "minProperties", "maxProperties",
+               "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas"},
 }
 TYPES = tuple(KEYWORDS_BY_TYPE)
-COMBINATORS = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
-WHY_REFUSED = {
-    "not": "a negation is not compiled", "if": "conditionals are not compiled",
-    "uniqueItems": "uniqueness would need the automaton to remember every item",
-    "contains": "contains is not compiled", "multipleOf": "multipleOf is not compiled",
-    "patternProperties": "property names by pattern are not compiled",
-    "propertyNames": "property-name schemas are not compiled",
-    "dependentRequired": "dependencies between properties are not compiled",
-    "dependentSchemas": "dependencies between properties are not compiled",
-    "unevaluatedProperties": "unevaluated* keywords are not compiled",
-    "unevaluatedItems": "unevaluated* keywords are not compiled",
-    "$dynamicRef": "only local $ref is followed",
+COMBINATORS = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "not", "if", "then", "else"}
+ASSERTIONS = COMBINATORS | set().union(*KEYWORDS_BY_TYPE.values()) | set(WHY_REFUSED)
+MAX_VARIANTS = 16                    # objects written per dependency combination, at most
+MAX_MULTIPLE = 1000                  # the largest integer multipleOf (its automaton counts remainders)
+def canonical_json(value: Any) -> str:
+    """`value` as the compact JSON text this compiler writes: integral numbers without a
+    fraction (9, never 9.0: draft-04 does not count 9.0 as an integer), raw characters."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, list):
+        return "[" + ",".join(canonical_json(item) for item in value) + "]"
+    if isinstance(value, dict):
+        members = (json.dumps(k, ensure_ascii=False) + ":" + canonical_json(v) for k, v in value.items())
+        return "{" + ",".join(members) + "}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _shown(value: Any, width: int = 60) -> str:
+    """A value as JSON, cut to `width` characters, for an error message."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= width else text[:width] + "..."
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _listed(kind: Any) -> list[Any]:
+    return kind if isinstance(kind, list) else [kind]
+
+
+# Two parts of an allOf that bound the same thing: the stricter bound holds.
+TIGHTEST: dict[str, Callable[[Any, Any], Any]] = {
+    **{name: max for name in ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")},
+    **{name: min for name in ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")},
 }
 
 
-def compact_json(value: Any) -> str:
-    """`value` as the most compact JSON text."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+def every_spelling(value: Any, where: str) -> str:
+    """A pattern for every JSON text of a scalar `value` (and, for a number, more: any text
+    with an exponent, and any fraction after its integer digits), so that what it leaves
+    out of another automaton is never a spelling of `value`."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    if _is_number(value):
+        digits = str(int(abs(value)))
+        sign = "-?" if int(value) == 0 else ("-" if value < 0 else "")
+        return (sign + digits + r"(?:\.[0-9]+)?" + "|" + r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?[eE][+-]?[0-9]+")
+    if isinstance(value, str):
+        return '"' + "".join(_every_spelling_of_character(char) for char in value) + '"'
+    raise ValueError(f"schema at {where}: 'not' around an enum or const is supported for scalar values only, "
+                     f"got {_shown(value)}")
+
+
+def _every_spelling_of_character(char: str) -> str:
+    """A pattern for every way JSON writes `char` inside a string: raw (where allowed), its
+    short escape, and \\u escapes (a surrogate pair past U+FFFF) in either case."""
+    short = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    options = []
+    if char not in '"\\' and ord(char) >= 0x20:
+        options.append(escape(char))
+    if char in short:
+        options.append(escape(short[char]))
+    units = char.encode("utf-16-be")
+    hexes = [units[k:k + 2].hex() for k in range(0, len(units), 2)]
+    options.append("".join(r"\\u" + "".join(_hex_digit(h) for h in unit) for unit in hexes))
+    return "(?:" + "|".join(options) + ")"
+
+
+def multiples_of(step: int) -> DFA:
+    """The integers (JSON text, no fraction) divisible by `step`: states count remainders."""
+    start, minus, zero, first = 0, 1, 2, 3
+    table = np.full((first + step, 256), -1, dtype=np.int32)
+    digits = [ord(str(d)) for d in range(10)]
+    table[start, ord("0")] = zero
+    table[start, ord("-")] = minus
+    for d in range(1, 10):
+        table[start, digits[d]] = table[minus, digits[d]] = first + d % step
+    for remainder in range(step):
+        for d in range(10):
+            table[first + remainder, digits[d]] = first + (remainder * 10 + d) % step
+    accepting = np.zeros(first + step, dtype=bool)
+    accepting[[zero, first]] = True
+    return DFA(table, accepting, start)
+
+
+NumberBound = tuple[Decimal, bool]        # a bound's value, exclusive
+Bound = tuple[str, bool]                  # fraction digits (no trailing zeros; "" for 0), exclusive
+
+
+def _zero_allowed(lower: Bound | None, upper: Bound | None) -> bool:
+    """Is the fraction 0 (no digits written) within the bounds?"""
+    return (lower is None or (lower[0] == "" and not lower[1])) and (upper is None or not (upper[0] == ""
+                                                                                           and upper[1]))
+
+
+def _fractions(lower: Bound | None, upper: Bound | None, room: int) -> str | None:
+    """A pattern for the non-empty digit strings F of at most `room` digits with 0.F within
+    the bounds (None: no bound on that side); None when there is none. Digit by digit: a
+    first digit above the lower bound's (below the upper's) frees the rest."""
+    if room == 0:
+        return None
+    free, options = [], []
+    for d in range(10):
+        next_lower = next_upper = None
+        if lower is not None:
+            first = int(lower[0][0]) if lower[0] else 0
+            if d < first:
+                continue
+            if d == first:
+                next_lower = (lower[0][1:], lower[1])
+                if next_lower == ("", False):
+                    next_lower = None
+        if upper is not None:
+            first = int(upper[0][0]) if upper[0] else 0
+            if d > first:
+                continue
+            if d == first:
+                next_upper = (upper[0][1:], upper[1])
+        if next_lower is None and next_upper is None:
+            free.append(d)
+            continue
+        tail = _fractions(next_lower, next_upper, room - 1)
+        tails = ([tail] if tail is not None else []) + ([""] if _zero_allowed(next_lower, next_upper) else [])
+        if tails:
+            options.append(f"{d}(?:{'|'.join(tails)})")
+    if free:
+        options.append(f"[{free[0]}-{free[-1]}][0-9]{{0,{room - 1}}}" if free == list(range(free[0], free[-1] + 1))
+                       else "[" + "".join(map(str, free)) + f"][0-9]{{0,{room - 1}}}")
+    return "(?:" + "|".join(options) + ")" if options else None
+
+
+def _split(bound: Decimal) -> tuple[int, str]:
+    """A non-negative bound as (integer part, fraction digits without trailing zeros)."""
+    whole = int(bound)
+    return whole, format(bound - whole, "f").partition(".")[2].rstrip("0")
+
+
+def magnitudes(lower: tuple[Decimal, bool], upper: tuple[Decimal, bool] | None) -> str | None:
+    """A pattern for the numbers from lower to upper (each (value >= 0, exclusive); upper
+    None: unbounded), written I or I.F without sign or exponent, at most FRACTION_DIGITS
+    digits after the point; None when there is none."""
+    low_whole, low_fraction = _split(lower[0])
+    if upper is not None and (lower[0] > upper[0] or (lower[0] == upper[0] and (lower[1] or upper[1]))):
+        return None
+    parts = []
+
+    def with_fraction(whole: int, low: Bound | None, high: Bound | None) -> None:
+        if low == ("", False):
+            low = None
+        fraction = _fractions(low, high, FRACTION_DIGITS)
+        bare = _zero_allowed(low, high)
+        if fraction is not None:
+            parts.append(f"{whole}\\.{fraction}" if not bare else f"{whole}(?:\\.{fraction})?")
+        elif bare:
+            parts.append(str(whole))
+
+    if upper is not None and int(upper[0]) == low_whole:
+        with_fraction(low_whole, (low_fraction, lower[1]), (_split(upper[0])[1], upper[1]))
+        return "(?:" + "|".join(parts) + ")" if parts else None
+    with_fraction(low_whole, (low_fraction, lower[1]), None)
+    high_whole = None if upper is None else int(upper[0])
+    if high_whole is None or high_whole - 1 >= low_whole + 1:
+        middle = _naturals_between(low_whole + 1, None if high_whole is None else high_whole - 1)
+        parts.append("(?:" + "|".join(middle) + f")(?:\\.[0-9]{{1,{FRACTION_DIGITS}}})?")
+    if upper is not None and high_whole is not None:
+        with_fraction(high_whole, None, (_split(upper[0])[1], upper[1]))
+    return "(?:" + "|".join(parts) + ")" if parts else None
 
 
 def json_equal(a: Any, b: Any) -> bool:
@@ -228,28 +437,42 @@ Fragment = tuple[int, int]
 class _SchemaCompiler:
     """Builds one schema's NFA, fragment by fragment (see the module docstring)."""
 
-    def __init__(self, root: Any, whitespace: str) -> None:
+    def __init__(self, root: Any, whitespace: str, strict: bool, draft: int) -> None:
         self.root = root
         self.whitespace = whitespace
+        self.strict = strict
+        self.draft = draft
         self.nfa = NFA()
         self.separator = parse_regex("," + whitespace)
         self.colon = parse_regex(":" + whitespace)
-        self.nodes: dict[str, Node] = {}
+        self.resources = 0              # sub-schemas with their own $id around the one being built
 
     # --- small pieces ---
     def pattern(self, text: str) -> Fragment:
-        node = self.nodes.get(text)
-        if node is None:
-            node = self.nodes[text] = parse_regex(text)
-        return add_fragment(self.nfa, node)
+        """A fragment for a regex: its minimal DFA's states (compiled once per text, and far
+        fewer than the Thompson construction's, which keeps determinising the whole fast)."""
+        return add_dfa(self.nfa, _pattern_automaton(text))
 
     def nothing(self) -> Fragment:
         """A fragment that accepts no string: the place of a value that cannot be written."""
         return self.nfa.choice([])
 
+    def sub_dfa(self, schema: Any, where: str, depth: int, refs: tuple[str, ...]) -> DFA | None:
+        """The DFA of a sub-schema built apart (to combine it with another automaton, or to
+        test a value on it), under this compiler's limits; None when no value is written."""
+        compiler = _SchemaCompiler(self.root, self.whitespace, self.strict, self.draft)
+        compiler.resources = self.resources
+        compiler.nfa.start, compiler.nfa.accept = compiler.value(schema, where, depth, refs)
+        try:
+            return compile_nfa(compiler.nfa)
+        except ValueError as error:
+            if "matches no string" in str(error):
+                return None
+            raise
+
     def literal(self, value: Any, depth: int = 0) -> Fragment:
         """One JSON value, every spelling of it this compiler writes: keys in the value's
-        order, integral numbers with or without ".0", non-ASCII characters raw or escaped."""
+        order, integral numbers without a fraction, non-ASCII characters raw or escaped."""
         if depth > MAX_NESTING:
             raise ValueError(f"an enum or const value nested more than MAX_NESTING={MAX_NESTING} levels")
         if isinstance(value, dict):
@@ -260,9 +483,7 @@ class _SchemaCompiler:
             return self.joined("[", [self.literal(item, depth + 1) for item in value], "]")
         if isinstance(value, str):
             return self.pattern('"' + "".join(self.spellings(char) for char in value) + '"')
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
-            return self.pattern(escape(str(int(value))) + INTEGER_FRACTION)
-        return self.pattern(escape(compact_json(value)))
+        return self.pattern(escape(canonical_json(value)))
 
     def spellings(self, char: str) -> str:
         """The pattern of one character inside a JSON string: raw, and also \\u-escaped
@@ -285,31 +506,81 @@ class _SchemaCompiler:
         return self.nfa.chain(pieces)
 
     # --- schemas ---
+    def clean(self, schema: Any, where: str) -> Any:
+        """The keywords of `schema` that assert something, in 2020-12's forms: annotations
+        and unknown keywords dropped, older drafts' spellings rewritten, refused keywords
+        refused. A boolean schema is returned as it is."""
+        if isinstance(schema, bool):
+            return schema
+        if not isinstance(schema, dict):
+            raise ValueError(f"schema at {where}: a schema is an object or a boolean, got {_shown(schema)}")
+        for keyword in schema:
+            if keyword in WHY_REFUSED:
+                raise ValueError(f"schema at {where}: keyword {keyword!r} is not supported: {WHY_REFUSED[keyword]}")
+        rest = {k: v for k, v in schema.items() if k in ASSERTIONS}
+        if "dependencies" in schema:                # draft-07 and before: both kinds under one name
+            dependencies = schema["dependencies"]
+            if not isinstance(dependencies, dict):
+                raise ValueError(f"schema at {where}: dependencies must be an object")
+            for name, needed in dependencies.items():
+                kind = "dependentRequired" if isinstance(needed, list) else "dependentSchemas"
+                rest[kind] = {**rest.get(kind, {}), name: needed}
+        if isinstance(schema.get("items"), list):   # the tuple form of 2019-09 and before
+            if self.draft >= 2020:
+                raise ValueError(f"schema at {where}: items as a list is the tuple form of draft 2019-09 and "
+                                 f"before (name the draft in $schema, or write prefixItems)")
+            rest["prefixItems"] = schema["items"]
+            rest["items"] = schema.get("additionalItems", True)
+        for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if isinstance(rest.get(exclusive), bool):
+                if self.draft != 4:
+                    raise ValueError(f"schema at {where}: {exclusive} true/false is draft-04's form; name that "
+                                     f"draft in $schema (\"http://json-schema.org/draft-04/schema#\")")
+                if rest.pop(exclusive) and bound in rest:
+                    rest[exclusive] = rest.pop(bound)
+        if "if" not in rest or not {"then", "else"} & set(rest):    # then/else without if: no effect
+            for keyword in ("if", "then", "else"):
+                rest.pop(keyword, None)
+        if "$ref" in rest and len(rest) > 1:
+            if self.draft <= 7:                     # up to draft-07 a $ref's siblings are ignored
+                rest = {"$ref": rest["$ref"]}
+            else:
+                ref = rest.pop("$ref")
+                others = rest.get("allOf", [])
+                rest["allOf"] = [{"$ref": ref}] + (others if isinstance(others, list) else [others])
+        return rest
+
     def value(self, schema: Any, where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
         """The fragment of the JSON values that validate against `schema`."""
         if depth > MAX_NESTING:
             raise ValueError(f"schema at {where}: nested more than MAX_NESTING={MAX_NESTING} levels")
         if schema is True:
-            return self.free(FREE_DEPTH)
+            return add_dfa(self.nfa, self.free_automaton())
         if schema is False:
             return self.nothing()
-        if not isinstance(schema, dict):
-            raise ValueError(f"schema at {where}: a schema is an object or a boolean, got {schema!r}")
-        known = ANNOTATIONS | COMBINATORS | set().union(*KEYWORDS_BY_TYPE.values())
-        for keyword in schema:
-            if keyword not in known:
-                reason = WHY_REFUSED.get(keyword, "it is not a keyword this compiler knows")
-                raise ValueError(f"schema at {where}: keyword {keyword!r} is not supported: {reason}")
-        rest = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
+        identifier = schema.get("$id", schema.get("id") if self.draft == 4 else None) if isinstance(schema,
+                                                                                                  dict) else None
+        resource = schema is not self.root and isinstance(identifier, str) and not identifier.startswith("#")
+        self.resources += resource
+        try:
+            return self.asserted(self.clean(schema, where), where, depth, refs)
+        finally:
+            self.resources -= resource
+
+    def asserted(self, rest: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
         if "$ref" in rest:
-            return self.reference(rest, where, depth, refs)
-        if "allOf" in rest:
-            return self.value(self.merged(rest, where), f"{where}.allOf", depth + 1, refs)
-        for combinator in ("anyOf", "oneOf"):
+            return self.reference(rest["$ref"], where, depth, refs)
+        for combinator in ("anyOf", "oneOf"):      # before allOf: they distribute over it
             if combinator in rest:
                 return self.options(combinator, rest, where, depth, refs)
+        if "if" in rest:                           # before allOf too: it may bring a second if
+            return self.conditional(rest, where, depth, refs)
+        if "allOf" in rest:
+            return self.value(self.merged(rest, where), f"{where}.allOf", depth + 1, refs)
+        if "not" in rest:
+            return self.negation(rest, where, depth, refs)
         if "enum" in rest or "const" in rest:
-            return self.choices(rest, where)
+            return self.choices(rest, where, depth, refs)
         types = self.types_of(rest, where)
         return self.nfa.choice([self.typed(kind, rest, where, depth, refs) for kind in types])
 
@@ -317,117 +588,304 @@ class _SchemaCompiler:
         kind = schema.get("type", list(TYPES))
         kinds = [kind] if isinstance(kind, str) else kind
         if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
-            raise ValueError(f"schema at {where}: type must be a type name or a list of them, got {kind!r}")
+            raise ValueError(f"schema at {where}: type must be a type name or a list of them, got {_shown(kind)}")
         for k in kinds:
             if k not in KEYWORDS_BY_TYPE:
                 raise ValueError(f"schema at {where}: type {k!r} is not a JSON Schema type (known: {', '.join(TYPES)})")
         if "integer" in kinds and "number" in kinds:
-            # Unbounded, number writes every integer too; bounded, only integers are written.
-            bounded = bool(set(schema) & KEYWORDS_BY_TYPE["integer"])
-            kinds = [k for k in kinds if k != ("number" if bounded else "integer")]
+            # number writes every integer too, unless multipleOf asks for integers only.
+            kinds = [k for k in kinds if k != ("number" if "multipleOf" in schema else "integer")]
         return kinds
 
-    def reference(self, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
-        ref = schema["$ref"]
-        if len(schema) > 1:
-            raise ValueError(f"schema at {where}: $ref beside {sorted(set(schema) - {'$ref'})[0]!r} is not supported "
-                             f"(wrap them in allOf)")
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            raise ValueError(f"schema at {where}: only local references ('#/$defs/...') are followed, got {ref!r}")
+    def reference(self, ref: Any, where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
+        target = self.resolve(ref, where)
         if refs.count(ref) >= MAX_REF_DEPTH:
             return self.nothing()                  # recursion bounded: deeper values cannot be written
-        target: Any = self.root
-        for part in ref[2:].split("/") if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or part not in target:
-                raise ValueError(f"schema at {where}: $ref {ref!r} points at nothing")
-            target = target[part]
         return self.value(target, ref, depth + 1, refs + (ref,))
 
-    def merged(self, schema: dict[str, Any], where: str) -> dict[str, Any]:
-        """allOf's options and the schema around them as one schema; ValueError where they
-        disagree (two values for one keyword other than properties and required)."""
+    def resolve(self, ref: Any, where: str) -> Any:
+        """The sub-schema a local $ref ("#", "#/$defs/a", "#/definitions/a", or the root's
+        own $id followed by one of those) points at."""
+        base = self.root.get("$id", self.root.get("id")) if isinstance(self.root, dict) else None
+        if isinstance(ref, str) and isinstance(base, str) and ref.startswith(base.split("#")[0] + "#"):
+            ref = ref[len(base.split("#")[0]):]
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise ValueError(f"schema at {where}: only local references ('#/$defs/...') are followed, got {ref!r}")
+        if self.resources:
+            raise ValueError(f"schema at {where}: $ref {ref!r} sits in a sub-schema with its own $id, against "
+                             f"which it would resolve; only references against the root are followed")
+        target: Any = self.root
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            elif isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
+                raise ValueError(f"schema at {where}: $ref {ref!r} points at nothing")
+        return target
+
+    def merged(self, schema: dict[str, Any], where: str) -> Any:
+        """allOf's options and the schema around them as one schema: the same keyword in
+        two parts becomes the stricter of the two (or both, under a new allOf); ValueError
+        where that is not possible."""
         options = schema["allOf"]
         if not isinstance(options, list) or not options:
             raise ValueError(f"schema at {where}: allOf must be a non-empty list")
         result = {k: v for k, v in schema.items() if k != "allOf"}
         parts = [result]
         for i, option in enumerate(options):
-            while isinstance(option, dict) and set(option) - ANNOTATIONS == {"$ref"}:
-                option = self.resolve(option["$ref"], f"{where}.allOf[{i}]")
-            if not isinstance(option, dict):
-                raise ValueError(f"schema at {where}.allOf[{i}]: only object schemas can be merged")
-            parts.append(option)
+            option = self.clean(option, f"{where}.allOf[{i}]")
+            for _ in range(MAX_NESTING):
+                if not (isinstance(option, dict) and set(option) == {"$ref"}):
+                    break
+                option = self.clean(self.resolve(option["$ref"], f"{where}.allOf[{i}]"), option["$ref"])
+            else:
+                raise ValueError(f"schema at {where}.allOf[{i}]: $ref leads to $ref more than MAX_NESTING times")
+            if option is False:
+                return False
+            if option is not True:
+                parts.append(option)
         # additionalProperties (items) sees only the properties (prefixItems) beside it: merged
         # with another part's, it would wrongly stop applying to them.
-        for listed, rest in (("properties", "additionalProperties"), ("prefixItems", "items")):
+        for listed, rest in (("properties", "additionalProperties"), ("prefixItems", "items"),
+                             ("patternProperties", "additionalProperties")):
             owners = {i for i, part in enumerate(parts) if listed in part or rest in part}
             if len(owners) > 1 and any(rest in parts[i] for i in owners):
                 raise ValueError(f"schema at {where}: allOf parts with {rest} and another part's {listed} do not "
                                  f"merge into one schema")
-        for i, option in enumerate(options):
-            option = parts[i + 1]
+        later: list[Any] = []                      # conditionals of a second part, merged on the next pass
+        for i, option in enumerate(parts[1:]):
+            conditional: dict[str, Any] = {k: option[k] for k in ("if", "then", "else") if k in option}
+            if conditional and {"if", "then", "else"} & set(result):
+                later.append(conditional)
+            else:
+                result.update(conditional)
             for key, item in option.items():
-                if key in ANNOTATIONS:
+                if key in ("if", "then", "else"):
                     continue
-                if key == "properties" and isinstance(item, dict):
-                    properties = dict(result.get("properties", {}))
+                if key not in result or json_equal(result[key], item):
+                    result[key] = item
+                elif key in ("properties", "patternProperties", "dependentSchemas") and isinstance(item, dict):
+                    both = dict(result[key])
                     for name, sub in item.items():
-                        if name in properties and properties[name] != sub:
-                            raise ValueError(f"schema at {where}.allOf[{i}]: property {name!r} has two schemas")
-                        properties[name] = sub
-                    result["properties"] = properties
-                elif key == "required" and isinstance(item, list):
-                    result["required"] = list(result.get("required", [])) + [n for n in item
-                                                                             if n not in result.get("required", [])]
-                elif key in result and result[key] != item:
+                        both[name] = {"allOf": [both[name], sub]} if name in both else sub
+                    result[key] = both
+                elif key in ("required",) and isinstance(item, list) and isinstance(result[key], list):
+                    result[key] = result[key] + [name for name in item if name not in result[key]]
+                elif key in TIGHTEST and _is_number(item) and _is_number(result[key]):
+                    result[key] = TIGHTEST[key](result[key], item)
+                elif key == "type":
+                    kinds = [k for k in _listed(item) if k in _listed(result[key]) or
+                             (k == "integer" and "number" in _listed(result[key]))]
+                    kinds += [k for k in _listed(result[key]) if k == "integer" and "number" in _listed(item)]
+                    result[key] = kinds
+                elif key in ("items", "additionalProperties", "propertyNames"):
+                    result[key] = {"allOf": [result[key], item]}
+                elif key in ("anyOf", "oneOf"):      # the first is distributed before the second is read
+                    later.append({key: item})
+                elif key == "not":
+                    result[key] = {"anyOf": [result[key], item]}
+                elif key in ("enum", "const"):
+                    mine = result.pop("enum", None) if key == "enum" else [result.pop("const")]
+                    theirs = item if key == "enum" else [item]
+                    if not isinstance(mine, list) or not isinstance(theirs, list):
+                        raise ValueError(f"schema at {where}.allOf[{i}]: enum must be a list")
+                    result["enum"] = [v for v in mine if any(json_equal(v, w) for w in theirs)]
+                    if not result["enum"]:
+                        return False
+                else:
                     raise ValueError(f"schema at {where}.allOf[{i}]: {key!r} disagrees with another option "
                                      f"(only options that merge are supported)")
-                else:
-                    result[key] = item
+        if later:
+            result["allOf"] = later
         return result
 
-    def resolve(self, ref: Any, where: str) -> Any:
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            raise ValueError(f"schema at {where}: only local references ('#/$defs/...') are followed, got {ref!r}")
-        target: Any = self.root
-        for part in ref[2:].split("/") if ref != "#" else []:
-            if not isinstance(target, dict) or part not in target:
-                raise ValueError(f"schema at {where}: $ref {ref!r} points at nothing")
-            target = target[part]
-        return target
+    def conditional(self, rest: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
+        """if/then/else as the union of the schemas that each imply it, those that compile:
+        the rest with if and then, with "not if" and else, and with then and else (which
+        holds whichever way if goes). Without else, then alone contains if-and-then."""
+        others = {k: v for k, v in rest.items() if k not in ("if", "then", "else")}
+        condition, then, otherwise = rest.get("if", True), rest.get("then", True), rest.get("else", True)
+        if isinstance(condition, bool):                # decided without a value
+            branches = [[then if condition else otherwise]]
+        elif otherwise is True:
+            branches = [[then], [{"not": condition}]]
+        else:
+            branches = [[condition, then], [{"not": condition}, otherwise], [then, otherwise]]
+        fragments, errors = [], []
+        for parts in branches:
+            parts = [part for part in parts if part is not True]
+            try:
+                both = {**others, "allOf": list(others.get("allOf", [])) + parts} if parts else others
+                fragments.append(self.value(both, f"{where}.if", depth + 1, refs))
+            except ValueError as error:
+                errors.append(error)
+        if not fragments:
+            raise errors[0]
+        return self.nfa.choice(fragments)
 
     def options(self, combinator: str, schema: dict[str, Any], where: str, depth: int,
                 refs: tuple[str, ...]) -> Fragment:
         options = schema[combinator]
         if not isinstance(options, list) or not options:
             raise ValueError(f"schema at {where}: {combinator} must be a non-empty list")
-        if set(schema) != {combinator}:
-            raise ValueError(f"schema at {where}: {combinator} beside {sorted(set(schema) - {combinator})[0]!r} is "
-                             f"not supported (put the keyword inside every option)")
+        siblings = {k: v for k, v in schema.items() if k != combinator}
+        if siblings:                        # the keywords beside it hold in every option
+            options = [{"allOf": [siblings, option]} for option in options]
         if combinator == "oneOf":                 # exactly one option: they must not overlap
-            automata = [compile_schema_part(self.root, option, self.whitespace) for option in options]
             for i in range(len(options)):
                 for j in range(i):
-                    if not _disjoint(automata[i], automata[j]):
-                        raise ValueError(f"schema at {where}: oneOf options {j} and {i} overlap (a value valid "
-                                         f"for both is invalid for oneOf); only disjoint options are supported")
+                    if not self.apart_options(options[i], options[j], where, depth, refs):
+                        raise ValueError(f"schema at {where}: oneOf options {j} and {i} may overlap (a value valid "
+                                         f"for both is invalid for oneOf); supported: options told apart by type, "
+                                         f"by their enum/const values, or by a required property's const")
         return self.nfa.choice([self.value(option, f"{where}.{combinator}[{i}]", depth + 1, refs)
                                 for i, option in enumerate(options)])
 
-    def choices(self, schema: dict[str, Any], where: str) -> Fragment:
+    def kinds(self, schema: Any, depth: int = 0) -> set[str]:
+        """The types of the values `schema` allows, as far as its type, enum, const, $ref
+        and combinators tell (every type when they do not)."""
+        schema = self.clean(schema, "$")
+        if schema is True or depth > MAX_NESTING:
+            return set(TYPES)
+        if schema is False:
+            return set()
+        if "$ref" in schema:
+            return self.kinds(self.resolve(schema["$ref"], "$"), depth + 1)
+        kinds = set(TYPES)
+        if "type" in schema:
+            kinds = set(_listed(schema["type"])) | ({"integer"} if "number" in _listed(schema["type"]) else set())
+        if "const" in schema:
+            kinds &= json_type_of(schema["const"])
+        if isinstance(schema.get("enum"), list):
+            kinds &= set().union(*[json_type_of(v) for v in schema["enum"]])
+        for part in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+            kinds &= self.kinds(part, depth + 1)
+        for combinator in ("anyOf", "oneOf"):
+            if isinstance(schema.get(combinator), list):
+                kinds &= set().union(*[self.kinds(option, depth + 1) for option in schema[combinator]])
+        return kinds
+
+    def values_of(self, schema: Any) -> list[Any] | None:
+        """The values of a schema that lists them (enum or const, after $refs); else None."""
+        for _ in range(MAX_NESTING):
+            schema = self.clean(schema, "$")
+            if not (isinstance(schema, dict) and set(schema) == {"$ref"}):
+                break
+            schema = self.resolve(schema["$ref"], "$")
+        if not isinstance(schema, dict):
+            return None
+        if "const" in schema:
+            return [schema["const"]]
+        return schema["enum"] if isinstance(schema.get("enum"), list) else None
+
+    def apart_options(self, a: Any, b: Any, where: str, depth: int, refs: tuple[str, ...]) -> bool:
+        """Can no value be valid for both schemas? True only when shown: their types differ,
+        their listed values differ, a property both require has listed values that differ,
+        or, for scalars alone, their automata (which spell each scalar value the same way)
+        share no string."""
+        common = self.kinds(a) & self.kinds(b)
+        if not common:
+            return True
+        values_a, values_b = self.values_of(a), self.values_of(b)
+        if values_a is not None and values_b is not None:
+            return not any(json_equal(x, y) for x in values_a for y in values_b)
+        if common <= {"string", "number", "integer", "boolean", "null"}:
+            automaton_a = self.sub_dfa(a, where, depth + 1, refs)
+            automaton_b = self.sub_dfa(b, where, depth + 1, refs)
+            return automaton_a is None or automaton_b is None or _disjoint(automaton_a, automaton_b)
+        if common <= {"object"}:
+            merged_a, merged_b = (self.merged({"allOf": [x]}, where) for x in (a, b))
+            if not isinstance(merged_a, dict) or not isinstance(merged_b, dict):
+                return True
+            for name in set(merged_a.get("required", [])) & set(merged_b.get("required", [])):
+                listed_a = self.values_of(merged_a.get("properties", {}).get(name, True))
+                listed_b = self.values_of(merged_b.get("properties", {}).get(name, True))
+                if listed_a is not None and listed_b is not None and not any(
+                        json_equal(x, y) for x in listed_a for y in listed_b):
+                    return True
+        return False
+
+    def negation(self, rest: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
+        """"not" where its complement is known: a type, enum or const values (scalars), or
+        required names (then absent)."""
+        negated = self.clean(rest["not"], f"{where}.not")
+        others = {k: v for k, v in rest.items() if k != "not"}
+        if negated is True or negated == {}:
+            return self.nothing()
+        if negated is False:
+            return self.value(others, where, depth + 1, refs)
+        if set(negated) == {"anyOf"} and isinstance(negated["anyOf"], list) and negated["anyOf"]:
+            first, remaining = negated["anyOf"][0], negated["anyOf"][1:]   # not (a or b): not a, and not b
+            if remaining:
+                others = {**others, "allOf": list(others.get("allOf", [])) + [{"not": {"anyOf": remaining}}]}
+            return self.negation({**others, "not": first}, where, depth + 1, refs)
+        if set(negated) == {"type"}:
+            removed = set(self.types_of(negated, f"{where}.not")) | set(_listed(negated["type"]))
+            kinds = [k for k in self.types_of(others, where) if k not in removed]
+            if "integer" in removed and "number" in kinds:
+                raise ValueError(f"schema at {where}: not integer beside number (numbers with a fraction) is not "
+                                 f"supported")
+            return self.value({**others, "type": kinds}, where, depth + 1, refs) if kinds else self.nothing()
+        if set(negated) == {"required"} and isinstance(negated["required"], list) and negated["required"]:
+            properties = others.get("properties", {})
+            if not isinstance(properties, dict):
+                raise ValueError(f"schema at {where}: properties must be an object of schemas")
+            # not all of the names present: one of them absent (listed with the schema false)
+            return self.nfa.choice([self.value({**others, "properties": {**properties, name: False}},
+                                               where, depth + 1, refs) for name in negated["required"]])
+        if set(negated) <= {"properties", "required", "type"} and negated.get("type", "object") == "object":
+            return self.not_object(negated, others, where, depth, refs)
+        if set(negated) <= {"enum", "const"}:
+            values = list(negated.get("enum", [])) + ([negated["const"]] if "const" in negated else [])
+            kept = self.sub_dfa(others, where, depth + 1, refs)
+            if kept is None:
+                return self.nothing()
+            excluded = compile_regex("|".join(f"(?:{every_spelling(v, where)})" for v in values))
+            difference = combine(kept, excluded, lambda keep, drop: keep and not drop)
+            return add_dfa(self.nfa, difference) if difference is not None else self.nothing()
+        raise ValueError(f"schema at {where}: keyword 'not' is supported around type, enum, const or required "
+                         f"only (the complement of {sorted(negated)[0]!r} is not computed)")
+
+    def not_object(self, negated: dict[str, Any], others: dict[str, Any], where: str, depth: int,
+                   refs: tuple[str, ...]) -> Fragment:
+        """Objects that fail an object schema of properties and required: one required name
+        absent, or one listed property present with a value its schema refuses (each way
+        that compiles; a non-object satisfies such a schema, so none is written)."""
+        properties, required = negated.get("properties", {}), negated.get("required", [])
+        if not isinstance(properties, dict) or not isinstance(required, list):
+            raise ValueError(f"schema at {where}.not: properties must be an object and required a list")
+        own = others.get("properties", {})
+        ways = [{**others, "type": "object", "not": {"required": [name]}} for name in required]
+        ways += [{**others, "type": "object", "required": list(others.get("required", [])) + [name],
+                  "properties": {**own, name: {"allOf": [own.get(name, True), {"not": sub}]}}}
+                 for name, sub in properties.items()]
+        fragments, errors = [], []
+        for way in ways:
+            try:
+                fragments.append(self.value(way, where, depth + 1, refs))
+            except ValueError as error:
+                errors.append(error)
+        if not fragments:
+            raise errors[0] if errors else ValueError(f"schema at {where}: no object fails the schema under 'not'")
+        return self.nfa.choice(fragments)
+
+    def choices(self, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
         if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
-            raise ValueError(f"schema at {where}: enum must be a non-empty list, got {schema['enum']!r}")
+            raise ValueError(f"schema at {where}: enum must be a non-empty list, got {_shown(schema['enum'])}")
         values = list(schema["enum"]) if "enum" in schema else [schema["const"]]
         if "const" in schema:
             values = [v for v in values if json_equal(v, schema["const"])]
-        beside = set(schema) - {"enum", "const", "type"}
-        if beside:
-            raise ValueError(f"schema at {where}: {sorted(beside)[0]!r} is not supported next to enum/const")
         if "type" in schema:
             kinds = set(self.types_of(schema, where)) | ({"integer"} if "number" in self.types_of(schema, where)
                                                          else set())
             values = [v for v in values if json_type_of(v) & kinds]
+        beside = {k: v for k, v in schema.items() if k not in ("enum", "const")}
+        if set(beside) - {"type"}:          # the values the other keywords allow (as this compiler writes them)
+            allowed = self.sub_dfa(beside, where, depth + 1, refs)
+            values = [v for v in values if allowed is not None
+                      and allowed.fullmatch(canonical_json(v).encode("utf-8"))]
         return self.nfa.choice([self.literal(v) for v in values])
 
     def typed(self, kind: str, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
@@ -437,102 +895,218 @@ class _SchemaCompiler:
         if kind == "boolean":
             return self.pattern("(?:true|false)")
         if kind == "number":
-            bounds = sorted(KEYWORDS_BY_TYPE["integer"] & set(schema))
-            if bounds:
-                raise ValueError(f"schema at {where}: {bounds[0]!r} on a number is not supported (only integers "
-                                 f"are bounded; give type integer)")
+            step = schema.get("multipleOf")
+            if step is not None and _is_number(step) and float(step).is_integer():
+                return self.integer(schema, where)   # a multiple of an integer is an integer
+            if step is not None:
+                raise ValueError(f"schema at {where}: multipleOf {_shown(step)} on a number is not supported "
+                                 f"(only integer steps; validators round fractions differently)")
+            if set(schema) & KEYWORDS_BY_TYPE["number"]:
+                return self.pattern(self.number_pattern(schema, where))
             return self.pattern(NUMBER)
         if kind == "integer":
-            return self.pattern(self.integer_pattern(schema, where))
+            return self.integer(schema, where)
         if kind == "string":
             return self.string(schema, where)
         if kind == "array":
             return self.array(schema, where, depth, refs)
         return self.object(schema, where, depth, refs)
 
-    def integer_pattern(self, schema: dict[str, Any], where: str) -> str:
-        lows: list[int] = []
-        highs: list[int] = []
+    def bounds(self, schema: dict[str, Any], where: str) -> tuple[list[NumberBound], list[NumberBound]]:
+        """(lower bounds, upper bounds) as (value, exclusive)."""
+        lows: list[NumberBound] = []
+        highs: list[NumberBound] = []
         for name in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
-            if name not in schema:
-                continue
-            bound = schema[name]
-            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not math.isfinite(bound):
-                raise ValueError(f"schema at {where}: {name} must be a finite number, got {bound!r}")
-            if name == "minimum":
-                lows.append(math.ceil(bound))
-            elif name == "exclusiveMinimum":
-                lows.append(math.floor(bound) + 1)
-            elif name == "maximum":
-                highs.append(math.floor(bound))
-            else:
-                highs.append(math.ceil(bound) - 1)
-        low, high = (max(lows) if lows else None), (min(highs) if highs else None)
+            if name in schema:
+                bound = schema[name]
+                if not _is_number(bound) or not math.isfinite(bound):
+                    raise ValueError(f"schema at {where}: {name} must be a finite number, got {_shown(bound)}")
+                (lows if "Min" in name or name == "minimum" else highs).append(
+                    (Decimal(repr(bound)) if isinstance(bound, float) else Decimal(bound), name.startswith("excl")))
+        return lows, highs
+
+    def integer(self, schema: dict[str, Any], where: str) -> Fragment:
+        text = self.integer_pattern(schema, where)
+        step = schema.get("multipleOf")
+        if step is None:
+            return self.pattern(text)
+        if not _is_number(step) or step <= 0 or not float(step).is_integer() or step > MAX_MULTIPLE:
+            raise ValueError(f"schema at {where}: multipleOf {_shown(step)} is not supported on integers (only "
+                             f"integer steps up to MAX_MULTIPLE={MAX_MULTIPLE})")
+        both = combine(compile_regex(text), multiples_of(int(step)), lambda a, b: a and b)
+        if both is None:
+            raise ValueError(f"schema at {where}: no multiple of {step} lies within the bounds")
+        return add_dfa(self.nfa, both)
+
+    def integer_pattern(self, schema: dict[str, Any], where: str) -> str:
+        lows, highs = self.bounds(schema, where)
+        low = max((math.floor(b) + 1 if exclusive else math.ceil(b)) for b, exclusive in lows) if lows else None
+        high = min((math.ceil(b) - 1 if exclusive else math.floor(b)) for b, exclusive in highs) if highs else None
         if low is not None and high is not None and low > high:
             raise ValueError(f"schema at {where}: no integer lies between minimum {low} and maximum {high}")
-        return integer_range(low, high) + INTEGER_FRACTION
+        return integer_range(low, high)
+
+    def number_pattern(self, schema: dict[str, Any], where: str) -> str:
+        """Numbers within the bounds, written without exponent and with at most
+        FRACTION_DIGITS digits after the point (so that a validator reading them as binary
+        floats orders them against the bounds exactly as decimals)."""
+        lows, highs = self.bounds(schema, where)
+        low = max(lows, key=lambda b: (b[0], b[1])) if lows else None
+        high = min(highs, key=lambda b: (b[0], not b[1])) if highs else None
+        for bound in (low, high):
+            if bound is not None and (abs(bound[0]) >= 10 ** 8 and bound[0] != int(bound[0])
+                                      or -int(bound[0].as_tuple().exponent) > FRACTION_DIGITS):
+                raise ValueError(f"schema at {where}: number bound {bound[0]} is not supported (at most "
+                                 f"{FRACTION_DIGITS} digits after the point, and below 1e8 when it has any)")
+        parts = []
+        zero = (Decimal(0), False)
+        if high is None or high[0] > 0 or (high[0] == 0 and not high[1]):      # zero and the positives
+            lower = zero if low is None or low[0] < 0 else low
+            body = magnitudes(lower, high)
+            if body:
+                parts.append(body)
+        if low is None or low[0] < 0:                                           # the negatives, by magnitude
+            upper = None if low is None else (-low[0], low[1])
+            lower = (Decimal(0), True) if high is None or high[0] >= 0 else (-high[0], high[1])
+            body = magnitudes(lower, upper)
+            if body:
+                parts.append("-" + body)
+        if not parts:
+            raise ValueError(f"schema at {where}: no number lies within the bounds")
+        return "(?:" + "|".join(parts) + ")"
+
+    def apart(self, build: Callable[[_SchemaCompiler], Fragment]) -> DFA | None:
+        """The DFA of a fragment that `build` makes in a compiler of its own (None: empty)."""
+        compiler = _SchemaCompiler(self.root, self.whitespace, self.strict, self.draft)
+        compiler.resources = self.resources
+        compiler.nfa.start, compiler.nfa.accept = build(compiler)
+        try:
+            return compile_nfa(compiler.nfa)
+        except ValueError as error:
+            if "matches no string" in str(error):
+                return None
+            raise
+
+    def intersected(self, automata: list[DFA | None]) -> Fragment:
+        """The strings every automaton accepts, as a fragment."""
+        both: DFA | None = automata[0]
+        for other in automata[1:]:
+            both = None if both is None or other is None else combine(both, other, lambda a, b: a and b)
+        return self.nothing() if both is None else add_dfa(self.nfa, both)
 
     def count(self, schema: dict[str, Any], name: str, where: str) -> int | None:
         value = schema.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"schema at {where}: {name} must be a non-negative integer, got {value!r}")
-        return value
+        if value is not None and (isinstance(value, bool) or not _is_number(value) or value < 0
+                                  or not float(value).is_integer()):
+            raise ValueError(f"schema at {where}: {name} must be a non-negative integer, got {_shown(value)}")
+        return None if value is None else int(value)
 
     def string(self, schema: dict[str, Any], where: str) -> Fragment:
         low = self.count(schema, "minLength", where) or 0
         high = self.count(schema, "maxLength", where)
         if high is not None and high < low:
             raise ValueError(f"schema at {where}: maxLength {high} is below minLength {low}")
-        shaped = [k for k in ("pattern", "format") if k in schema]
-        if len(shaped) > 1 or (shaped and ("minLength" in schema or "maxLength" in schema)):
-            raise ValueError(f"schema at {where}: {shaped[0]!r} together with "
-                             f"{'format' if len(shaped) > 1 else 'minLength/maxLength'} is not supported")
+        name = schema.get("format")
+        if name is not None and (not isinstance(name, str) or (name not in FORMATS and name in SPEC_FORMATS)):
+            raise ValueError(f"schema at {where}: format {_shown(name)} is not supported (supported: "
+                             f"{', '.join(FORMATS)}; formats outside the specification are annotations)")
+        shapes: list[dict[str, Any]] = []
+        if name in FORMATS:
+            shapes.append({"format": name})
+        if "pattern" in schema:
+            shapes.append({"pattern": schema["pattern"]})
+        if shapes and ("minLength" in schema or "maxLength" in schema):
+            shapes.append({"minLength": low, "maxLength": high})
+        if len(shapes) > 1:               # each keyword's strings apart, then the strings all accept
+            return self.intersected([self.apart(partial(_SchemaCompiler.string, schema=shape, where=where))
+                                     for shape in shapes])
         quote = self.pattern('"')
-        if "format" in schema:
-            name = schema["format"]
-            if not isinstance(name, str) or name not in FORMATS:
-                raise ValueError(f"schema at {where}: format {name!r} is not supported (supported: "
-                                 f"{', '.join(FORMATS)})")
-            body = self.pattern(FORMATS[name])
+        if name in FORMATS:
+            body = self.pattern(FORMATS[str(name)])
         elif "pattern" in schema:
             body = self.search(schema["pattern"], where)
         else:
-            character = self.nodes.get(STRING_CHARACTER) or parse_regex(STRING_CHARACTER)
-            self.nodes[STRING_CHARACTER] = character
-            body = add_repeat(self.nfa, lambda: add_fragment(self.nfa, character), low, high)
+            body = add_repeat(self.nfa, lambda: self.pattern(STRING_CHARACTER), low, high)
         return self.nfa.chain([quote, body, self.pattern('"')])
 
-    def search(self, pattern: Any, where: str) -> Fragment:
-        """A string body containing a match of `pattern` (JSON Schema's patterns are searches,
-        anchored only by ^ and $ at its ends); the matched part uses unescaped characters."""
+    def search(self, pattern: Any, where: str, raw_only: bool = False) -> Fragment:
+        """A string body containing a match of `pattern`, read as ECMA-262 reads it (JSON
+        Schema's patterns are searches, anchored only by ^ and $ at its ends); the matched
+        part uses unescaped characters (all of the body when raw_only)."""
         if not isinstance(pattern, str):
-            raise ValueError(f"schema at {where}: pattern must be a string, got {pattern!r}")
+            raise ValueError(f"schema at {where}: pattern must be a string, got {_shown(pattern)}")
         anchored_start = pattern.startswith("^")
         trailing_backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
         anchored_end = pattern.endswith("$") and trailing_backslashes % 2 == 0 and len(pattern) > anchored_start
         body = pattern[int(anchored_start):len(pattern) - int(anchored_end)]
         try:
-            tree = parse_regex(body)
+            tree = parse_regex(body, ecma=True)
         except ValueError as error:
             raise ValueError(f"schema at {where}: pattern: {error}") from None
         if isinstance(tree, Alt) and (anchored_start or anchored_end):
             raise ValueError(f"schema at {where}: pattern {pattern!r}: an anchor beside a top-level | is not "
                              f"supported (group the alternatives)")
-        pieces = [] if anchored_start else [self.pattern(STRING_CHARACTER + "*")]
+        around = "[^\"\\\\\\x00-\\x1f]*" if raw_only else STRING_CHARACTER + "*"
+        pieces = [] if anchored_start else [self.pattern(around)]
         pieces.append(add_fragment(self.nfa, _restrict(tree, RAW_CHARACTERS)))
         if not anchored_end:
-            pieces.append(self.pattern(STRING_CHARACTER + "*"))
+            pieces.append(self.pattern(around))
         return self.nfa.chain(pieces)
 
+    def items_of(self, schema: dict[str, Any], where: str) -> list[Any] | None:
+        """The values an items schema allows when it lists them (enum, const, boolean,
+        null), distinct under JSON equality; None otherwise."""
+        items = self.clean(schema.get("items", True), f"{where}.items")
+        for _ in range(MAX_NESTING):
+            if not (isinstance(items, dict) and set(items) == {"$ref"}):
+                break
+            items = self.clean(self.resolve(items["$ref"], where), items["$ref"])
+        if not isinstance(items, dict):
+            return None
+        if items in ({"type": "boolean"}, {"type": "null"}):
+            return [False, True] if items["type"] == "boolean" else [None]
+        if not ({"enum", "const"} & set(items)) or set(items) - {"enum", "const", "type"}:
+            return None
+        values = list(items.get("enum", [])) if isinstance(items.get("enum", []), list) else []
+        if "const" in items:
+            values = [v for v in values if json_equal(v, items["const"])] if "enum" in items else [items["const"]]
+        if "type" in items:
+            kinds = set(self.types_of(items, where)) | ({"integer"} if "number" in self.types_of(items, where)
+                                                        else set())
+            values = [v for v in values if json_type_of(v) & kinds]
+        distinct: list[Any] = []
+        for v in values:
+            if not any(json_equal(v, w) for w in distinct):
+                distinct.append(v)
+        return distinct
+
     def array(self, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
+        high = self.count(schema, "maxItems", where)
+        unique = schema.get("uniqueItems") is True and (high is None or high > 1)
+        at_least = self.count(schema, "minContains", where)
+        contains = "contains" in schema and at_least != 0
+        if unique or contains:
+            plain = {k: v for k, v in schema.items() if k not in ("uniqueItems", "contains", "minContains")}
+            automata = [self.sub_dfa({**plain, "type": "array"}, where, depth, refs)]
+            if unique:
+                values = self.items_of(schema, where)
+                if values is None or schema.get("prefixItems"):
+                    raise ValueError(f"schema at {where}: uniqueItems is supported for items that list their "
+                                     f"values (enum, const, boolean) only: other items would need the automaton "
+                                     f"to remember every item written")
+                automata.append(self.apart(lambda c: c.unique_array(values)))
+            if contains:
+                if at_least not in (None, 1):
+                    raise ValueError(f"schema at {where}: minContains {at_least} is not supported (only 0 or 1)")
+                matching = {"allOf": [schema.get("items", True), schema["contains"]]}
+                automata.append(self.apart(lambda c: c.containing(schema.get("items", True), matching, where,
+                                                                 depth, refs)))
+            return self.intersected(automata)
         prefix = schema.get("prefixItems", [])
         items = schema.get("items", True)
         if not isinstance(prefix, list):
             raise ValueError(f"schema at {where}: prefixItems must be a list of schemas")
-        if isinstance(items, list):
-            raise ValueError(f"schema at {where}: items as a list is the old tuple form; write prefixItems")
         low = self.count(schema, "minItems", where) or 0
-        high = self.count(schema, "maxItems", where)
         if items is False:
             high = len(prefix) if high is None else min(high, len(prefix))
         if high is not None and high < low:
@@ -567,23 +1141,110 @@ class _SchemaCompiler:
         nfa.link(rest[1], closing[0])
         return opening[0], closing[1]
 
+    def unique_array(self, values: list[Any]) -> Fragment:
+        """Arrays of distinct `values`, each written in the order of the list (so that no
+        value can come twice, and the automaton stays linear in the number of values)."""
+        nfa = self.nfa
+        opening, closing = self.pattern(r"\["), self.pattern(r"\]")
+        first = [nfa.new_state() for _ in range(len(values) + 1)]   # before value i, nothing written yet
+        later = [nfa.new_state() for _ in range(len(values) + 1)]   # before value i, after a comma
+        nfa.link(opening[1], first[0])
+        nfa.link(first[-1], closing[0])
+        for i, value in enumerate(values):
+            written = self.literal(value)
+            after = nfa.new_state()
+            for state in (first[i], later[i]):
+                nfa.link(state, written[0])
+            nfa.link(first[i], first[i + 1])
+            nfa.link(later[i], later[i + 1])
+            nfa.link(written[1], after)
+            nfa.link(after, closing[0])
+            comma = add_fragment(nfa, self.separator)
+            nfa.link(after, comma[0])
+            nfa.link(comma[1], later[i + 1])
+        return opening[0], closing[1]
+
+    def containing(self, items: Any, matching: Any, where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
+        """Arrays of `items` with at least one item valid for `matching`."""
+        nfa = self.nfa
+
+        def item() -> Fragment:
+            return self.value(items, f"{where}.items", depth + 1, refs)
+
+        before = add_repeat(nfa, lambda: nfa.chain([item(), add_fragment(nfa, self.separator)]), 0, None)
+        after = add_repeat(nfa, lambda: nfa.chain([add_fragment(nfa, self.separator), item()]), 0, None)
+        return nfa.chain([self.pattern(r"\["), before, self.value(matching, f"{where}.contains", depth + 1, refs),
+                          after, self.pattern(r"\]")])
+
     def object(self, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
+        if schema.get("dependentRequired") or schema.get("dependentSchemas"):
+            return self.dependent(schema, where, depth, refs)
         properties = schema.get("properties", {})
-        if not isinstance(properties, dict):
-            raise ValueError(f"schema at {where}: properties must be an object of schemas")
+        patterns = schema.get("patternProperties", {})
+        for name, mapping in (("properties", properties), ("patternProperties", patterns)):
+            if not isinstance(mapping, dict):
+                raise ValueError(f"schema at {where}: {name} must be an object of schemas")
+        properties = dict(properties)
         required = schema.get("required", [])
         if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
-            raise ValueError(f"schema at {where}: required must be a list of property names, got {required!r}")
-        missing = [name for name in required if name not in properties]
-        if missing:
-            raise ValueError(f"schema at {where}: required property {missing[0]!r} has no schema in properties")
-        extra = schema.get("additionalProperties", None if properties else True)
+            raise ValueError(f"schema at {where}: required must be a list of property names, got {_shown(required)}")
+        # A missing additionalProperties: extra keys are written only under JSON Schema's
+        # rule (strict=False), or when the schema lists no property at all.
+        open_by_default = not self.strict or not (properties or patterns)
+        extra = schema.get("additionalProperties", True if open_by_default else False)
+        keys = {pattern: self.apart(partial(_SchemaCompiler.key, pattern=pattern, where=where))
+                for pattern in patterns}
+        for name in [n for n in required if n not in properties]:
+            if extra is False and not any(_is_key(keys[p], name, unknown=False) for p in patterns):
+                raise ValueError(f"schema at {where}: required property {name!r} has no schema in properties, and "
+                                 f"additionalProperties (or its strict default) forbids it")
+            properties[name] = extra if extra is not False else True
+        for name in properties:                      # a listed name that a pattern matches obeys both
+            matched = [patterns[p] for p in patterns if _is_key(keys[p], name)]
+            if matched:
+                properties[name] = {"allOf": [properties[name], *matched]}
+        names = schema.get("propertyNames", True)
+        names_dfa = None
+        if names is not True:
+            names_dfa = self.sub_dfa({"allOf": [{"type": "string"}, names]}, f"{where}.propertyNames", depth + 1,
+                                     refs)
+            for name in list(properties):
+                if names_dfa is None or not names_dfa.fullmatch(json.dumps(name, ensure_ascii=False).encode()):
+                    if name in required:
+                        raise ValueError(f"schema at {where}: required property {name!r} is refused by propertyNames")
+                    properties[name] = False
+        # Extra members: (key automaton, value schema); keys are written with raw characters,
+        # differ from every listed name and match exactly the patterns whose schema they get.
+        groups: list[tuple[DFA | None, Any]] = []  # (None: any key but the listed names, value schema)
+        if patterns or names is not True:
+            listed = compile_regex("|".join('"' + escape(n) + '"' for n in properties)) if properties else None
+            candidates = [(keys[p], patterns[p], [keys[q] for q in patterns if q != p]) for p in patterns]
+            if extra is not False:
+                candidates.append((compile_regex('"[^"\\\\\\x00-\\x1f]*"'), extra, list(keys.values())))
+            for key, sub, others in candidates:
+                for other in [*others, listed]:
+                    if key is not None and other is not None:
+                        key = combine(key, other, lambda a, b: a and not b)
+                if names is not True:
+                    key = None if key is None or names_dfa is None else combine(key, names_dfa, lambda a, b: a and b)
+                if key is not None:
+                    groups.append((key, sub))
+        elif extra is not False:
+            groups.append((None, extra))
         low = self.count(schema, "minProperties", where) or 0
         high = self.count(schema, "maxProperties", where)
         counted = "minProperties" in schema or "maxProperties" in schema
-        if counted and extra not in (None, False):
-            raise ValueError(f"schema at {where}: minProperties/maxProperties with additionalProperties are not "
-                             f"supported (list the properties and set additionalProperties false)")
+        if counted and groups:
+            if high is not None or low > 1:
+                raise ValueError(f"schema at {where}: minProperties above 1 or maxProperties with extra keys are "
+                                 f"not supported (list the properties and set additionalProperties false)")
+            if low == 1:                          # at least one member: any object but {}
+                uncounted = {k: v for k, v in schema.items() if k not in ("minProperties", "maxProperties")}
+                whole = self.sub_dfa(uncounted, where, depth, refs)
+                empty = compile_regex(r"\{\}")
+                left = None if whole is None else combine(whole, empty, lambda a, b: a and not b)
+                return self.nothing() if left is None else add_dfa(self.nfa, left)
+            counted = False
         nfa = self.nfa
         opening, closing = self.pattern(r"\{"), self.pattern(r"\}")
         # state[k]: after the properties considered so far, k of them written (counting only
@@ -614,10 +1275,10 @@ class _SchemaCompiler:
                 for k in range(limit + 1):
                     nfa.link(states[k], following[k])
             states = following
-        if extra not in (None, False):
-            key = self.key_other_than(list(properties))
-            value = self.value(extra, f"{where}.additionalProperties", depth + 1, refs)
-            member = nfa.chain([key, add_fragment(nfa, self.colon), value])
+        for key, sub in groups:
+            written = self.key_other_than(list(properties)) if key is None else add_dfa(nfa, key)
+            value = self.value(sub, f"{where}.additionalProperties", depth + 1, refs)
+            member = nfa.chain([written, add_fragment(nfa, self.colon), value])
             nfa.link(states[0], member[0])
             comma = add_fragment(nfa, self.separator)
             nfa.link(states[1], comma[0])
@@ -627,6 +1288,50 @@ class _SchemaCompiler:
             if not counted or low <= k:
                 nfa.link(state, closing[0])
         return opening[0], closing[1]
+
+    def key(self, pattern: str, where: str) -> Fragment:
+        """A key (quotes included) of raw characters that contains a match of `pattern`."""
+        return self.nfa.chain([self.pattern('"'), self.search(pattern, f"{where}.patternProperties", raw_only=True),
+                               self.pattern('"')])
+
+    def dependent(self, schema: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
+        """dependentRequired/dependentSchemas as one object schema per choice of which of
+        the named properties are present (at most MAX_VARIANTS)."""
+        needs, implies = schema.get("dependentRequired", {}), schema.get("dependentSchemas", {})
+        if not isinstance(needs, dict) or not isinstance(implies, dict):
+            raise ValueError(f"schema at {where}: dependentRequired/dependentSchemas must be objects")
+        base = {k: v for k, v in schema.items() if k not in ("dependentRequired", "dependentSchemas")}
+        base["type"] = "object"
+        names = list(dict.fromkeys([*needs, *implies]))
+        if 2 ** len(names) > MAX_VARIANTS:
+            raise ValueError(f"schema at {where}: dependencies on {len(names)} properties need more than "
+                             f"MAX_VARIANTS={MAX_VARIANTS} object schemas")
+        fragments, errors = [], []
+        for present in itertools.product((False, True), repeat=len(names)):
+            properties = dict(base.get("properties", {}))
+            required = list(base.get("required", []))
+            parts = []
+            for name, here in zip(names, present):
+                if here:
+                    wanted = needs.get(name, [])
+                    if not isinstance(wanted, list):
+                        raise ValueError(f"schema at {where}: dependentRequired.{name} must be a list of names")
+                    required += [n for n in [name, *wanted] if n not in required]
+                    if name in implies:
+                        parts.append(implies[name])
+                else:
+                    properties[name] = False
+            if any(name in required and properties.get(name) is False for name in names):
+                continue                              # a property both required and absent: no such object
+            variant = {**base, "properties": properties, "required": required}
+            try:
+                both = {**variant, "allOf": list(variant.get("allOf", [])) + parts} if parts else variant
+                fragments.append(self.value(both, where, depth + 1, refs))
+            except ValueError as error:
+                errors.append(error)
+        if not fragments:
+            raise errors[0] if errors else ValueError(f"schema at {where}: no object satisfies the dependencies")
+        return self.nfa.choice(fragments)
 
     def key_other_than(self, names: list[str]) -> Fragment:
         """A JSON string of unescaped characters that differs from every one of `names`
@@ -663,6 +1368,15 @@ class _SchemaCompiler:
         nfa.link(opening[1], node(""))
         return opening[0], end
 
+    def free_automaton(self) -> DFA:
+        """The minimal DFA of free(FREE_DEPTH), built once per whitespace rule."""
+        automaton = _FREE_AUTOMATA.get(self.whitespace)
+        if automaton is None:
+            compiler = _SchemaCompiler(True, self.whitespace, self.strict, self.draft)
+            compiler.nfa.start, compiler.nfa.accept = compiler.free(FREE_DEPTH)
+            automaton = _FREE_AUTOMATA[self.whitespace] = compile_nfa(compiler.nfa)
+        return automaton
+
     def free(self, depth: int) -> Fragment:
         """Any JSON value nested at most `depth` containers deep."""
         scalars = [self.pattern('"' + STRING_CHARACTER + '*"'), self.pattern(NUMBER),
@@ -680,6 +1394,23 @@ class _SchemaCompiler:
         members = add_repeat(self.nfa, member, 0, None, lambda: add_fragment(self.nfa, self.separator))
         obj = self.nfa.chain([self.pattern(r"\{"), members, self.pattern(r"\}")])
         return self.nfa.choice(scalars + [array, obj])
+
+
+_FREE_AUTOMATA: dict[str, DFA] = {}
+
+
+@lru_cache(maxsize=4096)
+def _pattern_automaton(text: str) -> DFA:
+    return compile_regex(text)
+
+
+def _is_key(key: DFA | None, name: str, unknown: bool = True) -> bool:
+    """Does a patternProperties key automaton (raw characters) take the property `name`?
+    For a name it cannot spell raw, `unknown`: True where counting it as matched only takes
+    values away (its pattern's schema then applies too), False where it would allow more."""
+    if any(ord(char) < 0x20 or char in '"\\' for char in name):
+        return unknown
+    return key is not None and key.fullmatch(('"' + name + '"').encode("utf-8"))
 
 
 def _hex_digit(char: str) -> str:
@@ -714,26 +1445,34 @@ def _load(schema: Any) -> Any:
     return schema
 
 
-def schema_to_nfa(schema: Any, whitespace: str = OPTIONAL_SPACE) -> NFA:
+def draft_of(schema: Any) -> int:
+    """The draft a schema names in "$schema" (4, 6, 7, 2019, 2020); LATEST_DRAFT when it
+    names none, or a meta-schema that is not a draft (Snowplow's, say), as validators read
+    it. ValueError for draft-03."""
+    name = schema.get("$schema") if isinstance(schema, dict) else None
+    if name is None:
+        return LATEST_DRAFT
+    if isinstance(name, str) and "draft-03" in name:
+        raise ValueError("the schema is draft-03, which is not supported")
+    for marker, draft in DRAFTS.items():
+        if isinstance(name, str) and marker in name:
+            return draft
+    return LATEST_DRAFT
+
+
+def schema_to_nfa(schema: Any, whitespace: str = OPTIONAL_SPACE, strict: bool = True) -> NFA:
     """The NFA of the JSON documents that validate against `schema` (a dict, a boolean, or
-    its JSON text). ValueError names the refused keyword or bad value, its place
-    ("$.properties.age") and the rule or the limit it breaks."""
+    its JSON text) under the draft it names. strict: a missing additionalProperties
+    forbids unlisted keys (strict=False: JSON Schema's rule, they are allowed). ValueError
+    names the refused keyword or bad value, its place ("$.properties.age") and the rule or
+    the limit it breaks."""
     root = _load(schema)
-    return _nfa_of(root, root, whitespace)
-
-
-def _nfa_of(root: Any, schema: Any, whitespace: str) -> NFA:
-    compiler = _SchemaCompiler(root, whitespace)
-    compiler.nfa.start, compiler.nfa.accept = compiler.value(schema, "$", 0, ())
+    compiler = _SchemaCompiler(root, whitespace, strict, draft_of(root))
+    compiler.nfa.start, compiler.nfa.accept = compiler.value(root, "$", 0, ())
     return compiler.nfa
 
 
-def compile_schema_part(root: Any, schema: Any, whitespace: str) -> DFA:
-    """The DFA of one sub-schema of `root` (its $refs resolved in root)."""
-    return compile_nfa(_nfa_of(root, schema, whitespace))
-
-
-def compile_schema(schema: Any, whitespace: str = OPTIONAL_SPACE) -> DFA:
-    """The trimmed, minimal byte DFA of the JSON documents that validate against `schema`."""
-    root = _load(schema)
-    return compile_schema_part(root, root, whitespace)
+def compile_schema(schema: Any, whitespace: str = OPTIONAL_SPACE, strict: bool = True) -> DFA:
+    """The trimmed, minimal byte DFA of the JSON documents that validate against `schema`
+    (arguments as schema_to_nfa's)."""
+    return compile_nfa(schema_to_nfa(schema, whitespace, strict))

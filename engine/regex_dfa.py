@@ -12,7 +12,10 @@ the UTF-8 byte sequences of its code points.
 
 The subset: literals; escapes (\\n \\t \\r \\f \\v \\xHH \\uHHHH \\UHHHHHHHH and escaped
 metacharacters); classes [a-z], [^...]; \\d \\w \\s and their negations with their ASCII
-meaning (Python's re.ASCII); "." (any character but newline); groups (...) and (?:...);
+meaning (Python's re.ASCII), or with ecma=True those of JSON Schema's "pattern", which
+validators read with ECMA-262's or with Python's engine: a class is cut to the characters
+both engines agree on (see ecma_class_escapes), and "." excludes every line terminator;
+"." (any character but newline); groups (...) and (?:...);
 alternation |; the quantifiers * + ? {m} {m,} {m,n} {,n}. The whole text must match
 (re.fullmatch), so anchors are refused, as are backreferences, lookarounds and lazy
 quantifiers (which cannot change what fullmatch accepts, and which we refuse rather
@@ -23,6 +26,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -78,6 +82,51 @@ SPACE = _normalise([(ord(c), ord(c)) for c in " \t\n\r\f\v"])
 ANY_BUT_NEWLINE = complement(_normalise([(10, 10)]))
 CLASS_ESCAPES = {"d": DIGITS, "D": complement(DIGITS), "w": WORD, "W": complement(WORD),
                  "s": SPACE, "S": complement(SPACE)}
+# ECMA-262's WhiteSpace and LineTerminator code points, which its \\s matches (ES2024 22.2.2.9),
+# and those of Python's re (which validators written in Python use): \\s is written only as
+# a character both call a space, \\S, \\D and \\W only as one neither calls a space, a
+# digit or a word character, so that what is written matches under either engine.
+ECMA_SPACE = _normalise([(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+                         (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
+                         (0xFEFF, 0xFEFF)])
+PYTHON_SPACE = _normalise([(code, code) for code in range(0x3001) if chr(code).isspace()])
+
+
+@lru_cache(maxsize=None)
+def _unicode_class(name: str) -> CharSet:
+    """The code points Python's re counts as digits ("d") or word characters ("w"), as
+    intervals: a scan of every code point, made once, on first use (a fraction of a second)."""
+    test = str.isdecimal if name == "d" else (lambda char: char.isalnum() or char == "_")
+    runs: list[tuple[int, int]] = []
+    start = -1
+    for code in range(MAX_CODE_POINT + 2):
+        inside = code <= MAX_CODE_POINT and not SURROGATES[0] <= code <= SURROGATES[1] and test(chr(code))
+        if inside and start < 0:
+            start = code
+        elif not inside and start >= 0:
+            runs.append((start, code - 1))
+            start = -1
+    return _normalise(runs)
+
+
+class _EcmaClasses(dict):
+    """The class escapes of a JSON Schema pattern; \\D and \\W are computed when first asked."""
+
+    def __missing__(self, key: str) -> CharSet:
+        if key not in "DW":
+            raise KeyError(key)
+        value = self[key] = complement(_normalise(CLASS_ESCAPES[key.lower()] + _unicode_class(key.lower())))
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return key in ("d", "w", "s", "S", "D", "W")
+
+
+ECMA_CLASS_ESCAPES = _EcmaClasses(d=DIGITS, w=WORD, s=intersection(ECMA_SPACE, PYTHON_SPACE),
+                                  S=complement(_normalise(ECMA_SPACE + PYTHON_SPACE)))
+
+
+ECMA_ANY = complement(_normalise([(10, 10), (13, 13), (0x2028, 0x2029)]))
 CONTROL_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 METACHARACTERS = set(".^$*+?{}[]\\|()")
@@ -117,8 +166,10 @@ Node = Chars | Concat | Alt | Repeat
 class _Parser:
     """Recursive descent over the pattern: alternation > concatenation > quantified atom."""
 
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, ecma: bool) -> None:
         self.pattern = pattern
+        self.classes = ECMA_CLASS_ESCAPES if ecma else CLASS_ESCAPES
+        self.any = ECMA_ANY if ecma else ANY_BUT_NEWLINE
         self.pos = 0
         self.depth = 0                                  # groups open at self.pos
 
@@ -214,7 +265,7 @@ class _Parser:
             return Chars(self.char_class())
         self.pos += 1
         if char == ".":
-            return Chars(ANY_BUT_NEWLINE)
+            return Chars(self.any)
         if char == "\\":
             return Chars(self.escape())
         return Chars(_normalise([(ord(char), ord(char))]))
@@ -225,8 +276,8 @@ class _Parser:
             raise self.fail("bad escape (end of pattern)")
         char = self.pattern[self.pos]
         self.pos += 1
-        if char in CLASS_ESCAPES:
-            return CLASS_ESCAPES[char]
+        if char in self.classes:
+            return self.classes[char]
         if char in CONTROL_ESCAPES:
             return _normalise([(ord(CONTROL_ESCAPES[char]),) * 2])
         if char in HEX_ESCAPES:
@@ -282,11 +333,12 @@ class _Parser:
         return _normalise([(ord(char), ord(char))])
 
 
-def parse_regex(pattern: str) -> Node:
-    """The syntax tree of `pattern`; ValueError naming the position and the rule it breaks."""
+def parse_regex(pattern: str, ecma: bool = False) -> Node:
+    """The syntax tree of `pattern` (ecma: its classes and "." as ECMA-262 reads them);
+    ValueError naming the position and the rule it breaks."""
     if not isinstance(pattern, str):
         raise ValueError(f"a regex is a str, got {type(pattern).__name__}")
-    return _Parser(pattern).parse()
+    return _Parser(pattern, ecma).parse()
 
 
 # --- characters to UTF-8 byte ranges ----------------------------------------------------------
@@ -537,12 +589,56 @@ def trim(dfa: DFA) -> DFA:
     return renumbered(dfa, order, np.where(alive, np.arange(dfa.num_states), -1))
 
 
+MOORE_ROUNDS = 48                      # vectorised refinement rounds tried before Hopcroft's
+
+
+def _moore_rounds(columns: np.ndarray, accepting: np.ndarray, rounds: int) -> np.ndarray | None:
+    """Moore's refinement in numpy: every round splits each block by the blocks its states
+    move to on every class, all at once. The block of each state once no block splits, or
+    None when `rounds` rounds were not enough (a long chain: Hopcroft's order is then used)."""
+    block = _row_classes(np.concatenate([accepting[:, None], columns >= 0], axis=1).astype(np.int64))
+    count = int(block.max()) + 1
+    for _ in range(rounds):
+        moved = np.where(columns >= 0, block[np.maximum(columns, 0)], -1)
+        block = _row_classes(np.concatenate([block[:, None], moved], axis=1))
+        if int(block.max()) + 1 == count:
+            return block
+        count = int(block.max()) + 1
+    return None
+
+
+def _row_classes(rows: np.ndarray) -> np.ndarray:
+    """A number per row, equal for equal rows (0, 1, ... in sorted order of the rows)."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    starts = np.concatenate([[0], np.any(ordered[1:] != ordered[:-1], axis=1)]).cumsum()
+    numbers = np.empty(len(rows), dtype=np.int64)
+    numbers[order] = starts
+    return numbers
+
+
 def minimize(dfa: DFA) -> DFA:
-    """The smallest DFA for the same language (Hopcroft's partition refinement, O(C E log S)
-    for S states, C byte classes and E moves): states that accept alike, have moves on the
-    same bytes and move to the same blocks on every byte merge. Expects a trimmed DFA (so a
-    -1 move and a move into a live state always differ)."""
+    """The smallest DFA for the same language: states that accept alike, have moves on the
+    same bytes and move to the same blocks on every byte merge. Partition refinement: up to
+    MOORE_ROUNDS rounds of Moore's (each vectorised), which settle the automata of schemas;
+    when they do not, Hopcroft's (O(C E log S) for S states, C byte classes and E moves).
+    Expects a trimmed DFA (so a -1 move and a move into a live state always differ)."""
     columns = distinct_columns(dfa.transitions)
+    settled = _moore_rounds(columns, dfa.accepting, MOORE_ROUNDS)
+    dense = settled if settled is not None else _hopcroft(dfa, columns)
+    # One representative per block, in breadth-first order from the start's block.
+    first_of_block = np.full(int(dense.max()) + 1, -1, dtype=np.int64)
+    first_of_block[dense[::-1]] = np.arange(dfa.num_states)[::-1]
+    is_first = np.zeros(dfa.num_states, dtype=bool)
+    is_first[first_of_block] = True
+    representative = first_of_block[dense]           # every state -> its block's first state
+    reduced = np.where(columns >= 0, representative[np.maximum(columns, 0)], -1)
+    order = breadth_first(reduced, int(representative[dfa.start]), is_first)
+    return renumbered(dfa, order, representative)
+
+
+def _hopcroft(dfa: DFA, columns: np.ndarray) -> np.ndarray:
+    """Each state's block (numbered densely) by Hopcroft's partition refinement."""
     size, num_classes = columns.shape
     # inverse[c]: the states sorted by their target on class c, and where each target's run
     # starts (the -1 moves sort first and are never looked up).
@@ -582,21 +678,62 @@ def minimize(dfa: DFA) -> DFA:
                     pending.add((new, k))
                 else:
                     pending.add((new if len(part) <= len(blocks[block]) else block, k))
-    _, dense = np.unique(np.array(block_of, dtype=np.int64), return_inverse=True)
-    # One representative per block, in breadth-first order from the start's block.
-    first_of_block = np.full(int(dense.max()) + 1, -1, dtype=np.int64)
-    first_of_block[dense[::-1]] = np.arange(dfa.num_states)[::-1]
-    is_first = np.zeros(dfa.num_states, dtype=bool)
-    is_first[first_of_block] = True
-    representative = first_of_block[dense]           # every state -> its block's first state
-    reduced = np.where(columns >= 0, representative[np.maximum(columns, 0)], -1)
-    order = breadth_first(reduced, int(representative[dfa.start]), is_first)
-    return renumbered(dfa, order, representative)
+    return np.unique(np.array(block_of, dtype=np.int64), return_inverse=True)[1].reshape(-1)
 
 
 def compile_nfa(nfa: NFA) -> DFA:
     """The trimmed, minimal DFA of an NFA."""
     return minimize(trim(determinize(nfa)))
+
+
+def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
+    """The product automaton of `a` and `b`: it accepts the strings for which keep(a accepts,
+    b accepts) holds (and: intersection; a and not b: difference). A missing move counts as a
+    move to a rejecting sink, so a difference keeps the strings b never reads to the end.
+    Trimmed and minimal; None when it accepts nothing. ValueError past MAX_DFA_STATES."""
+    sink_a, sink_b = a.num_states, b.num_states              # each side's sink: its row is all sinks
+    moves_a = np.vstack([np.where(a.transitions >= 0, a.transitions, sink_a), np.full((1, 256), sink_a)])
+    moves_b = np.vstack([np.where(b.transitions >= 0, b.transitions, sink_b), np.full((1, 256), sink_b)])
+    accepts_a = np.append(a.accepting, False)
+    accepts_b = np.append(b.accepting, False)
+    width = sink_b + 1
+    number = {a.start * width + b.start: 0}
+    order = [a.start * width + b.start]
+    rows: list[np.ndarray] = []
+    while len(rows) < len(order):
+        pair = order[len(rows)]
+        codes = moves_a[pair // width].astype(np.int64) * width + moves_b[pair % width]
+        row = np.empty(256, dtype=np.int32)
+        for code in np.unique(codes).tolist():
+            if code not in number:
+                if len(order) >= MAX_DFA_STATES:
+                    raise ValueError(f"combining two automata needs more than MAX_DFA_STATES={MAX_DFA_STATES} states")
+                number[code] = len(order)
+                order.append(code)
+            row[codes == code] = number[code]
+        rows.append(row)
+    pairs = np.array(order, dtype=np.int64)
+    accepting = np.array([keep(bool(x), bool(y)) for x, y in zip(accepts_a[pairs // width], accepts_b[pairs % width])])
+    if not accepting.any():
+        return None
+    return minimize(trim(DFA(np.stack(rows), accepting, 0)))
+
+
+def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:
+    """Add a DFA's states to `nfa` as a fragment (start, end) that reads its language: the
+    way a compiled piece (a difference, a product) joins a larger automaton."""
+    states = [nfa.new_state() for _ in range(dfa.num_states)]
+    end = nfa.new_state()
+    for state, row in enumerate(dfa.transitions.tolist()):
+        low = 0
+        for byte in range(1, 257):                      # one edge per run of bytes with one target
+            if byte == 256 or row[byte] != row[low]:
+                if row[low] >= 0:
+                    nfa.edges[states[state]].append((low, byte - 1, states[row[low]]))
+                low = byte
+        if dfa.accepting[state]:
+            nfa.link(states[state], end)
+    return states[dfa.start], end
 
 
 def compile_regex(pattern: str) -> DFA:

@@ -208,9 +208,9 @@ def test_a_schema_automaton_accepts_what_json_dumps_writes(json_regex):
 
 
 @pytest.mark.parametrize("schema, words", [
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
     ({"type": "object", "properties": {"a": {"$ref": "https://x.org/s"}}}, r"\$\.properties\.a"),
-    ({"type": "object", "properties": {}, "required": ["a"]}, "'a'"),
+    ({"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False}, "'a'"),
     ({"type": "date"}, "date"),
     ("{not json", "JSON"),
 ])
@@ -418,7 +418,7 @@ def test_guided_requests_are_refused_without_what_they_need(serve, tiny_model):
     engine = guided_engine(serve, tiny_model)
     engine.add_request("busy", [1, 2, 3], P(max_tokens=4))
     before = (len(engine.scheduler.waiting), engine.blocks.num_free)
-    for bad, words in ((P(guided_regex="(a"), "missing"), (P(guided_json={"type": "string", "format": "x"}),
+    for bad, words in ((P(guided_regex="(a"), "missing"), (P(guided_json={"type": "string", "format": "ipv6"}),
                                                          "format")):
         with pytest.raises(ValueError, match=words) as caught:
             engine.add_request("bad", [1, 2], bad)

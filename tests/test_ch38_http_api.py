@@ -679,8 +679,9 @@ def test_guides_are_compiled_off_the_engine_thread(guided_server, monkeypatch):
     wait_idle(engine)
 
 
-# Six one-line requests that once stopped the engine loop for good: the guide compiler raised
-# TypeError or RecursionError on the engine thread. Each is the client's 400, naming its field.
+# One-line requests that are the client's 400, naming its field. The first six once stopped
+# the engine loop for good (the guide compiler raised TypeError or RecursionError on the
+# engine thread); the last asks for a strict flag that is not a boolean.
 ENGINE_STOPPERS = [
     ("guided_json", {"guided_json": {"type": {}}}),
     ("guided_json", {"guided_json": {"type": [{}]}}),
@@ -689,6 +690,8 @@ ENGINE_STOPPERS = [
     ("guided_json", {"guided_json": {"type": "object", "properties": {"a": {"type": "null"}}, "required": [["a"]]}}),
     ("guided_regex", {"guided_regex": "(" * 500 + "a" + ")" * 500}),
     ("guided_regex", {"guided_regex": "(?:" * 400 + "a" + ")" * 400}),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": "yes"}}}),
 ]
 
 

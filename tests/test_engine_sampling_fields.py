@@ -57,6 +57,9 @@ def examples(greedy):
         "bad_words_token_ids": ({}, dict(bad_words_token_ids=((first,),))),
         "guided_regex": ({}, dict(guided_regex="a+")),
         "guided_json": ({}, dict(guided_json={"type": "boolean"})),
+        # strict, the one listed key is all an object may hold; JSON Schema's own rule lets others in
+        "guided_json_strict": (dict(guided_json={"type": "object", "properties": {"a": {"type": "boolean"}}}),
+                               dict(guided_json_strict=False)),
     }
 
 

@@ -39,9 +39,9 @@ NODE = {"type": "object", "properties": {
 # name -> (schema, valid instances, invalid instances)
 SCHEMAS = {
     "enum beside type": ({"type": "string", "enum": ["a", 1, "b"]}, ["a", "b"], [1, "c"]),
-    "enum and const": ({"enum": [1, 2], "const": 1}, [1, 1.0], [2]),
-    "number equality": ({"enum": [0, "x", True]}, [0, 0.0, "x", True], [False, 1, "y"]),
-    "integer": ({"type": "integer"}, [0, -17, 12345678901234, 3.0], [1.5, "1", None]),
+    "enum and const": ({"enum": [1, 2], "const": 1}, [1], [2]),
+    "number equality": ({"enum": [0.0, "x", True]}, [0, "x", True], [False, 1, "y"]),
+    "integer": ({"type": "integer"}, [0, -17, 12345678901234], [1.5, "1", None]),
     "integer range": ({"type": "integer", "minimum": -12, "exclusiveMaximum": 107},
                       [-12, -1, 0, 9, 10, 99, 100, 106], [-13, 107, 1000, -100]),
     "exclusive minimum": ({"type": "integer", "exclusiveMinimum": 5, "maximum": 5000}, [6, 5000, 999], [5, 5001, 0]),
@@ -177,16 +177,24 @@ def test_instances_drawn_from_the_schema_are_accepted(json_regex, name):
 
 @pytest.mark.parametrize("schema, words", [
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
-    ({"not": {"type": "null"}}, "'not'"),
-    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"not": {"type": "array", "items": {"type": "null"}}}, "'not'.*complement"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"type": "null"}, "minContains": 2}, "minContains"),
+    ({"type": "array", "contains": {"type": "null"}, "maxContains": 2}, "maxContains"),
     ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}, r"\$\.properties\.a.*local"),
     ({"$ref": "#/$defs/missing"}, "points at nothing"),
-    ({"type": "object", "properties": {}, "required": ["a"]}, "'a'"),
+    ({"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False}, "'a'"),
+    ({"type": "object", "unevaluatedProperties": False}, "unevaluatedProperties"),
+    ({"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"}, "draft-03"),
+    ({"type": "integer", "exclusiveMinimum": True, "minimum": 1}, "draft-04"),
+    ({"type": "array", "items": [{"type": "string"}]}, "tuple form"),
     ({"type": "date"}, "'date'"),
-    ({"type": "string", "format": "hostname"}, "hostname"),
-    ({"type": "number", "minimum": 0.5}, "minimum"),
+    ({"type": "string", "format": "ipv6"}, "ipv6"),
+    ({"type": "number", "minimum": 0.1234567}, "number bound"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "overlap"),
-    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "disagrees"),
+    ({"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}, "overlap"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "matches no string"),
+    ({"allOf": [{"type": "string", "format": "date"}, {"format": "email"}]}, "disagrees"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"),
     ({"type": "string", "enum": [1]}, "no string"),
     ({"type": {}}, "type must be"),
@@ -234,17 +242,37 @@ def test_limits_are_refused_quickly_by_name(json_regex, rx, kind, source, words)
     assert elapsed < 2.0, f"refusing {kind} {str(source)[:40]} took {elapsed:.1f} s: the limit must stop it early"
 
 
-# --- the JSON-Schema-Test-Suite's draft 2020-12 cases (vendored, MIT licence beside them) --------
+# --- the JSON-Schema-Test-Suite's cases (vendored, MIT licence beside them) ---------------------
 
-SUITE = pathlib.Path(__file__).parent / "data" / "json-schema-test-suite" / "draft2020-12"
+SUITE = pathlib.Path(__file__).parent / "data" / "json-schema-test-suite"
+# The suite's files name no draft: each directory's is given to its schemas as "$schema".
+DRAFT_URIS = {"draft4": "http://json-schema.org/draft-04/schema#", "draft7": "http://json-schema.org/draft-07/schema#",
+              "draft2020-12": "https://json-schema.org/draft/2020-12/schema"}
 # file -> (schemas compiled, valid instances accepted) when this test was written: the
 # compiler must not fall below them. Every invalid instance must always be refused.
 SUITE_REACHED = {
-    "additionalProperties": (4, 4), "allOf": (8, 6), "anyOf": (6, 9), "boolean_schema": (1, 9), "const": (17, 21),
-    "default": (2, 4), "enum": (14, 22), "exclusiveMaximum": (1, 1), "exclusiveMinimum": (1, 1), "items": (8, 14),
-    "maxItems": (1, 3), "maxLength": (1, 4), "maxProperties": (0, 0), "maximum": (2, 4), "minItems": (1, 3),
-    "minLength": (1, 3), "minProperties": (0, 0), "minimum": (2, 6), "oneOf": (1, 1), "pattern": (2, 8),
-    "prefixItems": (4, 9), "properties": (5, 11), "ref": (14, 15), "required": (3, 8), "type": (11, 21),
+    "draft2020-12/additionalProperties": (8, 11), "draft2020-12/allOf": (9, 7), "draft2020-12/anyOf": (7, 11),
+    "draft2020-12/boolean_schema": (1, 9), "draft2020-12/const": (17, 17), "draft2020-12/contains": (6, 10),
+    "draft2020-12/default": (3, 6), "draft2020-12/dependentRequired": (4, 8),
+    "draft2020-12/dependentSchemas": (4, 5), "draft2020-12/enum": (14, 18), "draft2020-12/exclusiveMaximum": (1, 2),
+    "draft2020-12/exclusiveMinimum": (1, 2), "draft2020-12/if-then-else": (11, 18), "draft2020-12/items": (9, 16),
+    "draft2020-12/maxContains": (0, 0), "draft2020-12/maxItems": (2, 4), "draft2020-12/maxLength": (2, 5),
+    "draft2020-12/maxProperties": (0, 0), "draft2020-12/maximum": (2, 6), "draft2020-12/minContains": (3, 7),
+    "draft2020-12/minItems": (2, 4), "draft2020-12/minLength": (2, 4), "draft2020-12/minProperties": (0, 0),
+    "draft2020-12/minimum": (2, 8), "draft2020-12/multipleOf": (1, 2), "draft2020-12/not": (2, 9),
+    "draft2020-12/oneOf": (2, 2), "draft2020-12/optional/ecmascript-regex": (13, 14), "draft2020-12/pattern": (2, 8),
+    "draft2020-12/patternProperties": (5, 9), "draft2020-12/prefixItems": (4, 9), "draft2020-12/properties": (6, 15),
+    "draft2020-12/propertyNames": (6, 17), "draft2020-12/ref": (19, 22), "draft2020-12/required": (5, 12),
+    "draft2020-12/type": (11, 20), "draft2020-12/uniqueItems": (3, 25), "draft4/additionalItems": (8, 12),
+    "draft4/additionalProperties": (6, 10), "draft4/allOf": (8, 6), "draft4/anyOf": (5, 9),
+    "draft4/definitions": (0, 0), "draft4/dependencies": (5, 6), "draft4/enum": (16, 20), "draft4/items": (6, 13),
+    "draft4/maximum": (4, 10), "draft4/minimum": (4, 12), "draft4/multipleOf": (1, 2), "draft4/not": (1, 0),
+    "draft4/oneOf": (1, 1), "draft4/optional/zeroTerminatedFloats": (1, 0), "draft4/patternProperties": (4, 7),
+    "draft4/properties": (5, 13), "draft4/ref": (13, 17), "draft4/required": (4, 11), "draft4/type": (11, 20),
+    "draft4/uniqueItems": (3, 25), "draft7/additionalItems": (9, 13), "draft7/const": (17, 17),
+    "draft7/contains": (6, 10), "draft7/dependencies": (7, 10), "draft7/exclusiveMaximum": (1, 2),
+    "draft7/exclusiveMinimum": (1, 2), "draft7/if-then-else": (11, 18), "draft7/items": (9, 18),
+    "draft7/propertyNames": (6, 17), "draft7/ref": (19, 23), "draft7/uniqueItems": (3, 25),
 }
 
 
@@ -252,8 +280,11 @@ SUITE_REACHED = {
 def test_the_test_suite_is_never_accepted_wrong(json_regex, name):
     compiled = accepted = 0
     for group in json.loads((SUITE / f"{name}.json").read_text(encoding="utf-8")):
+        schema = group["schema"]
+        if isinstance(schema, dict) and "$schema" not in schema:
+            schema = {"$schema": DRAFT_URIS[name.split("/")[0]], **schema}
         try:
-            dfa = json_regex.compile_schema(group["schema"])
+            dfa = json_regex.compile_schema(schema)
         except ValueError:
             continue
         compiled += 1
@@ -267,3 +298,66 @@ def test_the_test_suite_is_never_accepted_wrong(json_regex, name):
     assert compiled >= SUITE_REACHED[name][0] and accepted >= SUITE_REACHED[name][1], (
         f"{name}.json: {compiled} schemas compiled and {accepted} valid instances accepted, fewer than the "
         f"{SUITE_REACHED[name]} reached before")
+
+
+# --- a corpus of schemas like those clients send (tests/data/schema_corpus, made by make_corpus.py) ---
+
+CORPUS = json.loads((pathlib.Path(__file__).parent / "data" / "schema_corpus" / "corpus.json").read_text("utf-8"))
+CORPUS_FAST = CORPUS[::10]                 # 30 schemas, every kind; --stress takes all 300
+
+
+def pytest_generate_tests(metafunc):
+    if "corpus_entry" in metafunc.fixturenames:
+        entries = CORPUS if metafunc.config.getoption("stress") else CORPUS_FAST
+        metafunc.parametrize("corpus_entry", entries, ids=[entry["name"] for entry in entries])
+
+
+def test_the_corpus_compiles_and_its_automata_are_sound(json_regex, corpus_entry, request):
+    """Every corpus schema compiles; its automaton accepts every valid instance (written in
+    the schema's property order, as json.dumps writes it and compactly), refuses every
+    invalid one, and every document its random walks spell validates under the schema's own
+    draft (jsonschema, formats checked)."""
+    schema, name = corpus_entry["schema"], corpus_entry["name"]
+    dfa = json_regex.compile_schema(schema)
+    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator = validator_class(schema, format_checker=validator_class.FORMAT_CHECKER)
+    for instance in corpus_entry["valid"]:
+        for text in (json.dumps(instance), json.dumps(instance, separators=(",", ":"), ensure_ascii=False)):
+            assert dfa.fullmatch(text.encode("utf-8")), f"{name}: the automaton refuses {text}, which is valid"
+    for instance in corpus_entry["invalid"]:
+        for text in (json.dumps(instance), json.dumps(instance, separators=(",", ":"), ensure_ascii=False)):
+            assert not dfa.fullmatch(text.encode("utf-8")), f"{name}: the automaton accepts {text}, which is invalid"
+    count = 400 if request.config.getoption("stress") else 40
+    for text in walks(dfa, count, seed=len(name), max_bytes=400):
+        document = json.loads(text)
+        errors = [error.message for error in validator.iter_errors(document)]
+        assert not errors, f"{name}: the automaton accepts {text!r}, which the schema refuses: {errors[0]}"
+
+
+def test_a_missing_additional_properties_is_strict_unless_asked(json_regex):
+    """By default an object schema that lists properties gets no other key (what a model
+    should write); strict=False is JSON Schema's rule (any other key, any value)."""
+    schema = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    extra = b'{"age": 4, "x": [1, {"y": null}]}'
+    assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(extra)), "table error"
+    assert not json_regex.compile_schema(schema).fullmatch(extra), (
+        "the default (strict) must refuse a key the schema does not list")
+    open_rule = json_regex.compile_schema(schema, strict=False)
+    assert open_rule.fullmatch(extra), "strict=False must accept extra keys, as JSON Schema does"
+    assert not open_rule.fullmatch(b'{"age": 4, "age": 5}'), "an extra key must differ from the listed names"
+
+
+def test_a_request_asks_for_the_open_rule_with_guided_json_strict(impl):
+    """SamplingParams(guided_json_strict=False), which the server sets for OpenAI's
+    response_format.json_schema.strict false, compiles the schema under JSON Schema's rule;
+    the two rules are cached apart."""
+    guided, request = impl.load("serve.guided"), impl.load("serve.request")
+    vocab = [bytes([b]) for b in range(256)] + [b""]
+    factory = guided.GuideFactory(vocab, 256, len(vocab))
+    schema = {"type": "object", "properties": {"a": {"type": "null"}}}
+    strict = factory(request.SamplingParams(guided_json=schema)).index.dfa
+    open_rule = factory(request.SamplingParams(guided_json=schema, guided_json_strict=False)).index.dfa
+    assert not strict.fullmatch(b'{"a": null, "b": 1}'), "the default must refuse a key the schema does not list"
+    assert open_rule.fullmatch(b'{"a": null, "b": 1}'), "guided_json_strict=False must allow extra keys"
+    with pytest.raises(ValueError, match="guided_json_strict"):
+        request.SamplingParams(guided_json=schema, guided_json_strict="no")

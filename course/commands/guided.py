@@ -8,8 +8,10 @@ nested JSON schema), prints one JSON line:
 - states: the DFA's states; first_mask_ms: the first mask of one state (walking every
   token's bytes once); precompute_ms: every state's mask (what an ahead-of-time index such
   as outlines' would pay before the first token);
-- step_us: one guided step once the states it visits are cached: allowed() + advance(),
-  the median over random walks that follow the masks to the end of the pattern;
+- cold_step_us / cold_step_p99_us: one guided step, allowed() + advance(), median and 99th
+  percentile over the first --walks random walks, which compute each new state's mask as
+  they reach it (what a server pays while a schema is new);
+- step_us / step_p99_us: the same once every state's mask is cached;
 - mask_apply_us: setting the forbidden logits of one [vocab] float32 row to -inf.
 Layout, compile and first-mask times are the best of --repeat fresh rounds and mask_apply_us the
 best of five batches (a busy machine only ever makes a run slower); precompute_ms is one run.
@@ -24,6 +26,9 @@ ends before --tokens tokens, and both runs take the same steps), guided twice: "
 computes the masks, "warm" finds them cached (free and warm: best of --repeat interleaved
 rounds). One JSON line per model and run: ms per step and the overhead over the free run.
 The tiny model speaks bytes; SmolLM2 its BPE vocabulary.
+
+The pushdown guide of {"type": "json_object"} (json_pda.JsonGuide, whose masks depend on the
+stack too) is measured the same way, grammar "json_object": its cold and warm steps.
 """
 import json
 import math
@@ -93,26 +98,12 @@ def measure(guided, request, name, vocab_bytes, eos, grammar, fields, args):
         start = time.perf_counter()
         index.mask(index.dfa.start)
         first_mask_s.append(time.perf_counter() - start)
+    rng = random.Random(args.seed)
+    cold_s = walk_steps(guided.GuideFactory(vocab_bytes, eos, len(vocab_bytes)), params, eos, rng, args.walks)
     start = time.perf_counter()
     index.precompute()
     precompute_s = time.perf_counter() - start
-    rng = random.Random(args.seed)
-    step_s, lengths = [], []
-    for _ in range(args.walks):
-        guide = factory(params)
-        produced = 0
-        while not guide.finished:
-            start = time.perf_counter()
-            allowed = guide.allowed()
-            middle = time.perf_counter()
-            token = rng.choice(torch.nonzero(allowed).flatten().tolist())
-            restart = time.perf_counter()
-            guide.advance(token)
-            step_s.append(time.perf_counter() - restart + middle - start)
-            produced += 1
-            if token == eos:
-                break
-        lengths.append(produced)
+    step_s = walk_steps(factory, params, eos, rng, args.walks)
     logits = torch.randn(len(vocab_bytes))
     mask = index.mask(index.dfa.start)
     apply_s = []
@@ -124,8 +115,48 @@ def measure(guided, request, name, vocab_bytes, eos, grammar, fields, args):
     return {"vocabulary": name, "vocab_size": len(vocab_bytes), "grammar": grammar, "states": index.dfa.num_states,
             "layout_ms": round(min(layout_s) * 1e3, 1), "compile_ms": round(min(compile_s) * 1e3, 1),
             "first_mask_ms": round(min(first_mask_s) * 1e3, 2),
-            "precompute_ms": round(precompute_s * 1e3, 1), "step_us": round(statistics.median(step_s) * 1e6, 1),
-            "mask_apply_us": round(min(apply_s) * 1e6, 1), "tokens_per_walk": round(sum(lengths) / len(lengths), 1)}
+            "precompute_ms": round(precompute_s * 1e3, 1), **percentiles("cold_step", cold_s),
+            **percentiles("step", step_s), "mask_apply_us": round(min(apply_s) * 1e6, 1)}
+
+
+def percentiles(name, seconds):
+    """{name_us: median, name_p99_us: 99th percentile} of step times, in microseconds."""
+    ordered = sorted(seconds)
+    return {f"{name}_us": round(statistics.median(ordered) * 1e6, 1),
+            f"{name}_p99_us": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6, 1)}
+
+
+def walk_steps(factory, params, eos, rng, walks, max_tokens=200):
+    """The time of each allowed() + advance() over `walks` walks that draw a random allowed
+    token each step, until the guide finishes, EOS is drawn or max_tokens are written."""
+    import torch
+    step_s = []
+    for _ in range(walks):
+        guide = factory(params)
+        for _ in range(max_tokens):
+            if guide.finished:
+                break
+            start = time.perf_counter()
+            allowed = guide.allowed()
+            middle = time.perf_counter()
+            token = rng.choice(torch.nonzero(allowed).flatten().tolist())
+            restart = time.perf_counter()
+            guide.advance(token)
+            step_s.append(time.perf_counter() - restart + middle - start)
+            if token == eos:
+                break
+    return step_s
+
+
+def measure_pushdown(guided, request, name, vocab_bytes, eos, args):
+    """Cold and warm steps of the pushdown guide (json_object) on one vocabulary."""
+    params = request.SamplingParams(guided_json={"type": "json_object"})
+    factory = guided.GuideFactory(vocab_bytes, eos, len(vocab_bytes))
+    rng = random.Random(args.seed)
+    cold_s = walk_steps(factory, params, eos, rng, args.walks)
+    step_s = walk_steps(factory, params, eos, rng, args.walks)
+    return {"vocabulary": name, "vocab_size": len(vocab_bytes), "grammar": "json_object",
+            **percentiles("cold_step", cold_s), **percentiles("step", step_s)}
 
 
 def timed(engine, prompts, params):
@@ -189,3 +220,4 @@ def run(args):
     for name, vocab_bytes, eos in vocabularies(guided, args.vocabulary):
         for grammar, fields in (("regex", {"guided_regex": REGEX}), ("json", {"guided_json": SCHEMA})):
             print(json.dumps(measure(guided, request, name, vocab_bytes, eos, grammar, fields, args)), flush=True)
+        print(json.dumps(measure_pushdown(guided, request, name, vocab_bytes, eos, args)), flush=True)

@@ -164,6 +164,9 @@ FIELD_RULES: dict[str, FieldRule] = {
     "bad_words_token_ids": FieldRule(lambda v: all(v), "must be non-empty token sequences", bool, frozenset({FULL})),
     "guided_regex": FieldRule(lambda v: v is None or isinstance(v, str), "must be a regular expression (a string)",
                               lambda v: v is not None, frozenset({FULL}), _GUIDED),
+    # Before guided_json, so a request that asks for JSON Schema's open objects is refused by that name.
+    "guided_json_strict": FieldRule(lambda v: isinstance(v, bool), "must be True or False", lambda v: not v,
+                                    frozenset({FULL}), _GUIDED),
     "guided_json": FieldRule(_ALWAYS, "", lambda v: v is not None, frozenset({FULL}), _GUIDED),
 }
 
@@ -209,6 +212,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # token sequences never to complete (Chapter 34)
     guided_regex: str | None = None        # Chapter 35
     guided_json: object = None             # Chapter 35
+    guided_json_strict: bool = True        # a missing additionalProperties forbids extra keys (Chapter 35)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)

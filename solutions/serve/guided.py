@@ -238,7 +238,8 @@ class GuideFactory:
         self.json_index: JsonIndex | None = None
 
     def key_of(self, params: SamplingParams) -> tuple[str, str]:
-        """("regex", the pattern) or ("json", the schema's JSON text) of a request
+        """("regex", the pattern) or ("json", the schema's JSON text) of a request, "json_open"
+        for a schema under JSON Schema's additionalProperties rule (guided_json_strict False)
         (ValueError: neither field is set, or the field has the wrong type)."""
         if params.guided_regex is not None:
             if not isinstance(params.guided_regex, str):
@@ -247,14 +248,16 @@ class GuideFactory:
         if params.guided_json is not None:
             schema = params.guided_json
             try:                                    # the key keeps the order of properties
-                return "json", schema if isinstance(schema, str) else json.dumps(schema)
+                kind = "json" if params.guided_json_strict else "json_open"
+                return kind, schema if isinstance(schema, str) else json.dumps(schema)
             except (TypeError, ValueError, RecursionError) as exc:
                 raise ValueError(f"guided_json is not a JSON schema: {exc}") from None
         raise ValueError("the request asks for no guide (set guided_regex or guided_json)")
 
     def index_for(self, text: str, kind: str = "regex") -> TokenIndex:
         """The shared TokenIndex of a pattern (kind "regex") or a schema's JSON text (kind
-        "json"), compiled on first use."""
+        "json", or "json_open" under JSON Schema's additionalProperties rule), compiled on
+        first use."""
         key = (kind, text)
         with self.lock:
             index = self.indexes.get(key)
@@ -263,7 +266,7 @@ class GuideFactory:
                 return index
         # Compiled outside the lock, so other threads' lookups never wait for it; a thread
         # that compiled the same text meanwhile wins, and its index is the one shared.
-        dfa = compile_regex(text) if kind == "regex" else compile_schema(text)
+        dfa = compile_regex(text) if kind == "regex" else compile_schema(text, strict=kind == "json")
         with self.lock:
             index = self.indexes.setdefault(key, TokenIndex(dfa, self.vocabulary))
             self.indexes.move_to_end(key)

@@ -313,6 +313,18 @@ def _shown(value: object, width: int = 80) -> str:
     return text if len(text) <= width else text[:width] + "..."
 
 
+def _json_schema_strict(body: dict[str, Any]) -> bool | None:
+    """OpenAI's response_format.json_schema.strict: false asks for JSON Schema's own rule
+    (a missing additionalProperties allows extra keys); absent or true keeps Chapter 35's
+    strict default (no key the schema does not list)."""
+    wanted = body.get("response_format")
+    inner = wanted.get("json_schema") if isinstance(wanted, dict) else None
+    strict = inner.get("strict") if isinstance(inner, dict) else None
+    if strict is not None and not isinstance(strict, bool):
+        raise bad("response_format", f"response_format json_schema strict must be true or false, got {_shown(strict)}")
+    return strict
+
+
 def _guided(body: dict[str, Any], limits: Limits) -> tuple[str | None, Any]:
     """(guided_regex, guided_json) for Chapter 35's guides, from OpenAI's response_format
     ({"type": "json_schema", "json_schema": {"schema": {...}}}, {"type": "json_object"}, which
@@ -565,7 +577,8 @@ def parse_request(body: dict[str, Any], *, chat: bool, model_name: str, tokenize
             presence_penalty=_number(body, "presence_penalty", 0.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
             repetition_penalty=_number(body, "repetition_penalty", 1.0),
-            logit_bias=_logit_bias(body, limits, vocab_size), guided_regex=regex, guided_json=schema)
+            logit_bias=_logit_bias(body, limits, vocab_size), guided_regex=regex, guided_json=schema,
+            guided_json_strict=_json_schema_strict(body) is not False)
     except ValueError as exc:
         raise bad(_field_in(str(exc), tuple(body)), str(exc)) from None
     return ParsedRequest(chat, model, list(prompt_ids), params, _stop_strings(body, limits), stream, include_usage,
