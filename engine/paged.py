@@ -144,10 +144,9 @@ class PagedKVCache:
         block_size, head_dim]); seq_id: a sequence in block_tables; length: how many positions
         (default seq_lens[seq_id]; at most its table's blocks * block_size).
         Returns (k, v), each [kv_heads, length, head_dim] in the pool's dtype and device, column
-        p holding position p of the sequence (block table entry p // block_size, offset
-        p % block_size). Reads only; the pool and the tables are unchanged. Trap: the slots of
-        the last block past `length` hold another request's leftovers and must not appear in
-        the result.
+        p holding what write stored for position p of the sequence, wherever its block lies in
+        the pool. Reads only; the pool and the tables are unchanged. Trap: the slots of the last
+        block past `length` hold another request's leftovers and must not appear in the result.
         """
         raise NotImplementedError("Your engine: Chapter 25: PagedKVCache.gather")
 
@@ -273,11 +272,10 @@ class PrefixCache:
 
         num_blocks: an int >= 0 or None. Returns the number of blocks put back on the free list
         (an int, <= num_blocks).
-        Which: entries are considered from least to most recently used; an entry whose block
-        only the cache references (ref_count == 1) is removed and its reference dropped
-        (kv.decref, which returns the block to the free list); an entry whose block some
-        sequence still uses stays, since removing it would free nothing. Stops as soon as
-        num_blocks have been freed. The order of the surviving entries is unchanged.
+        Which: the freed blocks are the least recently used of the entries whose block only the
+        cache references (ref_count == 1); an entry whose block a sequence still uses stays,
+        since removing it would free nothing. A freed block has no entry left (it will be
+        reused for other tokens) and ref_count 0. The surviving entries keep their order.
         """
         raise NotImplementedError("Your engine: Chapter 25: PrefixCache.evict")
 

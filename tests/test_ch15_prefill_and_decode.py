@@ -46,7 +46,8 @@ def test_matmul_flops_per_op(impl):
         expected = counter.get_total_flops()
         got = impl.roofline.matmul_flops(func, args)
         assert got == expected, (
-            f"{name} on shapes {[tuple(t.shape) for t in args]}: expected {expected} FLOPs, got {got}")
+            f"{name} on shapes {[tuple(t.shape) for t in args]}: expected {expected} FLOPs, got {got} (2 FLOPs, a "
+            "multiply and an add, per multiply-accumulate of the product)")
     for name, func, args in [("add", aten.add.Tensor, (a, a)), ("softmax", aten._softmax.default, (a, -1, False))]:
         got = impl.roofline.matmul_flops(func, args)
         assert got == 0, f"{name} is not a matrix product; matmul_flops gave {got}"

@@ -63,7 +63,11 @@ def test_capacity_is_enforced_before_writing(impl):
         pytest.fail("3 tokens at length 8 of a 10-slot cache must be refused with a ValueError")
     assert cache.length == 8, "a refused update must leave length alone"
     torch.testing.assert_close(cache.k[0], before, msg="a refused update must not write anything")
-    k, _ = cache.update(0, torch.full((2, 2, 2, 4), 7.0), torch.full((2, 2, 2, 4), 7.0))
+    try:
+        k, _ = cache.update(0, torch.full((2, 2, 2, 4), 7.0), torch.full((2, 2, 2, 4), 7.0))
+    except ValueError as error:
+        pytest.fail(f"2 tokens at length 8 of a 10-slot cache were refused ({error}): the new tokens may fill "
+                    "the cache exactly to max_len")
     assert k.shape[2] == 10, (f"2 tokens at length 8 fill the 10-slot cache exactly, and update returns all 10 "
                               f"slots; got {k.shape[2]}")
 
@@ -129,6 +133,9 @@ def test_cached_generate_feeds_the_prompt_once_then_one_token_per_call(impl, tin
         with_kwargs=True)
     try:
         out = impl.sampling.generate(tiny_model, ids, new, use_cache=True)
+    except ValueError as error:          # feeding more than the newest token overflows the cache
+        pytest.fail(f"generate_cached fed the model {[len(f) for f in fed]} tokens per call, then {error}; "
+                    f"expected the {len(ids)}-token prompt once, then each new token alone")
     finally:
         handle.remove()
     expected = [ids] + [[token] for token in out[:-1]]      # the last token is returned, never fed

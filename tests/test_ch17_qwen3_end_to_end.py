@@ -88,9 +88,14 @@ def write_configs(directory, config_eos, generation_eos):
 ], ids=["qwen3", "no generation config", "config list", "generation only", "none", "generation without eos"])
 def test_stop_token_ids_from_both_files(impl, tmp_path, config_eos, generation_eos, expected):
     write_configs(tmp_path, config_eos, generation_eos)
-    got = impl.pipeline.stop_token_ids(tmp_path)
-    assert tuple(got) == expected, (f"config.json eos {config_eos!r}, generation_config.json eos "
-                                    f"{generation_eos!r}: expected stop ids {expected}, got {got!r}")
+    files = f"config.json eos {config_eos!r}, generation_config.json eos {generation_eos!r}"
+    try:
+        got = impl.pipeline.stop_token_ids(tmp_path)
+    except Exception as error:
+        pytest.fail(f"{files}: stop_token_ids raised {type(error).__name__}: {error}; each file's eos_token_id "
+                    "may be an int, a list of ints or absent")
+    assert tuple(got) == expected, (f"{files}: expected stop ids {expected}, got {got!r} (the union of both "
+                                    "files' ids, sorted)")
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
@@ -121,7 +126,8 @@ def test_pipeline_stops_where_transformers_stops(impl, tmp_path, device):
     assert done.finish_reason == "stop", f"the answer ended with a stop token; finish_reason is {done.finish_reason!r}"
     text = byte_text(expected[:-1])
     assert done.text == text, (
-        f"text must be the new tokens without the stop token: expected {text!r}, got {done.text!r}")
+        f"text must be the decode of the new tokens alone, without the stop token: expected {text!r}, "
+        f"got {done.text!r}")
 
 
 def test_pipeline_text_in_text_out(impl, checkpoint, device):

@@ -83,7 +83,8 @@ def test_eos_and_stop_tokens(impl, tiny_model, ref_model):
     decoder = impl.fast_decoder.FastDecoder(tiny_model, 64)
     eos = free[4]
     expected = solo(ref_model, prompt, 12, eos_token_id=eos)
-    assert_same_tokens(f"eos_token_id={eos}", expected, decoder.generate(prompt, 12, eos_token_id=eos))
+    assert_same_tokens(f"eos_token_id={eos} (the EOS token ends the output, included)", expected,
+                       decoder.generate(prompt, 12, eos_token_id=eos))
     assert decoder.generate(prompt, 12, eos_token_id=eos)[-1] == eos, "the EOS token is part of the output"
     stop = free[2]
     expected = solo(ref_model, prompt, 12, stop_token_ids=[stop])
@@ -111,9 +112,18 @@ def test_step_takes_an_int_or_a_tensor_and_refuses_a_full_decoder(impl, tiny_mod
     for name, got, want in (("step(9)", from_int, expected[0]), ("step(tensor([10]))", from_tensor, expected[1])):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), \
             f"{name}: logits differ from a one-shot forward by {(got - want).abs().max():.2e}"
-    assert decoder.filled == len(prompt) + 2
-    with pytest.raises(ValueError):
+    assert decoder.filled == len(prompt) + 2, (
+        f"filled is {decoder.filled} after a {len(prompt)}-token prefill and 2 steps: "
+        "each step counts the token it fed")
+    try:
         decoder.step(11)          # all max_len slots are used: refuse before writing past the cache
+    except ValueError:
+        pass
+    except Exception as error:
+        pytest.fail(f"a step on a full decoder raised {type(error).__name__}: {error}; a full decoder refuses "
+                    "a step with ValueError before writing")
+    else:
+        pytest.fail("a step on a full decoder returned; a full decoder refuses a step with ValueError before writing")
     assert decoder.filled == len(prompt) + 2, "a refused step must not count a token"
     assert torch.equal(decoder.logits, from_tensor), "a refused step must leave the logits as they were"
 

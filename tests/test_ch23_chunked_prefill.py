@@ -59,12 +59,16 @@ def test_calls_are_chunks(impl, tiny_model, chunk):
         widths.append((args[0] if args else kwargs["input_ids"]).shape[1])
 
     handle = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
+    overflow = ""
     try:
         impl.chunked.prefill_chunked(tiny_model, new_cache(impl, tiny_model, PROMPT_LEN), prompt, chunk)
+    except ValueError as error:          # calls that feed more than the prompt overflow its cache
+        overflow = f", then {error}"
     finally:
         handle.remove()
     expected = [min(chunk, PROMPT_LEN - start) for start in range(0, PROMPT_LEN, chunk)]
-    assert widths == expected, f"chunk size {chunk}: expected calls of {expected} tokens, saw {widths}"
+    assert widths == expected and not overflow, (
+        f"chunk size {chunk}: expected calls of {expected} tokens, saw {widths}{overflow}")
 
 
 def test_bad_prompts_and_chunk_sizes_are_refused_before_any_call(impl, tiny_model):
@@ -114,3 +118,21 @@ def test_generate_chunked_stops(impl, tiny_model, ref_model):
     expected = reference_generate(ref_model, prompt, 10, eos_token_id=eos)
     got = impl.chunked.generate_chunked(tiny_model, prompt, 10, 4, eos_token_id=eos)
     assert got == expected, f"eos_token_id={eos}: expected {expected}, got {got} (the EOS token ends the output)"
+
+
+def test_generate_chunked_calls(impl, tiny_model):
+    """Cost contract: a 10-token prompt in chunks of 4 and 3 new tokens take calls of 4, 4, 2,
+    then 1 and 1 tokens (the last new token is never fed)."""
+    widths = []
+
+    def record(module, args, kwargs):
+        widths.append((args[0] if args else kwargs["input_ids"]).shape[1])
+
+    handle = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        impl.chunked.generate_chunked(tiny_model, make_prompt(6, 10), 3, 4)
+    finally:
+        handle.remove()
+    assert widths == [4, 4, 2, 1, 1], (
+        f"calls of {widths} tokens; expected [4, 4, 2, 1, 1]: the prompt goes in chunks of chunk_size, then one "
+        "call per new token")

@@ -70,6 +70,51 @@ class CallRecorder(torch.nn.Module):
         return self.inner(input_ids, *args, **kwargs)
 
 
+def test_slot_rows_update_writes_each_row_at_its_own_length(impl):
+    """SlotRows.update on a 3-slot cache of 6 positions, rows given out of slot order."""
+    torch.manual_seed(0)
+    cache = impl.continuous.SlotKVCache(1, 3, 2, 4, 6)
+    for pool in cache.k + cache.v:
+        pool.copy_(torch.randn_like(pool))
+    before_k, before_v = cache.k[0].clone(), cache.v[0].clone()
+    cache.lengths = [2, 0, 4]
+    k, v = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)
+    try:
+        keys, values = cache.rows([2, 0]).update(0, k, v)
+    except ValueError as error:
+        pytest.fail(f"slot 2 at length 4 of 6 takes 2 more entries exactly; update raised {error}: a row may "
+                    "fill its slot to slot_len")
+    want_k, want_v = before_k.clone(), before_v.clone()
+    want_k[2, :, 4:6], want_k[0, :, 2:4] = k[0], k[1]
+    want_v[2, :, 4:6], want_v[0, :, 2:4] = v[0], v[1]
+    assert torch.equal(cache.k[0], want_k) and torch.equal(cache.v[0], want_v), (
+        "rows [slot 2 at length 4, slot 0 at length 2] with 2 new entries each: each slot must hold its row's "
+        "new entries at its own length (slot 2 at 4..5, slot 0 at 2..3) and nothing else may change")
+    assert cache.lengths == [2, 0, 4], f"update moved lengths to {cache.lengths}; advance() moves them"
+    assert keys.shape == (2, 2, 6, 4), (
+        f"returned keys of shape {tuple(keys.shape)}, expected (2, 2, 6, 4): every row's positions up to "
+        "the longest row's new end")
+    assert torch.equal(keys[0], want_k[2]) and torch.equal(keys[1], want_k[0]) and torch.equal(values[1], want_v[0]), (
+        "the returned row b must be slot slot_ids[b]'s keys and values, in the order the rows were given")
+    cache.lengths = [4, 0, 4]
+    try:
+        cache.rows([0]).update(0, k[:1], v[:1])
+    except ValueError as error:
+        pytest.fail(f"slot 0 at length 4 of 6 takes 2 more entries exactly; update raised {error}: a row may "
+                    "fill its slot to slot_len")
+    single_k, _ = cache.rows([1]).update(0, k[:1, :, :1], v[:1, :, :1])
+    assert single_k.shape == (1, 2, 1, 4)
+    cache.lengths = [6, 1, 4]
+    history, _ = cache.rows([1]).update(0, k[:1], v[:1])
+    assert history.shape == (1, 2, 3, 4) and torch.equal(history[0, :, :1], single_k[0]), (
+        f"a single row at length 1 given 2 entries returned shape {tuple(history.shape)}: it must return "
+        "the slot's keys so far (its history first), not only the new ones")
+    snapshot = cache.k[0].clone()
+    with pytest.raises(ValueError, match="slot 0"):
+        cache.rows([1, 0]).update(0, k, v)
+    assert torch.equal(cache.k[0], snapshot), "a row that would overflow its slot is refused before anything is written"
+
+
 @pytest.mark.parametrize("chunk_size", [None, 7])
 def test_every_request_matches_solo_generate(impl, tiny_model, ref_model, chunk_size):
     prompts = make_prompts(seed=1, count=9)
@@ -136,7 +181,8 @@ def test_chunked_prefill_does_not_stall_decoding(impl, tiny_model, ref_model):
         if step in expected_calls:
             assert calls == expected_calls[step], (
                 f"step {step}: forward calls (batch, tokens) {calls}, expected {expected_calls[step]} "
-                f"(the decoding request's [1, 1] call plus one chunk of at most 8 prompt tokens)")
+                f"(the decoding request's [1, 1] call plus one chunk of the next 8 prompt tokens, fewer only "
+                f"for the prompt's last chunk)")
         if step <= 5:
             assert "short" in events and len(events["short"][1]) == 1, (
                 f"step {step}: the decoding request got no token while the long prompt was prefilling "

@@ -33,6 +33,10 @@ def fill(kv, seq_id, count, generator, store):
         kv.add_sequence(seq_id)
     kv.reserve(seq_id, count)
     start = kv.seq_lens[seq_id]
+    need = kv.blocks_for(start + count)
+    assert len(kv.block_tables[seq_id]) == need, (
+        f"reserve({seq_id!r}, {count}) with {start} positions stored left {len(kv.block_tables[seq_id])} blocks; "
+        f"the table must cover the positions stored plus the new ones: {need} blocks of {kv.block_size}")
     for layer in range(len(kv.k)):
         k = torch.randn(HEADS, count, DIM, generator=generator)
         v = torch.randn(HEADS, count, DIM, generator=generator)
@@ -75,12 +79,14 @@ def test_gather_returns_what_was_written_across_blocks(impl):
             got_k, got_v = kv.gather(layer, seq_id)
             want_k, want_v = expected(store, seq_id, layer)
             assert got_k.shape == want_k.shape, (
-                f"gather({layer}, {seq_id!r}): shape {tuple(got_k.shape)}, expected {tuple(want_k.shape)}")
+                f"gather({layer}, {seq_id!r}): shape {tuple(got_k.shape)}, expected {tuple(want_k.shape)}: "
+                f"the slots of the last block past length must not appear in the result")
             assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (
                 f"gather({layer}, {seq_id!r}) differs from the K/V written (table {table})")
             part_k, _ = kv.gather(layer, seq_id, 5)
             assert torch.equal(part_k, want_k[:, :5]), (
-                f"gather({layer}, {seq_id!r}, length=5) is not the first 5 positions")
+                f"gather({layer}, {seq_id!r}, length=5) is not the first 5 positions (shape {tuple(part_k.shape)}): "
+                "the slots of the last block past length must not appear in the result")
     used = {b for t in kv.block_tables.values() for b in t}
     assert len(used) == 3 + 2 + 2 and kv.num_free == 12 - 7
 
@@ -89,14 +95,26 @@ def test_reserve_is_all_or_nothing_and_free_returns_blocks(impl):
     kv = make_cache(impl, num_blocks=5, block_size=4)
     kv.add_sequence("a")
     kv.reserve("a", 9)                                   # 3 blocks
-    assert len(kv.block_tables["a"]) == 3 and kv.num_free == 2
+    assert kv.block_tables["a"] == [0, 1, 2] and kv.num_free == 2, (
+        f"a fresh pool of 5 blocks, reserve 9 positions in blocks of 4: the table is {kv.block_tables['a']}, "
+        "expected [0, 1, 2]: new blocks come off the front of the free list, in order")
+    assert [kv.ref_count[b] for b in range(5)] == [1, 1, 1, 0, 0], (
+        f"ref counts {kv.ref_count} after reserving blocks 0, 1, 2: a block taken off the free list has ref_count 1")
     assert kv.seq_lens["a"] == 0, "reserve must not move the sequence's length (advance does)"
     kv.reserve("a", 9)                                   # still fits in the same 3 blocks
     assert len(kv.block_tables["a"]) == 3, "reserving room that already exists must not take blocks"
     kv.add_sequence("b")
-    with pytest.raises(impl.paged.OutOfBlocks):
+    try:
         kv.reserve("b", 12)                              # 3 blocks, only 2 free
-    assert kv.block_tables["b"] == [] and kv.num_free == 2, "a failed reserve must take no block"
+    except impl.paged.OutOfBlocks:
+        pass
+    except Exception as error:
+        pytest.fail(f"reserve of 3 blocks with 2 free raised {type(error).__name__}: {error}; reserve is all or "
+                    "nothing: it raises OutOfBlocks before taking any block")
+    else:
+        pytest.fail("reserve of 3 blocks with 2 free returned; reserve is all or nothing: it raises OutOfBlocks")
+    assert kv.block_tables["b"] == [] and kv.num_free == 2, (
+        "a failed reserve must take no block: reserve is all or nothing")
     check_accounting(kv, "after a failed reserve")
     kv.reserve("b", 8)
     assert kv.num_free == 0
@@ -198,6 +216,56 @@ def test_evict_takes_least_recently_used_leaves_first(impl):
     assert cache.evict(1) == 1
     assert cache.match(b) == [], "then b's first block"
     assert len(cache.match(a)) == 2
+    cache.match(a)                                        # only a's two blocks are left
+    first_block = kv_blocks_prefix(cache, a, 1)
+    assert cache.evict(1) == 1
+    assert cache.match(a) == first_block, (
+        "after match(a) a's first block must be at least as recent as its second (every prefix at least as "
+        "recent as its extensions): evict(1) takes the least recent leaf, a's second block, and keeps its first")
+
+
+def test_evicted_block_reused_for_other_tokens_loses_its_key(impl):
+    """nano-vllm issue 163: a block freed by eviction goes back to the pool; once another
+    sequence fills it with other tokens, the old prefix must no longer find it."""
+    kv = make_cache(impl, num_blocks=2, block_size=4)
+    cache = impl.paged.PrefixCache(kv)
+    old, new = list(range(10, 18)), list(range(50, 58))
+    publish_sequence(impl, kv, cache, "old", old)
+    kv.free("old")
+    assert cache.evict() == 2
+    publish_sequence(impl, kv, cache, "new", new)          # the same two blocks, other tokens
+    found = cache.match(old)
+    assert found == [], (
+        f"after evicting old's blocks and reusing them for other tokens, match(old prefix) found {found}: "
+        "a freed block reused with other tokens must not keep its old prefix")
+    assert cache.match(new) == kv.block_tables["new"], "the new tokens' blocks are found under their own prefix"
+
+
+def test_prompt_fully_in_the_prefix_cache_still_computes_one_token(impl, tiny_model, ref_model):
+    """nano-vllm issue 144: a prompt of exactly two blocks, served twice. The second time
+    its blocks are all cached, yet the last prompt token must still be computed: its logits
+    give the first new token."""
+    prompt = list(range(30, 38))                          # 2 blocks of 4
+    engine = impl.paged.PagedEngine(tiny_model, num_blocks=16, block_size=4, eos_token_id=EOS)
+    rule = "a prompt fully covered by the prefix cache still needs one token computed for its logits"
+    outputs = {}
+    try:
+        for request_id in ("first", "again"):
+            engine.add_request(request_id, prompt, 4)
+            before = engine.stats["computed_tokens"]
+            outputs[request_id] = []
+            while engine.has_unfinished:
+                for rid, tokens, _ in engine.step():
+                    outputs[rid].extend(tokens)
+            computed = engine.stats["computed_tokens"] - before
+    except Exception as error:
+        pytest.fail(f"serving an 8-token prompt whose 2 blocks are cached raised {type(error).__name__}: "
+                    f"{error}; {rule}")
+    assert computed == 4 + 3, (
+        f"the repeat of a cached 8-token prompt computed {computed} tokens for 4 outputs, expected 7: its "
+        f"second block again (the cache may supply only full blocks before the last prompt token), then 3 "
+        f"decodes; {rule}")
+    assert_same_request_tokens("again", solo(ref_model, prompt, 4), outputs["again"], "fully cached prompt")
 
 
 def kv_blocks_prefix(cache, tokens, n):

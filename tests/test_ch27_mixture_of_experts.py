@@ -96,7 +96,9 @@ def test_sparse_block_matches_transformers_on_any_shape(impl, pair, device):
             got = layer.mlp(x)
             flat = layer.mlp(x.reshape(21, 64))
         assert got.shape == x.shape, f"{name}, layer {i}: output shape {tuple(got.shape)}, input {tuple(x.shape)}"
-        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=f"{name}, layer {i}: [B, T, D] input")
+        rule = "each row's output is the routing-weighted sum of its chosen experts' outputs"
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4,
+                                   msg=f"{name}, layer {i}: [B, T, D] input: {rule}")
         assert flat.shape == (21, 64), "flat [N, D] rows (Chapter 31's layout) must come back as [N, D]"
         torch.testing.assert_close(flat, got.reshape(21, 64), atol=1e-6, rtol=1e-5,
                                    msg=f"{name}, layer {i}: [N, D] rows must give the same result")

@@ -71,8 +71,15 @@ def test_cache_protocol_matches_kvcache(impl):
     k, v = cache.update(0, k2, v2)
     assert k.shape == (1, 2, 5, 8), f"after 4 + 1 tokens update should return 5 slots, got {tuple(k.shape)}"
     assert cache.k[0].dtype == torch.int8, f"stored keys should be int8 codes, found {cache.k[0].dtype}"
-    with pytest.raises(ValueError):
+    try:
         cache.update(0, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    except ValueError:
+        pass
+    except Exception as error:
+        pytest.fail(f"3 tokens at length 4 of 6 raised {type(error).__name__}: {error}; a write past max_len is "
+                    "refused with ValueError before writing")
+    else:
+        pytest.fail("3 tokens at length 4 of 6 were accepted; a write past max_len is refused with ValueError")
     cache.truncate(2)
     assert cache.length == 2
 

@@ -68,7 +68,8 @@ def test_equals_attention(impl, case, device):
     assert got.shape == q.shape and got.dtype == q.dtype, f"{case}: got {tuple(got.shape)} {got.dtype}"
     expected = sdpa(q, k, v, q_pos, k_pos)
     worst = (got.double() - expected).abs().max().item()
-    assert worst < 1e-5, f"{case}: tiled attention differs from torch's by {worst:.2e}"
+    assert worst < 1e-5, (f"{case}: tiled attention differs from torch's by {worst:.2e} (each query attends to "
+                          "every key at or before its position)")
 
 
 def test_per_row_positions_padding_and_empty_rows(impl):
@@ -84,7 +85,8 @@ def test_per_row_positions_padding_and_empty_rows(impl):
     got = impl.flash.flash_attention(q, k, v, q_pos, k_pos, allowed, block_q=4, block_k=4)
     expected = sdpa(q, k, v, q_pos, k_pos, allowed)
     worst = (got.double() - expected).abs().max().item()
-    assert worst < 1e-5, f"with per-row positions and an allowed mask: off by {worst:.2e}"
+    assert worst < 1e-5, (f"with per-row positions and an allowed mask: off by {worst:.2e} (a query that sees "
+                          "no key outputs zeros)")
     assert (got[0, :, :2] == 0).all(), "queries at positions 14, 15 of row 0 see no allowed key: expect zeros"
 
 
@@ -106,7 +108,7 @@ def test_bfloat16_inputs(impl):
     q, k, v = (t.bfloat16() for t in tensors(1, 4, 2, 33, 33, 16, seed=2))
     pos = torch.arange(33)
     got = impl.flash.flash_attention(q, k, v, pos, pos, block_q=8, block_k=16)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == torch.bfloat16, f"bfloat16 inputs gave {got.dtype}: the output has the inputs' dtype"
     expected = sdpa(q, k, v, pos, pos)
     worst = (got.double() - expected).abs().max().item()
     assert worst < 2 ** -7 * 4, f"bfloat16: off by {worst:.3e}; accumulate in float32 and round once at the end"

@@ -168,6 +168,10 @@ def _warm_imports() -> None:
     """What every child needs, imported once in the parent (fork shares it)."""
     import torch
     torch.set_num_threads(1)
+    # As the pytest plugin does (on the default device): Triton reads this when it is
+    # imported, and transformers below imports it, before any child's pytest starts.
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
     import hypothesis  # noqa: F401
     import pytest  # noqa: F401
     import transformers  # noqa: F401
