@@ -213,18 +213,22 @@ def step_contender(label: str, make: Callable, workloads) -> Contender:
     return Contender(label, lambda workload: Recorded(make(workload)), serve)
 
 
-def core_contender(impl, model, backend: str, block_size: int = 16, dtype: str = "auto") -> Contender:
+def core_contender(impl, model, backend: str, block_size: int = 16, dtype: str = "auto", label: str | None = None,
+                   **config) -> Contender:
+    """Chapter 31's EngineCore with attention `backend`, a pool sized to the workload, and
+    any further EngineConfig fields in `config` (Chapter 33's cuda_graphs, async_scheduling)."""
     serve_modules = {name: impl.load(f"serve.{name}") for name in ("engine", "config", "request")}
     workloads = impl.load("workloads")
     eos = getattr(model.cfg, "eos_token_id", None)
 
     def make(workload):
         blocks = sum(-(-(len(it.prompt_ids) + it.max_tokens) // block_size) for it in workload.items) + 8
-        config = serve_modules["config"].EngineConfig(num_blocks=blocks, block_size=block_size,
-                                                      attention_backend=backend, dtype=dtype)
-        return CoreSteps(serve_modules["engine"].EngineCore(model, config, eos_token_id=eos), serve_modules["request"])
+        settings = serve_modules["config"].EngineConfig(num_blocks=blocks, block_size=block_size,
+                                                        attention_backend=backend, dtype=dtype, **config)
+        return CoreSteps(serve_modules["engine"].EngineCore(model, settings, eos_token_id=eos),
+                         serve_modules["request"])
 
-    return step_contender(f"core/{backend}", make, workloads)
+    return step_contender(label or f"core/{backend}", make, workloads)
 
 
 def slots_contender(impl, model, max_slots: int = 64) -> Contender:
@@ -287,6 +291,25 @@ def hf_contender(model, static: bool, batch: int | None = None, subset: int | No
     else:
         label = "hf " + ("static" if static else "default") + (f", batches of {batch}" if batch else "")
     return Contender(label, lambda workload: None, serve, streams=False, subset=subset)
+
+
+ONE_AT_A_TIME_SUBSET = 8       # requests transformers serves one by one; their rate stands for all
+
+
+def hf_contenders(model, workload: Workload) -> list:
+    """transformers' ways of serving `workload` on `model`: generate on the whole batch
+    (default and static cache), its continuous batching, static batches of 16 when there
+    are more requests, and one request after another as a naive server would (the first
+    ONE_AT_A_TIME_SUBSET requests, timed). None when requests arrive while others run:
+    generate cannot take them."""
+    if workload.timed_arrivals:
+        return []
+    contenders = [hf_contender(model, static=False), hf_contender(model, static=True),
+                  hf_continuous_contender(model)]
+    if len(workload.items) > 16:
+        contenders.append(hf_contender(model, static=True, batch=16))
+    contenders.append(hf_contender(model, static=False, batch=1, subset=ONE_AT_A_TIME_SUBSET))
+    return contenders
 
 
 # --- reduced precision: agreement instead of equality -----------------------------------------
@@ -441,6 +464,13 @@ def roofline_share(line: dict, workload: Workload, limits: dict) -> dict:
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def warm_up(contender: Contender, workload: Workload) -> None:
+    """Serve the workload's first two requests once, untimed: first calls pay one-off costs
+    (allocation, kernel choice, lazy imports)."""
+    warm = Workload(workload.name, workload.items[:2], workload.shape)
+    contender.serve(contender.make(warm), warm.items)
 
 
 def timed_run(contender: Contender, workload: Workload, device: torch.device) -> None:

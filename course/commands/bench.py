@@ -56,7 +56,6 @@ from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 from course.models.smollm2 import SmolLM2Unavailable
 
 WORKLOADS = ("seed", "serving", "long", "poisson", "chat")
-ONE_AT_A_TIME_SUBSET = 8       # requests transformers serves one by one; their rate stands for all
 
 
 def add_arguments(parser):
@@ -135,11 +134,10 @@ def run(args):
     progress = bench.Progress(sum(len(c) for _, c in plans) * (args.repeat + 1), enabled=not args.quiet)
     try:
         for workload, contenders in plans:          # warm-up: first calls pay one-off costs
-            warm = bench.Workload(workload.name, workload.items[:2], workload.shape)
             torch.set_num_threads(workload.threads)
             for contender in contenders:
                 progress.show(f"warm-up {workload.name}: {contender.label}")
-                contender.serve(contender.make(warm), warm.items)
+                bench.warm_up(contender, workload)
                 progress.tick()
         for _ in range(args.repeat):
             for workload, contenders in plans:
@@ -235,13 +233,8 @@ def _contenders(impl, bench, workload, device, backends, args):
     name = str(dtype).removeprefix("torch.")
     contenders = ([bench.core_contender(impl, model, b, dtype=name) for b in backends]
                   + [bench.slots_contender(impl, model)])
-    if not args.no_hf and not workload.timed_arrivals:
-        contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True),
-                       bench.hf_continuous_contender(model)]
-        if len(workload.items) > 16:
-            contenders.append(bench.hf_contender(model, static=True, batch=16))
-        # How a naive server runs transformers: one request after another (a subset, timed).
-        contenders.append(bench.hf_contender(model, static=False, batch=1, subset=ONE_AT_A_TIME_SUBSET))
+    if not args.no_hf:
+        contenders += bench.hf_contenders(model, workload)
     return contenders
 
 
