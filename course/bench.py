@@ -163,7 +163,14 @@ class CoreSteps:
         self.core.add_request(request_id, prompt_ids, self.params(max_tokens=max_tokens))
 
     def step(self) -> list:
-        return [(out.request_id, out.new_token_ids, out.finished) for out in self.core.step()]
+        outputs = self.core.step()
+        for out in outputs:
+            # The core turns a request's failure into an aborted request; a timed run cannot
+            # go on without it, and an unwritten stub is reported as what it is.
+            if out.error:
+                stub = out.error.partition("NotImplementedError: ")[2]
+                raise NotImplementedError(stub) if stub else RuntimeError(f"request {out.request_id}: {out.error}")
+        return [(out.request_id, out.new_token_ids, out.finished) for out in outputs]
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Serves ONE small fixed workload (the bench's serving requests shrunk by --scale: 8
 requests of 8-64 prompt tokens and 4-32 output tokens at the default 0.125, on the
-serving model: 4 layers, hidden 256, Qwen3's vocabulary) with the implementation's code
+serving model: 4 layers, hidden 256, Qwen3's vocabulary unless --vocab-size) with the implementation's code
 of each chapter that changes how fast tokens come out, and prints one JSON line per
 chapter:
   17  generate with the KV cache, one request after another
@@ -27,6 +27,7 @@ import json
 import torch
 
 from course.cli import CommandError, add_device_argument, add_impl_argument, add_threads_argument
+from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 
 
 def add_arguments(parser):
@@ -34,6 +35,9 @@ def add_arguments(parser):
     add_device_argument(parser)
     parser.add_argument("--scale", type=float, default=0.125,
                         help="the bench's serving workload shrunk by this factor (default 0.125: 8 requests)")
+    parser.add_argument("--vocab-size", type=int, default=QWEN3_VOCAB_SIZE,
+                        help=f"the model's vocabulary (default {QWEN3_VOCAB_SIZE:,}, Qwen3's, whose LM head is most "
+                             f"of a token's work; {TINY_VOCAB_SIZE} shows the overhead-bound regime)")
     parser.add_argument("--repeat", type=int, default=2, help="timed rounds; each stage's best counts (default 2)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_threads_argument(parser)
@@ -97,17 +101,19 @@ def stages(impl, bench, model, device) -> list:
 def run(args):
     from course import bench
     from course.commands._setup import prepare
-    if args.repeat < 1 or args.scale <= 0:
-        raise CommandError("--repeat must be at least 1 and --scale positive")
+    if args.repeat < 1 or args.scale <= 0 or args.vocab_size < TINY_VOCAB_SIZE:
+        raise CommandError(f"--repeat must be at least 1, --scale positive and --vocab-size at least "
+                           f"{TINY_VOCAB_SIZE} (bytes and special ids)")
     impl, device = prepare(args)
     try:
-        workload, = bench.make_workloads(impl, ["serving"], args.scale)
+        workload, = bench.make_workloads(impl, ["serving"], args.scale,
+                                         shape={**bench.SERVING_SHAPE, "vocab_size": args.vocab_size})
         workload.model = model = bench.build_model(impl, device, workload.shape, torch.float32)
     except NotImplementedError as exc:
         raise CommandError(f"the ledger needs the model (Chapters 1-17) done in your engine: {exc} "
                            f"is not written yet") from None
     workload.threads = torch.get_num_threads()
-    workload.name = f"serving:scale={args.scale:g}"
+    workload.name = f"serving:scale={args.scale:g}:vocab={args.vocab_size}"
     limits = bench.machine_limits(device, [torch.float32])
     # Static batches of 16 and one request at a time are never transformers' fastest here.
     theirs = [c for c in bench.hf_contenders(model, workload) if c.subset is None and "batches of" not in c.label]
@@ -145,7 +151,8 @@ def run(args):
             timed, _ = bench.report(contender, workload, eos, workload_module, reference)
             line.update(tok_s=timed["tok_s"], tok_s_rounds=timed.get("tok_s_rounds"),
                         vs_transformers_best=bench.ratio(timed["tok_s"], best["tok_s"]),
-                        roofline=bench.roofline_share(timed, workload, limits), identical_to_transformers=timed["identical"])
+                        roofline=bench.roofline_share(timed, workload, limits),
+                        identical_to_transformers=timed["identical"])
             if not timed["identical"]:
                 differ.append(f"chapter {chapter} ({contender.label}) in {', '.join(timed['differing_requests'])}")
         print(json.dumps({k: v for k, v in line.items() if v is not None}), flush=True)
