@@ -183,6 +183,7 @@ class Contender:
     serve: Callable
     streams: bool = True
     subset: int | None = None                         # serves only the first `subset` requests
+    same_weights: bool = True                         # False: its tokens are not held to the others'
     best: dict = field(default_factory=dict)          # workload name -> (seconds, outputs, records, steps)
     rounds: dict = field(default_factory=dict)        # workload name -> every timed round's seconds
 
@@ -317,6 +318,48 @@ def hf_contenders(model, workload: Workload) -> list:
         contenders.append(hf_contender(model, static=True, batch=16))
     contenders.append(hf_contender(model, static=False, batch=1, subset=ONE_AT_A_TIME_SUBSET))
     return contenders
+
+
+LLAMA_CPP_HOW = ("pip install llama-cpp-python (it builds llama.cpp; not a requirement of the course), then "
+                 "rerun with the chat workload")
+
+
+def llama_cpp_missing() -> str | None:
+    """Why llama.cpp cannot be a contender here (None when its Python package imports)."""
+    import shutil
+    try:
+        import llama_cpp  # noqa: F401
+        return None
+    except ImportError:
+        found = [name for name in ("llama-server", "llama-batched-bench") if shutil.which(name)]
+        if found:
+            return (f"{', '.join(found)} found on PATH, but the bench drives llama.cpp through its Python "
+                    f"package only")
+        return "neither the llama_cpp Python package nor llama-server is installed"
+
+
+def llama_cpp_contender(gguf_path: str) -> Contender:
+    """llama.cpp (through llama-cpp-python) on the GGUF file as shipped (SmolLM2's Q4_1: not
+    the engine's float weights, so its tokens are not held to the others'), greedy, one
+    request after another, with the workload's thread count."""
+    from llama_cpp import Llama
+
+    def make(workload):
+        return Llama(model_path=gguf_path, n_ctx=workload.longest + 8, n_threads=workload.threads,
+                     n_threads_batch=workload.threads, verbose=False)
+
+    def serve(llm, items):
+        outputs = {}
+        for it in items:
+            tokens: list = []
+            for token in llm.generate(it.prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+                tokens.append(token)
+                if len(tokens) >= it.max_tokens or token == llm.token_eos():
+                    break
+            outputs[it.request_id] = tokens
+        return outputs, None
+
+    return Contender("llama.cpp one at a time", make, serve, streams=False, same_weights=False)
 
 
 # --- reduced precision: agreement instead of equality -----------------------------------------
@@ -711,6 +754,8 @@ def summarise(workload: Workload, lines: list) -> dict:
             out[f"{backend}_vs_hf_static"] = ratio(tok[label], hf_static)
         if "hf default" in tok:
             out[f"{backend}_vs_hf_default"] = ratio(tok[label], tok["hf default"])
+        if "llama.cpp one at a time" in tok:
+            out[f"{backend}_vs_llama_cpp"] = ratio(tok[label], tok["llama.cpp one at a time"])
         alone = next((v for k, v in tok.items() if k.startswith("hf one at a time")), None)
         if alone:
             out[f"{backend}_vs_hf_one_at_a_time"] = ratio(tok[label], alone)

@@ -360,7 +360,8 @@ def test_run_py_bench_on_a_tiny_workload(impl, device, tmp_path, capsys):
     assert {"core/reference", "core/vectorised", "ch24 slots", "hf default", "hf static", "hf generate_batch",
             "hf one at a time, first 8"} <= set(runs), out
     assert all(line["tok_s"] > 0 and line["requests"] == 2 for line in runs.values()), out
-    assert {line["workload"] for line in lines} == {"seed:vocab=320"}, "a workload's own options name its lines"
+    named = {line["workload"] for line in lines if "skipped" not in line}
+    assert named == {"seed:vocab=320"}, "a workload's own options name its lines"
     assert len({line["output_tokens"] for line in runs.values()}) == 1, "contenders counted different tokens"
     assert all(line.get("identical", True) for line in runs.values()), out
     assert runs["core/vectorised"]["tpot_p99_ms"] > 0, "streaming contenders report latency percentiles"
@@ -513,3 +514,20 @@ def test_run_py_ledger_reports_unwritten_chapters_instead_of_crashing(device, ca
         else:
             assert line.get("status") == "not written yet" and "Chapter" in line["stub"], \
                 f"{label}: Chapter {line['chapter']} is a stub in solutions@24, yet {line}"
+
+
+def test_run_py_bench_says_how_to_get_llama_cpp_when_it_is_missing(impl, device, monkeypatch, tmp_path, capsys):
+    """Without llama-cpp-python (and no llama.cpp binary on PATH) the bench still runs, and
+    one line says llama.cpp was skipped, why, and how to get it."""
+    import sys
+
+    from course import cli
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)           # `import llama_cpp` raises ImportError
+    monkeypatch.setenv("PATH", str(tmp_path))
+    status = cli.main(["bench", "--impl", impl.spec.text, "--device", str(device), "--workloads", "seed:vocab=320",
+                       "--scale", "0.15", "--backends", "vectorised", "--repeat", "1", "--no-hf", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, f"run.py bench failed without llama.cpp:\n{out}{err}"
+    skipped = [json.loads(line) for line in out.splitlines() if '"skipped"' in line]
+    assert len(skipped) == 1 and skipped[0]["skipped"] == "llama.cpp", out
+    assert "llama-cpp-python" in skipped[0]["to_run_it"] and "llama_cpp" in skipped[0]["why"], skipped

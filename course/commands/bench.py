@@ -21,6 +21,10 @@ Workloads (--workloads, comma-separated): seed (`run.py core`'s 16 requests on t
 outputs 32-256, 4 layers, hidden 256, vocabulary 151,936), long (4 prompts of 2k-8k
 tokens), poisson (the serving requests arriving at --rate per second), chat (16 chat
 questions to the real SmolLM2-135M-Instruct, up to 64 tokens each, fetched on first use).
+On the chat workload, when llama-cpp-python is installed (it is not a requirement), one
+more contender: "llama.cpp one at a time", llama.cpp on the same GGUF file as shipped
+(Q4_1 weights, so its tokens are not compared), greedy, with the same thread count;
+otherwise one line says it was skipped and how to get it.
 --scale shrinks the request counts and lengths; --config qwen3-0.6b runs every synthetic
 workload on a model of Qwen3-0.6B's shape with random weights. A workload may carry its own
 options after colons, `NAME:vocab=N:config=qwen3-0.6b:scale=X`, which override --vocab-size,
@@ -125,6 +129,9 @@ def run(args):
     # One plan per workload and thread count, the same contenders (and weights) in each.
     plans = [(bench.with_threads(w, threads, len(thread_counts) > 1), contenders)
              for w, contenders in plans for threads in thread_counts]
+    missing = bench.llama_cpp_missing()
+    if missing:
+        print(json.dumps({"skipped": "llama.cpp", "why": missing, "to_run_it": bench.LLAMA_CPP_HOW}), flush=True)
     limits = {}
     if args.roofline:
         for threads in thread_counts:
@@ -166,10 +173,11 @@ def run(args):
             logits_of = bench.next_token_logits(bench.transformers_model(workload.model))
         mine = []
         for contender in contenders:
-            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first if exact else None)
+            compare = exact and contender.same_weights
+            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first if compare else None)
             if workload.threads in limits:
                 line["roofline"] = bench.roofline_share(line, workload, limits[workload.threads])
-            if held_to is not None and contender is not held_to:
+            if held_to is not None and contender is not held_to and contender.same_weights:
                 line["agreement_with"] = held_to.label
                 line["agreement"] = bench.agreement(outputs, {rid: theirs[rid] for rid in outputs}, workload.items,
                                                     logits_of)
@@ -235,6 +243,8 @@ def _contenders(impl, bench, workload, device, backends, args):
                   + [bench.slots_contender(impl, model)])
     if not args.no_hf:
         contenders += bench.hf_contenders(model, workload)
+    if workload.checkpoint and workload.checkpoint.endswith(".gguf") and bench.llama_cpp_missing() is None:
+        contenders.append(bench.llama_cpp_contender(workload.checkpoint))
     return contenders
 
 
