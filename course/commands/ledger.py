@@ -23,6 +23,7 @@ midway sees the chapters done so far. Stages are timed in turn, --repeat interle
 rounds, each its best (see `run.py bench`).
 """
 import json
+import logging
 
 import torch
 
@@ -121,6 +122,10 @@ def run(args):
     progress = bench.Progress((len(theirs) + len(mine)) * (args.repeat + 1), enabled=not args.quiet)
     unwritten: dict = {}            # label -> the stub's message
     contenders = theirs + [contender for _, _, contender in mine]
+    # The core logs a request it aborts with the traceback; an unwritten stub is reported in
+    # its chapter's line instead, and any other failure stops the ledger with its message.
+    core_log = logging.getLogger(impl.load("serve.engine").__name__)
+    level, core_log.level = core_log.level, logging.CRITICAL
     try:
         for contender in contenders:
             progress.show(f"warm-up: {contender.label}")
@@ -133,6 +138,7 @@ def run(args):
                     _unless_unwritten(unwritten, contender, lambda c=contender: bench.timed_run(c, workload, device))
                 progress.tick()
     finally:
+        core_log.setLevel(level)
         progress.close()
 
     eos, workload_module = model.cfg.eos_token_id, impl.load("workloads")
