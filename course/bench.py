@@ -163,7 +163,14 @@ class CoreSteps:
         self.core.add_request(request_id, prompt_ids, self.params(max_tokens=max_tokens))
 
     def step(self) -> list:
-        return [(out.request_id, out.new_token_ids, out.finished) for out in self.core.step()]
+        outputs = self.core.step()
+        for out in outputs:
+            # The core turns a request's failure into an aborted request; a timed run cannot
+            # go on without it, and an unwritten stub is reported as what it is.
+            if out.error:
+                stub = out.error.partition("NotImplementedError: ")[2]
+                raise NotImplementedError(stub) if stub else RuntimeError(f"request {out.request_id}: {out.error}")
+        return [(out.request_id, out.new_token_ids, out.finished) for out in outputs]
 
 
 @dataclass
@@ -176,6 +183,7 @@ class Contender:
     serve: Callable
     streams: bool = True
     subset: int | None = None                         # serves only the first `subset` requests
+    same_weights: bool = True                         # False: its tokens are not held to the others'
     best: dict = field(default_factory=dict)          # workload name -> (seconds, outputs, records, steps)
     rounds: dict = field(default_factory=dict)        # workload name -> every timed round's seconds
 
@@ -213,18 +221,22 @@ def step_contender(label: str, make: Callable, workloads) -> Contender:
     return Contender(label, lambda workload: Recorded(make(workload)), serve)
 
 
-def core_contender(impl, model, backend: str, block_size: int = 16, dtype: str = "auto") -> Contender:
+def core_contender(impl, model, backend: str, block_size: int = 16, dtype: str = "auto", label: str | None = None,
+                   **config) -> Contender:
+    """Chapter 31's EngineCore with attention `backend`, a pool sized to the workload, and
+    any further EngineConfig fields in `config` (Chapter 33's cuda_graphs, async_scheduling)."""
     serve_modules = {name: impl.load(f"serve.{name}") for name in ("engine", "config", "request")}
     workloads = impl.load("workloads")
     eos = getattr(model.cfg, "eos_token_id", None)
 
     def make(workload):
         blocks = sum(-(-(len(it.prompt_ids) + it.max_tokens) // block_size) for it in workload.items) + 8
-        config = serve_modules["config"].EngineConfig(num_blocks=blocks, block_size=block_size,
-                                                      attention_backend=backend, dtype=dtype)
-        return CoreSteps(serve_modules["engine"].EngineCore(model, config, eos_token_id=eos), serve_modules["request"])
+        settings = serve_modules["config"].EngineConfig(num_blocks=blocks, block_size=block_size,
+                                                        attention_backend=backend, dtype=dtype, **config)
+        return CoreSteps(serve_modules["engine"].EngineCore(model, settings, eos_token_id=eos),
+                         serve_modules["request"])
 
-    return step_contender(f"core/{backend}", make, workloads)
+    return step_contender(label or f"core/{backend}", make, workloads)
 
 
 def slots_contender(impl, model, max_slots: int = 64) -> Contender:
@@ -287,6 +299,67 @@ def hf_contender(model, static: bool, batch: int | None = None, subset: int | No
     else:
         label = "hf " + ("static" if static else "default") + (f", batches of {batch}" if batch else "")
     return Contender(label, lambda workload: None, serve, streams=False, subset=subset)
+
+
+ONE_AT_A_TIME_SUBSET = 8       # requests transformers serves one by one; their rate stands for all
+
+
+def hf_contenders(model, workload: Workload) -> list:
+    """transformers' ways of serving `workload` on `model`: generate on the whole batch
+    (default and static cache), its continuous batching, static batches of 16 when there
+    are more requests, and one request after another as a naive server would (the first
+    ONE_AT_A_TIME_SUBSET requests, timed). None when requests arrive while others run:
+    generate cannot take them."""
+    if workload.timed_arrivals:
+        return []
+    contenders = [hf_contender(model, static=False), hf_contender(model, static=True),
+                  hf_continuous_contender(model)]
+    if len(workload.items) > 16:
+        contenders.append(hf_contender(model, static=True, batch=16))
+    contenders.append(hf_contender(model, static=False, batch=1, subset=ONE_AT_A_TIME_SUBSET))
+    return contenders
+
+
+LLAMA_CPP_HOW = ("pip install llama-cpp-python (it builds llama.cpp; not a requirement of the course), then "
+                 "rerun with the chat workload")
+
+
+def llama_cpp_missing() -> str | None:
+    """Why llama.cpp cannot be a contender here (None when its Python package imports)."""
+    import shutil
+    try:
+        import llama_cpp  # noqa: F401
+        return None
+    except ImportError:
+        found = [name for name in ("llama-server", "llama-batched-bench") if shutil.which(name)]
+        if found:
+            return (f"{', '.join(found)} found on PATH, but the bench drives llama.cpp through its Python "
+                    f"package only")
+        return "neither the llama_cpp Python package nor llama-server is installed"
+
+
+def llama_cpp_contender(gguf_path: str) -> Contender:
+    """llama.cpp (through llama-cpp-python) on the GGUF file as shipped (SmolLM2's Q4_1: not
+    the engine's float weights, so its tokens are not held to the others'), greedy, one
+    request after another, with the workload's thread count."""
+    from llama_cpp import Llama
+
+    def make(workload):
+        return Llama(model_path=gguf_path, n_ctx=workload.longest + 8, n_threads=workload.threads,
+                     n_threads_batch=workload.threads, verbose=False)
+
+    def serve(llm, items):
+        outputs = {}
+        for it in items:
+            tokens: list = []
+            for token in llm.generate(it.prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+                tokens.append(token)
+                if len(tokens) >= it.max_tokens or token == llm.token_eos():
+                    break
+            outputs[it.request_id] = tokens
+        return outputs, None
+
+    return Contender("llama.cpp one at a time", make, serve, streams=False, same_weights=False)
 
 
 # --- reduced precision: agreement instead of equality -----------------------------------------
@@ -441,6 +514,13 @@ def roofline_share(line: dict, workload: Workload, limits: dict) -> dict:
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def warm_up(contender: Contender, workload: Workload) -> None:
+    """Serve the workload's first two requests once, untimed: first calls pay one-off costs
+    (allocation, kernel choice, lazy imports)."""
+    warm = Workload(workload.name, workload.items[:2], workload.shape)
+    contender.serve(contender.make(warm), warm.items)
 
 
 def timed_run(contender: Contender, workload: Workload, device: torch.device) -> None:
@@ -674,6 +754,8 @@ def summarise(workload: Workload, lines: list) -> dict:
             out[f"{backend}_vs_hf_static"] = ratio(tok[label], hf_static)
         if "hf default" in tok:
             out[f"{backend}_vs_hf_default"] = ratio(tok[label], tok["hf default"])
+        if "llama.cpp one at a time" in tok:
+            out[f"{backend}_vs_llama_cpp"] = ratio(tok[label], tok["llama.cpp one at a time"])
         alone = next((v for k, v in tok.items() if k.startswith("hf one at a time")), None)
         if alone:
             out[f"{backend}_vs_hf_one_at_a_time"] = ratio(tok[label], alone)

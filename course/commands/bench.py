@@ -21,6 +21,10 @@ Workloads (--workloads, comma-separated): seed (`run.py core`'s 16 requests on t
 outputs 32-256, 4 layers, hidden 256, vocabulary 151,936), long (4 prompts of 2k-8k
 tokens), poisson (the serving requests arriving at --rate per second), chat (16 chat
 questions to the real SmolLM2-135M-Instruct, up to 64 tokens each, fetched on first use).
+On the chat workload, when llama-cpp-python is installed (it is not a requirement), one
+more contender: "llama.cpp one at a time", llama.cpp on the same GGUF file as shipped
+(Q4_1 weights, so its tokens are not compared), greedy, with the same thread count;
+otherwise one line says it was skipped and how to get it.
 --scale shrinks the request counts and lengths; --config qwen3-0.6b runs every synthetic
 workload on a model of Qwen3-0.6B's shape with random weights. A workload may carry its own
 options after colons, `NAME:vocab=N:config=qwen3-0.6b:scale=X`, which override --vocab-size,
@@ -56,7 +60,6 @@ from course.models import QWEN3_VOCAB_SIZE, TINY_VOCAB_SIZE
 from course.models.smollm2 import SmolLM2Unavailable
 
 WORKLOADS = ("seed", "serving", "long", "poisson", "chat")
-ONE_AT_A_TIME_SUBSET = 8       # requests transformers serves one by one; their rate stands for all
 
 
 def add_arguments(parser):
@@ -126,6 +129,9 @@ def run(args):
     # One plan per workload and thread count, the same contenders (and weights) in each.
     plans = [(bench.with_threads(w, threads, len(thread_counts) > 1), contenders)
              for w, contenders in plans for threads in thread_counts]
+    missing = bench.llama_cpp_missing()
+    if missing:
+        print(json.dumps({"skipped": "llama.cpp", "why": missing, "to_run_it": bench.LLAMA_CPP_HOW}), flush=True)
     limits = {}
     if args.roofline:
         for threads in thread_counts:
@@ -135,11 +141,10 @@ def run(args):
     progress = bench.Progress(sum(len(c) for _, c in plans) * (args.repeat + 1), enabled=not args.quiet)
     try:
         for workload, contenders in plans:          # warm-up: first calls pay one-off costs
-            warm = bench.Workload(workload.name, workload.items[:2], workload.shape)
             torch.set_num_threads(workload.threads)
             for contender in contenders:
                 progress.show(f"warm-up {workload.name}: {contender.label}")
-                contender.serve(contender.make(warm), warm.items)
+                bench.warm_up(contender, workload)
                 progress.tick()
         for _ in range(args.repeat):
             for workload, contenders in plans:
@@ -168,10 +173,11 @@ def run(args):
             logits_of = bench.next_token_logits(bench.transformers_model(workload.model))
         mine = []
         for contender in contenders:
-            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first if exact else None)
+            compare = exact and contender.same_weights
+            line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first if compare else None)
             if workload.threads in limits:
                 line["roofline"] = bench.roofline_share(line, workload, limits[workload.threads])
-            if held_to is not None and contender is not held_to:
+            if held_to is not None and contender is not held_to and contender.same_weights:
                 line["agreement_with"] = held_to.label
                 line["agreement"] = bench.agreement(outputs, {rid: theirs[rid] for rid in outputs}, workload.items,
                                                     logits_of)
@@ -235,13 +241,10 @@ def _contenders(impl, bench, workload, device, backends, args):
     name = str(dtype).removeprefix("torch.")
     contenders = ([bench.core_contender(impl, model, b, dtype=name) for b in backends]
                   + [bench.slots_contender(impl, model)])
-    if not args.no_hf and not workload.timed_arrivals:
-        contenders += [bench.hf_contender(model, static=False), bench.hf_contender(model, static=True),
-                       bench.hf_continuous_contender(model)]
-        if len(workload.items) > 16:
-            contenders.append(bench.hf_contender(model, static=True, batch=16))
-        # How a naive server runs transformers: one request after another (a subset, timed).
-        contenders.append(bench.hf_contender(model, static=False, batch=1, subset=ONE_AT_A_TIME_SUBSET))
+    if not args.no_hf:
+        contenders += bench.hf_contenders(model, workload)
+    if workload.checkpoint and workload.checkpoint.endswith(".gguf") and bench.llama_cpp_missing() is None:
+        contenders.append(bench.llama_cpp_contender(workload.checkpoint))
     return contenders
 
 
