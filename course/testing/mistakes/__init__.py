@@ -165,6 +165,10 @@ def _warm_imports() -> None:
     """What every child needs, imported once in the parent (fork shares it)."""
     import torch
     torch.set_num_threads(1)
+    if not torch.cuda.is_available():
+        # transformers imports triton: choose its interpreter first, as the pytest plugin would,
+        # or the children's interpreted kernels meet compiled-mode library functions.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import hypothesis  # noqa: F401
     import pytest  # noqa: F401
     import transformers  # noqa: F401
