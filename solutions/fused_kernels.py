@@ -32,13 +32,15 @@ def add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, dim, eps
     """One row per program: sum = x + delta, out = weight * rms_norm(sum).  (Your engine: Chapter 33)
 
     x_ptr, delta_ptr, sum_ptr, out_ptr: [N, dim] contiguous, one dtype; weight_ptr: [dim];
-    BLOCK: a power of two >= dim (mask the lanes past dim). Program r owns row r.
-    Must equal the unfused torch ops (FlatModel.add_norm with fused off) to float rounding:
-    the sum is rounded to the stream's dtype BEFORE it is normalised (the unfused path
-    stores it, and normalises what it stored); the mean of squares and the scaling happen
-    in float32, the normalised row is rounded to the stream's dtype, then multiplied by the
-    weight (and rounded again), as Chapter 4's rms_norm does. Masked lanes must not count
-    in the mean: divide by dim, not BLOCK.
+    BLOCK: a power of two >= dim; launched with N programs, program r handling row r.
+    Afterwards row r of sum holds x + delta exactly (rounded to the stream's dtype) and row
+    r of out equals the unfused torch ops (FlatModel.add_norm with fused off) to float
+    rounding: the row normalised is the STORED sum, not x; the mean of squares and the
+    scaling are float32; the normalised row is rounded to the stream's dtype, then
+    multiplied by the weight and rounded again, as Chapter 4's rms_norm does. Nothing
+    outside the N x dim entries is read or written.
+    Trap: the mean of squares is over the dim real entries; the lanes from dim up to BLOCK
+    are padding and must add nothing to it.
     """
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)

@@ -90,13 +90,24 @@ def reference_forward(q, pools, shapes_meta, window=0):
         "serve.backends").ReferenceBackend().forward(q, pools, shapes_meta, window=window))
 
 
-def describe_mismatch(name, got, want, meta):
+def describe_mismatch(name, got, want, meta, window=0):
+    """Where the first differing row sits, and the rule that row depends on."""
     bad = (got - want).abs().amax(dim=(1, 2))
     row = int(bad.argmax())
     request = next(r for r in range(len(meta.seq_lens_cpu)) if meta.query_start_loc_cpu[r + 1] > row)
+    rows = meta.query_start_loc_cpu[request + 1] - meta.query_start_loc_cpu[request]
+    if meta.seq_lens_cpu[request] == 0:
+        rule = "rows of a padding request (seq_len 0) come back as zeros"
+    elif window:
+        rule = f"with window {window} a row sees only the keys at positions > its own - {window}"
+    elif rows > 1:
+        rule = ("row i of a request's t new rows sits at position seq_len - t + i and sees the keys up to and "
+                "including its own")
+    else:
+        rule = "a decode row sees every key of its request, up to and including the last one"
     return (f"[{name}] row {row} (request {request}: seq_len {meta.seq_lens_cpu[request]}, rows "
             f"{meta.query_start_loc_cpu[request]}..{meta.query_start_loc_cpu[request + 1] - 1}) differs from "
-            f"ReferenceBackend by {float(bad[row]):.2e}")
+            f"ReferenceBackend by {float(bad[row]):.2e}: {rule}")
 
 
 # --- the vectorised backend ----------------------------------------------------------------------
@@ -116,7 +127,7 @@ def test_vectorised_backend_matches_reference(serve, name, heads, kv_heads):
         want = reference_forward(q, (k_pool, v_pool), meta, window=window)
         assert got.shape == q.shape and got.dtype == q.dtype, f"[{name}] output {tuple(got.shape)} {got.dtype}"
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch(f"{name}, window {window}",
-                                                                                  got, want, meta)
+                                                                                  got, want, meta, window)
 
 
 def test_plan_is_built_once_per_step(serve, monkeypatch):
@@ -206,10 +217,11 @@ def test_a_cpu_group_stays_within_the_cache_budget(serve):
 
 def test_gather_blocks_reads_every_table_at_once(serve):
     pool = torch.arange(5 * 4 * 2, dtype=torch.float32).reshape(5, 4, 2)
-    table = torch.tensor([[3, 0], [1, 2]])
+    table = torch.tensor([[3, 0], [1, 2], [4, 4]])                  # three requests of two blocks
     got = serve.backends.gather_blocks(pool, table)
-    want = torch.stack([torch.cat([pool[3], pool[0]]), torch.cat([pool[1], pool[2]])])
-    assert got.shape == (2, 8, 2) and torch.equal(got, want), "request r's rows are its blocks in table order"
+    want = torch.stack([torch.cat([pool[3], pool[0]]), torch.cat([pool[1], pool[2]]), torch.cat([pool[4], pool[4]])])
+    assert got.shape == (3, 8, 2), f"shape {tuple(got.shape)}: one run of W * block_size rows per request"
+    assert torch.equal(got, want), "request r's rows are its blocks in table order"
 
 
 # --- the engine with each backend ------------------------------------------------------------------
@@ -306,7 +318,7 @@ def test_triton_paged_attention_matches_reference(serve, kernels, where, name, h
         got = kernels.paged_attention(q.to(where), k_pool.to(where), v_pool.to(where), meta, window=window)
         want = reference_forward(q, (k_pool, v_pool), cpu_meta, window=window)
         assert torch.allclose(got.cpu(), want, atol=1e-5, rtol=1e-5), describe_mismatch(
-            f"triton, {name}, window {window}", got.cpu(), want, cpu_meta)
+            f"triton, {name}, window {window}", got.cpu(), want, cpu_meta, window)
 
 
 def test_query_tiles_split_each_request(serve, kernels):
@@ -322,7 +334,8 @@ def test_triton_store_writes_through_the_slot_mapping(kernels, where):
     k = torch.arange(18, dtype=torch.float32, device=where).reshape(3, 2, 3) + 1
     kernels.store_kv(pool_k, pool_v, k, -k, torch.tensor([5, -1, 0], device=where))
     flat_k, flat_v = pool_k.view(-1, 2, 3), pool_v.view(-1, 2, 3)
-    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2]) and torch.equal(flat_v[5], -k[0])
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2]) and torch.equal(flat_v[5], -k[0]) \
+        and torch.equal(flat_v[0], -k[2]), "row i of k and v is stored whole at slot slot_mapping[i] (slot 0 too)"
     untouched = [i for i in range(8) if i not in (0, 5)]
     assert torch.count_nonzero(flat_k[untouched]) == 0, "a slot -1 row must not be stored anywhere"
 
@@ -385,12 +398,15 @@ def test_quantized_write_keeps_codes_and_scales_per_token_and_head(serve):
     assert cache[2].shape == (4, 2, 2), "scales: [num_blocks + 1, block_size, kv_heads]"
     k = torch.randn(3, 2, 8, generator=torch.Generator().manual_seed(0))
     meta = make_meta(serve, [(3, 3, [1, 2])], 2)                    # slots 2, 3, 4
-    backend.write(cache, k, -k, meta)
+    backend.write(cache, k, -2 * k, meta)
     codes, scales = cache[0].view(-1, 2, 8), cache[2].view(-1, 2)
+    assert torch.equal(scales[2:5], k.abs().amax(-1) / 127), "scale = max|x| / 127 per token and head"
     back = codes[2:5].float() * scales[2:5, :, None]
     assert torch.all((back - k).abs() <= scales[2:5, :, None] / 2 + 1e-6), "int8 rows exceed the scale/2 bound"
-    assert torch.equal(scales[2:5], k.abs().amax(-1) / 127), "scale = max|x| / 127 per token and head"
     assert torch.count_nonzero(codes[:2]) == 0 and torch.count_nonzero(codes[5:]) == 0
+    v_codes, v_scales = cache[1].view(-1, 2, 8), cache[3].view(-1, 2)
+    assert torch.equal(v_scales[2:5], 2 * scales[2:5]) and torch.equal(v_codes[2:5], -codes[2:5]), \
+        "v's codes and scales are v's own (here -2k: twice k's scales, negated codes), at the same slots as k's"
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

@@ -149,7 +149,8 @@ def test_load_inputs_writes_into_the_same_buffers(serve, tiny_model):
     assert g.input_ids[:4].tolist() == batch.input_ids.tolist()
     assert g.positions[:4].tolist() == [4, 17, 32, 0]
     assert g.slot_mapping[:4].tolist() == batch.meta.slot_mapping.tolist() and g.slot_mapping[3] == -1
-    assert g.seq_lens[:4].tolist() == [5, 18, 33, 0]
+    assert g.seq_lens[:4].tolist() == [5, 18, 33, 0], \
+        f"seq_lens hold {g.seq_lens[:4].tolist()}: the batch's meta.seq_lens (the new token included), 0 on padding"
     width = batch.meta.block_table.shape[1]
     assert torch.equal(g.block_table[:4, :width], batch.meta.block_table)
     assert int(g.block_table[:4, width:].abs().sum()) == 0, "columns past the batch's table must be 0, not stale"
@@ -266,7 +267,9 @@ def test_fused_triton_kernel_matches_torch_ops(fused_kernels, rows, dim):
     want_normed, want_sum = unfused(x, delta, weight, 1e-6)
     assert torch.equal(summed.cpu(), want_sum), "the residual sum must be exactly x + delta"
     assert torch.allclose(normed.cpu(), want_normed, atol=1e-5, rtol=1e-5), (
-        f"dim {dim}: fused norm differs by {(normed.cpu() - want_normed).abs().max()} (masked lanes counted?)")
+        f"dim {dim}: fused norm differs by {(normed.cpu() - want_normed).abs().max()}; out is weight times "
+        "rms_norm of the residual sum x + delta, and the mean of squares is over dim (masked lanes past dim "
+        "must not count)")
 
 
 @needs_cuda
@@ -307,7 +310,10 @@ def test_settle_token_fills_the_oldest_placeholder(serve, overlap):
     seen = []
     reason = overlap.settle_token(request, 11, lambda r, i: seen.append((i, r.token_ids[i])) or None)
     assert reason is None and seen == [(4, 11)], "the stop rules must look at the settled token's index"
-    assert request.token_ids == [1, 2, 3, 10, 11, serve.request.PLACEHOLDER] and request.num_placeholders == 1
+    assert request.token_ids == [1, 2, 3, 10, 11, serve.request.PLACEHOLDER], \
+        f"token_ids {request.token_ids}: the token replaces the oldest placeholder, the newer one stays"
+    assert request.num_placeholders == 1, \
+        f"num_placeholders is {request.num_placeholders}: settling a token leaves one placeholder fewer"
 
 
 def test_settle_token_that_stops_drops_the_tokens_after_it(serve, overlap):

@@ -38,31 +38,47 @@ def make_request(serve, rid, prompt, output=(), **params):
 
 # --- the rules, one at a time ----------------------------------------------------------------------
 
+def penalised(prompts, outputs, repetition, presence, frequency, logits):
+    """vLLM's three penalties, one token at a time in float64: the oracle."""
+    expected = logits.double().clone()
+    for r in range(len(prompts)):
+        for t in set(prompts[r]) | set(outputs[r]):
+            x = expected[r, t]
+            expected[r, t] = x / repetition[r] if x > 0 else x * repetition[r]
+        for t in set(outputs[r]):
+            expected[r, t] -= frequency[r] * outputs[r].count(t) + presence[r]
+    return expected
+
+
 def test_penalties_match_vllm_formulas_and_transformers(serve, sampler):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 16, generator=gen) * 3
     prompts = [[1, 2, 3], [4, 4], [5]]
     outputs = [[3, 7, 7, 9], [], [5, 5, 5, 11]]
-    repetition = [1.5, 0.7, 1.0]
-    presence, frequency = [0.5, 0.0, -0.3], [0.25, 1.0, 0.4]
     prompt_mask = torch.zeros(3, 16, dtype=torch.bool)
     counts = torch.zeros(3, 16)
     for r in range(3):
         prompt_mask[r, prompts[r]] = True
         for t in outputs[r]:
             counts[r, t] += 1
-    got = sampler.apply_penalties(logits.clone(), prompt_mask, counts, torch.tensor(repetition),
-                                  torch.tensor(presence), torch.tensor(frequency))
-    expected = logits.double().clone()
-    for r in range(3):
-        for t in set(prompts[r]) | set(outputs[r]):
-            x = expected[r, t]
-            expected[r, t] = x / repetition[r] if x > 0 else x * repetition[r]
-        for t in set(outputs[r]):
-            expected[r, t] -= frequency[r] * outputs[r].count(t) + presence[r]
-    assert torch.allclose(got.double(), expected, atol=1e-5), \
-        "apply_penalties: repetition divides positive / multiplies negative logits of tokens in prompt or output; " \
-        "frequency subtracts count * value and presence subtracts value once, over OUTPUT tokens only"
+    off = [0.0, 0.0, 0.0]
+    # One penalty at a time, so a failure names the rule it broke; then all three together.
+    cases = [("repetition", [1.5, 0.7, 1.3], off, off,
+              "the repetition penalty touches every token seen in the prompt or the output: a positive logit "
+              "is divided by the value, a negative one multiplied (the sign is read before the change)"),
+             ("frequency", [1.0] * 3, off, [0.25, 1.0, 0.4],
+              "the frequency penalty subtracts its value once per occurrence of the token in the output"),
+             ("presence", [1.0] * 3, [0.5, 0.0, -0.3], off,
+              "the presence penalty subtracts its value once for a token present in the output, whatever its "
+              "count, and never for prompt-only tokens"),
+             ("all three", [1.5, 0.7, 1.0], [0.5, 0.0, -0.3], [0.25, 1.0, 0.4],
+              "repetition applies first, then frequency and presence subtract from its result")]
+    for what, repetition, presence, frequency, rule in cases:
+        got = sampler.apply_penalties(logits.clone(), prompt_mask, counts, torch.tensor(repetition),
+                                      torch.tensor(presence), torch.tensor(frequency))
+        expected = penalised(prompts, outputs, repetition, presence, frequency, logits)
+        wrong = [(r, t) for r, t in (~torch.isclose(got.double(), expected, atol=1e-5)).nonzero().tolist()]
+        assert not wrong, f"apply_penalties ({what}): {rule}; differs at (row, token) {wrong[:4]}"
     transformers = pytest.importorskip("transformers")
     hf = transformers.RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([prompts[0] + outputs[0]]), logits[:1].clone())
     only_repetition = sampler.apply_penalties(logits[:1].clone(), prompt_mask[:1], counts[:1], torch.tensor([1.5]),
@@ -82,22 +98,33 @@ def test_top_k_top_p_min_p_match_transformers_warpers(serve, sampler):
     top_k = torch.tensor([k if k else 64 for k, _, _ in settings])
     top_p = torch.tensor([p for _, p, _ in settings])
     min_p = torch.tensor([m for _, _, m in settings])
-    got = sampler.apply_top_k_top_p(sampler.apply_min_p(logits.clone(), min_p), top_k, top_p)
+    # Each rule alone first (so a failure names it), then the chain in vLLM's order.
+    rules = [("top_p alone", torch.full_like(top_k, 64), top_p, False,
+              "top_p keeps, from the most likely down, each token while the probability mass strictly before "
+              "it is below top_p (top_p = 1 keeps every token)"),
+             ("top_k alone", top_k, torch.ones_like(top_p), False,
+              "top_k keeps every token whose logit is >= the row's k-th highest, ties with the k-th included"),
+             ("min_p, top_k, top_p", top_k, top_p, True,
+              "top_p is measured on the distribution that top_k (and min_p) left, renormalised")]
+    for what, ks, ps, with_min_p, rule in rules:
+        start = sampler.apply_min_p(logits.clone(), min_p) if with_min_p else logits.clone()
+        got = sampler.apply_top_k_top_p(start, ks, ps)
+        for row, (k, p, m) in enumerate(settings):
+            want = logits[row:row + 1].clone()
+            if with_min_p and m:
+                want = transformers.MinPLogitsWarper(m)(None, want)
+            if ks[row] < 64:
+                want = transformers.TopKLogitsWarper(k)(None, want)
+            if ps[row] < 1:
+                want = transformers.TopPLogitsWarper(p)(None, want)
+            kept, expected = torch.isfinite(got[row]), torch.isfinite(want[0])
+            assert torch.equal(kept, expected), f"{what}, row {row} (top_k={int(ks[row])}, top_p={float(ps[row])}): " \
+                f"{rule}; kept {kept.nonzero().flatten().tolist()}, transformers keeps " \
+                f"{expected.nonzero().flatten().tolist()}"
+            assert torch.equal(got[row][kept], logits[row][kept]), "surviving logits must be unchanged"
     # The full sampler's way: candidates from one topk where top_k bounds a row, the whole row otherwise.
     fast = sampler.filter_top_k_top_p(sampler.apply_min_p(logits.clone(), min_p), top_k.tolist(), top_p.tolist())
     assert torch.equal(fast, got), "filter_top_k_top_p must keep exactly what apply_top_k_top_p keeps"
-    for row, (k, p, m) in enumerate(settings):
-        want = logits[row:row + 1].clone()
-        if m:
-            want = transformers.MinPLogitsWarper(m)(None, want)
-        if k:
-            want = transformers.TopKLogitsWarper(k)(None, want)
-        if p < 1:
-            want = transformers.TopPLogitsWarper(p)(None, want)
-        kept, expected = torch.isfinite(got[row]), torch.isfinite(want[0])
-        assert torch.equal(kept, expected), f"row {row} (top_k={k}, top_p={p}, min_p={m}): kept " \
-            f"{kept.nonzero().flatten().tolist()}, transformers keeps {expected.nonzero().flatten().tolist()}"
-        assert torch.equal(got[row][kept], logits[row][kept]), "surviving logits must be unchanged"
 
 
 def test_typical_p_matches_transformers_warper(serve, sampler):
@@ -125,6 +152,34 @@ def test_typical_p_matches_transformers_warper(serve, sampler):
     assert all(allowed[t] for t in drawn), f"the full sampler drew {sorted(drawn)}, outside typical_p's " \
                                             f"{allowed.nonzero().flatten().tolist()}"
     assert len(drawn) > 1, "typical_p = 0.5 over a spread-out row keeps several tokens; the draws found one"
+
+
+def test_token_logprobs_rank_ties_and_top_lists(sampler):
+    """token_logprobs against float64 log_softmax: the value, the rank with ties, and each
+    row's own number of top entries (0 included), from bfloat16 logits."""
+    logits = torch.randn(4, 48, generator=torch.Generator().manual_seed(6)) * 2
+    logits[1, [5, 9, 17]] = logits[1].max() + 1             # three tokens tied at the top: all rank 1
+    logits[2, [4, 8]] = logits[2, 30].item()                # the asked-about token 30 ties two others
+    logits = logits.bfloat16()
+    token_ids, num_top = torch.tensor([3, 9, 30, 0]), [2, 0, 5, 1]
+    entries = sampler.token_logprobs(logits, token_ids, num_top)
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    assert len(entries) == 4, f"one entry per row: got {len(entries)} for 4 rows"
+    for row, (entry, token, k) in enumerate(zip(entries, token_ids.tolist(), num_top)):
+        want = exact[row]
+        assert entry.token_id == token, f"row {row}: the entry is about token {entry.token_id}, not {token}"
+        assert math.isclose(entry.logprob, float(want[token]), abs_tol=1e-5), \
+            f"row {row}: logprob {entry.logprob}, but log_softmax of the row, computed in float32, " \
+            f"gives {float(want[token])}"
+        rank = int((want > want[token]).sum()) + 1
+        assert entry.rank == rank, f"row {row}: rank {entry.rank}, not {rank}; the rank is 1 + the number of " \
+                                   "tokens with a strictly greater logprob (ties share a rank)"
+        assert len(entry.top_token_ids) == len(entry.top_logprobs) == k, \
+            f"row {row}: {len(entry.top_token_ids)} top ids and {len(entry.top_logprobs)} top logprobs; " \
+            f"each row lists exactly its own num_top = {k}"
+        values = [float(want[t]) for t in entry.top_token_ids]
+        assert values == sorted(values, reverse=True) and (not k or values[-1] >= float(want.topk(k).values[-1])), \
+            f"row {row}: top list {entry.top_token_ids} is not the row's {k} most likely, most likely first"
 
 
 def test_token_rules_match_transformers_processors(serve, sampler):

@@ -109,10 +109,11 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     - repetition penalty: for every token seen in the prompt OR the output, a logit > 0 is
       divided by the row's repetition value and a logit <= 0 multiplied by it (both push
       the token down when the value is > 1);
-    - then frequency: subtract frequency * count; presence: subtract presence once for
-      every token that occurs in the output at all. Both look at output tokens only.
-    Rows whose values are neutral come out unchanged. Trap: the repetition rule depends
-    on the sign of the logit BEFORE it is applied; -inf stays -inf.
+    - frequency lowers a token by frequency * (its count in the output); presence lowers it
+      by presence once if it occurs in the output at all. Neither looks at the prompt, and
+      both apply to the repetition-penalised value.
+    Rows whose values are neutral come out unchanged. Traps: which of the two repetition
+    rules a token gets depends on the sign of its logit BEFORE the penalty; -inf stays -inf.
     """
     raise NotImplementedError("Your engine: Chapter 34: apply_penalties")
 
@@ -137,7 +138,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     - top_p on the distribution that top_k left: sorted from most to least likely, a
       token survives when the probability mass strictly before it is < top_p (so the
       most likely token always survives, and top_p = 1 keeps every finite logit).
-    One sort of the whole [R, V] matrix serves both rules; no Python loop over rows.
+    Surviving logits keep their values. Cost: a fixed number of tensor operations whatever
+    R is (no Python loop over rows).
     """
     raise NotImplementedError("Your engine: Chapter 34: apply_top_k_top_p")
 

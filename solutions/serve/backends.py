@@ -406,9 +406,10 @@ def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     pool: [num_blocks + 1, block_size, ...] (K or V rows, or their scales [.., Hkv]);
     block_table: int64 [R, W]. Returns [R, W * block_size, ...]: request r's first
     W * block_size context rows in logical order (rows past its seq_len are whatever the
-    blocks hold: the mask hides them). A copy, made by ONE index_select of the pool's
-    blocks by the whole table, flattened (pool[block_table] makes the same copy, but torch's
-    advanced indexing copies it 1.3-3x slower than index_select on a CPU).
+    blocks hold: the mask hides them). A copy; the pool is unchanged.
+    Cost contract: one indexing call for the whole table, whatever R is (no loop over
+    requests); on a CPU, advanced indexing (pool[block_table]) copies 1.3-3x slower than
+    index_select does.
     """
     blocks = pool.index_select(0, block_table.flatten())     # [R * W, block_size, ...]
     return blocks.view(block_table.shape[0], -1, *pool.shape[2:])
