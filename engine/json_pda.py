@@ -259,8 +259,8 @@ class JsonIndex:
         for the tokens that needed it (only possible with stack=None; they are not alive);
         peak (int16) is the largest number of containers open at once during the walk beyond
         those open at the start (0 for a token that opens none). The depth limit is not
-        checked here. Tokens cannot share a Python stack: keep one small stack per token in
-        an array, and go one byte position at a time for all tokens, as compute_mask does.
+        checked here. Trap: tokens cannot share one Python stack, and a Python loop over
+        the tokens is far too slow (every lexer state walks the whole vocabulary).
         """
         raise NotImplementedError("Your engine: Chapter 35: JsonIndex.walk_tokens")
 

@@ -115,8 +115,12 @@ def test_epsilon_closure_follows_cycles(rx):
     nfa.empty[2] += [3, 0]                  # a cycle 0 -> 2 -> 0
     nfa.empty[3] += [3]                     # and a self-loop
     nfa.edges[1].append((97, 97, 4))        # a byte move is not an empty move
-    assert rx.epsilon_closure(nfa, [0]) == frozenset({0, 1, 2, 3})
-    assert rx.epsilon_closure(nfa, [4]) == frozenset({4})
+    closure = rx.epsilon_closure(nfa, [0])
+    assert isinstance(closure, frozenset), "the closure names a DFA state: a frozenset, so equal closures hash equal"
+    assert closure == frozenset({0, 1, 2, 3}), (
+        f"closure of {{0}} is {set(closure)}: every state reachable by empty moves, through the cycle and the "
+        f"self-loop, and only by empty moves (a byte move is not an empty move)")
+    assert rx.epsilon_closure(nfa, [4]) == frozenset({4}), "the closure includes the states it starts from"
     assert rx.epsilon_closure(nfa, []) == frozenset()
 
 
@@ -133,8 +137,25 @@ def test_determinize_builds_the_subset_automaton(rx):
     assert dfa.start == 0 and dfa.num_states == 4, "the subsets {0}, {0,1}, {0,2}, {0,3}: four DFA states"
     assert dfa.transitions.shape == (4, 256)
     for text in ("abb", "aabb", "babb", "ab", "abba", "abbabb", "c"):
-        assert dfa.fullmatch(text.encode()) == (re.fullmatch("(a|b)*abb", text) is not None), text
-    assert int(dfa.accepting.sum()) == 1 and (dfa.transitions[:, ord("c")] == -1).all()
+        assert dfa.fullmatch(text.encode()) == (re.fullmatch("(a|b)*abb", text) is not None), (
+            f"(a|b)*abb on {text!r}: each byte class's columns lead to the subset its bytes reach, and a state "
+            f"accepts exactly when its subset holds nfa.accept")
+    assert int(dfa.accepting.sum()) == 1, "only the subset {0,3} holds nfa.accept: one accepting state"
+    assert (dfa.transitions[:, ord("c")] == -1).all(), "a byte no NFA state of the subset reads leads to -1"
+    # a(b)? with empty moves at the start and after the byte: 0 -e-> 1 -a-> 2 -e-> 3 (accept), 2 -b-> 3
+    nfa = rx.NFA()
+    for _ in range(4):
+        nfa.new_state()
+    nfa.empty[0].append(1)
+    nfa.edges[1].append((97, 97, 2))
+    nfa.empty[2].append(3)
+    nfa.edges[2].append((98, 98, 3))
+    nfa.start, nfa.accept = 0, 3
+    dfa = rx.determinize(nfa)
+    assert dfa.transitions[0, ord("a")] >= 0, (
+        "DFA state 0 stands for the epsilon closure of nfa.start, not nfa.start alone")
+    assert dfa.fullmatch(b"a") and dfa.fullmatch(b"ab") and not dfa.fullmatch(b""), (
+        "a byte leads to the epsilon closure of the NFA states it reaches, so 'a' and 'ab' match a(b)?")
 
 
 # --- property tests: random patterns of the subset, random strings -----------------------------
@@ -259,7 +280,11 @@ def test_the_mask_allows_exactly_the_tokens_that_keep_a_match_possible(guided, p
     rng = random.Random(1)
     prefix = b""
     for _ in range(6):
-        allowed = guide.allowed()
+        try:
+            allowed = guide.allowed()
+        except ValueError as error:
+            pytest.fail(f"pattern {pattern!r} after {prefix!r}: allowed() refused to give a mask ({error}), yet "
+                        f"some token should be allowed: every token whose bytes keep a match possible is allowed")
         assert allowed.dtype == torch.bool and allowed.shape == (len(vocab) + 3,)
         for token, data in enumerate(vocab):
             if token == eos or not data:

@@ -115,7 +115,8 @@ def test_the_mask_agrees_with_advance(pda, guided):
                     accepted = False
                 assert bool(mask[token]) == accepted, (
                     f"after {text!r} (open: {guide.stack}) the mask says {bool(mask[token])} for token {token} "
-                    f"({vocab[token]!r}) but advance {'accepts' if accepted else 'refuses'} it")
+                    f"({vocab[token]!r}) but advance {'accepts' if accepted else 'refuses'} it: the mask (walk_tokens, "
+                    f"all tokens at once) must allow exactly the tokens advance (one byte at a time) accepts")
             choices = torch.nonzero(mask).flatten().tolist()
             token = rng.choice(choices)
             guide.advance(token)
@@ -162,6 +163,39 @@ def test_what_json_dumps_writes_is_accepted(pda, guided, value):
                 assert guide.allowed()[eos], f"EOS must be allowed after the whole value {data!r}"
 
 
+def test_pushdown_step_keeps_the_stack_of_open_containers(pda, guided):
+    tables = index_over(pda, guided, fragment_vocabulary(), object_only=False).tables
+    kinds = {ord("{"): pda.OBJECT, ord("["): pda.ARRAY}
+    state = tables.start
+    stack: list[int] = []
+    expected: list[int] = []
+    for at, byte in enumerate(b'[{"a":[1,{}]},[[2]]]'):
+        state = pda.pushdown_step(tables, state, stack, byte, 4)
+        assert state >= 0, f"byte {at} ({chr(byte)!r}) of a JSON text was refused"
+        if byte in kinds:
+            expected.append(kinds[byte])
+        elif byte in b"]}":
+            expected.pop()
+        assert stack == expected, (
+            f"after byte {at} ({chr(byte)!r}) the stack is {stack}, expected {expected}: an opening bracket appends "
+            f"its kind, a closing one removes the innermost container")
+        assert state % 3 == (stack[-1] if stack else pda.NONE), (
+            f"after byte {at} ({chr(byte)!r}) the state's top is {state % 3}: it must be the kind of the innermost "
+            f"open container (NONE when none is open)")
+    state, stack = tables.start, []
+    for byte in b"[[[":
+        state = pda.pushdown_step(tables, state, stack, byte, 3)
+    assert pda.pushdown_step(tables, state, stack, ord("["), 3) == pda.DEEPER, (
+        "with 3 containers open and max_depth 3, a 4th opening bracket returns DEEPER")
+    assert stack == [pda.ARRAY] * 3, "a PUSH refused for depth leaves the stack unchanged"
+    assert pda.pushdown_step(tables, state, stack, ord("}"), 3) == -1 and stack == [pda.ARRAY] * 3, (
+        "a byte the tables refuse returns -1 and leaves the stack unchanged")
+    for byte in b"],":
+        state = pda.pushdown_step(tables, state, stack, byte, 3)
+    assert pda.pushdown_step(tables, state, stack, ord("["), 3) >= 0 and len(stack) == 3, (
+        "with 2 containers open, max_depth 3 allows a 3rd")
+
+
 def test_forbidden_tokens_are_refused_by_name(pda, guided):
     vocab = fragment_vocabulary()
     eos = len(vocab) - 1
@@ -192,8 +226,12 @@ def test_depth_and_whitespace_have_stated_bounds(pda, guided):
     assert not guide.allowed()[vocab.index(b"[[")], "[[ would open the 4th container past max_depth 3"
     guide.advance(ord("["))
     assert not guide.allowed()[ord("[")] and not guide.allowed()[ord("{")], "max_depth 3: no 4th container"
-    with pytest.raises(ValueError, match="max_depth"):
+    try:
         guide.advance(ord("{"))
+    except ValueError as error:
+        assert "max_depth" in str(error), f"a refusal for depth must name max_depth, got: {error}"
+    else:
+        pytest.fail("advance('{') with 3 containers open was accepted: max_depth 3 allows no 4th container")
     spaces = pda.JsonGuide(index)
     for _ in range(4):
         spaces.advance(ord(" "))
