@@ -13,7 +13,9 @@ bit-level differences between a flattened batch and a solo run never flip a toke
 these tests are deterministic. The four-configuration test was run once over 300 workload
 seeds, all passing.
 """
+import hashlib
 import random
+from array import array
 
 import pytest
 import torch
@@ -100,8 +102,9 @@ class Trace:
 class FakeRequest:
     """Just what BlockManager and build_batch read."""
 
-    def __init__(self, serve, request_id, tokens, computed=0, cache_key=()):
-        self.inner = serve.request.Request(request_id, list(tokens), cache_key=tuple(cache_key))
+    def __init__(self, serve, request_id, tokens, computed=0, cache_key=(), params=None):
+        self.inner = serve.request.Request(request_id, list(tokens), params or serve.request.SamplingParams(),
+                                           cache_key=tuple(cache_key))
         self.inner.num_computed_tokens = computed
 
     def __getattr__(self, name):
@@ -179,6 +182,10 @@ def test_hash_block_chain_and_extra_keys(serve):
     assert hash_block(a, [5, 6, 7, 8], ("lora-1",)) != b, "extra keys must change the key"
     assert hash_block(a, [5, 6, 7, 8], ("lora-1",)) != hash_block(a, [5, 6, 7, 8], ("lora-2",))
     assert hash_block(None, [256]) != hash_block(None, [0, 1]), "tokens must be packed as whole integers"
+    by_hand = hashlib.blake2b(serve.blocks.ROOT_PARENT + array("q", [7, -1, 300]).tobytes(), digest_size=16)
+    assert hash_block(None, [7, -1, 300]) == by_hand.digest(), (
+        "the key is the 16-byte BLAKE2b of the parent key (ROOT_PARENT for the first block), then the "
+        "tokens as signed 64-bit integers: its exact bytes are part of the contract")
 
 
 def test_cache_key_isolates_prefixes(serve):
@@ -210,8 +217,30 @@ def test_find_cached_prefix_leaves_one_token(serve):
     assert mgr.find_cached_prefix(longer) == mgr.req_blocks["a"]
     diverging = FakeRequest(serve, "d", [0, 1, 2, 3, 77, 5, 6, 7, 8, 9, 10, 11, 12])
     assert mgr.find_cached_prefix(diverging) == mgr.req_blocks["a"][:1], "the match stops at the first miss"
+    wants_logprobs = FakeRequest(serve, "p", range(13), params=params(serve, 1, prompt_logprobs=0))
+    assert mgr.find_cached_prefix(wants_logprobs) == [], (
+        "a request that asks for prompt logprobs computes every prompt position: it reuses no cached block")
     off = serve.blocks.BlockManager(16, 4, enable_prefix_caching=False)
     assert off.find_cached_prefix(FakeRequest(serve, "e", range(13))) == []
+
+
+def test_a_lookup_stops_at_the_first_evicted_block(serve):
+    """The first block of a chain was evicted while the second stayed cached: a lookup finds
+    nothing, since the cache serves only a leading run of the prompt."""
+    mgr = serve.blocks.BlockManager(4, 4)
+    a = FakeRequest(serve, "a", range(9))
+    assert mgr.allocate_slots(a, 9)
+    a.inner.num_computed_tokens = 9
+    mgr.cache_full_blocks(a)
+    head, second = mgr.req_blocks["a"][:2]
+    mgr.free(a)
+    keeper = FakeRequest(serve, "keep", range(100, 104))
+    assert mgr.allocate_slots(keeper, 0, [second])          # holds the second block only
+    filler = FakeRequest(serve, "fill", range(200, 212))
+    assert mgr.allocate_slots(filler, 12)                   # takes the other three, evicting the head
+    assert mgr.block_hash[head] is None and mgr.block_hash[second] is not None
+    assert mgr.find_cached_prefix(FakeRequest(serve, "b", range(9))) == [], (
+        "the match stops at the first miss: a later block still cached is of no use without those before it")
 
 
 def test_adopting_cached_free_block_costs_a_free_slot(serve):
@@ -227,13 +256,20 @@ def test_adopting_cached_free_block_costs_a_free_slot(serve):
     assert len(cached) == 2
     before = (list(mgr.ref_count), list(mgr.free_queue), dict(mgr.cached), list(mgr.block_hash))
     # 2 adopted + 3 fresh = 5 blocks > 4: the adopted ones come out of the same free queue.
-    assert mgr.allocate_slots(second, 12, cached) is False, (
-        "allocate_slots over-committed the pool: adopting a cached-free block uses up a free block")
+    overcommitted = "allocate_slots over-committed the pool: adopting a cached-free block uses up a free block"
+    try:
+        fitted = mgr.allocate_slots(second, 12, cached)
+    except Exception as exc:                                # ran out of free blocks half-way
+        pytest.fail(f"{overcommitted} (it raised {exc!r} half-way)")
+    assert fitted is False, overcommitted
     after = (list(mgr.ref_count), list(mgr.free_queue), dict(mgr.cached), list(mgr.block_hash))
     assert after == before, "a failed allocation must change nothing (all or nothing)"
-    assert not mgr.req_blocks.get("b"), "a failed allocation must not give the request blocks"
+    assert "b" not in mgr.req_blocks, (
+        "a failed allocation must leave no trace, not even an empty block list for the request")
     assert mgr.allocate_slots(second, 8, cached) is True     # 2 adopted + 2 fresh = 4 fits
-    assert mgr.num_free == 0 and mgr.req_blocks["b"][:2] == cached
+    assert mgr.req_blocks["b"][:2] == cached, "the adopted blocks come first, in logical order"
+    assert mgr.num_free == 0 and not any(b in mgr.free_queue for b in cached), (
+        "an adopted cached-free block leaves the free queue")
 
 
 def test_allocation_is_all_or_nothing(serve):
@@ -263,7 +299,8 @@ def test_free_is_tail_first_and_blocks_keep_their_hash(serve):
     assert list(mgr.free_queue)[-4:] == owned[::-1], (
         f"freed blocks must join the back of the free queue tail first: expected {owned[::-1]}, "
         f"got {list(mgr.free_queue)[-4:]}")
-    assert [mgr.state(b) for b in owned] == ["cached", "cached", "cached", "free"]
+    assert [mgr.state(b) for b in owned] == ["cached", "cached", "cached", "free"], (
+        "a freed block keeps its hash: its full blocks are cached-free until the allocator reuses them")
     assert all(mgr.block_hash[b] is not None for b in owned[:3]), "a freed block keeps its hash"
     # Fresh allocations take the untouched free blocks first, then a's tail before its head.
     c = FakeRequest(serve, "c", range(200, 224))
@@ -295,9 +332,12 @@ def test_hitting_a_cached_free_block_keeps_its_hash(serve):
     assert mgr.find_cached_prefix(c) == hit, "a third request must still find the adopted blocks"
     assert mgr.allocate_slots(c, 1, hit) and all(mgr.ref_count[x] == 2 for x in hit)
     mgr.free(b)
+    assert all(mgr.ref_count[x] == 1 and x not in mgr.free_queue for x in hit), (
+        "a block shared by several requests stays in use until the last of them frees it")
     mgr.free(c)
     assert mgr.num_free == 8
-    assert mgr.hit_rate == pytest.approx(16 / 18)
+    assert mgr.hit_rate == pytest.approx(16 / 18), (
+        "the hit rate is the tokens found over ALL the prompt tokens looked up (2 lookups of 8 found in 18)")
 
 
 def test_publishing_at_allocation_time_and_trim(serve):
@@ -305,7 +345,9 @@ def test_publishing_at_allocation_time_and_trim(serve):
     a = FakeRequest(serve, "a", range(10))
     assert mgr.allocate_slots(a, 10)
     mgr.cache_full_blocks(a, 10)                    # before any compute: blocks 0 and 1 are published
-    assert len(mgr.cached) == 2
+    assert len(mgr.cached) == 2, (
+        "blocks are published when allocated: cache_full_blocks(request, num_tokens) counts num_tokens "
+        "as written, before the forward pass writes them")
     b = FakeRequest(serve, "b", range(11))
     assert mgr.find_cached_prefix(b) == mgr.req_blocks["a"][:2]
     mgr.trim(a, 4)                                   # keep one block
@@ -317,16 +359,40 @@ def test_publishing_at_allocation_time_and_trim(serve):
     assert not mgr.cached and all(h is None for h in mgr.block_hash)
 
 
+def test_only_blocks_written_by_this_step_are_published(serve):
+    """nano-vllm issue 208: a chunk writes tokens 0..5 of a 16-token prompt. Block 1 (tokens
+    4..7) is allocated but only half written this step; published, a request of the same step
+    would adopt it and read slots 6 and 7 before anyone wrote them."""
+    mgr = serve.blocks.BlockManager(8, 4)
+    a = FakeRequest(serve, "a", range(16))
+    assert mgr.allocate_slots(a, 6)                  # blocks 0 and 1
+    mgr.cache_full_blocks(a, 6)
+    assert [mgr.state(b) for b in mgr.req_blocks["a"]] == ["used", "used"]
+    assert list(mgr.cached.values()) == mgr.req_blocks["a"][:1], (
+        "only full blocks among the tokens written so far (or this step) are published: a request must not "
+        "adopt a block another is still filling")
+    assert mgr.find_cached_prefix(FakeRequest(serve, "b", range(16))) == mgr.req_blocks["a"][:1]
+    # Two requests computed the same block privately: the first published keeps the key.
+    twin = FakeRequest(serve, "twin", range(16))
+    assert mgr.allocate_slots(twin, 4)
+    mgr.cache_full_blocks(twin, 4)
+    key = a.block_hashes[0]
+    assert mgr.cached[key] == mgr.req_blocks["a"][0] and mgr.block_hash[mgr.req_blocks["twin"][0]] is None, (
+        "the first block published under a key keeps it; a duplicate computed by another request stays private")
+
+
 # --- the flattened batch --------------------------------------------------------------------------
 
 def test_slot_mapping_crosses_block_boundaries(serve):
     req = FakeRequest(serve, "a", range(100, 112), computed=2)
     batch = serve.batch.build_batch([(req, 7)], {"a": [7, 2, 9]}, 4)
     # positions 2..8 -> blocks [7, 7, 2, 2, 2, 2, 9], offsets [2, 3, 0, 1, 2, 3, 0]
-    assert batch.meta.slot_mapping.tolist() == [30, 31, 8, 9, 10, 11, 36]
+    assert batch.meta.slot_mapping.tolist() == [30, 31, 8, 9, 10, 11, 36], (
+        "a token's slot is in the physical block its block table gives: table[p // 4] * 4 + p % 4")
     assert batch.positions.tolist() == list(range(2, 9))
     assert batch.input_ids.tolist() == list(range(102, 109))
-    assert batch.meta.seq_lens_cpu == [9] and batch.meta.query_start_loc_cpu == [0, 7]
+    assert batch.meta.seq_lens_cpu == [9], "seq_lens is the context length after this step (2 computed + 7 new)"
+    assert batch.meta.query_start_loc_cpu == [0, 7]
     assert batch.logits_indices.tolist() == [] and batch.sample_counts == [0], "a mid-prompt chunk samples nothing"
     with pytest.raises(ValueError, match="a"):
         serve.batch.build_batch([(req, 11)], {"a": [7, 2, 9]}, 4)
@@ -362,7 +428,7 @@ def test_write_kv_and_the_scratch_block(serve):
     assert torch.equal(flat[5], k[0]) and torch.equal(flat[0], k[2])
     assert torch.equal(flat[7], k[1]), "a slot -1 row must land in the pool's last slot (scratch)"
     assert torch.count_nonzero(flat[1:5]) == 0 and torch.count_nonzero(flat[6]) == 0
-    assert torch.equal(v_cache.view(-1, 1, 3)[5], -k[0])
+    assert torch.equal(v_cache.view(-1, 1, 3)[5], -k[0]), "values go to the value pool, keys to the key pool"
 
 
 def test_reference_backend_matches_sdpa(serve):
@@ -395,7 +461,9 @@ def test_reference_backend_matches_sdpa(serve):
             want = torch.nn.functional.scaled_dot_product_attention(
                 q[s:s + t].transpose(0, 1), keys, values, attn_mask=mask).transpose(0, 1)
             torch.testing.assert_close(out[s:s + t], want, atol=1e-5, rtol=1e-5,
-                                       msg=lambda m, rid=rid, window=window: f"request {rid} (window {window}): {m}")
+                                       msg=lambda m, rid=rid, window=window: (
+                                           f"request {rid} (window {window}): each row attends causally to its "
+                                           f"own context's keys, read through its block table row: {m}"))
 
 
 def test_flat_model_matches_dense_forward(serve, tiny_model, ref_model, device):
@@ -410,7 +478,7 @@ def test_flat_model_matches_dense_forward(serve, tiny_model, ref_model, device):
     tables = {"a": [3, 0], "b": [1, 6, 2]}
     first = runner.prepare([(a, 7), (b, 6)], tables)
     logits = runner.execute(first)
-    assert len(calls) == 1, f"RoPE tables built {len(calls)} times in one step (want once)"
+    assert len(calls) == 1, f"RoPE tables built {len(calls)} times in one step (want once per step)"
     assert logits.shape == (1, tiny_model.cfg.vocab_size), "only a's last row samples in this step"
     b.inner.num_computed_tokens = 6
     second = runner.prepare([(b, 5)], tables)
@@ -418,9 +486,11 @@ def test_flat_model_matches_dense_forward(serve, tiny_model, ref_model, device):
     with torch.inference_mode():
         dense_a = ref_model(torch.tensor([a.token_ids], device=device))[0, -1]
         dense_b = ref_model(torch.tensor([b.token_ids], device=device))[0, -1]
-    torch.testing.assert_close(logits[0], dense_a, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(logits_b[0], dense_b, atol=1e-4, rtol=1e-4,
-                               msg=lambda m: f"b's second chunk must read its first chunk's K/V from the pool: {m}")
+    torch.testing.assert_close(logits[0], dense_a, atol=1e-4, rtol=1e-4, msg=lambda m: (
+        f"a's whole prompt, flattened with b's first chunk, must give the dense model's logits (QK-norm, then "
+        f"RoPE on q and k, this step's K/V written before attention reads, the final norm): {m}"))
+    torch.testing.assert_close(logits_b[0], dense_b, atol=1e-4, rtol=1e-4, msg=lambda m: (
+        f"b's second chunk must read its first chunk's K/V from the pool and match the dense model: {m}"))
 
 
 # --- the scheduler and the engine ------------------------------------------------------------------
@@ -459,14 +529,18 @@ def test_scheduler_preempt_states(serve, tiny_model):
         assert request.num_computed_tokens == 30 and request.status.name == "RUNNING"
         out = serve.scheduler.SchedulerOutput()
         engine.scheduler._preempt(request, out)
-        assert request.status.name == "PREEMPTED" and request.num_preemptions == 1
+        assert request.status.name == "PREEMPTED" and request.num_preemptions == 1, (
+            "a preempted request has status PREEMPTED and one more preemption counted")
         assert out.preempted == [request] and engine.scheduler.waiting.peek() is request
         assert not engine.scheduler.running and engine.blocks.num_free == engine.blocks.num_blocks
         if mode == "swap":
-            assert request.num_computed_tokens == 30 and request.swapped_out
-            assert len(out.swap_out) == 1 and out.swap_out[0][0] is request and len(out.swap_out[0][1]) == 2
+            assert request.num_computed_tokens == 30 and request.swapped_out, (
+                "swap mode: a preempted request keeps its computed tokens and is marked swapped_out")
+            assert len(out.swap_out) == 1 and out.swap_out[0][0] is request and len(out.swap_out[0][1]) == 2, (
+                "swap mode: its two blocks, listed before they were freed, go to swap_out")
         else:
-            assert request.num_computed_tokens == 0 and not out.swap_out
+            assert request.num_computed_tokens == 0 and not out.swap_out, (
+                "recompute mode: a preempted request computes prompt and output again from position 0, no swap")
 
 
 @pytest.mark.parametrize("where", ["waiting", "running", "preempted", "swapped"])
@@ -582,14 +656,18 @@ def test_check_stop_rules(serve, tiny_model):
     r = req([5, 9], stop_token_ids=[9])
     assert engine.check_stop(r) is Status.FINISHED_STOPPED and r.stop_reason == 9
     assert engine.check_stop(req([EOS])) is Status.FINISHED_STOPPED
-    assert engine.check_stop(req([EOS], ignore_eos=True)) is None
+    assert engine.check_stop(req([EOS], ignore_eos=True)) is None, "ignore_eos lets a request run past EOS"
     assert engine.check_stop(req([EOS], min_tokens=2)) is None, "min_tokens holds back EOS"
     assert engine.check_stop(req([4, EOS], min_tokens=2)) is Status.FINISHED_STOPPED
     assert engine.check_stop(req([9], min_tokens=2, stop_token_ids=[9])) is None
     assert engine.check_stop(req([4, 4, 4], max_tokens=3)) is Status.FINISHED_LENGTH
-    assert engine.check_stop(req([4, 4, 4], max_tokens=3), index=-2) is None
+    assert engine.check_stop(req([4, 4, 4], max_tokens=3), index=-2) is None, (
+        "check_stop judges the token at `index` (here the second output token of three), not the newest")
     assert engine.check_stop(req([4] * 9)) is Status.FINISHED_LENGTH, "3 + 9 = 12 positions: the context limit"
     assert engine.check_stop(req([4] * 8)) is Status.FINISHED_LENGTH
+    assert engine.check_stop(req([4] * 9, max_tokens=20)) is Status.FINISHED_LENGTH, (
+        "3 + 9 = 12 positions reach max_model_len: the context limit ends the request")
+    assert engine.check_stop(req([4] * 8, max_tokens=20)) is None, "3 + 8 = 11 positions: one is left"
 
 
 def test_sampled_requests_reproduce_with_a_seed(serve, tiny_model, ref_model, device):

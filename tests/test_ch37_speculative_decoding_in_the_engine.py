@@ -117,6 +117,8 @@ def test_ngram_lookup_finds_the_latest_repeat_of_the_tail(spec):
         "the LATEST earlier occurrence of [1, 2, 3] is followed by 7, 1")
     assert look([5, 6, 7, 5, 6], 4) == [7, 5, 6], "the continuation stops at the end of the sequence"
     assert look([4, 4, 4], 3, max_n=2) == [4], "a run continues itself: tail [4, 4] occurs at 0, followed by 4"
+    assert look([1, 2, 9, 3, 2, 7, 1, 2], 2) == [9, 3], (
+        "the longest recurring tail decides: [1, 2] (at 0, followed by 9, 3) beats [2] (at 4, followed by 7, 1)")
     assert look([1, 2, 3, 4], 3) == [], "no tail recurs: no guess"
     assert look([1, 2, 1, 2], 0) == [], "k = 0 asks for nothing"
     assert look([8, 1, 9, 3, 1], 2, max_n=3, min_n=1) == [9, 3], (
@@ -155,7 +157,8 @@ def test_warped_rows_are_the_distribution_chapter_8_draws_from(spec, serve, temp
     for row in range(3):
         want = oracle_probs(logits[row], temperature, top_k, top_p, min_p)
         assert torch.allclose(got[row], want, atol=1e-12), (
-            f"row {row} with {params}: expected {want.tolist()}, got {got[row].tolist()}")
+            f"row {row} with {params} must be the distribution Chapter 8's sample draws from (divide by the "
+            f"temperature, then top-k, top-p, min-p, renormalise): expected {want.tolist()}, got {got[row].tolist()}")
 
 
 # --- greedy: exactly the non-speculative engine ---------------------------------------------------

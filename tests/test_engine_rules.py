@@ -88,6 +88,26 @@ def test_nothing_is_admitted_in_a_step_that_preempted(serve, tiny_model):
     assert_engine_idle(engine)
 
 
+def test_an_urgent_request_is_not_admitted_in_a_step_that_preempted(serve, tiny_model):
+    """As above, but the waiting request is more urgent than the victim, so the queue puts it
+    ahead of the preempted one: only the rule (no admission in a step that preempted) keeps
+    it out of that step."""
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=6, max_num_seqs=2, policy="priority",
+                      enable_prefix_caching=False)
+    add(serve, engine, "a", [1] * 8, max_tokens=12, priority=1)
+    add(serve, engine, "b", [2] * 8, max_tokens=12, priority=1)
+    engine.step()
+    add(serve, engine, "urgent", [3], max_tokens=1, priority=0)
+    plan = step_until_preemption(engine)
+    assert "urgent" not in dict(scheduled(plan)), (
+        f"a step that preempted admitted 'urgent': {scheduled(plan)}")
+    for _ in range(100):
+        if not engine.has_unfinished:
+            break
+        engine.step()
+    assert_engine_idle(engine)
+
+
 def test_without_chunked_prefill_a_long_prompt_blocks_the_queue(serve, tiny_model):
     """Chunked prefill off: a prompt that does not fit the budget left this step waits for a
     step with room, and the shorter prompt behind it waits too (first come, first served)."""
@@ -99,7 +119,8 @@ def test_without_chunked_prefill_a_long_prompt_blocks_the_queue(serve, tiny_mode
     add(serve, engine, "short", [5, 6])
     engine.step()
     assert scheduled(engine.last_plan) == [("running", 1)], (
-        f"10 tokens do not fit the 9 left after a decode, and 'short' may not overtake 'long': "
+        f"chunked prefill off: 10 tokens do not fit the 9 left after a decode, and 'short' may not overtake "
+        f"'long': "
         f"the step ran {scheduled(engine.last_plan)}")
     assert ids(engine.scheduler.waiting) == ["long", "short"]
 
@@ -315,6 +336,18 @@ def test_preemptions_are_counted_and_finish_is_stamped(serve, tiny_model):
     assert_engine_idle(engine)
 
 
+def test_first_token_time_is_stamped_once(serve, tiny_model):
+    engine = scripted(serve, tiny_model, block_size=4, num_blocks=16)
+    request = add(serve, engine, "a", [1, 2, 3], max_tokens=4)
+    engine.step()
+    first = request.first_token_time
+    assert first is not None, "the step that gives a request its first token stamps first_token_time"
+    while engine.has_unfinished:
+        engine.step()
+    assert request.first_token_time == first, (
+        "first_token_time is stamped once, at the first token; later tokens never move it")
+
+
 def test_trim_gives_back_draft_blocks_and_republishes(serve):
     """BlockManager.trim (Chapter 37's rejected drafts): the blocks past num_tokens go back to
     the free queue unpublished, the published count shrinks with them, and publishing after
@@ -432,7 +465,9 @@ def test_each_step_checks_its_plan_once_and_the_scheduler_once_per_update(serve,
         engine.step()
         steps += 1
     assert calls == {"plan": steps, "scheduler": engine.steps}, (
-        f"{steps} calls of step, {engine.steps} steps applied: the checks ran {calls}")
+        f"a step goes through its named parts: self.schedule() checks each plan once, self.update() the "
+        f"scheduler once per applied step; {steps} calls of step, {engine.steps} steps applied, the checks ran "
+        f"{calls}")
 
 
 def test_a_model_declares_its_capabilities_in_one_typed_attribute(serve, tiny_model):
@@ -610,7 +645,8 @@ def test_outputs_carry_the_stop_token_and_the_cached_prefix(serve, tiny_model):
     stopper = next_token([1] * 8 + [3])               # the scripted model's first token for b
     engine.add_request("b", [1] * 8 + [3], serve.request.SamplingParams(max_tokens=5, stop_token_ids=[stopper]))
     (b,) = engine.step()
-    assert (b.finished, b.finish_reason, b.stop_reason, b.num_cached_tokens) == (True, "stop", stopper, 8), b
+    assert (b.finished, b.finish_reason, b.stop_reason, b.num_cached_tokens) == (True, "stop", stopper, 8), (
+        f"a request that meets a stop token finishes as 'stop', with the token and its cached prefix: {b}")
     request = serve.request.Request("plain", [1, 2, 3])
     batch = serve.batch.build_batch([(request, 3)], {"plain": [0]}, 4, "cpu")
     assert batch.prompt_spans == [], f"no prompt logprobs asked, yet prompt_spans is {batch.prompt_spans!r}"

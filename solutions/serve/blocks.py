@@ -126,10 +126,10 @@ class BlockManager:
         are published in self.cached for the request's first blocks, stopping at the first block
         that is not. Read-only for the blocks: some may be cached-free (ref_count 0, in the free
         queue); adopting them is allocate_slots' job.
-        Trap: the block that holds the request's LAST token is never matched, since its logits
-        choose the next token and at least one token must be computed; only the (num_tokens - 1)
-        // block_size blocks that end before it are candidates (a 32-token prompt in 16-token
-        blocks reuses at most one). Returns [] with prefix caching off or when
+        Trap: the result never covers the request's LAST token, even when every block is cached:
+        its logits choose the next token, so at least one token is always computed (a 32-token
+        prompt in 16-token blocks reuses at most one block, a 33-token one two). Returns [] with
+        prefix caching off or when
         params.prompt_logprobs is set (every prompt position must run then).
         Statistics: every call adds num_tokens to stats["queries"] and the number of tokens found
         (block_size per block) to stats["hits"], even when it finds nothing (the scheduler undoes

@@ -93,8 +93,7 @@ def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     and a draft model's rows both go through this one function: rejection sampling only
     preserves the distribution when target and draft are warped by the same rules. Trap:
     work in float64, as `sample` does; rows computed in float32 differ from what the
-    non-speculative engine draws from. The rules are Chapter 34's (apply_top_k_top_p, then
-    apply_min_p), applied in `sample`'s order to float64 rows.
+    non-speculative engine draws from.
     """
     scaled = logits.double() / params.temperature
     rows, vocab = scaled.shape
