@@ -460,15 +460,7 @@ class _SchemaCompiler:
     def sub_dfa(self, schema: Any, where: str, depth: int, refs: tuple[str, ...]) -> DFA | None:
         """The DFA of a sub-schema built apart (to combine it with another automaton, or to
         test a value on it), under this compiler's limits; None when no value is written."""
-        compiler = _SchemaCompiler(self.root, self.whitespace, self.strict, self.draft)
-        compiler.resources = self.resources
-        compiler.nfa.start, compiler.nfa.accept = compiler.value(schema, where, depth, refs)
-        try:
-            return compile_nfa(compiler.nfa)
-        except ValueError as error:
-            if "matches no string" in str(error):
-                return None
-            raise
+        return self.apart(lambda compiler: compiler.value(schema, where, depth, refs))
 
     def literal(self, value: Any, depth: int = 0) -> Fragment:
         """One JSON value, every spelling of it this compiler writes: keys in the value's
