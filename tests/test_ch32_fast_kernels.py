@@ -520,16 +520,16 @@ def test_run_py_ledger_rates_every_chapter_beside_transformers(impl, device, cap
         assert line["identical_to_transformers"], f"{label}: greedy tokens differ from transformers' in {line}"
 
 
-def test_run_py_ledger_reports_unwritten_chapters_instead_of_crashing(device, capsys):
+def test_run_py_ledger_reports_unwritten_chapters_instead_of_crashing(impl, device, capsys):
     """A learner who has finished Chapter 24 sees rates up to Chapter 24 and every later
     chapter as "not written yet", naming the stub, and the command succeeds."""
-    _, lines = _ledger("solutions@24", device, capsys)
+    _, lines = _ledger(f"{impl.source}@24", device, capsys)     # the package under test, as after Chapter 24
     for label, line in lines.items():
         if line["chapter"] <= 24:
             assert line.get("tok_s", 0) > 0, f"{label}: Chapter {line['chapter']} is written, yet {line}"
         else:
             assert line.get("status") == "not written yet" and "Chapter" in line["stub"], \
-                f"{label}: Chapter {line['chapter']} is a stub in solutions@24, yet {line}"
+                f"{label}: Chapter {line['chapter']} is a stub after Chapter 24, yet {line}"
 
 
 def test_run_py_bench_says_how_to_get_llama_cpp_when_it_is_missing(impl, device, monkeypatch, tmp_path, capsys):
