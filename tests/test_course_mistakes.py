@@ -51,6 +51,7 @@ def test_applying_refuses_a_stale_entry():
         mistakes.apply(missing, (mistakes.REFERENCE / "layers.py").read_text(encoding="utf-8"))
 
 
+@pytest.mark.timeout(900)        # 43 mistakes one after another: about 2 minutes on an idle core
 def test_one_mistake_per_chapter_is_caught_with_its_rule_named():
     run = subprocess.run([sys.executable, "run.py", "mistakes", "--sample", "--jobs", "1"], cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
