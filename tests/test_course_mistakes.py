@@ -79,3 +79,25 @@ def test_passing_hanging_and_unrunnable_tests_are_told_apart():
     assert mistakes._verdict(0, "", "x")[0] == "survived"
     assert mistakes._verdict(None, "", "x")[0] == "hung"
     assert mistakes._verdict(4, "ERROR: file not found", "x")[0] == "error"
+
+
+DECISIONS = mistakes.decisions()
+
+
+def test_every_stub_says_what_the_learner_decides_there():
+    stubs = mistakes.reference_stubs()
+    by_chapter: dict[int, set[str]] = {}
+    for stub in stubs.values():
+        by_chapter.setdefault(stub.chapter, set()).add(stub.qualname)
+    unstated = [f"ch{chapter:02d} {name}" for chapter, names in sorted(by_chapter.items()) for name in sorted(names)
+                if not DECISIONS.get(chapter, mistakes.Decisions({}, ())).decides.get(name, "").strip()]
+    assert not unstated, "stubs with no DECIDES entry (course/testing/mistakes/chNN.py): " + ", ".join(unstated)
+    stray = [f"ch{chapter:02d} {name}" for chapter, found in DECISIONS.items()
+             for name in [*found.decides, *found.design] if name not in by_chapter.get(chapter, set())]
+    assert not stray, "DECIDES or DESIGN names that are not stubs of their chapter: " + ", ".join(stray)
+
+
+def test_every_chapter_has_a_design_stub():
+    chapters = {stub.chapter for stub in mistakes.reference_stubs().values()}
+    without = [chapter for chapter in sorted(chapters) if not DECISIONS.get(chapter, mistakes.Decisions({}, ())).design]
+    assert not without, f"chapters with no design stub named in DESIGN: {without}"

@@ -26,6 +26,9 @@ def add_arguments(parser):
     parser.add_argument("--jobs", type=int, default=2, help="mistakes run at once (default 2)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and its coverage; run nothing")
     parser.add_argument("--json", action="store_true", help="one JSON line per mistake instead of text")
+    parser.add_argument("--table", action="store_true",
+                        help="a Markdown table of every stub: its docstring's words, its mistakes, whether it is a "
+                             "design stub and what the learner decides there; run nothing")
 
 
 def run(args):
@@ -42,6 +45,9 @@ def run(args):
                   catalogue_module.chapter_of(m, stubs) in args.chapter]
     if args.stub:
         chosen = [m for m in chosen if args.stub in m.stub]
+    if args.table:
+        _table(catalogue, stubs, catalogue_module.decisions(), args.chapter)
+        return 0
     if args.list:
         for mistake in chosen:
             print(f"ch{catalogue_module.chapter_of(mistake, stubs):02d} {mistake.label}")
@@ -90,3 +96,37 @@ def _coverage(catalogue, stubs, chapters) -> None:
     print(f"coverage: {len(wanted) - len(short)} of {len(wanted)} stubs have at least {MINIMUM_PER_STUB} mistakes")
     for file, qualname in short:
         print(f"  ch{stubs[(file, qualname)].chapter:02d} {file}::{qualname}: {counts[(file, qualname)]}")
+
+
+def docstring_words(source: str, qualname: str) -> int:
+    """How many words the docstring of the function `qualname` in `source` has."""
+    import ast
+    scope: list[ast.stmt] = ast.parse(source).body
+    node: ast.AST | None = None
+    for part in qualname.split("."):
+        node = next(n for n in scope if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                    and n.name == part)
+        scope = node.body
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    return len((ast.get_docstring(node) or "").split())
+
+
+def _table(catalogue, stubs, decisions, chapters) -> None:
+    from course.testing.mistakes import REFERENCE
+    counts: dict[tuple[str, str], int] = {}
+    for entries in catalogue.values():
+        for mistake in entries:
+            counts[(mistake.file, mistake.stub)] = counts.get((mistake.file, mistake.stub), 0) + 1
+    print("| ch | stub | design | docstring words | mistakes | what the learner decides |")
+    print("|---:|---|:---:|---:|---:|---|")
+    sources: dict[str, str] = {}
+    for (file, qualname), stub in sorted(stubs.items(), key=lambda item: (item[1].chapter, item[1].path,
+                                                                          item[1].lineno)):
+        if chapters and stub.chapter not in chapters:
+            continue
+        source = sources.setdefault(file, (REFERENCE / file).read_text(encoding="utf-8"))
+        chapter = decisions.get(stub.chapter)
+        decides = chapter.decides.get(qualname, "(not stated)") if chapter else "(not stated)"
+        design = "yes" if chapter and qualname in chapter.design else ""
+        print(f"| {stub.chapter} | `{file}::{qualname}` | {design} | {docstring_words(source, qualname)} | "
+              f"{counts.get((file, qualname), 0)} | {decides} |")

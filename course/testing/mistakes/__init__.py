@@ -8,9 +8,13 @@ must contain: a mistake counts as caught only when a covering test fails AND say
 broke, so "some assertion somewhere" is not enough.
 
 The catalogue lives in one module per chapter, `course/testing/mistakes/chNN.py`, each with
-a `MISTAKES` list. `python run.py mistakes` runs it (CI runs all of it); the suite checks that
-every entry still applies to the reference, and runs one mistake per chapter
-(tests/test_course_mistakes.py).
+a `MISTAKES` list, a `DECIDES` table ({stub's qualified name: what the learner must decide
+there, one sentence}) and `DESIGN` (the chapter's design stubs: those where the learner
+chooses a data structure, an algorithm or where state lives, not only a formula).
+`python run.py mistakes` runs the catalogue (CI runs all of it); `--table` lists every stub
+with what the learner decides there. The suite checks that every entry still applies to the
+reference, that every stub states its decision and every chapter has a design stub, and runs
+one mistake per chapter (tests/test_course_mistakes.py).
 
 How a mistake is run: the reference package is copied to a temporary directory, the edit is
 applied inside the stub's body only, and pytest runs the covering tests with `--impl` pointing
@@ -99,6 +103,22 @@ def catalogue() -> dict[int, list[Mistake]]:
             module = importlib.import_module(f"{__name__}.{info.name}")
             found[int(match.group(1))] = list(module.MISTAKES)
     return dict(sorted(found.items()))
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """A chapter's stubs in the learner's terms: DECIDES and DESIGN of its chNN module."""
+    decides: dict[str, str]
+    design: tuple[str, ...]
+
+
+def decisions() -> dict[int, Decisions]:
+    """{chapter: its Decisions}, from every chNN module of this package (empty where absent)."""
+    found = {}
+    for chapter in catalogue():
+        module = importlib.import_module(f"{__name__}.ch{chapter:02d}")
+        found[chapter] = Decisions(dict(getattr(module, "DECIDES", {})), tuple(getattr(module, "DESIGN", ())))
+    return found
 
 
 def reference_stubs(root: Path = REFERENCE) -> dict[tuple[str, str], Stub]:
