@@ -21,7 +21,8 @@ MINIMUM_PER_STUB = 3
 def add_arguments(parser):
     parser.add_argument("--chapter", type=int, action="append", metavar="N",
                         help="only this chapter's mistakes (repeatable)")
-    parser.add_argument("--stub", metavar="NAME", help="only mistakes of stubs whose qualified name contains NAME")
+    parser.add_argument("--stub", metavar="NAME", action="append",
+                        help="only mistakes of stubs whose qualified name contains NAME (repeatable)")
     parser.add_argument("--sample", action="store_true", help="one mistake per chapter (what the suite runs)")
     parser.add_argument("--jobs", type=int, default=2, help="mistakes run at once (default 2)")
     parser.add_argument("--list", action="store_true", help="list the catalogue and its coverage; run nothing")
@@ -44,7 +45,7 @@ def run(args):
         chosen = [m for m in catalogue_module.sample() if not args.chapter or
                   catalogue_module.chapter_of(m, stubs) in args.chapter]
     if args.stub:
-        chosen = [m for m in chosen if args.stub in m.stub]
+        chosen = [m for m in chosen if any(name in m.stub for name in args.stub)]
     if args.table:
         _table(catalogue, stubs, catalogue_module.decisions(), args.chapter)
         return 0
