@@ -107,24 +107,33 @@ def _synchronize(device: torch.device) -> None:
 @torch.inference_mode()
 def serve_two(model: Qwen3ForCausalLM, running_prompt: Sequence[int], long_prompt: Sequence[int],
               chunk_size: int | None = None, decode_steps: int = 16) -> dict[str, Any]:
-    """A two-request picture of why servers chunk: request A is decoding when request B
-    arrives with a long prompt. Each step gives A one decode token and B either its whole
-    prompt (chunk_size=None: one-shot) or its next chunk, until B has its first token.
+    """Play the chapter's scene: request A is decoding when request B arrives with a long
+    prompt; time every token A gets until B has its first.  (Your engine: Chapter 23)
 
-    Greedy, one forward call per request per step (Chapter 24 merges them into one call).
-    Returns a dict of wall-clock times in seconds, measured from B's arrival:
-      a_token_times  when each of A's decode_steps tokens came out,
-      a_gaps         the wait before each of them (the first counts from B's arrival),
-      a_max_gap      the longest of those waits (A's stall),
-      b_first_token  when B's first token came out (B's time to first token; None when
-                     B's prefill needs more than decode_steps steps),
-      b_steps        how many steps B's prefill took.
+    model; running_prompt (A's) and long_prompt (B's): non-empty lists of ints; chunk_size:
+    B's chunk (None: B's whole prompt in one call), >= 1; decode_steps >= 1 (the run's steps).
+    Calls, greedy throughout, each request in its own forward calls through its own KVCache:
+    A's prompt in one call before the clock starts; then per step, B's next chunk while B's
+    prompt is not all in, followed by one call feeding A's newest token. So A's j-th token is
+    solo greedy generate's j-th token for running_prompt, and the model sees widths
+    [len(A's prompt), chunk, 1, chunk, 1, ..., rest, 1, 1, ...]. B's first token is chosen
+    from its last chunk's logits and never fed.
+    Returns a dict; times are wall-clock seconds since B's arrival (the clock's start):
+      a_token_times  when each of A's decode_steps tokens came out (increasing);
+      a_gaps         the wait before each of them (the first counts from B's arrival), so
+                     their running sums are a_token_times;
+      a_max_gap      the longest of those waits (A's stall);
+      b_first_token  when B's first token came out, after A's token of the step before and
+                     before A's token of the same step; None when B's prefill needs more than
+                     decode_steps steps;
+      b_steps        how many steps carried B's prefill (at most decode_steps).
+    Errors: ValueError for chunk_size < 1.
     """
     device = next(model.parameters()).device
     cache_a = KVCache.for_model(model, 1, len(running_prompt) + decode_steps + 1)
     cache_b = KVCache.for_model(model, 1, len(long_prompt) + 1)
     logits_a = prefill_chunked(model, cache_a, running_prompt, len(running_prompt))
-    spans = chunk_spans(len(long_prompt), chunk_size or len(long_prompt))
+    spans = chunk_spans(len(long_prompt), len(long_prompt) if chunk_size is None else chunk_size)
     _synchronize(device)
     begin, last = time.perf_counter(), None
     a_times, b_first, b_steps, gaps = [], None, 0, []
