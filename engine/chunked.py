@@ -83,25 +83,22 @@ def _synchronize(device: torch.device) -> None:
 def serve_two(model: Qwen3ForCausalLM, running_prompt: Sequence[int], long_prompt: Sequence[int],
               chunk_size: int | None = None, decode_steps: int = 16) -> dict[str, Any]:
     """Play the chapter's scene: request A is decoding when request B arrives with a long
-    prompt; time every token A gets until B has its first.  (Your engine: Chapter 23)
+    prompt; time A's tokens until B has its first.  (Your engine: Chapter 23)
 
-    model; running_prompt (A's) and long_prompt (B's): non-empty lists of ints; chunk_size:
-    B's chunk (None: B's whole prompt in one call), >= 1; decode_steps >= 1 (the run's steps).
-    Calls, greedy throughout, each request in its own forward calls through its own KVCache:
-    A's prompt in one call before the clock starts; then per step, B's next chunk while B's
-    prompt is not all in, followed by one call feeding A's newest token. So A's j-th token is
-    solo greedy generate's j-th token for running_prompt, and the model sees widths
-    [len(A's prompt), chunk, 1, chunk, 1, ..., rest, 1, 1, ...]. B's first token is chosen
-    from its last chunk's logits and never fed.
-    Returns a dict; times are wall-clock seconds since B's arrival (the clock's start):
+    running_prompt (A's), long_prompt (B's): non-empty lists of ints; chunk_size >= 1, or
+    None for B's whole prompt at once; decode_steps >= 1 steps are played.
+    Calls: A's prompt in one call before the clock starts; then per step, B's next chunk
+    (while any is left) before one call feeding A's newest token. Each request has its own
+    KVCache; decoding is greedy, so A's tokens are solo generate's. Model call widths:
+    [len(A), chunk, 1, chunk, 1, ..., rest, 1, 1, ...]. B's first token is never fed.
+    Returns a dict of wall-clock seconds since B's arrival (the clock's start):
       a_token_times  when each of A's decode_steps tokens came out (increasing);
-      a_gaps         the wait before each of them (the first counts from B's arrival), so
-                     their running sums are a_token_times;
-      a_max_gap      the longest of those waits (A's stall);
-      b_first_token  when B's first token came out, after A's token of the step before and
-                     before A's token of the same step; None when B's prefill needs more than
-                     decode_steps steps;
-      b_steps        how many steps carried B's prefill (at most decode_steps).
+      a_gaps         the wait before each (the first from B's arrival): running sums of
+                     a_gaps are a_token_times;
+      a_max_gap      max(a_gaps), A's stall;
+      b_first_token  when B's first token came out, between A's tokens of the step before
+                     and of its own step; None when B's prefill needs more than decode_steps;
+      b_steps        how many steps carried B's prefill.
     Errors: ValueError for chunk_size < 1.
     """
     raise NotImplementedError("Your engine: Chapter 23: serve_two")
