@@ -27,7 +27,7 @@ The modules, in the order the book builds them (chapters in brackets):
     quant.py           [20]       int8 weight-only quantization: Int8Linear, quantize_model
     static_batch.py    [21]       left_pad, padding_mask, generate_batch
     workloads.py       [22]       WorkItem workloads, RequestRecord metrics, replay, StepEngine
-    chunked.py         [23]       prefill_chunked, generate_chunked
+    chunked.py         [23]       prefill_chunked, generate_chunked, serve_two (a decode beside a long prefill)
     continuous.py      [24]       SlotKVCache, ContinuousBatchingEngine (a request per row)
     paged.py           [25]       PagedKVCache, PrefixCache, PagedEngine (blocks shared by prefix)
     speculative.py     [26]       propose, accept_greedy / accept_sampled, speculative_generate

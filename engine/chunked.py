@@ -82,41 +82,23 @@ def _synchronize(device: torch.device) -> None:
 @torch.inference_mode()
 def serve_two(model: Qwen3ForCausalLM, running_prompt: Sequence[int], long_prompt: Sequence[int],
               chunk_size: int | None = None, decode_steps: int = 16) -> dict[str, Any]:
-    """A two-request picture of why servers chunk: request A is decoding when request B
-    arrives with a long prompt. Each step gives A one decode token and B either its whole
-    prompt (chunk_size=None: one-shot) or its next chunk, until B has its first token.
+    """Play the chapter's scene: request A is decoding when request B arrives with a long
+    prompt; time A's tokens until B has its first.  (Your engine: Chapter 23)
 
-    Greedy, one forward call per request per step (Chapter 24 merges them into one call).
-    Returns a dict of wall-clock times in seconds, measured from B's arrival:
-      a_token_times  when each of A's decode_steps tokens came out,
-      a_gaps         the wait before each of them (the first counts from B's arrival),
-      a_max_gap      the longest of those waits (A's stall),
-      b_first_token  when B's first token came out (B's time to first token; None when
-                     B's prefill needs more than decode_steps steps),
-      b_steps        how many steps B's prefill took.
+    running_prompt (A's), long_prompt (B's): non-empty lists of ints; chunk_size >= 1, or
+    None for B's whole prompt at once; decode_steps >= 1 steps are played.
+    Calls: A's prompt in one call before the clock starts; then per step, B's next chunk
+    (while any is left) before one call feeding A's newest token. Each request has its own
+    KVCache; decoding is greedy, so A's tokens are solo generate's. Model call widths:
+    [len(A), chunk, 1, chunk, 1, ..., rest, 1, 1, ...]. B's first token is never fed.
+    Returns a dict of wall-clock seconds since B's arrival (the clock's start):
+      a_token_times  when each of A's decode_steps tokens came out (increasing);
+      a_gaps         the wait before each (the first from B's arrival): running sums of
+                     a_gaps are a_token_times;
+      a_max_gap      max(a_gaps), A's stall;
+      b_first_token  when B's first token came out, between A's tokens of the step before
+                     and of its own step; None when B's prefill needs more than decode_steps;
+      b_steps        how many steps carried B's prefill.
+    Errors: ValueError for chunk_size < 1.
     """
-    device = next(model.parameters()).device
-    cache_a = KVCache.for_model(model, 1, len(running_prompt) + decode_steps + 1)
-    cache_b = KVCache.for_model(model, 1, len(long_prompt) + 1)
-    logits_a = prefill_chunked(model, cache_a, running_prompt, len(running_prompt))
-    spans = chunk_spans(len(long_prompt), chunk_size or len(long_prompt))
-    _synchronize(device)
-    begin, last = time.perf_counter(), None
-    a_times, b_first, b_steps, gaps = [], None, 0, []
-    for step in range(decode_steps):
-        if step < len(spans):                               # B's next piece of prefill
-            start, end = spans[step]
-            ids = torch.tensor([list(long_prompt[start:end])], device=device)
-            logits_b = model(ids, cache=cache_b)[0, -1]
-            b_steps += 1
-            if end == len(long_prompt):
-                int(sample(logits_b))                       # B's first token (forces the sync)
-                b_first = time.perf_counter() - begin
-        token = int(sample(logits_a))                       # A's token of this step
-        now = time.perf_counter() - begin
-        a_times.append(now)
-        gaps.append(now - (last if last is not None else 0.0))
-        last = now
-        logits_a = model(torch.tensor([[token]], device=device), cache=cache_a)[0, -1]
-    return {"a_token_times": a_times, "a_gaps": gaps, "a_max_gap": max(gaps), "b_first_token": b_first,
-            "b_steps": b_steps}
+    raise NotImplementedError("Your engine: Chapter 23: serve_two")

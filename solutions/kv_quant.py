@@ -30,15 +30,18 @@ FORMATS = {
 
 
 def quantize_kv(x: torch.Tensor, fmt: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the last axis of x with one scale per vector.  (Your engine: Chapter 28)
+    """Quantize x with one scale per last-axis vector.  (Your engine: Chapter 28)
 
-    x: [..., head_dim] float (one vector per token and head). scale = max|x| / qmax over
-    the last axis, where qmax is FORMATS[fmt][1] (127 for int8, 448 for fp8 e4m3), computed
-    in float32, shape [...]. An all-zero vector would get scale 0 and divide by zero:
-    give it a tiny positive scale instead (its codes are then all 0). Codes = x / scale:
-    for int8 round to the nearest integer and clamp to [-127, 127]; for fp8 clamp to
-    [-448, 448] and cast (the cast rounds). Returns (codes [..., head_dim] in FORMATS[fmt][0],
-    scale [...] float32). Rounding error per element: at most scale / 2 for int8.
+    x: [..., head_dim] float, one vector per token and head; fmt: a key of FORMATS, whose
+    entry is (the code dtype, qmax, the largest code: 127 for "int8", 448 for "fp8" e4m3).
+    Returns (codes [..., head_dim] in FORMATS[fmt][0], scale [...] float32) with
+    codes * scale[..., None] close to x:
+    - a vector's scale is max|x| / qmax over that vector, taken in float32, so its largest
+      element maps to +-qmax and no code lies outside [-qmax, qmax];
+    - int8: each code is the integer nearest x / scale (error per element at most scale / 2);
+      fp8: each code is the e4m3 value nearest x / scale.
+    Trap (part of the contract): an all-zero vector comes back as zero codes with a positive,
+    finite scale; no NaN or inf anywhere in the result.
     """
     qdtype, qmax = FORMATS[fmt]
     x = x.float()

@@ -128,11 +128,11 @@ def accept_sampled(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_
     temperature; draft_probs: [k, vocab], the distributions the guesses were drawn from
     (draft_tokens[i] was drawn from row i); draft_tokens: k ints; generator: every random
     draw uses it.
-    Returns the emitted tokens (1 .. k + 1 ints): the accepted guesses, then one more token.
-    Guess i = x is accepted with probability min(1, p_i(x) / q_i(x)); the first rejection ends
-    the list with one token drawn from the target's leftover distribution; if every guess
-    is accepted, the extra token comes from the last target row. The contract the milestone
-    measures: each emitted token is distributed exactly as the target alone would sample it.
+    Returns the emitted tokens (1 .. k + 1 ints): the guesses accepted in order up to the
+    first rejection, then one more token: a replacement for the rejected guess, or, when
+    every guess is accepted, a token from the last target row. The contract the milestone
+    measures: each emitted token is distributed exactly as the target alone would sample it
+    after the tokens before it, whatever the draft proposed.
     Draw order is part of the contract (a seeded run repeats): for each guess in order one
     torch.rand((), generator=generator), then at most one torch.multinomial draw.
     """

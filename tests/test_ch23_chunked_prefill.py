@@ -136,3 +136,67 @@ def test_generate_chunked_calls(impl, tiny_model):
     assert widths == [4, 4, 2, 1, 1], (
         f"calls of {widths} tokens; expected [4, 4, 2, 1, 1]: the prompt goes in chunks of chunk_size, then one "
         "call per new token")
+
+
+def record_serve_two(impl, model, running, long_prompt, chunk, steps):
+    """serve_two's result and the model calls it made, as (width, token ids) pairs."""
+    calls = []
+
+    def record(module, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        calls.append((ids.shape[1], ids[0].tolist()))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        result = impl.chunked.serve_two(model, running, long_prompt, chunk, steps)
+    finally:
+        handle.remove()
+    return result, calls
+
+
+def check_times(result, steps):
+    times, gaps = result["a_token_times"], result["a_gaps"]
+    assert len(times) == steps and all(b > a for a, b in zip(times, times[1:])), \
+        f"a_token_times must hold one increasing time per step ({steps}), got {times}"
+    sums = [sum(gaps[:i + 1]) for i in range(len(gaps))]
+    assert len(gaps) == steps and all(abs(s - t) < 1e-9 for s, t in zip(sums, times)), (
+        "a_gaps are the waits before each of A's tokens (the first from B's arrival): their running "
+        f"sums must be a_token_times; got gaps {gaps} for times {times}")
+    assert result["a_max_gap"] == max(gaps), "a_max_gap is the longest of A's waits, max(a_gaps)"
+
+
+def test_serve_two_interleaves_b_chunks_with_a_decodes(impl, tiny_model, ref_model):
+    """Each step runs B's next chunk, then A's decode token; A's tokens are solo generate's."""
+    running, long_prompt, steps = make_prompt(21, 5), make_prompt(22, 20), 6
+    result, calls = record_serve_two(impl, tiny_model, running, long_prompt, 8, steps)
+    widths = [width for width, _ in calls]
+    expected = [5, 8, 1, 8, 1, 4, 1, 1, 1, 1]
+    assert widths == expected, (
+        f"serve_two, A's 5-token prompt, B's 20 tokens in chunks of 8, {steps} steps: expected calls of {expected} "
+        f"tokens, saw {widths} (A's prompt first; then each step runs B's next chunk before A's one decode token)")
+    fed = [ids[0] for width, ids in calls[1:] if width == 1]
+    assert fed == reference_generate(ref_model, running, steps), \
+        f"A's decode calls must feed A's greedy tokens (solo generate's), fed {fed}"
+    check_times(result, steps)
+    times = result["a_token_times"]
+    assert result["b_steps"] == 3, f"B's 20 tokens in chunks of 8 take 3 steps; b_steps = {result['b_steps']}"
+    first = result["b_first_token"]
+    assert first is not None and times[1] < first < times[2], (
+        f"B's first token comes out in step 3, after A's token of step 2 ({times[1]:.6f}) and before A's "
+        f"token of step 3 ({times[2]:.6f}); b_first_token = {first}")
+
+
+def test_serve_two_one_shot_and_an_unfinished_prefill(impl, tiny_model):
+    running, long_prompt = make_prompt(23, 4), make_prompt(24, 12)
+    result, calls = record_serve_two(impl, tiny_model, running, long_prompt, None, 3)
+    assert [width for width, _ in calls] == [4, 12, 1, 1, 1], \
+        f"chunk_size=None runs B's whole prompt in the first step; calls of {[w for w, _ in calls]}"
+    assert result["b_steps"] == 1 and result["b_first_token"] is not None, \
+        f"a one-shot prefill takes one step (b_steps {result['b_steps']}, b_first_token {result['b_first_token']})"
+    check_times(result, 3)
+    result, _ = record_serve_two(impl, tiny_model, running, long_prompt, 2, 4)
+    assert result["b_first_token"] is None and result["b_steps"] == 4, (
+        "12 tokens in chunks of 2 need 6 steps: after 4 steps b_first_token is None and b_steps is 4; got "
+        f"{result['b_first_token']} and {result['b_steps']}")
+    with pytest.raises(ValueError):
+        impl.chunked.serve_two(tiny_model, running, long_prompt, 0, 2)

@@ -46,4 +46,43 @@ MISTAKES = [
             rule="generation stops after max_new_tokens tokens",
             expect="differs from generate",
             tests=(f"{MILESTONE}::test_generate_chunked_equals_generate",)),
+    Mistake("chunked.py", "serve_two",
+            before="chunk_spans(len(long_prompt), len(long_prompt) if chunk_size is None else chunk_size)",
+            after="chunk_spans(len(long_prompt), len(long_prompt))",
+            rule="each step carries B's next chunk, not B's whole prompt",
+            expect="each step runs B's next chunk",
+            tests=(f"{MILESTONE}::test_serve_two_interleaves_b_chunks_with_a_decodes",)),
+    Mistake("chunked.py", "serve_two",
+            before="gaps.append(now - (last if last is not None else 0.0))",
+            after="gaps.append(now)",
+            rule="a_gaps are the waits between A's tokens, not times since B arrived",
+            expect="running sums must be a_token_times",
+            tests=(f"{MILESTONE}::test_serve_two_interleaves_b_chunks_with_a_decodes",)),
+    Mistake("chunked.py", "serve_two",
+            before="b_steps += 1",
+            after="b_steps = 1",
+            rule="b_steps counts every step that carried B's prefill",
+            expect="take 3 steps",
+            tests=(f"{MILESTONE}::test_serve_two_interleaves_b_chunks_with_a_decodes",)),
+    Mistake("chunked.py", "serve_two",
+            before="if end == len(long_prompt):",
+            after="if step == len(spans):",
+            rule="B's first token comes out of the step that runs B's last chunk",
+            expect="B's first token comes out in step 3",
+            tests=(f"{MILESTONE}::test_serve_two_interleaves_b_chunks_with_a_decodes",)),
 ]
+
+DECIDES = {
+    "prefill_chunked": (
+        "how to cut the prompt into calls so that each call continues the cache the last one left, and which "
+        "rows of logits are worth keeping"),
+    "serve_two": (
+        "where each of two requests keeps its state between steps (its own cache, its pending logits, how "
+        "much of B's prompt is in) and in which order a step does their work, so that A's stall and B's first"
+        " token can be timed"),
+    "generate_chunked": (
+        "how to reuse the decode loop of Chapter 16 unchanged behind a chunked prefill, with one cache sized "
+        "for prompt and output"),
+}
+
+DESIGN = ("serve_two",)

@@ -66,3 +66,17 @@ MISTAKES = [
             expect="differs from solo generate",
             tests=(f"{MILESTONE}::test_freed_slot_is_reused_at_the_next_step",)),
 ]
+
+DECIDES = {
+    "SlotRows.update": (
+        "how to write rows that start at different lengths into their own slots of one static cache in one "
+        "indexed store, and which view of the cache to hand back to attention"),
+    "ContinuousBatchingEngine._prefill_chunk": (
+        "where a request's prefill progress lives between steps, and when a chunk's logits are a token to "
+        "keep and when they are thrown away"),
+    "ContinuousBatchingEngine._decode": (
+        "how to gather every decoding request's newest token into one call, and which token is fed (the "
+        "newest output, not yet in the cache)"),
+}
+
+DESIGN = ("SlotRows.update",)

@@ -97,3 +97,20 @@ MISTAKES = [
             expect="least recently used",
             tests=(f"{CACHE}::test_evict_frees_only_unreferenced_blocks_in_lru_order",)),
 ]
+
+DECIDES = {
+    "PagedKVCache.reserve": (
+        "how many blocks a sequence still lacks and how to take them from the free list all or nothing, so a "
+        "refusal leaves nothing half done"),
+    "PagedKVCache.gather": (
+        "how to turn a block table into one contiguous run of positions without reading the stale tail of the"
+        " last block"),
+    "PrefixCache.match": (
+        "how far a prompt's prefix is cached (full blocks only, stopping at the first miss) and in what order"
+        " to refresh the found entries so eviction removes leaves before their parents"),
+    "PrefixCache.evict": (
+        "which cached blocks may be freed (only those no sequence holds) and in what order (least recently "
+        "used first), and what a freed block must forget"),
+}
+
+DESIGN = ("PrefixCache.match", "PrefixCache.evict")

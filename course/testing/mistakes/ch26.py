@@ -88,3 +88,19 @@ MISTAKES = [
             expect="accepted guesses after it are dropped",
             tests=(f"{MILESTONE}::test_stops_at_a_stop_token_like_generate",)),
 ]
+
+DECIDES = {
+    "propose": (
+        "which tokens the draft must be fed before guessing, and which guesses end up in its cache (all but "
+        "the last)"),
+    "accept_greedy": (
+        "where the target first disagrees with the draft, and which token of the target's own ends the round"),
+    "accept_sampled": (
+        "how to accept or reject each guess and what to draw from after a rejection so that the output "
+        "follows the target exactly"),
+    "speculative_generate": (
+        "where the state of a round lives (two caches, the committed tokens, the token not yet fed) and how "
+        "both caches are rolled back so no rejected guess survives"),
+}
+
+DESIGN = ("speculative_generate",)

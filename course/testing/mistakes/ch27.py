@@ -43,3 +43,14 @@ MISTAKES = [
             expect="never an expert no row chose",
             tests=(f"{MILESTONE}::test_each_chosen_expert_runs_once_per_call",)),
 ]
+
+DECIDES = {
+    "Qwen3MoeSparseMoeBlock.route": (
+        "how to pick each row's top_k experts and weights, and in which precision the router's softmax must "
+        "run so the same experts win as in transformers"),
+    "Qwen3MoeSparseMoeBlock.forward": (
+        "how to group the rows by the experts they chose so each chosen expert runs once on a batch of its "
+        "rows, and how to add the weighted results back to their rows"),
+}
+
+DESIGN = ("Qwen3MoeSparseMoeBlock.forward",)

@@ -49,3 +49,14 @@ MISTAKES = [
             expect="refused with ValueError",
             tests=(PROTOCOL,)),
 ]
+
+DECIDES = {
+    "quantize_kv": (
+        "what one scale covers (one vector per token and head), and how to keep an all-zero vector and the "
+        "format's range from producing NaN or overflow"),
+    "QuantizedKVCache.update": (
+        "what the cache stores (codes and their scales, never the floats) and why the new tokens must come "
+        "back dequantized like every earlier one"),
+}
+
+DESIGN = ("QuantizedKVCache.update",)

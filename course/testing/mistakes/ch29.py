@@ -54,3 +54,14 @@ MISTAKES = [
             expect="the inputs' dtype",
             tests=(f"{MILESTONE}::test_bfloat16_inputs",)),
 ]
+
+DECIDES = {
+    "online_softmax_update": (
+        "what running state replaces a row's full softmax and how to rescale it when a new tile raises the "
+        "maximum, including rows that have seen only masked scores"),
+    "flash_attention": (
+        "how to walk the query and key tiles so no full score matrix exists, which tiles can be skipped "
+        "without arithmetic, and how to finish rows that saw no key"),
+}
+
+DESIGN = ("flash_attention",)

@@ -41,3 +41,12 @@ MISTAKES = [
             expect="use the row stride, not the row length",
             tests=(f"{MILESTONE}::test_softmax_survives_huge_logits_and_strided_rows",)),
 ]
+
+DECIDES = {
+    "add_kernel": "which elements one program owns and how to keep the last program from touching lanes past the end",
+    "softmax_kernel": (
+        "how one program owns one row, what the padding lanes must hold so they vanish from the max and the "
+        "sum, and where the float32 arithmetic begins"),
+}
+
+DESIGN = ("softmax_kernel",)
