@@ -127,7 +127,8 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """One Qwen3 decoder layer: an attention and an MLP sublayer on the residual stream,
+    each with its RMSNorm (Chapter 7)."""
 
     def __init__(self, cfg: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -140,12 +141,13 @@ class Qwen3DecoderLayer(nn.Module):
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """One decoder layer on the residual stream x [B, T, hidden].  (Your engine: Chapter 7)
 
-        Returns the new stream, same shape and dtype; x itself is left unmodified. Equal to
-        transformers' Qwen3DecoderLayer: two pre-norm residual branches in order, attention
-        then MLP, each reading a normalised copy of the stream as it stands when the branch
-        starts (input_layernorm, post_attention_layernorm) and adding its output to it; the
-        stream itself is never normalised. cos, sin, slots, cache and allowed reach
-        self_attn unchanged.
+        Returns the new stream, same shape and dtype, equal to transformers'
+        Qwen3DecoderLayer with the same weights: two pre-norm residual branches, attention
+        then MLP. Properties: with both sublayers returning zeros the result equals x;
+        self_attn is called once, on input_layernorm of x, with cos, sin, slots, cache and
+        allowed unchanged; the MLP's norm (post_attention_layernorm) sees the stream with
+        attention's contribution already in it; the stream itself is never normalised;
+        the caller's x holds the same values afterwards.
         """
         raise NotImplementedError("Your engine: Chapter 7: Qwen3DecoderLayer.forward")
 
@@ -205,7 +207,13 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: ModelCache | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids [B, T] -> logits [B, T, vocab] in float32.  (Your engine: Chapter 10)"""
+        """Token ids [B, T] -> logits [B, T, vocab] in float32.  (Your engine: Chapter 10)
+
+        Arguments as for Qwen3Model.forward (the cache advances there, once). Logit v at a
+        position scores that position's final hidden state against row v of lm_head.weight
+        (the embedding table itself when tied), for every position, not only the last;
+        float32 whatever the model's dtype, with the product itself in the model's dtype.
+        """
         raise NotImplementedError("Your engine: Chapter 10: Qwen3ForCausalLM.forward")
 
 

@@ -97,8 +97,9 @@ def match_names(locations: dict[str, Path], parameter_names: Iterable[str], tied
     locations: {checkpoint tensor name: file} from tensor_locations; parameter_names: our
     model's parameter names (`model.layers.0.self_attn.q_proj.weight`, ..., `lm_head.weight`),
     which equal Hugging Face's. Returns {checkpoint name: our name}.
-      - A checkpoint saved from the bare Qwen3Model has no "model." prefix
-        (`layers.0...`, `embed_tokens.weight`, `norm.weight`): add it.
+      - A checkpoint saved from the bare Qwen3Model has no "model." prefix: its
+        `layers.0.mlp.up_proj.weight` pairs with our `model.layers.0.mlp.up_proj.weight`
+        (and `embed_tokens.weight`, `norm.weight` likewise).
       - With tied embeddings (`tied`), lm_head.weight IS the embedding: it is usually absent
         from the file; if present it is skipped (the embedding is loaded once).
       - Names ending in IGNORED_SUFFIXES are skipped.

@@ -94,6 +94,17 @@ def test_sharded_checkpoint(impl, tmp_path, tied):
     check_logits(model, hf, f"sharded checkpoint, {len(shards)} shards")
 
 
+def test_a_shard_the_index_does_not_name_is_never_read(impl, tmp_path):
+    hf = hf_model(impl, seed=3)
+    path = saved(hf, tmp_path / "sharded", max_shard_size="60KB")
+    # An earlier save's leftover: same naming scheme, other numbers, and a tensor no parameter has.
+    stale = {"model.norm.weight": torch.zeros(hf.config.hidden_size), "model.stale.weight": torch.zeros(2)}
+    safetensors_torch.save_file(stale, path / "model-00099-of-00099.safetensors", metadata={"format": "pt"})
+    model = loads(impl, path, "a sharded checkpoint is the files its index names, not every *.safetensors "
+                              "in the directory")
+    check_logits(model, hf, "sharded checkpoint beside a stale shard the index does not name (it must not be read)")
+
+
 def test_dtype_cast(impl, tmp_path):
     hf = hf_model(impl, seed=2)
     path = saved(hf, tmp_path / "ckpt")

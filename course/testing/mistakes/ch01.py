@@ -36,3 +36,13 @@ MISTAKES = [
             expect="non-embedding parameters",
             tests=("tests/test_ch01_the_engine_you_will_build.py::test_count_without_embeddings",)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "count_parameters": (
+        "which tensors one Qwen3 layer and the parts around the layers hold and how wide each "
+        "is, from config fields alone: grouped key/value heads, a head_dim that is not hidden / "
+        "heads, optional biases, and a tied matrix counted once"
+    ),
+}
+DESIGN = ("count_parameters",)

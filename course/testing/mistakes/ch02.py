@@ -70,3 +70,21 @@ MISTAKES = [
             rule="each sequence moves the K and V of its past tokens and of its new ones",
             expect="past + new tokens per sequence", tests=(STEP_BYTES,)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "flops_per_token": (
+        "which products of one token's forward pass count (the LM head does, the embedding "
+        "lookup does not) and which part grows with the context, scaled by which kind of head"
+    ),
+    "kv_bytes_per_token": (
+        "what one token leaves in the cache of every layer and which head count (query or "
+        "key/value) sizes it"
+    ),
+    "step_cost": (
+        "how a step's cost splits into what the whole batch shares (one read of the weights) "
+        "and what each sequence pays (its own K/V traffic, causal attention over its past plus "
+        "the new tokens before it), in closed form rather than a loop over tokens"
+    ),
+}
+DESIGN = ("step_cost",)

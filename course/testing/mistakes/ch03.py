@@ -84,3 +84,25 @@ MISTAKES = [
             rule="every position gets its logits, not only the last",
             expect="should be [2, 6, 320]", tests=(LOGITS,)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "ByteTokenizer.encode": (
+        "what one token is for this tokenizer (a UTF-8 byte, not a character) and where BOS "
+        "goes, so that no text can ever produce a special id"
+    ),
+    "ByteTokenizer.decode": (
+        "where bytes wait until they can become text, so that a character split over several "
+        "ids comes back whole, and whether a special id interrupts that run of bytes (shown) or "
+        "not (skipped)"
+    ),
+    "embed": (
+        "how to turn ids of any shape into table rows without a one-hot product, keeping the "
+        "table's dtype"
+    ),
+    "lm_logits": (
+        "which product scores every vocabulary entry at every position, in which dtype it runs "
+        "and in which dtype the logits come back"
+    ),
+}
+DESIGN = ("ByteTokenizer.decode",)

@@ -31,3 +31,13 @@ MISTAKES = [
             rule="the statistic is taken over the last axis (each token's channels), not over the tokens",
             expect="differs from torch.nn.RMSNorm"),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "rms_norm": (
+        "which steps run in float32 and where the result is rounded back to x's dtype, so that "
+        "16-bit inputs neither overflow nor drift and the output matches Qwen3's RMSNorm bit "
+        "for bit"
+    ),
+}
+DESIGN = ("rms_norm",)

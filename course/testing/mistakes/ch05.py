@@ -37,3 +37,13 @@ MISTAKES = [
             rule="`allowed` is intersected with the causal rule, never widens it",
             expect="intersected with the causal rule", tests=(f"{MILESTONE}::test_allowed_mask",)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "causal_attention": (
+        "how to build who-sees-whom from positions rather than row numbers (so one function "
+        "serves a prompt, a decode step and a chunk), how each key/value head serves its group "
+        "of query heads without copying keys, and what a query that may see nothing returns"
+    ),
+}
+DESIGN = ("causal_attention",)

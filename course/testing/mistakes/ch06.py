@@ -44,3 +44,17 @@ MISTAKES = [
             rule="the result keeps x's dtype",
             expect="keeps x's shape and dtype", tests=(APPLY,)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "rope_cos_sin": (
+        "how the rotary tables are laid out (which channel pairs with which, a shape that "
+        "broadcasts over batch and heads) and in which precision the angles are formed so that "
+        "large positions stay exact in any output dtype"
+    ),
+    "apply_rope": (
+        "how to rotate every channel pair with elementwise operations only, so that the same "
+        "function serves any layout of the leading axes"
+    ),
+}
+DESIGN = ("rope_cos_sin",)

@@ -50,3 +50,17 @@ MISTAKES = [
             expect="to self_attn unchanged",
             tests=(f"{MILESTONE}::test_decoder_layer_passes_everything_to_attention",)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "Qwen3MLP.forward": (
+        "which of the two parallel projections the nonlinearity acts on and where the two paths "
+        "meet before the down projection"
+    ),
+    "Qwen3DecoderLayer.forward": (
+        "what the residual stream is and where it lives: what each branch reads (a normalised "
+        "copy of the stream as it stands then), what it adds back, and that the stream itself "
+        "is never normalised or changed in place"
+    ),
+}
+DESIGN = ("Qwen3DecoderLayer.forward",)

@@ -60,3 +60,18 @@ MISTAKES = [
             rule="without a cache every step feeds the whole sequence so far",
             expect="whole sequence so far", tests=(f"{MILESTONE}::test_recompute_feeds_the_whole_sequence",)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "sample": (
+        "how to turn rows of logits into the distribution the active filters leave (robust at "
+        "extreme temperatures and thresholds, greedy below the threshold) and draw from it with "
+        "exactly one seeded multinomial in vocabulary order"
+    ),
+    "generate_recompute": (
+        "what the model is fed at each step (the whole sequence so far), which position's "
+        "logits choose the next token, and which of the stopping rules (length, stop tokens, "
+        "context limit) ends the loop"
+    ),
+}
+DESIGN = ("sample",)

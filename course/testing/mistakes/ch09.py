@@ -33,3 +33,13 @@ MISTAKES = [
             rule="the heads of one token are merged back into one row before o_proj",
             expect="merged back per token", tests=(GQA,)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "Qwen3Attention.forward": (
+        "how the flat projections become per-head tensors, in which order QK-norm and rotation "
+        "apply, which slots the keys carry once a cache hands back every key so far, and how "
+        "the heads merge back per token before o_proj"
+    ),
+}
+DESIGN = ("Qwen3Attention.forward",)

@@ -54,3 +54,17 @@ MISTAKES = [
             rule="the positions argument reaches the model",
             expect="positions= must reach RoPE", tests=(POSITIONS,)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "Qwen3Model.forward": (
+        "where a step's tokens land in the cache (slots from its length, shared or per row), "
+        "what the positions default to, which tables every layer shares, and when the cache "
+        "advances so that every layer writes at the same slots"
+    ),
+    "Qwen3ForCausalLM.forward": (
+        "where the LM head sits relative to the final norm, and in which dtype the logits come "
+        "back"
+    ),
+}
+DESIGN = ("Qwen3Model.forward",)

@@ -81,3 +81,22 @@ MISTAKES = [
             rule="the loaded model is in eval mode",
             expect="eval mode", tests=(f"{MILESTONE}::test_single_file_checkpoint[untied]",)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "tensor_locations": (
+        "how to tell a sharded checkpoint from a single file and map every tensor name to the "
+        "file that holds it from headers alone, and which broken indexes to refuse"
+    ),
+    "match_names": (
+        "how checkpoint names (from a whole model or a bare Qwen3Model) pair with our parameter "
+        "names, what a tied LM head means for the file, and which leftovers on either side are "
+        "errors"
+    ),
+    "load_checkpoint": (
+        "how to build the model without allocating or initialising its weights, then fill every "
+        "parameter from its file (each file opened once) in the asked dtype and device, with a "
+        "tied head staying one tensor"
+    ),
+}
+DESIGN = ("load_checkpoint",)

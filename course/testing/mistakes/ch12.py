@@ -63,3 +63,22 @@ MISTAKES = [
             rule="solo means the prompt alone, a batch of one",
             expect="the prompt alone", tests=(DRIFT,)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "ulp": (
+        "how to find a format's grid spacing at any value from its exponent, exactly, when x is "
+        "stored in another format, and what the spacing is at zero, below the normal range and "
+        "at inf or nan"
+    ),
+    "measure_error": (
+        "in which precision the differences are taken, on which elements a relative error means "
+        "something, and on which grid an error is counted in ulps"
+    ),
+    "batch_drift": (
+        "which two forward calls stand for 'the same sequence alone' and 'inside a batch', and "
+        "how to compare them: size of the difference, bits that differ, greedy choices that "
+        "flip"
+    ),
+}
+DESIGN = ("ulp",)

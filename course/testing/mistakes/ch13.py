@@ -52,3 +52,18 @@ MISTAKES = [
             expect="stopping rule is not a divergence",
             tests=(f"{MILESTONE}::test_an_output_that_stops_early_is_an_error",)),
 ]
+
+# What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
+DECIDES = {
+    "compare_logits": (
+        "how to fold prompts of different lengths into one max, one mean that weighs every "
+        "logit equally, an argmax agreement over positions and a per-position curve, while "
+        "remembering where the worst difference was"
+    ),
+    "greedy_parity": (
+        "what evidence to keep when two greedy runs part (the first differing step, the context "
+        "both saw, each model's margin at that context) and how to tell a different stopping "
+        "rule from a numerical divergence"
+    ),
+}
+DESIGN = ("greedy_parity",)
