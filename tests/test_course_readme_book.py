@@ -375,14 +375,14 @@ def test_chapter_32s_bench_cells_show_its_saved_runs():
     import importlib.util
 
     from course.book import measured
-    spec = importlib.util.spec_from_file_location("ch32_views", CHAPTER_32 / "ch32_views.py")
-    views = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(views)
+    spec = importlib.util.spec_from_file_location("ch32_runs", CHAPTER_32 / "ch32_runs.py")
+    runs_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runs_module)
     outputs = measured.named_outputs(CHAPTER_32 / "32-fast-kernels.ipynb")
     runs = sorted((CHAPTER_32 / "bench-runs").glob("*.jsonl"))
     assert runs, "Chapter 32 keeps its bench runs in bench-runs/"
     for run in runs:
-        shown = [str(piece) if isinstance(piece, str) else repr(piece) for piece in views.bench_run_tables(run)]
+        shown = [str(piece) if isinstance(piece, str) else repr(piece) for piece in runs_module.bench_run_tables(run)]
         expected = [line.rstrip() for piece in shown for line in piece.splitlines()]
         assert [line.rstrip() for line in outputs[f"bench-{run.stem}"].rstrip().splitlines()] == expected, run.name
 
