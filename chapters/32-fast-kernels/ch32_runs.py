@@ -6,6 +6,11 @@ import pathlib
 
 from course.notebook import table
 
+# The profile's parts as the table heads them: words that can wrap, so the table fits the
+# book's column (bench.PROFILE_PARTS names them with underscores).
+PART_NAMES = {"build_batch": "build batch", "lm_head": "LM head", "other_forward": "rest of the forward",
+              "bookkeeping": "after sampling"}
+
 
 def read_bench_run(path):
     """(how the run was made, run.py bench's JSON lines) of a saved run: the file's first line
@@ -95,7 +100,7 @@ def bench_run_tables(path, pairs=(("core/vectorised", "core/reference"), ("core/
         parts = list(profiles[0]["percent_of_step_time"])
         shown.append(table([[f"{line['workload']}: profile {line['profile']}",
                              *(f"{line['percent_of_step_time'][part]:.1f}" for part in parts)] for line in profiles],
-                           ["workload: profile"] + [f"{part} %" for part in parts]))
+                           ["workload: profile, percent of a step"] + [PART_NAMES.get(part, part) for part in parts]))
     return shown
 
 
