@@ -3,6 +3,7 @@
 test can render them without loading matplotlib."""
 import json
 import pathlib
+import statistics
 
 from course.notebook import table
 
@@ -24,12 +25,6 @@ def read_bench_run(path):
 def _or_none(value):
     """A margin as printed: 0.0 is an exact tie, None means no divergence at all."""
     return "none" if value is None else value
-
-
-def _median(values):
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def round_ratios(lines, workload, mine, theirs):
@@ -91,7 +86,7 @@ def bench_run_tables(path, pairs=(("core/vectorised", "core/reference"), ("core/
             if each is None:
                 continue
             best = ratio_of_best(runs, workload, mine, theirs)
-            ratios.append([f"{workload}: ratio {mine} / {theirs}", f"{best:.2f}", f"{_median(each):.2f}",
+            ratios.append([f"{workload}: ratio {mine} / {theirs}", f"{best:.2f}", f"{statistics.median(each):.2f}",
                            f"{min(each):.2f} to {max(each):.2f}"])
     if ratios:
         shown.append(table(ratios, ["workload: ratio", "of best rounds", "median round", "rounds, lowest to highest"]))
