@@ -339,6 +339,54 @@ def test_a_quoted_figure_must_be_one_its_named_output_shows(tmp_path):
                         f"{where}: no code cell of Chapter 5 is named 'nothing' (`measured: nothing` in its options)"]
 
 
+CHAPTER_32 = ROOT / "chapters" / "32-fast-kernels"
+
+
+def test_a_changed_bench_figure_of_chapter_32_fails_the_quote_check(tmp_path):
+    """Chapter 32's text quotes its saved bench runs through the cells that print them: the
+    real text passes, and the same text with every such figure changed (a digit added, so the
+    figure claims a precision no printed number has) fails once per figure, on its line."""
+    from course.book import measured
+    book_ = written_at({32})
+    folder = tmp_path / "chapters" / "32-fast-kernels"
+    folder.mkdir(parents=True)
+    (folder / "32-fast-kernels.ipynb").write_bytes((CHAPTER_32 / "32-fast-kernels.ipynb").read_bytes())
+    text = (CHAPTER_32 / "32-fast-kernels.md").read_text(encoding="utf-8")
+    quoted = [m for m in measured.MARKER.finditer(text) if m["name"].startswith("bench-")]
+    assert len(quoted) >= 20, "Chapter 32 marks its bench figures"
+    (folder / "32-fast-kernels.md").write_text(text, encoding="utf-8")
+    assert measured.quoted_figure_problems(book_, tmp_path) == []
+
+    def changed(number: str) -> str:
+        return number + "9" if "." in number else number + ".9"
+    edited, end = [], 0
+    for m in quoted:
+        edited += [text[end:m.start("number")], changed(m["number"])]
+        end = m.end("number")
+    (folder / "32-fast-kernels.md").write_text("".join(edited) + text[end:], encoding="utf-8")
+    problems = measured.quoted_figure_problems(book_, tmp_path)
+    assert [re.search(r"quotes (\S+) but", p)[1] for p in problems] == [changed(m["number"]) for m in quoted]
+
+
+def test_chapter_32s_bench_cells_show_its_saved_runs():
+    """The cells that Chapter 32's sentences quote print the saved JSON lines beside the
+    chapter (bench-runs/): their saved outputs are what those files give now, so a line
+    changed in a file without re-executing the notebook fails here."""
+    import importlib.util
+
+    from course.book import measured
+    spec = importlib.util.spec_from_file_location("ch32_runs", CHAPTER_32 / "ch32_runs.py")
+    runs_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runs_module)
+    outputs = measured.named_outputs(CHAPTER_32 / "32-fast-kernels.ipynb")
+    runs = sorted((CHAPTER_32 / "bench-runs").glob("*.jsonl"))
+    assert runs, "Chapter 32 keeps its bench runs in bench-runs/"
+    for run in runs:
+        shown = [str(piece) if isinstance(piece, str) else repr(piece) for piece in runs_module.bench_run_tables(run)]
+        expected = [line.rstrip() for piece in shown for line in piece.splitlines()]
+        assert [line.rstrip() for line in outputs[f"bench-{run.stem}"].rstrip().splitlines()] == expected, run.name
+
+
 def test_every_figure_the_chapters_mark_as_measured_is_in_its_saved_output():
     from course.book import measured
     assert not measured.quoted_figure_problems(manifest.load())

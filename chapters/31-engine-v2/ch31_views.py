@@ -10,6 +10,10 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch, Rectangle
 
 FREE, CACHED = "#eeeeee", "#b9d7ea"
+# Text sizes in points. The player's frames and the static series are drawn at 100 dpi and
+# shown about one image pixel per CSS pixel, so 7 points is about 10 px on the page, the
+# smallest a reader can read without zooming (block ids included).
+SMALL_PT, LABEL_PT = 7, 8
 PALETTE = ["#e45756", "#f58518", "#54a24b", "#b279a2", "#ff9da6", "#9d755d", "#eeca3b", "#4c78a8",
            "#72b7b2", "#bab0ac", "#d67195", "#8cd17d"]
 
@@ -61,19 +65,20 @@ def draw(snap, pool_ax, tokens_ax, order, columns=8, budget=None):
             pool_ax.add_patch(Rectangle((c, y), 0.92, 0.92, facecolor=face, edgecolor="black",
                                         linewidth=2.0 if len(holders) > 1 else 0.5))
             label = holders[0] if len(holders) == 1 else f"x{len(holders)}"
-            pool_ax.text(c + 0.46, y + 0.46, label, ha="center", va="center", fontsize=7)
+            pool_ax.text(c + 0.46, y + 0.4, label, ha="center", va="center", fontsize=LABEL_PT)
         else:
             pool_ax.add_patch(Rectangle((c, y), 0.92, 0.92, facecolor=CACHED if state == "cached" else FREE,
                                         edgecolor="#999999", linewidth=0.5, hatch="//" if state == "cached" else None))
-        pool_ax.text(c + 0.06, y + 0.8, str(b), fontsize=5, color="#555555")
-    pool_ax.set_xlim(0, columns)
-    pool_ax.set_ylim(0, rows)
-    pool_ax.set_aspect("equal")
+        pool_ax.text(c + 0.06, y + 0.86, str(b), fontsize=SMALL_PT, color="#333333", va="top")
+    # A margin around the grid, so the outer blocks' edges are not cut at the axes' border.
+    pool_ax.set_xlim(-0.05, columns + 0.02)
+    pool_ax.set_ylim(-0.05, rows + 0.02)
+    pool_ax.set_aspect("equal", adjustable="box")
     pool_ax.axis("off")
     title = f"after step {snap['step']}: hit rate {snap['hit_rate']:.2f}"
     if snap["preempted"]:
         title += f"\npreempted {', '.join(snap['preempted'])}"
-    pool_ax.set_title(title, fontsize=8)
+    pool_ax.set_title(title, fontsize=LABEL_PT + 1)
 
     tokens_ax.clear()
     x = 0
@@ -81,15 +86,16 @@ def draw(snap, pool_ax, tokens_ax, order, columns=8, budget=None):
         tokens_ax.barh(0, n, left=x, color=colour_of(rid, order), edgecolor="black", linewidth=0.5,
                        hatch=None if kind == "decode" else "..")
         if n >= 3:
-            tokens_ax.text(x + n / 2, 0, f"{rid}\n{n}", ha="center", va="center", fontsize=6)
+            tokens_ax.text(x + n / 2, 0, f"{rid}\n{n}", ha="center", va="center", fontsize=SMALL_PT,
+                           bbox={"facecolor": "white", "edgecolor": "none", "pad": 1, "alpha": 0.85})
         x += n
     width = max(budget or 0, x, 1)
     tokens_ax.set_xlim(0, width)
     tokens_ax.set_yticks([])
-    tokens_ax.set_xlabel(f"{x} tokens this step" + (f" (budget {budget})" if budget else ""), fontsize=7)
-    tokens_ax.tick_params(labelsize=6)
+    tokens_ax.set_xlabel(f"{x} tokens this step" + (f" (budget {budget})" if budget else ""), fontsize=LABEL_PT)
+    tokens_ax.tick_params(labelsize=SMALL_PT)
     waiting = ", ".join(snap["waiting"]) or "nobody"
-    tokens_ax.set_title(f"waiting: {waiting}", fontsize=7)
+    tokens_ax.set_title(f"waiting: {waiting}", fontsize=LABEL_PT)
 
 
 def legend_handles():

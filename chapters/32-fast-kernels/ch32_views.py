@@ -121,3 +121,4 @@ def draw_profile(profiles):
     ax.legend(ncol=3, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
     fig.tight_layout()
     return fig
+

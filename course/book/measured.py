@@ -56,7 +56,10 @@ def output_text(cell: dict) -> str:
             pieces.append(output.get("text", ""))
         else:
             pieces.append(output.get("data", {}).get("text/plain", ""))
-    return "".join("".join(piece) if isinstance(piece, list) else piece for piece in pieces)
+    # Each output on lines of its own: two tables displayed one after the other would
+    # otherwise run a row of the first and the header of the second together.
+    texts = ["".join(piece) if isinstance(piece, list) else piece for piece in pieces]
+    return "".join(text if text.endswith("\n") or not text else text + "\n" for text in texts)
 
 
 def named_outputs(notebook: Path) -> dict[str, str]:

@@ -18,6 +18,9 @@ from course.diagrams import COLUMN_INCHES, INK, KEY, MUTED, QUERY, _arrow, _box,
 
 ONCE = "#DCE6F2"          # work done once per (pattern, vocabulary)
 EVERY_STEP = "#FBE3D0"    # work done at every decoding step
+# A DFA's edge labels, in points: 12 px at the drawing's own size, about 11 px once the
+# widest drawing is scaled to the book's column.
+EDGE_PT = 9
 
 
 def guided_pipeline() -> Figure:
@@ -118,7 +121,7 @@ def thompson_fragments() -> Figure:
     _move(ax, (8.3, 1.92), (6.2, 1.6), "ε  (once more)", color=KEY, connection="arc3,rad=0.5", at=(7.4, 2.45),
           rims=(False, True))                                  # from A's exit, back to s
     _move(ax, (6.2, 1.6), (10.3, 0.7), "ε  (stop)", color=KEY, at=(8.3, 0.45))
-    ax.text(5.8, 0.0, "A+ and A{2,4} chain copies of A first, then this loop or optional copies",
+    ax.text(5.8, -0.25, "A+ and A{2,4} chain copies of A first,\nthen this loop or optional copies",
             fontsize=9, color=INK)
     return fig
 
@@ -157,9 +160,12 @@ def subset_step() -> Figure:
 
 
 def byte_label(values: list[int]) -> str:
-    """Bytes as short ranges: printable ASCII as characters, others as hex."""
+    """Bytes as short ranges: printable ASCII as characters, others as hex. A label that is
+    one punctuation byte is quoted (`'.'`, `'-'`): a lone dot or dash is too small to see."""
     def show(b: int) -> str:
         return chr(b) if 33 <= b < 127 else ("␠" if b == 32 else f"x{b:02X}")
+    if len(values) == 1 and 33 <= values[0] < 127 and not chr(values[0]).isalnum():
+        return f"'{chr(values[0])}'"
     runs: list[list[int]] = []
     for b in values:
         if runs and b == runs[-1][1] + 1:
@@ -185,8 +191,8 @@ def dfa_graph(dfa, title: str = "", highlight: int | None = None) -> Figure:
     columns: dict[int, list[int]] = {}
     for state in order:
         columns.setdefault(depth[state], []).append(state)
-    width = 1.9 * (max(columns) + 1) + 0.6
-    height = 1.5 * max(len(v) for v in columns.values()) + 1.0
+    width = 1.9 * max(columns) + 1.5
+    height = 1.5 * max(len(v) for v in columns.values()) + 0.2
     fig, ax = _canvas(width, height, min(COLUMN_INCHES * height / width, 4.6))
     where = {}
     for d, states in columns.items():
@@ -209,7 +215,7 @@ def dfa_graph(dfa, title: str = "", highlight: int | None = None) -> Figure:
             tx, ty = where[target]
             if target == state:
                 _arrow(ax, (x - 0.15, y + radius), (x + 0.15, y + radius), connection="arc3,rad=-2.2")
-                ax.text(x, y + radius + 0.42, byte_label(values), ha="center", fontsize=8, color=QUERY)
+                ax.text(x, y + radius + 0.42, byte_label(values), ha="center", fontsize=EDGE_PT, color=QUERY)
                 continue
             angle = math.atan2(ty - y, tx - x)
             start = (x + radius * math.cos(angle), y + radius * math.sin(angle))
@@ -238,7 +244,7 @@ def _move_label(ax, start, end, bend: float, text: str) -> None:
     chords from the chord's middle, on its right-hand side for a positive bend.)"""
     (sx, sy), (ex, ey) = start, end
     if not bend:
-        ax.text((sx + ex) / 2, (sy + ey) / 2 + 0.12, text, ha="center", fontsize=8, color=QUERY)
+        ax.text((sx + ex) / 2, (sy + ey) / 2 + 0.12, text, ha="center", fontsize=EDGE_PT, color=QUERY)
         return
     chord = math.hypot(ex - sx, ey - sy)
     out_x, out_y = (ey - sy) / chord, -(ex - sx) / chord        # unit vector to the bulge's side
@@ -247,7 +253,7 @@ def _move_label(ax, start, end, bend: float, text: str) -> None:
     x, y = ((1 - t) ** 2 * a + 2 * t * (1 - t) * c + t ** 2 * b for a, c, b in zip(start, control, end))
     ha = "left" if out_x > 0.3 else "right" if out_x < -0.3 else "center"
     va = "bottom" if out_y > 0.3 else "top" if out_y < -0.3 else "center"
-    ax.text(x + 0.08 * out_x, y + 0.08 * out_y, text, ha=ha, va=va, fontsize=8, color=QUERY)
+    ax.text(x + 0.08 * out_x, y + 0.08 * out_y, text, ha=ha, va=va, fontsize=EDGE_PT, color=QUERY)
 
 
 def _circle(x: float, y: float, r: float, edge: str, face: str = "white"):
