@@ -145,11 +145,12 @@ class Pipeline:
         on the model's device seeded with manual_seed(seed), so a seeded completion repeats
         and matches that call. The Completion holds:
           token_ids: the new ids only, a stop token included when one ended the answer;
-          text: self.tokenizer.decode of the new ids WITHOUT a final stop token. Decode the
-                new ids on their own, never decode(prompt + new) and cut the prompt's
-                characters off: a tokenizer need not map a prefix of ids to a prefix of text;
-          finish_reason: "stop" when the last id is a stop id, "length" when max_new_tokens
-                ids came, otherwise "context" (generate stopped at the context limit);
+          text: what self.tokenizer.decode gives for the new ids alone, WITHOUT a final
+                stop token (not a cut of decode(prompt + new): a tokenizer need not map a
+                prefix of ids to a prefix of text);
+          finish_reason: "stop" when a stop id ended the answer (even if it was the
+                max_new_tokens-th id), "length" when max_new_tokens ids came, otherwise
+                "context" (generate stopped at the context limit);
           seconds: wall time of the generate call, device synchronized before and after.
         """
         raise NotImplementedError("Your engine: Chapter 17: Pipeline.complete")

@@ -132,16 +132,19 @@ def label_modules(model: nn.Module,
 def op_shares(events: Iterable[FunctionEvent], device_time: bool = False) -> dict[str, float]:
     """Seconds of a profile per kind of work; the values add up to the profiled total.  (Your engine: Chapter 14)
 
-    events: the profiler's events (prof.events()): each has .name, .cpu_parent (the event
-    it ran inside, or None) and its SELF time in microseconds, .self_cpu_time_total (or
-    .self_device_time_total when device_time is True: the GPU time of the kernels it
-    launched itself). Self time excludes time spent in child events, so summing self times
-    counts every microsecond exactly once; summing .cpu_time_total (inclusive) would count
-    a matmul once for aten::mm, again for aten::linear, again for the range around it.
-    An event's kind is the label of the nearest enclosing range named kind:<kind> (the
-    event itself included, since a range's self time is the Python work between its ops);
-    an event outside every labelled range is "other".
-    Returns {kind: seconds} with every kind of KINDS present (0.0 when absent).
+    events: the profiler's events (prof.events()), each with .name, .cpu_parent (the event it
+    ran inside, or None), its SELF time in microseconds (.self_cpu_time_total, or with
+    device_time .self_device_time_total: the GPU time of the kernels it launched itself) and
+    its inclusive time (.cpu_time_total: its own time plus its descendants').
+    Returns {kind: seconds} with every kind of KINDS present (0.0 when absent), such that:
+    - every event's self time is in exactly one kind, so the values add up to the sum of the
+      events' self times (on a whole pass, the root's inclusive time): no microsecond is
+      counted twice, however deep the ranges nest;
+    - that kind is the one of the innermost range named kind:<kind> that encloses the event,
+      the event itself counting as enclosing (a labelled range's own Python time belongs to
+      its own kind); an event with no such range is "other".
+    Trap: an aten::mm inside aten::linear inside kind:matmul inside kind:attention is matmul
+    work, counted once.
     """
     raise NotImplementedError("Your engine: Chapter 14: op_shares")
 

@@ -55,9 +55,9 @@ def decode_step_seconds(model: Qwen3ForCausalLM, batch: int, context: int, *, re
     for Chapter 14's time_it (warm-up calls untimed, device synchronised, median reported).
     Returns a float in seconds: the median over `repeats` of one model call on ids
     [batch, 1] against a KVCache holding `context` tokens per row.
-    Invariant that makes it a measurement: every timed call sees exactly the same state
-    (context tokens cached, one fed), so the repeats measure the same step. The contents of
-    the cached keys do not affect the time, so no prefill is needed to get there.
+    Invariant that makes it a measurement: every call, warm-up included, sees exactly the
+    same state (context tokens cached per row, one fed), so the repeats measure the same
+    step. What the cached slots hold is not part of the contract: only how many there are.
     """
     device = _device(model)
     cache = KVCache.for_model(model, batch, context + 1)

@@ -27,11 +27,16 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """Symmetric int8 quantization of weight [out, in], one scale per output row.
     (Your engine: Chapter 20)
 
-    Returns (q, scale): q int8 [out, in], scale float32 [out] with
-    scale = max |row| / 127 and q = round(weight / scale) clamped to [-127, 127] (-128 is
-    left unused so the range is symmetric). Compute in float32 whatever weight's dtype is.
-    A row of zeros must not divide by zero: give it a tiny positive scale (its q is all
-    zeros either way). Every element then satisfies |q * scale - weight| <= scale / 2.
+    weight: a float matrix [out, in] of any float dtype. Returns (q, scale): q int8
+    [out, in], scale float32 [out] (computed in float32 whatever weight's dtype), such that:
+      - q * scale[:, None] stands for the weight, each element within half a step:
+        |q * scale - weight| <= scale / 2;
+      - each row's largest magnitude sits exactly on the edge of the range: the row's
+        largest |q| is 127, and every q lies in [-127, 127] (-128 unused: the range is
+        symmetric, no zero point);
+      - a row of zeros has q all zeros and a tiny positive scale (never 0, never NaN).
+    Trap: the scale is per output row; a row of small weights keeps all its precision
+    next to a row a thousand times larger.
     """
     w = weight.detach().float()
     scale = w.abs().amax(dim=1) / QMAX
@@ -108,7 +113,8 @@ def quantize_model(model: nn.Module, skip: Iterable[str] = ()) -> nn.Module:
     keys stay where they were (model.layers.0.mlp.up_proj.qweight, ...); nothing else
     changed: embedding tables are not nn.Linear and stay float, and a tied LM head becomes an
     int8 copy while the embedding keeps the float original. Returns the same model object.
-    Trap: modifying a module's children while iterating over them is a bug.
+    Trap: layers at every depth count (the projections sit inside layers inside the model),
+    and a skip name is the full dotted name.
     """
     skip = set(skip)
     targets = [(name, module) for name, module in model.named_modules()

@@ -310,11 +310,23 @@ class SkipIdleClock:
 def replay(engine: StepEngine, items: Iterable[WorkItem],
            clock: SkipIdleClock | None = None) -> dict[str, RequestRecord]:
     """Serve a timed workload on an engine with the step API; returns {request_id: RequestRecord}.
+    (Your engine: Chapter 22)
 
-    A request is handed to the engine (engine.add_request(request_id, prompt_ids,
-    max_tokens)) once the clock passes its arrival_time; each engine.step() returns
-    (request_id, new_token_ids, finished) triples, stamped with the clock when the step
-    returns. Idle gaps are skipped (SkipIdleClock), never slept.
+    engine: add_request(request_id, prompt_ids, max_tokens), step() -> a list of
+    (request_id, new_token_ids, finished) triples, and the property has_unfinished;
+    items: WorkItems in any order; clock: a SkipIdleClock (default: a new one): clock() is
+    the time now, clock.skip_to(t) moves it forward to t.
+    Returns one RequestRecord per item, keyed by request_id, arrival_time the item's, where:
+      - each item is handed to the engine exactly once, at the first moment the clock reads
+        at least its arrival_time, never before; items due together go in arrival order;
+      - a step's tokens are stamped with the clock read after that step returned:
+        first_token_time is the stamp of the step that returned the request's first token,
+        finish_time that of the step that said finished, token_times holds the stamp once
+        per token, num_output_tokens counts every token returned;
+      - when the engine has nothing unfinished and items are still to come, time jumps to
+        the next arrival (clock.skip_to), never sleeps; it returns once every item was
+        handed over and the engine has nothing unfinished.
+    Trap: a stamp read before step() returns credits each token with time it never waited.
     """
     clock = clock or SkipIdleClock()
     pending = sorted(items, key=lambda it: it.arrival_time)

@@ -128,6 +128,10 @@ def test_pipeline_stops_where_transformers_stops(impl, tmp_path, device):
     assert done.text == text, (
         f"text must be the decode of the new tokens alone, without the stop token: expected {text!r}, "
         f"got {done.text!r}")
+    last_allowed = pipe.complete(ids, len(expected))
+    assert last_allowed.finish_reason == "stop", (
+        f"a stop id on the last allowed step (max_new_tokens={len(expected)}) still ends the answer: "
+        f"finish_reason must be 'stop', got {last_allowed.finish_reason!r}")
 
 
 def test_pipeline_text_in_text_out(impl, checkpoint, device):

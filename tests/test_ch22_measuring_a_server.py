@@ -218,3 +218,57 @@ def test_replay_records_queueing(impl):
         assert (r.ttft, r.e2e) == (ttft, e2e), (
             f"request {request_id}: ttft/e2e {(r.ttft, r.e2e)}, expected {(ttft, e2e)}")
     assert records["a"].tpot == 1.0 and records["c"].tpot is None
+
+
+class ChunkyEngine:
+    """One request at a time, one second per step, up to `per_step` tokens per step; notes
+    the clock at each add_request."""
+
+    def __init__(self, clock, per_step):
+        self.clock, self.per_step, self.queue, self.admitted = clock, per_step, [], {}
+
+    def add_request(self, request_id, prompt_ids, max_new_tokens, stop_token_ids=()):
+        self.admitted[request_id] = self.clock.now
+        self.queue.append([request_id, max_new_tokens])
+
+    @property
+    def has_unfinished(self):
+        return bool(self.queue)
+
+    def step(self):
+        self.clock.now += 1.0
+        request_id, left = self.queue[0]
+        take = min(self.per_step, left)
+        self.queue[0][1] -= take
+        if take == left:
+            self.queue.pop(0)
+        return [(request_id, [7] * take, take == left)]
+
+
+def test_replay_hands_requests_over_on_time_and_stamps_each_step(impl):
+    """Items out of order: c (1 token) at t=10, a (3 tokens) and b (2 tokens) at t=0. The
+    engine serves one request at a time, 2 tokens a second: a gets 2 tokens at t=1 and its
+    last at t=2, b both at t=3; the engine is then idle until c arrives at 10 and is done at 11."""
+    w = impl.workloads
+    items = [w.WorkItem("c", [1], 1, 10.0), w.WorkItem("a", [1], 3, 0.0), w.WorkItem("b", [1], 2, 0.0)]
+    clock = FakeClock()
+    engine = ChunkyEngine(clock, per_step=2)
+    records = w.replay(engine, items, clock=clock)
+    assert sorted(records) == ["a", "b", "c"], f"one record per item, keyed by request_id; got {sorted(records)}"
+    admitted = {"a": 0.0, "b": 0.0, "c": 10.0}
+    assert engine.admitted == admitted, (
+        f"handed to the engine at {engine.admitted}, expected {admitted}: each request is handed over in "
+        f"order of arrival, as soon as the clock reaches its arrival_time (items may come in any order)")
+    expected = {"a": ([1.0, 1.0, 2.0], 1.0, 2.0), "b": ([3.0, 3.0], 3.0, 3.0), "c": ([11.0], 11.0, 11.0)}
+    for request_id, (times, first, finish) in expected.items():
+        r = records[request_id]
+        assert r.num_output_tokens == len(times), (
+            f"request {request_id}: num_output_tokens {r.num_output_tokens}, expected {len(times)}: "
+            f"num_output_tokens counts every token a step returned, not the steps")
+        assert (r.token_times, r.finish_time) == (times, finish), (
+            f"request {request_id}: token_times {r.token_times}, finish_time {r.finish_time}; expected {times}, "
+            f"{finish}: one stamp per token, read from the clock when the step returns")
+        assert r.first_token_time == first, (
+            f"request {request_id}: first_token_time {r.first_token_time}, expected {first}: it is the stamp of "
+            f"the step that returned the request's first token")
+        assert r.arrival_time == admitted[request_id], f"request {request_id}: arrival_time is the item's"

@@ -49,3 +49,11 @@ MISTAKES = [
             expect="should call fn 4 times",
             tests=(DEVICE,)),
 ]
+
+DECIDES = {
+    "time_it": "where the waits for the device go so that each sample covers exactly one timed call's work, "
+               "and which calls stay untimed",
+    "op_shares": "which of the profiler's times to add so that nothing is counted twice, and how to find "
+                 "the kind each event's time belongs to in a tree of nested labelled ranges",
+}
+DESIGN = ("op_shares",)

@@ -49,3 +49,11 @@ MISTAKES = [
             expect="embedding of 5 rows",
             tests=(BYTES,)),
 ]
+
+DECIDES = {
+    "matmul_flops": "which of the dispatcher's operations are matrix products and where their matrices sit "
+                    "among the arguments (a bias comes first), so that every product is counted once",
+    "op_bytes": "what counts as memory traffic: how to recognise a view, a gather and an output that is "
+                "an input's own memory, and how much a broadcast tensor really weighs",
+}
+DESIGN = ("op_bytes",)

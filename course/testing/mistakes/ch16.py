@@ -55,3 +55,11 @@ MISTAKES = [
             expect="differs from full recompute",
             tests=(f"{MILESTONE}::test_greedy_cached_equals_recompute",)),
 ]
+
+DECIDES = {
+    "KVCache.update": "how to append into a buffer allocated once without copying what is there, what attention "
+                      "gets back (views of every filled slot), and why the write position is not moved here",
+    "generate_cached": "what each call to the model must be fed so that every token goes through it exactly once, "
+                       "and how large the cache must be for the prompt, the new tokens and the context limit",
+}
+DESIGN = ("generate_cached",)

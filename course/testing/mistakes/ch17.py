@@ -48,9 +48,23 @@ MISTAKES = [
             expect="fill the 24-token context",
             tests=(f"{MILESTONE}::test_pipeline_reports_the_context_limit",)),
     Mistake("pipeline.py", "Pipeline.complete",
+            before="if new and new[-1] in self.stop_ids:",
+            after="if new and new[-1] in self.stop_ids and len(new) < max_new_tokens:",
+            rule='a stop id on the last allowed step still makes finish_reason "stop"',
+            expect="on the last allowed step",
+            tests=(f"{MILESTONE}::test_pipeline_stops_where_transformers_stops",)),
+    Mistake("pipeline.py", "Pipeline.complete",
             before="stop_token_ids=self.stop_ids,",
             after="stop_token_ids=self.stop_ids[:1],",
             rule="every stop id of both config files ends the answer",
             expect="in generation_config.json",
             tests=(f"{MILESTONE}::test_pipeline_stops_where_transformers_stops",)),
 ]
+
+DECIDES = {
+    "stop_token_ids": "which of a checkpoint's files say when an answer ends, and how to merge answers that "
+                      "come in three forms (absent, one id, a list) and disagree between the files",
+    "Pipeline.complete": "how to tell from the new ids alone why generation ended (a stop id on the last "
+                         "allowed step is still a stop), what part of them is shown as text, and what the clock covers",
+}
+DESIGN = ("Pipeline.complete",)

@@ -62,3 +62,13 @@ MISTAKES = [
             expect="250 tiny operations expected",
             tests=(CHAIN,)),
 ]
+
+DECIDES = {
+    "decode_step_seconds": "how to put a model in the state 'context tokens cached' cheaply and keep it there "
+                           "across warm-up and repeats, when every call appends to the cache",
+    "launch_overhead": "what computation isolates the fixed price of one operation (data too small to cost "
+                       "anything, each operation depending on the last) and how to turn its time into a per-op figure",
+    "decode_report": "which figures are measured and which predicted, which of them the batch changes, and how "
+                     "to honour measurements the caller already has",
+}
+DESIGN = ("decode_step_seconds",)

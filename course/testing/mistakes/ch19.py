@@ -67,3 +67,13 @@ MISTAKES = [
             expect="the EOS token ends the output",
             tests=(f"{MILESTONE}::test_eos_and_stop_tokens",)),
 ]
+
+DECIDES = {
+    "StaticKVCache.update": "how to write each row's new entries at slots that only the device knows, with no "
+                            "host read and no shape that depends on the length, so that a recorded graph stays right",
+    "FastDecoder.step": "how to feed a token into buffers a recorded graph already points at, and when to replay "
+                        "the graph instead of running the model, keeping the host's count of used slots honest",
+    "FastDecoder.generate": "how to split a request into one eager prefill and static steps, and when to stop so "
+                            "that the last token is returned but never fed into a full cache",
+}
+DESIGN = ("StaticKVCache.update",)

@@ -62,3 +62,13 @@ MISTAKES = [
             expect="left unquantized",
             tests=(SWAP,)),
 ]
+
+DECIDES = {
+    "quantize_per_channel": "along which axis the scales run and how to map each row onto 255 symmetric levels "
+                            "without dividing by zero or letting a cast wrap values around",
+    "Int8Linear.forward": "in which dtype and in which order to apply codes and scales so that one int8 layer serves "
+                          "any activation dtype without overflowing",
+    "quantize_model": "how to find every linear layer at any depth of a module tree you did not write and put its "
+                      "replacement in the same place, so names, state_dict keys and the skip list keep their meaning",
+}
+DESIGN = ("quantize_model",)

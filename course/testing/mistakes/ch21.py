@@ -71,3 +71,13 @@ MISTAKES = [
             expect="differs from solo generate",
             tests=(f"{MILESTONE}::test_every_row_equals_solo_generate",)),
 ]
+
+DECIDES = {
+    "left_pad": "where in the rectangle each prompt goes so that all rows end in the same column, and which "
+                "positions its real tokens get so that each row computes what it would alone",
+    "padding_mask": "which key slots of each row are real, as one mask over the keys that serves the prefill and "
+                    "every decode step alike",
+    "generate_batch": "what per-row state the loop keeps (outputs, finished rows, positions, the growing mask) "
+                      "so that rows stop on their own rules while the batch keeps one shape and one call per step",
+}
+DESIGN = ("generate_batch",)

@@ -2,6 +2,7 @@
 from . import Mistake
 
 MILESTONE = "tests/test_ch22_measuring_a_server.py"
+REPLAY_ON_TIME = f"{MILESTONE}::test_replay_hands_requests_over_on_time_and_stamps_each_step"
 GAPS = f"{MILESTONE}::test_poisson_gaps_are_exponential"
 NUMPY = f"{MILESTONE}::test_percentile_matches_numpy"
 
@@ -66,4 +67,40 @@ MISTAKES = [
             rule="a request without a finish_time is refused, by name",
             expect="must name the request",
             tests=(f"{MILESTONE}::test_summarize_refuses_what_it_cannot_summarize",)),
+    Mistake("workloads.py", "replay",
+            before="pending = sorted(items, key=lambda it: it.arrival_time)",
+            after="pending = list(items)",
+            rule="requests are handed to the engine in order of arrival, whatever the order of the items",
+            expect="in order of arrival",
+            tests=(REPLAY_ON_TIME,)),
+    Mistake("workloads.py", "replay",
+            before="        outputs = engine.step()\n        stamp = clock()\n",
+            after="        stamp = clock()\n        outputs = engine.step()\n",
+            rule="a step's tokens are stamped with the clock read after the step returns",
+            expect="when the step returns",
+            tests=(REPLAY_ON_TIME,)),
+    Mistake("workloads.py", "replay",
+            before="if new_tokens and record.first_token_time is None:",
+            after="if new_tokens:",
+            rule="first_token_time is the stamp of the step that returned the first token, not the latest",
+            expect="returned the request's first token",
+            tests=(REPLAY_ON_TIME,)),
+    Mistake("workloads.py", "replay",
+            before="record.num_output_tokens += len(new_tokens)",
+            after="record.num_output_tokens += 1",
+            rule="num_output_tokens counts every token a step returned",
+            expect="counts every token",
+            tests=(REPLAY_ON_TIME,)),
 ]
+
+DECIDES = {
+    "poisson_arrivals": "how to turn one seeded stream of uniform numbers into exponential gaps (and guard the draw "
+                        "that would give an infinite one), and where the first arrival falls",
+    "percentile": "which two order statistics a percentile falls between and how to weigh them, so that the "
+                  "result is numpy's for every q including the ends",
+    "summarize": "which requests each figure may include (one-token requests have no TPOT), what time base "
+                 "throughput divides by when requests overlap, and what to refuse",
+    "replay": "how to drive an engine through a timed workload on one clock: when each request is handed over, "
+              "what to do while the engine is idle, and which moment each token is stamped with",
+}
+DESIGN = ("replay",)
