@@ -226,6 +226,17 @@ def test_nesting_grows_the_automaton_linearly(json_regex):
         f"once), got {sizes} for 4, 8 and 16 levels")
 
 
+@pytest.mark.parametrize("low, high", [(0, None), (1, None), (3, None), (0, 0), (0, 1), (2, 2), (3, 7)])
+def test_string_lengths_are_the_repeat_of_one_character(json_regex, rx, low, high):
+    """A string schema with lengths compiles to the same minimal automaton as the regex of a
+    quoted JSON string character repeated low..high times (subset construction's answer)."""
+    bounds = {"minLength": low} | ({} if high is None else {"maxLength": high})
+    dfa = json_regex.compile_schema({"type": "string", **bounds})
+    expected = rx.compile_regex('"' + json_regex.STRING_CHARACTER + f"{{{low},{'' if high is None else high}}}" + '"')
+    assert dfa.num_states == expected.num_states and (dfa.transitions == expected.transitions).all() and (
+        dfa.accepting == expected.accepting).all(), f"minLength {low}, maxLength {high}: a different automaton"
+
+
 @pytest.mark.parametrize("kind, source, words", [
     ("regex", ".{1000}", "MAX_NFA_STATES"),
     ("regex", "(?:(?:a{100}){100})", "MAX_NFA_STATES"),
