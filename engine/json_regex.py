@@ -83,6 +83,7 @@ from .regex_dfa import (
     DFA,
     MAX_DFA_STATES,
     MAX_NESTING,
+    MAX_NFA_STATES,
     NFA,
     Alt,
     Chars,
@@ -1007,19 +1008,14 @@ class _SchemaCompiler:
             shapes.append({"format": name})
         if "pattern" in schema:
             shapes.append({"pattern": schema["pattern"]})
-        if shapes and ("minLength" in schema or "maxLength" in schema):
-            shapes.append({"minLength": low, "maxLength": high})
-        if len(shapes) > 1:               # each keyword's strings apart, then the strings all accept
-            return self.intersected([self.apart(partial(_SchemaCompiler.string, schema=shape, where=where))
-                                     for shape in shapes])
-        quote = self.pattern('"')
-        if name in FORMATS:
-            body = self.pattern(FORMATS[str(name)])
-        elif "pattern" in schema:
-            body = self.search(schema["pattern"], where)
-        else:
-            body = add_repeat(self.nfa, lambda: self.pattern(STRING_CHARACTER), low, high)
-        return self.nfa.chain([quote, body, self.pattern('"')])
+        if not shapes:
+            return add_dfa(self.nfa, _string_automaton(low, high))
+        bounded = "minLength" in schema or "maxLength" in schema
+        if len(shapes) > 1 or bounded:    # each keyword's strings apart, then the strings all accept
+            automata = [self.apart(partial(_SchemaCompiler.string, schema=shape, where=where)) for shape in shapes]
+            return self.intersected(automata + [_string_automaton(low, high)] if bounded else automata)
+        body = self.pattern(FORMATS[str(name)]) if name in FORMATS else self.search(schema["pattern"], where)
+        return self.nfa.chain([self.pattern('"'), body, self.pattern('"')])
 
     def search(self, pattern: Any, where: str, raw_only: bool = False) -> Fragment:
         """A string body containing a match of `pattern`, read as ECMA-262 reads it (JSON
@@ -1394,6 +1390,53 @@ _FREE_AUTOMATA: dict[str, DFA] = {}
 @lru_cache(maxsize=4096)
 def _pattern_automaton(text: str) -> DFA:
     return compile_regex(text)
+
+
+@lru_cache(maxsize=256)
+def _string_automaton(low: int, high: int | None) -> DFA:
+    """The minimal DFA of a JSON string of low..high characters (high None: no bound),
+    quotes included, built straight from the automaton of one character: a copy of its
+    states per count of characters read, the count moving on when a character ends.
+    (Subset construction and minimisation of the repeat took a second for maxLength 255.)
+    ValueError past MAX_NFA_STATES, the limit of the automaton it joins."""
+    character = _pattern_automaton(STRING_CHARACTER)
+    table = character.transitions
+    ends = np.flatnonzero(character.accepting)          # one end state, with no moves out of it
+    inner = np.flatnonzero(~character.accepting)
+    inner = np.concatenate([[character.start], inner[inner != character.start]])   # the start first
+    width = len(inner)
+    local = np.full(character.num_states, -1, dtype=np.int64)
+    local[inner] = np.arange(width)
+    # template[i, b]: where byte b leads from inner state i: another inner state (0..width-1),
+    # -2 when it ends a character, -1 nowhere.
+    moved = table[inner]
+    template = np.where(moved < 0, -1, np.where(np.isin(moved, ends), -2, local[np.maximum(moved, 0)]))
+    looping = high is None and low == 0                 # any count: one copy that loops
+    full_counts = 1 if looping else high if high is not None else low    # counts with a copy of every state
+    # States: the opening, the closing (accepting), the copies, then (unless looping) the
+    # count after them: `high` characters read (only the quote may follow), or, without a
+    # bound, `low` or more read (a character started there continues in the last copy).
+    size = 2 + full_counts * width + (not looping)
+    if size > MAX_NFA_STATES:
+        raise ValueError(f"the automaton needs more than MAX_NFA_STATES={MAX_NFA_STATES} NFA states "
+                         f"(a string length of {high if high is not None else low} characters)")
+    opening, closing, last = 0, 1, size - 1
+    rows = np.full((size, 256), -1, dtype=np.int64)
+    rows[opening, ord('"')] = 2
+    for count in range(full_counts):
+        first = 2 + count * width
+        after = first if looping else first + width
+        rows[first:first + width] = np.where(template >= 0, first + template, np.where(template == -2, after, -1))
+        if count >= low:
+            rows[first, ord('"')] = closing
+    if not looping:
+        if high is None:
+            copy = 2 + (full_counts - 1) * width
+            rows[last] = np.where(template[0] >= 0, copy + template[0], np.where(template[0] == -2, last, -1))
+        rows[last, ord('"')] = closing
+    accepting = np.zeros(size, dtype=bool)
+    accepting[closing] = True
+    return DFA(rows.astype(np.int32), accepting, opening)
 
 
 def _is_key(key: DFA | None, name: str, unknown: bool = True) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -507,6 +507,20 @@ class DFA:
     def num_states(self) -> int:
         return int(self.transitions.shape[0])
 
+    @cached_property
+    def byte_runs(self) -> list[tuple[int, int, int, int]]:
+        """(state, first byte, last byte, target): each state's moves as runs of consecutive
+        bytes with one target, -1 left out (an automaton is never changed once built)."""
+        table = self.transitions
+        starts_run = np.ones(table.shape, dtype=bool)
+        starts_run[:, 1:] = table[:, 1:] != table[:, :-1]
+        states, lows = np.nonzero(starts_run)
+        highs = np.append(lows[1:] - 1, 255)
+        highs[np.append(states[1:] != states[:-1], True)] = 255     # a state's last run ends at 255
+        targets = table[states, lows]
+        kept = targets >= 0
+        return list(zip(states[kept].tolist(), lows[kept].tolist(), highs[kept].tolist(), targets[kept].tolist()))
+
     def walk(self, state: int, data: bytes) -> int:
         """The state after reading `data` from `state`; -1 once no match can follow."""
         table = self.transitions
@@ -560,13 +574,20 @@ def determinize(nfa: NFA) -> DFA:
     return DFA(np.stack(rows), accepting, 0)
 
 
+def column_classes(table: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """The bytes (columns) that move every state (row) of `table` alike, as classes: the
+    first byte of each class in order, and each byte's class number (int64 [256])."""
+    first_with: dict[bytes, int] = {}                # a column's bytes -> its class
+    columns = np.ascontiguousarray(table.T)
+    class_of = np.array([first_with.setdefault(columns[byte].tobytes(), len(first_with))
+                         for byte in range(columns.shape[0])], dtype=np.int64)
+    return np.unique(class_of, return_index=True)[1].tolist(), class_of     # classes are numbered by first byte
+
+
 def distinct_columns(table: np.ndarray) -> np.ndarray:
     """The table with one column per distinct byte behaviour (bytes that move every state
     alike need one column): [S, 256] -> [S, C] with C usually a few dozen."""
-    first_with: dict[bytes, int] = {}                # a column's bytes -> the first byte with them
-    for byte in range(table.shape[1]):
-        first_with.setdefault(np.ascontiguousarray(table[:, byte]).tobytes(), byte)
-    return table[:, sorted(first_with.values())]
+    return table[:, column_classes(table)[0]]
 
 
 def breadth_first(columns: np.ndarray, start: int, keep: np.ndarray) -> list[int]:
@@ -583,12 +604,11 @@ def breadth_first(columns: np.ndarray, start: int, keep: np.ndarray) -> list[int
 def renumbered(dfa: DFA, order: list[int], group: np.ndarray) -> DFA:
     """The DFA whose state i is dfa's state order[i]; a move to state t goes to the new
     number of group[t] (states of one group become one state), -1 stays -1."""
-    new_number = np.full(int(group.max()) + 1, -1, dtype=np.int64)
+    new_number = np.full(int(group.max()) + 1, -1, dtype=np.int32)
     new_number[group[order]] = np.arange(len(order))
-    rows = dfa.transitions[order]
-    target_group = np.where(rows >= 0, group[np.maximum(rows, 0)], -1)
-    moved = np.where(target_group >= 0, new_number[np.maximum(target_group, 0)], -1)
-    return DFA(moved.astype(np.int32), dfa.accepting[order].copy(), 0)
+    # Each old state's new number, then one more entry, -1, which the -1 moves index.
+    lookup = np.append(np.where(group >= 0, new_number[np.maximum(group, 0)], -1), -1).astype(np.int32)
+    return DFA(lookup[dfa.transitions[order]], dfa.accepting[order].copy(), 0)
 
 
 def _predecessors(columns: np.ndarray) -> list[list[int]]:
@@ -623,19 +643,20 @@ def trim(dfa: DFA) -> DFA:
 MOORE_ROUNDS = 48                      # vectorised refinement rounds tried before Hopcroft's
 
 
-def _moore_rounds(columns: np.ndarray, accepting: np.ndarray, rounds: int) -> np.ndarray | None:
+def _moore_rounds(columns: np.ndarray, accepting: np.ndarray, rounds: int) -> tuple[np.ndarray, bool]:
     """Moore's refinement in numpy: every round splits each block by the blocks its states
-    move to on every class, all at once. The block of each state once no block splits, or
-    None when `rounds` rounds were not enough (a long chain: Hopcroft's order is then used)."""
+    move to on every class, all at once. The block of each state after at most `rounds`
+    rounds, and whether no block splits any more (if not, a long chain: Hopcroft's order
+    refines these blocks further)."""
     block = _row_classes(np.concatenate([accepting[:, None], columns >= 0], axis=1).astype(np.int64))
     count = int(block.max()) + 1
     for _ in range(rounds):
-        moved = np.where(columns >= 0, block[np.maximum(columns, 0)], -1)
+        moved = np.append(block, -1)[columns]             # a -1 move indexes the appended -1
         block = _row_classes(np.concatenate([block[:, None], moved], axis=1))
         if int(block.max()) + 1 == count:
-            return block
+            return block, True
         count = int(block.max()) + 1
-    return None
+    return block, False
 
 
 def _row_classes(rows: np.ndarray) -> np.ndarray:
@@ -651,12 +672,13 @@ def _row_classes(rows: np.ndarray) -> np.ndarray:
 def minimize(dfa: DFA) -> DFA:
     """The smallest DFA for the same language: states that accept alike, have moves on the
     same bytes and move to the same blocks on every byte merge. Partition refinement: up to
-    MOORE_ROUNDS rounds of Moore's (each vectorised), which settle the automata of schemas;
-    when they do not, Hopcroft's (O(C E log S) for S states, C byte classes and E moves).
+    MOORE_ROUNDS rounds of Moore's (each vectorised), which settle most automata of schemas;
+    when they do not (long chains), Hopcroft's from the blocks they reached (O(C E log S)
+    for S states, C byte classes and E moves).
     Expects a trimmed DFA (so a -1 move and a move into a live state always differ)."""
     columns = distinct_columns(dfa.transitions)
-    settled = _moore_rounds(columns, dfa.accepting, MOORE_ROUNDS)
-    dense = settled if settled is not None else _hopcroft(dfa, columns)
+    blocks, settled = _moore_rounds(columns, dfa.accepting, MOORE_ROUNDS)
+    dense = blocks if settled else _hopcroft(columns, blocks)
     # One representative per block, in breadth-first order from the start's block.
     first_of_block = np.full(int(dense.max()) + 1, -1, dtype=np.int64)
     first_of_block[dense[::-1]] = np.arange(dfa.num_states)[::-1]
@@ -668,9 +690,16 @@ def minimize(dfa: DFA) -> DFA:
     return renumbered(dfa, order, representative)
 
 
-def _hopcroft(dfa: DFA, columns: np.ndarray) -> np.ndarray:
-    """Each state's block (numbered densely) by Hopcroft's partition refinement."""
+def _hopcroft(columns: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Each state's block (numbered densely) by Hopcroft's partition refinement, from the
+    blocks `first` (any partition coarser than the result that already parts states which
+    accept or have moves differently: Moore's after a few rounds, say). A splitter
+    (block, class) is kept only when some state of the block is entered on the class: the
+    others split nothing, and in the automata of schemas most states are entered on a few
+    of the dozens of classes, so skipping them saves most of the work."""
     size, num_classes = columns.shape
+    sources, classes = np.nonzero(columns >= 0)
+    targets = columns[sources, classes].astype(np.int64)
     # inverse[c]: the states sorted by their target on class c, and where each target's run
     # starts (the -1 moves sort first and are never looked up).
     inverse = []
@@ -678,18 +707,30 @@ def _hopcroft(dfa: DFA, columns: np.ndarray) -> np.ndarray:
         by_target = np.argsort(columns[:, c], kind="stable")
         starts = np.searchsorted(columns[by_target, c], np.arange(size + 1))
         inverse.append((by_target.tolist(), starts.tolist()))
-    # entered_on[c]: the states some move on class c leads to (most are entered on few classes).
-    entered_on = [set(np.unique(columns[:, c][columns[:, c] >= 0]).tolist()) for c in range(num_classes)]
-    # First blocks: same acceptance and moves on the same classes; all are splitters.
-    signatures = np.concatenate([dfa.accepting[:, None], columns >= 0], axis=1)
-    first_blocks: dict[bytes, int] = {}
-    block_of = [first_blocks.setdefault(row.tobytes(), len(first_blocks)) for row in signatures]
-    blocks: list[set[int]] = [set() for _ in first_blocks]
+    # entering[s]: the classes on which some move enters s; entered_on[c]: the states entered on c.
+    pairs = np.unique(targets * num_classes + classes)
+    entering: list[list[int]] = [[] for _ in range(size)]
+    entered_on: list[set[int]] = [set() for _ in range(num_classes)]
+    for target, c in zip((pairs // num_classes).tolist(), (pairs % num_classes).tolist()):
+        entering[target].append(c)
+        entered_on[c].add(target)
+
+    def entered(states: set[int]) -> set[int]:
+        return set().union(*(entering[state] for state in states))
+
+    # The first blocks are all splitters.
+    block_of = first.tolist()
+    blocks: list[set[int]] = [set() for _ in range(max(block_of) + 1)]
     for state, block in enumerate(block_of):
         blocks[block].add(state)
-    pending = {(block, c) for block in range(len(blocks)) for c in range(num_classes)}
-    while pending:
-        splitter, c = pending.pop()
+    pending = [entered(states) for states in blocks]     # block -> the classes it still splits on
+    waiting = list(range(len(blocks)))                   # blocks that may have pending classes
+    while waiting:
+        splitter = waiting.pop()
+        if not pending[splitter]:
+            continue
+        c = pending[splitter].pop()
+        waiting.append(splitter)
         by_target, starts = inverse[c]
         reaching: dict[int, list[int]] = {}          # block -> its states that move into the splitter
         for target in blocks[splitter] & entered_on[c]:
@@ -704,11 +745,12 @@ def _hopcroft(dfa: DFA, columns: np.ndarray) -> np.ndarray:
             blocks.append(part)
             for state in inside:
                 block_of[state] = new
-            for k in range(num_classes):
-                if (block, k) in pending:
-                    pending.add((new, k))
-                else:
-                    pending.add((new if len(part) <= len(blocks[block]) else block, k))
+            # Splitters pending for the block are pending for both halves; of the others,
+            # the smaller half's suffice (the larger half's follow from them and the block's).
+            pending.append(set(pending[block]))
+            smaller = new if len(part) <= len(blocks[block]) else block
+            pending[smaller] |= entered(blocks[smaller])
+            waiting += [new, block]
     return np.unique(np.array(block_of, dtype=np.int64), return_inverse=True)[1].reshape(-1)
 
 
@@ -727,27 +769,38 @@ def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
     moves_b = np.vstack([np.where(b.transitions >= 0, b.transitions, sink_b), np.full((1, 256), sink_b)])
     accepts_a = np.append(a.accepting, False)
     accepts_b = np.append(b.accepting, False)
+    # Bytes that move every state of both automata alike form one class: the product is
+    # explored one column per class (a few dozen), then spread back over the 256 bytes.
+    first_bytes, byte_class = column_classes(np.vstack([moves_a, moves_b]))
+    moves_a, moves_b = moves_a[:, first_bytes].astype(np.int64), moves_b[:, first_bytes]
     width = sink_b + 1
+    # Once a side is in its sink, a pair that can no longer be kept (either side's sink for an
+    # intersection, a's for a difference) is not explored: a move into it is -1.
+    kept_after_sink_a = keep(False, False) or keep(False, True)
+    kept_after_sink_b = keep(False, False) or keep(True, False)
     number = {a.start * width + b.start: 0}
     order = [a.start * width + b.start]
-    rows: list[np.ndarray] = []
+    rows: list[list[int]] = []
     while len(rows) < len(order):
         pair = order[len(rows)]
-        codes = moves_a[pair // width].astype(np.int64) * width + moves_b[pair % width]
-        row = np.empty(256, dtype=np.int32)
-        for code in np.unique(codes).tolist():
-            if code not in number:
+        row = []
+        for code in (moves_a[pair // width] * width + moves_b[pair % width]).tolist():
+            if code not in number and ((code // width == sink_a and not kept_after_sink_a)
+                                       or (code % width == sink_b and not kept_after_sink_b)):
+                number[code] = -1
+            elif code not in number:
                 if len(order) >= MAX_DFA_STATES:
                     raise ValueError(f"combining two automata needs more than MAX_DFA_STATES={MAX_DFA_STATES} states")
                 number[code] = len(order)
                 order.append(code)
-            row[codes == code] = number[code]
+            row.append(number[code])
         rows.append(row)
     pairs = np.array(order, dtype=np.int64)
     accepting = np.array([keep(bool(x), bool(y)) for x, y in zip(accepts_a[pairs // width], accepts_b[pairs % width])])
     if not accepting.any():
         return None
-    return minimize(trim(DFA(np.stack(rows), accepting, 0)))
+    table = np.array(rows, dtype=np.int32)[:, byte_class]
+    return minimize(trim(DFA(table, accepting, 0)))
 
 
 def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:
@@ -755,15 +808,10 @@ def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:
     way a compiled piece (a difference, a product) joins a larger automaton."""
     states = [nfa.new_state() for _ in range(dfa.num_states)]
     end = nfa.new_state()
-    for state, row in enumerate(dfa.transitions.tolist()):
-        low = 0
-        for byte in range(1, 257):                      # one edge per run of bytes with one target
-            if byte == 256 or row[byte] != row[low]:
-                if row[low] >= 0:
-                    nfa.edges[states[state]].append((low, byte - 1, states[row[low]]))
-                low = byte
-        if dfa.accepting[state]:
-            nfa.link(states[state], end)
+    for state, low, high, target in dfa.byte_runs:
+        nfa.edges[states[state]].append((low, high, states[target]))
+    for state in np.flatnonzero(dfa.accepting).tolist():
+        nfa.link(states[state], end)
     return states[dfa.start], end
 
 

@@ -226,6 +226,17 @@ def test_nesting_grows_the_automaton_linearly(json_regex):
         f"once), got {sizes} for 4, 8 and 16 levels")
 
 
+@pytest.mark.parametrize("low, high", [(0, None), (1, None), (3, None), (0, 0), (0, 1), (2, 2), (3, 7)])
+def test_string_lengths_are_the_repeat_of_one_character(json_regex, rx, low, high):
+    """A string schema with lengths compiles to the same minimal automaton as the regex of a
+    quoted JSON string character repeated low..high times (subset construction's answer)."""
+    bounds = {"minLength": low} | ({} if high is None else {"maxLength": high})
+    dfa = json_regex.compile_schema({"type": "string", **bounds})
+    expected = rx.compile_regex('"' + json_regex.STRING_CHARACTER + f"{{{low},{'' if high is None else high}}}" + '"')
+    assert dfa.num_states == expected.num_states and (dfa.transitions == expected.transitions).all() and (
+        dfa.accepting == expected.accepting).all(), f"minLength {low}, maxLength {high}: a different automaton"
+
+
 @pytest.mark.parametrize("kind, source, words", [
     ("regex", ".{1000}", "MAX_NFA_STATES"),
     ("regex", "(?:(?:a{100}){100})", "MAX_NFA_STATES"),
@@ -361,3 +372,53 @@ def test_a_request_asks_for_the_open_rule_with_guided_json_strict(impl):
     assert open_rule.fullmatch(b'{"a": null, "b": 1}'), "guided_json_strict=False must allow extra keys"
     with pytest.raises(ValueError, match="guided_json_strict"):
         request.SamplingParams(guided_json=schema, guided_json_strict="no")
+
+
+# --- JSONSchemaBench (a fixed sample, tests/data/jsonschemabench: MIT, attribution beside it) ---
+
+BENCH = json.loads((pathlib.Path(__file__).parent / "data" / "jsonschemabench" / "sample.json").read_text("utf-8"))
+# subset -> schemas of the sample compiled when this test was written (of 30 each): the compiler
+# must not fall below them. Every document a compiled schema's walks spell must validate.
+BENCH_REACHED = {"Github_easy": 28, "Github_hard": 19, "Github_medium": 24, "Github_trivial": 27, "Github_ultra": 5,
+                 "Glaiveai2K": 29, "JsonSchemaStore": 18, "Kubernetes": 28, "Snowplow": 14, "WashingtonPost": 21}
+# One quick schema of each subset (the fastest to compile of more than 30 states) for the
+# default suite; --stress takes every subset whole.
+BENCH_FAST = ["o28259", "o41277", "o79429", "o65482", "o73963", "calculate_area_aaae03ed", "first-timers",
+              "kb_431_Normalized", "sp_59_Normalized", "wp_64_Normalized"]
+
+
+def bench_validator(schema):
+    validator_class = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return validator_class(schema, format_checker=validator_class.FORMAT_CHECKER)
+
+
+def assert_walks_validate(dfa, schema, name, count):
+    validator = bench_validator(schema)
+    for text in walks(dfa, count, seed=len(name), max_bytes=400):
+        errors = [error.message for error in validator.iter_errors(json.loads(text))]
+        assert not errors, f"{name}: the automaton accepts {text!r}, which the schema refuses: {errors[0]}"
+
+
+@pytest.mark.parametrize("name", BENCH_FAST)
+def test_jsonschemabench_schemas_compile_soundly(json_regex, name):
+    entry = next(entry for entry in BENCH if entry["name"] == name)
+    assert_walks_validate(json_regex.compile_schema(entry["schema"]), entry["schema"], name, 40)
+
+
+@pytest.mark.parametrize("subset", sorted(BENCH_REACHED))
+def test_jsonschemabench_subset_compiles_as_often_and_soundly(json_regex, subset, request):
+    """Each subset's sample compiles at least as often as recorded, and every compiled
+    schema's random walks spell documents that validate under the schema's own draft
+    (minutes for the whole sample: --stress only)."""
+    if not request.config.getoption("stress"):
+        pytest.skip("the whole JSONSchemaBench sample runs under --stress")
+    compiled = 0
+    for entry in (entry for entry in BENCH if entry["subset"] == subset):
+        try:
+            dfa = json_regex.compile_schema(entry["schema"])
+        except ValueError:
+            continue
+        compiled += 1
+        assert_walks_validate(dfa, entry["schema"], entry["name"], 200)
+    assert compiled >= BENCH_REACHED[subset], (
+        f"{subset}: {compiled} of the sample's schemas compiled, fewer than the {BENCH_REACHED[subset]} before")

@@ -29,6 +29,12 @@ The tiny model speaks bytes; SmolLM2 its BPE vocabulary.
 
 The pushdown guide of {"type": "json_object"} (json_pda.JsonGuide, whose masks depend on the
 stack too) is measured the same way, grammar "json_object": its cold and warm steps.
+
+--corpus measures compiling instead: every schema of the suite's corpus
+(tests/data/schema_corpus, 300 schemas written for it) and of its JSONSchemaBench sample
+(tests/data/jsonschemabench, 30 per subset), one JSON line per corpus and per subset: how
+many compile, and the median and 99th percentile of their compile times, in CPU time of
+this process (what a compile costs, whatever else the machine runs) and wall time.
 """
 import json
 import math
@@ -59,6 +65,7 @@ def add_arguments(parser):
     parser.add_argument("--engine", action="store_true", help="time whole engine steps, free against guided")
     parser.add_argument("--requests", type=int, default=4, help="requests per --engine run (default 4)")
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per --engine request (default 32)")
+    parser.add_argument("--corpus", action="store_true", help="time compiling the suite's schema corpora")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed rounds, best kept: compiles and first masks; with --engine the free and "
                              "warm runs (default 3)")
@@ -205,6 +212,32 @@ def engine_runs(impl, guided, args):
                    "steps": steps, "ms_per_step": round(ms, 2), "overhead_ms": round(ms - best["free"][0], 2)}
 
 
+def corpus_compiles(json_regex):
+    """Yield one result per corpus and per JSONSchemaBench subset: compiled count, compile times."""
+    from pathlib import Path
+    data = Path(__file__).resolve().parents[2] / "tests" / "data"
+    groups: dict[str, list] = {}
+    for entry in json.loads((data / "schema_corpus" / "corpus.json").read_text(encoding="utf-8")):
+        groups.setdefault("corpus", []).append(entry["schema"])
+    for entry in json.loads((data / "jsonschemabench" / "sample.json").read_text(encoding="utf-8")):
+        groups.setdefault(f"jsonschemabench/{entry['subset']}", []).append(entry["schema"])
+        groups.setdefault("jsonschemabench", []).append(entry["schema"])
+    for name, schemas in groups.items():
+        compiled, cpu_s, wall_s = 0, [], []
+        for schema in schemas:
+            cpu, wall = time.process_time(), time.perf_counter()
+            try:
+                json_regex.compile_schema(schema)
+                compiled += 1
+            except ValueError:
+                pass
+            cpu_s.append(time.process_time() - cpu)
+            wall_s.append(time.perf_counter() - wall)
+        yield {"corpus": name, "schemas": len(schemas), "compiled": compiled,
+               **{key.replace("_us", "_ms"): round(value / 1e3, 1) for key, value in
+                  {**percentiles("compile_cpu", cpu_s), **percentiles("compile_wall", wall_s)}.items()}}
+
+
 def run(args):
     import torch
 
@@ -213,6 +246,10 @@ def run(args):
     impl = load(args.impl)
     guided = impl.load("serve.guided")
     request = impl.load("serve.request")
+    if args.corpus:
+        for result in corpus_compiles(impl.load("json_regex")):
+            print(json.dumps(result), flush=True)
+        return
     if args.engine:
         for result in engine_runs(impl, guided, args):
             print(json.dumps(result), flush=True)
