@@ -3,7 +3,8 @@
 Part one is the handful of questions the engine asks whatever it runs on: which device
 (`pick_device`), has the queued work finished (`synchronize`), how much memory is left
 (`memory_info`), which dtype to load weights in (`default_dtype`), and where host copies
-of swapped K/V should live (`pinned`). Each answer differs between CUDA (and ROCm, which
+of swapped K/V should live (`pinned`), and how a host tensor reaches the device without
+waiting for it (`to_device`). Each answer differs between CUDA (and ROCm, which
 PyTorch exposes as `torch.cuda`), Apple's MPS, Intel's XPU and the CPU; the rest of the
 engine asks here instead of testing `device.type` itself.
 
@@ -190,6 +191,15 @@ def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type in ("cuda", "xpu") and device_count(device.type) > 0:
         return host.pin_memory()
     return host
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` (a CPU tensor) copied to `device` without making the host wait for the
+    device: through page-locked memory with non_blocking=True where `pinned` pins. A copy
+    from pageable memory to a GPU first waits for every kernel already queued, so a batch
+    uploaded that way waits for the step before it (Chapter 33)."""
+    page_locked = pinned(host, device)
+    return page_locked.to(device, non_blocking=page_locked is not host)
 
 
 def describe(device: torch.device | str) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""Chapters 8, 16 and 17: choosing the next token, and generating a sequence."""
+"""Chapters 8, 16 and 17: choosing the next token, and generating a sequence.
+
+The filters (apply_top_k_top_p, apply_min_p) work on a whole [R, V] batch with one value
+per row: `sample` uses them with the same value on every row, and the engine's samplers
+(Chapter 34's full sampler, Chapter 37's verifier) with each request's own.
+"""
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -16,6 +21,43 @@ if TYPE_CHECKING:
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep, in every row, its top_k highest logits, then the smallest set of its most
+    likely tokens whose probability reaches top_p; every other logit becomes -inf, in
+    place.  (Your engine: Chapter 8)
+
+    logits [R, V] float32 or float64, already divided by the temperature; top_k [R] int64
+    on logits' device, a value >= V meaning off (callers pass V for top_k = 0); top_p [R]
+    in (0, 1], logits' dtype and device, 1 meaning off. Each row uses its own values.
+    Returns `logits`.
+    - top_k first: a token survives when its logit is >= its row's k-th highest logit, so
+      every token tied with the k-th survives (transformers' TopKLogitsWarper);
+    - top_p then, on the distribution top_k left (the softmax of the survivors): with the
+      row's tokens ordered from most to least likely, a token survives when the
+      probability mass strictly before it is < top_p. So the most likely token always
+      survives, top_p = 1 keeps every token top_k kept, and a top_p below every
+      probability (1e-39) keeps exactly one token.
+    Surviving logits keep their values; -inf stays -inf. Cost: a fixed number of tensor
+    operations whatever R is (no Python loop over rows, nothing read on the host).
+    """
+    raise NotImplementedError("Your engine: Chapter 8: apply_top_k_top_p")
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Forbid (-inf), in every row, each token whose probability is below min_p times the
+    probability of the row's most likely token, in place.  (Your engine: Chapter 8)
+
+    logits [R, V] float32 or float64, already divided by the temperature (and filtered by
+    whatever ran before: a -inf token has probability 0); min_p [R] in [0, 1], logits'
+    dtype and device, 0 meaning off. Probabilities are the softmax of the row as given.
+    A token exactly at the floor survives, so the most likely token always does; min_p = 0
+    changes nothing. Surviving logits keep their values. Returns `logits`. Cost: a fixed
+    number of tensor operations whatever R is (no Python loop over rows, nothing read on
+    the host).
+    """
+    raise NotImplementedError("Your engine: Chapter 8: apply_min_p")
+
+
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            min_p: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token id per row of logits [B, V] (or [V]).  (Your engine: Chapter 8)
@@ -31,7 +73,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
       top_p < 1  the smallest highest-probability set whose mass reaches top_p (the most
                  likely token always survives);
       min_p > 0  the tokens whose probability is at least min_p times the top one's;
-    applied after the temperature, in this order, each to what the previous one kept.
+    applied after the temperature, in this order, each to what the previous one kept
+    (apply_top_k_top_p's and apply_min_p's rules, with the same value on every row).
     Traps that are the contract:
       - the draw is ONE torch.multinomial(probs, 1, generator=generator) over the [B, V]
         probabilities in vocabulary order (not sorted order): Chapters 17 and 31 compare

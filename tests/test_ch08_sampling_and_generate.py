@@ -1,7 +1,9 @@
 """Chapter 8 milestone: sample() and generate by full recompute.
 
 Oracles: the filtered, renormalised softmax computed here in float64 (empirical frequencies
-of many seeded draws must match it, and draws must stay inside its support); for generate, a
+of many seeded draws must match it, and draws must stay inside its support); transformers'
+TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper, row by row, for the batched filters
+apply_top_k_top_p and apply_min_p; for generate, a
 plain argmax loop over the reference tiny model, and a scripted model whose next token is
 known in advance (stop tokens, the context limit, what each forward call is fed).
 """
@@ -57,12 +59,15 @@ CASES = {
     "min_p 0.15": dict(temperature=1.0, min_p=0.15),
     "top_k 5, top_p 0.7, temperature 1.5": dict(temperature=1.5, top_k=5, top_p=0.7),
     "top_p 0.9, min_p 0.3, temperature 0.8": dict(temperature=0.8, top_p=0.9, min_p=0.3),
+    # min_p before top_p would keep tokens 0-3, not 0-4: the order of the filters shows
+    "top_p 0.8, min_p 0.2, temperature 1.5": dict(temperature=1.5, top_p=0.8, min_p=0.2),
 }
 RULES = {    # what each filter keeps, in the chapter's words, for failure messages
     "temperature": "the draw follows softmax(logits / temperature)",
     "top_k": "top_k keeps the k highest logits",
-    "top_p": "top_p keeps the smallest highest-probability set whose mass reaches top_p",
-    "min_p": "min_p keeps the tokens whose probability is at least min_p times the top one's",
+    "top_p": "top_p keeps the smallest highest-probability set whose mass reaches top_p (with or without top_k)",
+    "min_p": "min_p, applied after top_k and top_p to what they kept, keeps the tokens whose probability is at "
+             "least min_p times the top one's",
 }
 
 
@@ -147,6 +152,120 @@ def test_the_draw_is_one_multinomial_in_vocabulary_order(impl, device):
         assert not differ, (f"seed {seed}: rows {differ[:5]} drew other tokens than one multinomial over the "
                             f"probabilities in vocabulary order (a draw in sorted order breaks the seeded "
                             f"comparisons of Chapters 17 and 31)")
+
+
+# --- the batched filters: one value per row ------------------------------------------------------
+
+FILTER_VOCAB = 64
+
+
+def filter_cases():
+    """Ten rows of logits with their own (top_k, top_p, min_p), ties at the k-th place included."""
+    settings = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.8, 0.0), (7, 0.6, 0.0), (0, 1.0, 0.1), (10, 0.9, 0.05),
+                (1, 0.5, 0.0), (64, 1e-9, 0.0), (3, 0.9, 0.0), (2, 1.0, 1.0)]
+    logits = torch.randn(len(settings), FILTER_VOCAB, generator=torch.Generator().manual_seed(1)) * 2
+    logits[1, [3, 9, 20]] = logits[1].max() - 0.5          # ties at the 2nd-4th place, top_k 5
+    logits[8, [1, 2, 30, 40, 50, 60]] = logits[8].max() + 1    # six tokens tied at the top, top_k 3: all stay
+    logits[9, [4, 5, 6]] = logits[9].max() + 1               # a tie across the k-th place, top_k 2: all stay
+    top_k = torch.tensor([k if k else FILTER_VOCAB for k, _, _ in settings])
+    top_p = torch.tensor([p for _, p, _ in settings])
+    min_p = torch.tensor([m for _, _, m in settings])
+    return settings, logits, top_k, top_p, min_p
+
+
+def kept_ids(row):
+    return torch.isfinite(row).nonzero().flatten().tolist()
+
+
+def test_top_k_and_top_p_keep_what_transformers_warpers_keep(impl):
+    transformers = pytest.importorskip("transformers")
+    settings, logits, top_k, top_p, _ = filter_cases()
+    # Each rule alone first (so a failure names it), then both.
+    rules = [("top_p alone", torch.full_like(top_k, FILTER_VOCAB), top_p,
+              "top_p keeps, from the most likely down, each token while the probability mass strictly before "
+              "it is below top_p (the most likely token always; top_p = 1 keeps every token)"),
+             ("top_k alone", top_k, torch.ones_like(top_p),
+              "top_k keeps every token whose logit is >= the row's k-th highest, ties with the k-th included "
+              "(a top_k >= V is off)"),
+             ("top_k then top_p", top_k, top_p,
+              "top_p is measured on the distribution that top_k left, renormalised")]
+    for what, ks, ps, rule in rules:
+        start = logits.clone()
+        got = impl.sampling.apply_top_k_top_p(start, ks, ps)
+        assert got is start, "apply_top_k_top_p works in place and returns the tensor it was given"
+        for row in range(len(settings)):
+            want = logits[row:row + 1].clone()
+            if ks[row] < FILTER_VOCAB:
+                want = transformers.TopKLogitsWarper(int(ks[row]))(None, want)
+            if ps[row] < 1:
+                want = transformers.TopPLogitsWarper(float(ps[row]))(None, want)
+            kept, expected = torch.isfinite(got[row]), torch.isfinite(want[0])
+            assert torch.equal(kept, expected), (
+                f"apply_top_k_top_p, {what}, row {row} (top_k={int(ks[row])}, top_p={float(ps[row])}): {rule}; "
+                f"kept {kept_ids(got[row])}, transformers keeps {kept_ids(want[0])}")
+            assert torch.equal(got[row][kept], logits[row][kept]), (
+                f"apply_top_k_top_p, {what}, row {row}: surviving logits keep their values")
+
+
+def test_min_p_keeps_what_transformers_warper_keeps(impl):
+    transformers = pytest.importorskip("transformers")
+    settings, logits, _, _, min_p = filter_cases()
+    logits[4, :20] = float("-inf")                   # tokens an earlier filter removed have probability 0
+    start = logits.clone()
+    got = impl.sampling.apply_min_p(start, min_p)
+    assert got is start, "apply_min_p works in place and returns the tensor it was given"
+    for row in range(len(settings)):
+        want = logits[row:row + 1] if min_p[row] == 0 else \
+            transformers.MinPLogitsWarper(float(min_p[row]))(None, logits[row:row + 1].clone())
+        kept, expected = torch.isfinite(got[row]), torch.isfinite(want[0])
+        assert torch.equal(kept, expected), (
+            f"apply_min_p, row {row} (min_p={float(min_p[row])}): a token survives when its probability (softmax "
+            f"of the row as given) is at least min_p times the most likely token's (min_p = 0 is off, min_p = 1 "
+            f"keeps the tokens tied at the top); kept {kept_ids(got[row])}, transformers keeps {kept_ids(want[0])}")
+        assert torch.equal(got[row][kept], logits[row][kept]), (
+            f"apply_min_p, row {row}: surviving logits keep their values")
+
+
+def test_filters_in_float64_at_the_edges(impl):
+    """float64 rows, as `sample` and Chapter 37's verifier use them: a top_p below float32's
+    smallest normal number keeps exactly one token, min_p = 1 the top one."""
+    logits = (torch.randn(4, 300, generator=torch.Generator().manual_seed(6)) * 30).double()
+    top = logits.argmax(dim=-1).tolist()
+    got = impl.sampling.apply_top_k_top_p(logits.clone(), torch.full((4,), 300), torch.full((4,), 1e-39,
+                                                                                              dtype=torch.float64))
+    assert got.dtype == torch.float64, "apply_top_k_top_p keeps the logits' dtype"
+    assert [kept_ids(row) for row in got] == [[t] for t in top], (
+        "top_p = 1e-39 keeps exactly the most likely token of each row (the mass before it is 0 < top_p)")
+    got = impl.sampling.apply_min_p(logits.clone(), torch.ones(4, dtype=torch.float64))
+    assert [kept_ids(row) for row in got] == [[t] for t in top], "min_p = 1 keeps only the most likely token"
+
+
+class CountOps(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_filters_cost_a_fixed_number_of_operations(impl):
+    """The engine filters a whole step at once: the number of tensor operations may not grow
+    with the number of rows (no Python loop over rows)."""
+    counts = {}
+    for rows in (2, 40):
+        logits = torch.randn(rows, FILTER_VOCAB, generator=torch.Generator().manual_seed(rows))
+        calls = {"apply_top_k_top_p": (torch.full((rows,), 5), torch.full((rows,), 0.7)),
+                 "apply_min_p": (torch.full((rows,), 0.1),)}
+        for name, per_row in calls.items():
+            with CountOps() as mode:
+                getattr(impl.sampling, name)(logits.clone(), *per_row)
+            counts[name, rows] = mode.calls
+    for name in ("apply_top_k_top_p", "apply_min_p"):
+        assert counts[name, 40] == counts[name, 2], (
+            f"{name} ran {counts[name, 2]} tensor operations on 2 rows and {counts[name, 40]} on 40: it must filter "
+            f"every row with the same few operations on the whole [R, V] matrix")
 
 
 class ScriptedModel(nn.Module):

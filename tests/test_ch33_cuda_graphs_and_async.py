@@ -331,6 +331,61 @@ def test_settle_token_twice_is_an_error(serve, overlap):
     assert request.token_ids == [1, 2, 3, 10], "a refused settle changes nothing"
 
 
+class DeviceOnlyTokens(torch.Tensor):
+    """A step's sampled tokens that refuse every read on the host: prepare must copy them
+    on the device (index them, copy them into the batch), never turn them into numbers."""
+    HOST_READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy,
+                  torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.__float__,
+                  torch.Tensor.__iter__, torch.Tensor.__repr__, torch.Tensor.__format__}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.HOST_READS:
+            raise AssertionError(f"prepare read the step in flight's tokens on the host ({func.__name__}): with "
+                                 f"asynchronous scheduling they are still being computed, and reading them waits "
+                                 f"for the device")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class StepInFlight:
+    def __init__(self, tokens, row_of):
+        self.tokens, self.row_of = tokens, row_of
+
+
+def requests_with_placeholders(serve):
+    """a and c decode with their newest token a placeholder; b prefills 6 prompt tokens."""
+    a = placeholder_request(serve, [11], 1)
+    a.request_id = "a"
+    a.num_computed_tokens = 4
+    b = serve.request.Request("b", [40, 41, 42, 43, 44, 45])
+    c = placeholder_request(serve, [12, 13], 1)
+    c.request_id = "c"
+    c.num_computed_tokens = 5
+    return [(a, 1), (b, 6), (c, 1)], {"a": [0], "b": [1], "c": [2]}
+
+
+def test_prepare_fills_placeholder_inputs_from_the_step_in_flight_on_the_device(serve, tiny_model):
+    runner = serve.runner.ModelRunner(tiny_model, num_blocks=8, block_size=BLOCK)
+    scheduled, tables = requests_with_placeholders(serve)
+    tokens = torch.tensor([70, 71, 72], device=runner.device).as_subclass(DeviceOnlyTokens)
+    batch = runner.prepare(scheduled, tables, previous=StepInFlight(tokens, {"c": 0, "x": 1, "a": 2}))
+    got = torch.Tensor.tolist(batch.input_ids.as_subclass(torch.Tensor))
+    assert got == [72, 40, 41, 42, 43, 44, 45, 70], (
+        f"input_ids {got}: each placeholder input takes previous.tokens[previous.row_of[its request]] "
+        f"(a -> row 2 = 72, c -> row 0 = 70) and every other row keeps its known token")
+    assert batch.input_ids.device == runner.device and batch.meta.slot_mapping.device == runner.device
+    assert batch.positions.tolist() == [4, 0, 1, 2, 3, 4, 5, 5], "the placeholder rows keep their positions"
+
+
+def test_prepare_refuses_a_placeholder_nothing_fills(serve, tiny_model):
+    runner = serve.runner.ModelRunner(tiny_model, num_blocks=8, block_size=BLOCK)
+    scheduled, tables = requests_with_placeholders(serve)
+    with pytest.raises(RuntimeError, match="'a'.*placeholder"):
+        runner.prepare(scheduled, tables)
+    with pytest.raises(RuntimeError, match="'c'.*placeholder"):
+        runner.prepare(scheduled, tables, previous=StepInFlight(torch.tensor([70, 71, 72]), {"a": 2}))
+
+
 ASYNC_CONFIGS = {
     "ample pool": dict(num_blocks=64),
     "12 blocks, recompute": dict(num_blocks=12, preemption_mode="recompute"),

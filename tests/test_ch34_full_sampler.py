@@ -1,5 +1,6 @@
 """Chapter 34 milestone: the full sampler (penalties, bias, allowed and bad tokens,
-min_tokens, top-k/top-p/min-p, per-request seeds, logprobs and prompt logprobs).
+min_tokens, per-request top-k/top-p/min-p through Chapter 8's filters, per-request seeds,
+logprobs and prompt logprobs).
 
 Oracles: float64 formulas written here; transformers' logits processors where their
 semantics equal vLLM's (RepetitionPenaltyLogitsProcessor, NoBadWordsLogitsProcessor,
@@ -86,7 +87,10 @@ def test_penalties_match_vllm_formulas_and_transformers(serve, sampler):
     assert torch.allclose(only_repetition, hf, atol=1e-6), "repetition penalty differs from transformers'"
 
 
-def test_top_k_top_p_min_p_match_transformers_warpers(serve, sampler):
+def test_filter_top_k_top_p_after_min_p_matches_transformers_warpers(impl, sampler):
+    """The full sampler's chain in vLLM's order, min_p -> top_k -> top_p, through
+    filter_top_k_top_p (candidates from one topk where top_k bounds a row, the whole row
+    otherwise). Chapter 8's milestone checks each filter alone."""
     transformers = pytest.importorskip("transformers")
     gen = torch.Generator().manual_seed(1)
     settings = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.8, 0.0), (7, 0.6, 0.0), (0, 1.0, 0.1), (10, 0.9, 0.05),
@@ -95,36 +99,24 @@ def test_top_k_top_p_min_p_match_transformers_warpers(serve, sampler):
     logits[1, [3, 9, 20]] = logits[1].max() - 0.5          # ties at the 2nd-4th place, top_k 5
     logits[8, [1, 2, 30, 40, 50, 60]] = logits[8].max() + 1    # six tokens tied at the top, top_k 3: all stay
     logits[9, [4, 5, 6]] = logits[9].max() + 1               # a tie across the k-th place, top_k 2: all stay
-    top_k = torch.tensor([k if k else 64 for k, _, _ in settings])
-    top_p = torch.tensor([p for _, p, _ in settings])
+    top_k = [k if k else 64 for k, _, _ in settings]
     min_p = torch.tensor([m for _, _, m in settings])
-    # Each rule alone first (so a failure names it), then the chain in vLLM's order.
-    rules = [("top_p alone", torch.full_like(top_k, 64), top_p, False,
-              "top_p keeps, from the most likely down, each token while the probability mass strictly before "
-              "it is below top_p (top_p = 1 keeps every token)"),
-             ("top_k alone", top_k, torch.ones_like(top_p), False,
-              "top_k keeps every token whose logit is >= the row's k-th highest, ties with the k-th included"),
-             ("min_p, top_k, top_p", top_k, top_p, True,
-              "top_p is measured on the distribution that top_k (and min_p) left, renormalised")]
-    for what, ks, ps, with_min_p, rule in rules:
-        start = sampler.apply_min_p(logits.clone(), min_p) if with_min_p else logits.clone()
-        got = sampler.apply_top_k_top_p(start, ks, ps)
-        for row, (k, p, m) in enumerate(settings):
-            want = logits[row:row + 1].clone()
-            if with_min_p and m:
-                want = transformers.MinPLogitsWarper(m)(None, want)
-            if ks[row] < 64:
-                want = transformers.TopKLogitsWarper(k)(None, want)
-            if ps[row] < 1:
-                want = transformers.TopPLogitsWarper(p)(None, want)
-            kept, expected = torch.isfinite(got[row]), torch.isfinite(want[0])
-            assert torch.equal(kept, expected), f"{what}, row {row} (top_k={int(ks[row])}, top_p={float(ps[row])}): " \
-                f"{rule}; kept {kept.nonzero().flatten().tolist()}, transformers keeps " \
-                f"{expected.nonzero().flatten().tolist()}"
-            assert torch.equal(got[row][kept], logits[row][kept]), "surviving logits must be unchanged"
-    # The full sampler's way: candidates from one topk where top_k bounds a row, the whole row otherwise.
-    fast = sampler.filter_top_k_top_p(sampler.apply_min_p(logits.clone(), min_p), top_k.tolist(), top_p.tolist())
-    assert torch.equal(fast, got), "filter_top_k_top_p must keep exactly what apply_top_k_top_p keeps"
+    got = sampler.filter_top_k_top_p(impl.sampling.apply_min_p(logits.clone(), min_p), top_k,
+                                     [p for _, p, _ in settings])
+    for row, (k, p, m) in enumerate(settings):
+        want = logits[row:row + 1].clone()
+        if m:
+            want = transformers.MinPLogitsWarper(m)(None, want)
+        if top_k[row] < 64:
+            want = transformers.TopKLogitsWarper(k)(None, want)
+        if p < 1:
+            want = transformers.TopPLogitsWarper(p)(None, want)
+        kept, expected = torch.isfinite(got[row]), torch.isfinite(want[0])
+        assert torch.equal(kept, expected), (
+            f"row {row} (top_k={k}, top_p={p}, min_p={m}): min_p, then top_k, then top_p on what min_p and top_k "
+            f"left, renormalised; kept {kept.nonzero().flatten().tolist()}, transformers keeps "
+            f"{expected.nonzero().flatten().tolist()}")
+        assert torch.equal(got[row][kept], logits[row][kept]), "surviving logits must be unchanged"
 
 
 def test_typical_p_matches_transformers_warper(serve, sampler):

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..serve.backends import KVCache
     from ..serve.batch import Batch, BatchMeta
     from ..serve.config import EngineConfig
-    from ..serve.interfaces import AttentionBackend
+    from ..serve.interfaces import AttentionBackend, StepInFlight
     from ..serve.request import Request
 
 
@@ -132,8 +132,10 @@ class PipelineRunner(ModelRunner):
         self.pieces: list[Batch] = []
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
-                pad_to: int | None = None, device: torch.device | str | None = None) -> Batch:
-        batch = super().prepare(scheduled, block_tables, pad_to, device)
+                pad_to: int | None = None, previous: StepInFlight | None = None) -> Batch:
+        if previous is not None:      # the micro-batches are built from the requests' token lists
+            raise ValueError("a pipeline stage runs synchronously: turn async_scheduling off")
+        batch = super().prepare(scheduled, block_tables, pad_to)
         self.pieces = [build_batch(part, block_tables, self.block_size, self.device)
                        for part in split_micro_batches(scheduled, self.micro_batches)]
         return batch

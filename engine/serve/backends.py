@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import causal_attention
+from ..devices import to_device
 from ..kv_quant import FORMATS, quantize_kv
 from .interfaces import AttentionBackend
 
@@ -252,14 +253,11 @@ class VectorisedBackend(ReferenceBackend):
 
 def upload_indices(parts: Sequence[Sequence[int]], device: torch.device | str) -> list[torch.Tensor]:
     """Several int64 index lists made on the host, on `device` after ONE copy: one host
-    tensor, pinned and copied without blocking on CUDA, then split on the device (views).
+    tensor, moved by devices.to_device (pinned, without blocking, on CUDA), then split on
+    the device (views).
     Made one by one with torch.tensor(..., device="cuda"), each small tensor would be its
     own blocking copy, a hidden wait for the device in every step."""
-    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
+    flat = to_device(torch.tensor([x for part in parts for x in part], dtype=torch.int64), device)
     return list(flat.split([len(part) for part in parts]))
 
 

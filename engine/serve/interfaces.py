@@ -160,6 +160,21 @@ class UpdateHooks(Protocol):
     def after_update(self, plan: SchedulerOutput, advanced: list[tuple[Request, list[int]]]) -> None: ...
 
 
+class StepInFlight(Protocol):
+    """The asynchronous engine's launched step as ModelRunner.prepare reads it (Chapter 33;
+    serve.overlap.InflightStep is one): the next step's placeholder inputs are its tokens.
+
+    tokens: int64 [rows] on the runner's device, the step's sampled tokens, never read on
+    the host by prepare (None: not sampled yet); row_of: request id -> its row in tokens.
+    """
+
+    @property
+    def tokens(self) -> torch.Tensor | None: ...
+
+    @property
+    def row_of(self) -> Mapping[str, int]: ...
+
+
 @dataclass(frozen=True)
 class DrafterContext:
     """What a drafter learns of the engine it is built into, once (Drafter.bind).
@@ -273,4 +288,4 @@ class ModelCapabilities:
 
 
 __all__ = ["AttentionBackend", "TokenSampler", "Guide", "StopRule", "SampledTokens", "UpdateHooks",
-           "DrafterContext", "Drafter", "PagedAttention", "WindowedAttention", "ModelCapabilities"]
+           "StepInFlight", "DrafterContext", "Drafter", "PagedAttention", "WindowedAttention", "ModelCapabilities"]

@@ -2,22 +2,23 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..devices import pinned
-from .backends import get_backend, raw_bytes
+from ..devices import pinned, to_device
+from .backends import get_backend, raw_bytes, upload_indices
 from .batch import build_batch
 from .flat_model import FlatModel
+from .request import PLACEHOLDER, Request
 
 if TYPE_CHECKING:
     from ..qwen3 import Qwen3ForCausalLM
     from .backends import KVCache
     from .batch import Batch
     from .graphs import GraphRunner
-    from .interfaces import AttentionBackend
-    from .request import Request
+    from .interfaces import AttentionBackend, StepInFlight
 
 
 def distinct_pools(layer: KVCache) -> list[torch.Tensor]:
@@ -51,7 +52,6 @@ def profile_num_blocks(flat: FlatModel, backend: AttentionBackend, block_size: i
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"profile_num_blocks measures CUDA memory; on {device} give num_blocks or kv_cache_bytes")
-    from .request import Request
     layers, kv_heads, head_dim = flat.kv_spec()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -70,6 +70,40 @@ def profile_num_blocks(flat: FlatModel, backend: AttentionBackend, block_size: i
     del probe, hidden
     # The probe pool is counted in the peak but is not activation memory: give it back.
     return max(0, int((total * utilization - (peak - probe_bytes)) // per_block))
+
+
+def placeholder_sources(batch: Batch, scheduled: list[tuple[Request, int]], previous: StepInFlight | None
+                        ) -> tuple[list[int], list[int]]:
+    """The rows of `batch` whose input is a PLACEHOLDER, and for each the row of
+    previous.tokens that holds its value (asynchronous scheduling, Chapter 33). Only a
+    request with placeholders (num_placeholders > 0) is looked at. RuntimeError, naming the
+    request, when previous is None, has no row for it, or has no tokens yet."""
+    rows: list[int] = []
+    sources: list[int] = []
+    for (request, n), start in zip(scheduled, batch.meta.query_start_loc_cpu):
+        if not request.num_placeholders:
+            continue
+        computed = request.num_computed_tokens
+        for offset, token in enumerate(request.token_ids[computed:computed + n]):
+            if token != PLACEHOLDER:
+                continue
+            if previous is None or request.request_id not in previous.row_of or previous.tokens is None:
+                raise RuntimeError(f"request {request.request_id!r}: its input at position {computed + offset} is a "
+                                   f"placeholder, and no step in flight holds its sampled token")
+            rows.append(start + offset)
+            sources.append(previous.row_of[request.request_id])
+    return rows, sources
+
+
+def upload(batch: Batch, device: torch.device) -> Batch:
+    """A batch built in host memory, on `device`: each tensor moved by devices.to_device,
+    so the host does not wait for the work already queued there."""
+    meta = replace(batch.meta, query_start_loc=to_device(batch.meta.query_start_loc, device),
+                   seq_lens=to_device(batch.meta.seq_lens, device),
+                   block_table=to_device(batch.meta.block_table, device),
+                   slot_mapping=to_device(batch.meta.slot_mapping, device))
+    return replace(batch, input_ids=to_device(batch.input_ids, device), positions=to_device(batch.positions, device),
+                   meta=meta, logits_indices=to_device(batch.logits_indices, device))
 
 
 class ModelRunner:
@@ -132,13 +166,27 @@ class ModelRunner:
                 raw_bytes(tensor).index_copy_(0, index.to(tensor.device), host.to(tensor.device, non_blocking=True))
 
     def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]],
-                pad_to: int | None = None, device: torch.device | str | None = None) -> Batch:
-        """The step's Batch; decode steps are padded to a graph bucket when graphs are on.
-        device: where its tensors live (default the runner's); the asynchronous engine
-        (Chapter 33) builds it in host memory, fills the placeholder tokens and uploads it."""
+                pad_to: int | None = None, previous: StepInFlight | None = None) -> Batch:
+        """The step's Batch on the runner's device; decode steps are padded to a graph bucket
+        when graphs are on.
+
+        previous: with asynchronous scheduling (Chapter 33), the step in flight. An input of
+        this step may then be a PLACEHOLDER whose value exists only in previous.tokens, on
+        the device: the batch is built in host memory, moved without making the host wait
+        for the device (devices.to_device), and each placeholder row is filled there, on the
+        device, from previous.tokens; nothing is read back. RuntimeError, naming the
+        request, for a placeholder input that previous cannot fill."""
         if pad_to is None and self.graphs is not None:
             pad_to = self.graphs.pad_size(scheduled)
-        batch = build_batch(scheduled, block_tables, self.block_size, device or self.device, pad_to)
+        if previous is None:
+            batch = build_batch(scheduled, block_tables, self.block_size, self.device, pad_to)
+        else:
+            batch = upload(build_batch(scheduled, block_tables, self.block_size, "cpu", pad_to), self.device)
+        rows, sources = placeholder_sources(batch, scheduled, previous)
+        if rows:
+            assert previous is not None and previous.tokens is not None     # else placeholder_sources raised
+            rows_at, sources_at = upload_indices([rows, sources], self.device)
+            batch.input_ids.index_copy_(0, rows_at, previous.tokens.index_select(0, sources_at))
         return self.add_step_inputs(batch, scheduled)
 
     def add_step_inputs(self, batch: Batch, scheduled: list[tuple[Request, int]]) -> Batch:

@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from ..sampling import apply_min_p, apply_top_k_top_p
 from ..speculative import accept_greedy, accept_sampled
 from .batch import build_batch
 from .blocks import BlockManager
 from .interfaces import DrafterContext, SampledTokens, StopRule
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner
-from .sampler import apply_min_p, apply_top_k_top_p
 from .update import StepUpdate
 
 if TYPE_CHECKING:

@@ -9,10 +9,12 @@ in another order; each call of `AsyncStepper.step` does:
     1. schedule step t+1 (EngineCore.schedule); a request whose token from step t is not
        read back yet holds a PLACEHOLDER in its token list (num_placeholders counts them),
        so the scheduler sees the right lengths and gives it its next decode;
-    2. build step t+1's batch on the host, and hand its device part to the device queue,
-       behind step t: swaps and forward (EngineCore.execute_model), with each placeholder
-       input filled from step t's sampled tokens on the device; with Chapter 31's
-       SimpleSampler, the sampling too (`sample_on_device`): the device never waits;
+    2. prepare step t+1's batch with step t as `previous` (ModelRunner.prepare builds it
+       in host memory, moves it without waiting for the device, and fills each placeholder
+       input from step t's sampled tokens on the device, never read back), and hand its
+       device part to the device queue, behind step t: swaps and forward
+       (EngineCore.execute_model); with Chapter 31's SimpleSampler, the sampling too
+       (`sample_on_device`): the device never waits;
     3. only now wait for step t's tokens and hand them to EngineCore.update, whose hooks
        this stepper extends: each token is written over its placeholder, the stop rule
        applies to it, and the outputs are made there, as for a synchronous step;
@@ -34,7 +36,12 @@ The device queue keeps the device part of each step in order:
     "cuda"    runs it on the host thread, which only enqueues kernels on the current stream,
               and copies the sampled tokens to pinned host memory behind an event;
     "thread"  one worker thread runs the steps one after another (CPU: real overlap when
-              the forward pass releases the GIL, as torch's kernels do);
+              the forward pass releases the GIL, as torch's kernels do). Step t's tokens
+              exist only once the worker has run it, and prepare fills step t+1's
+              placeholder inputs from them, so the host waits for step t's device part
+              after scheduling step t+1 and before preparing its batch (wait_for_tokens):
+              step t's forward overlaps the scheduling of step t+1 and the update of step
+              t-1, not the building of step t+1's batch;
     "inline"  runs it at once (CPU default): the same code path, no overlap.
 """
 from __future__ import annotations
@@ -47,6 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..devices import to_device
 from ..sampling import sample
 from .interfaces import SampledTokens, StopRule
 from .request import PLACEHOLDER, Request, RequestOutput, Status
@@ -63,7 +71,8 @@ QUEUE_MODES = ("cuda", "thread", "inline")
 
 @dataclass
 class InflightStep:
-    """A launched step whose tokens the host has not read yet (AsyncStepper.inflight).
+    """A launched step whose tokens the host has not read yet (AsyncStepper.inflight); the
+    next step's ModelRunner.prepare reads it as its `previous` (interfaces.StepInFlight).
 
     plan: its SchedulerOutput; batch: its Batch on the device (None: swaps only);
     sampling: the requests with a sampled row, in row order; row_of: request id -> its row
@@ -185,27 +194,10 @@ def sample_on_device(logits: torch.Tensor, requests: list[Request], generators: 
     return tokens
 
 
-def move(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait: on CUDA through pinned memory
-    (a copy from pageable memory waits for every kernel already queued: no overlap left)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def upload(batch: Batch, device: torch.device) -> Batch:
-    """A batch built on the host, moved to `device` with `move`."""
-    meta = replace(batch.meta, query_start_loc=move(batch.meta.query_start_loc, device),
-                   seq_lens=move(batch.meta.seq_lens, device), block_table=move(batch.meta.block_table, device),
-                   slot_mapping=move(batch.meta.slot_mapping, device))
-    return replace(batch, input_ids=move(batch.input_ids, device), positions=move(batch.positions, device), meta=meta,
-                   logits_indices=move(batch.logits_indices, device))
-
-
 class AsyncStepper(StepUpdate):
     """EngineCore.step when EngineConfig.async_scheduling is on (see the module docstring).
 
-    It calls the engine's own parts (schedule, execute_model, sample_tokens,
+    It calls the engine's own parts (schedule, runner.prepare, execute_model, sample_tokens,
     record_prompt_logprobs, update) and owns only what is its own: the step in flight, the
     placeholders, the device queue. It extends Chapter 31's update through its hooks: rows
     are counted when a step is launched (advance does nothing when its tokens arrive), a
@@ -228,6 +220,11 @@ class AsyncStepper(StepUpdate):
         engine = self.engine
         started = time.perf_counter()
         plan = engine.schedule()
+        self.host_seconds += time.perf_counter() - started
+        previous = self.inflight
+        if previous is not None and previous.tokens is None and any(r.num_placeholders for r, _ in plan.scheduled):
+            self.wait_for_tokens(previous)
+        started = time.perf_counter()
         launched = self.launch(plan) if plan.scheduled or plan.swap_out or plan.swap_in else None
         self.host_seconds += time.perf_counter() - started
         outputs = self.settle(self.inflight) if self.inflight is not None else []
@@ -239,28 +236,22 @@ class AsyncStepper(StepUpdate):
             self.inflight = launched
         return outputs
 
+    def wait_for_tokens(self, step: InflightStep) -> None:
+        """The thread queue's price: the step in flight's tokens are made on the worker
+        thread, and the next batch's placeholder inputs are filled from them when it is
+        prepared, so the host waits for that step's device part first (counted as waiting)."""
+        waited = time.perf_counter()
+        self.queue.ran(step)
+        self.wait_seconds += time.perf_counter() - waited
+
     def launch(self, plan: SchedulerOutput) -> InflightStep:
-        """Build the plan's batch on the host and queue its device part behind the step in
-        flight: swaps and forward (EngineCore.execute_model), placeholder inputs filled
-        from the step in flight's tokens, and with SimpleSampler the sampling too."""
+        """Prepare the plan's batch (ModelRunner.prepare fills its placeholder inputs from the
+        step in flight's tokens, on the device) and queue its device part behind the step in
+        flight: swaps and forward (EngineCore.execute_model), and with SimpleSampler the
+        sampling too."""
         engine, runner = self.engine, self.engine.runner
-        previous = self.inflight
         scheduled = plan.scheduled
-        batch = None
-        fill_rows: list[int] = []          # rows whose input is a placeholder
-        fill_from: list[int] = []          # ... and the row of `previous.tokens` that holds its value
-        if scheduled:
-            batch = runner.prepare(scheduled, plan.block_tables, device="cpu")
-            for (request, n), start in zip(scheduled, batch.meta.query_start_loc_cpu):
-                for offset in range(n):
-                    if request.token_ids[request.num_computed_tokens + offset] == PLACEHOLDER:
-                        if previous is None or request.request_id not in previous.row_of:
-                            raise RuntimeError(f"request {request.request_id!r}: a placeholder input with no "
-                                               f"step in flight to fill it")
-                        fill_rows.append(start + offset)
-                        fill_from.append(previous.row_of[request.request_id])
-            batch = upload(batch, runner.device)
-        fill_index = [move(torch.tensor(x, dtype=torch.int64), runner.device) for x in (fill_rows, fill_from)]
+        batch = runner.prepare(scheduled, plan.block_tables, previous=self.inflight) if scheduled else None
         counts = batch.sample_counts if batch is not None else []
         sampling = [r for (r, _), k in zip(scheduled, counts) if k]
         step = InflightStep(plan, batch, sampling, {r.request_id: i for i, r in enumerate(sampling)})
@@ -271,9 +262,6 @@ class AsyncStepper(StepUpdate):
         device_sampler = self.device_sampler
 
         def device_part() -> torch.Tensor | None:
-            if batch is not None and fill_rows:
-                assert previous is not None and previous.tokens is not None
-                batch.input_ids[fill_index[0]] = previous.tokens[fill_index[1]]
             step.output = engine.execute_model(plan, batch)
             if step.output is None or device_sampler is None:
                 return None
@@ -293,7 +281,7 @@ class AsyncStepper(StepUpdate):
         step.sampled = self.engine.sample_tokens(step.plan, step.batch, step.output.logits)
         chosen = [step.sampled.tokens[r.request_id][0] if r.request_id in step.sampled.tokens else 0
                   for r in step.sampling]
-        step.tokens = move(torch.tensor(chosen, dtype=torch.int64), step.output.logits.device)
+        step.tokens = to_device(torch.tensor(chosen, dtype=torch.int64), self.engine.runner.device)
 
     def count_launched(self, step: InflightStep) -> None:
         """Advance the launched step's requests as if their tokens were known: their rows

@@ -10,7 +10,8 @@ one list of new token ids per request; `logprobs` is None or one entry per reque
 
 Chapter 31's SimpleSampler loops over rows. Chapter 34's Sampler treats the step as one
 [R, vocab] matrix: every per-request parameter becomes a column of numbers ([R] tensors),
-and each rule is a handful of tensor operations on the whole matrix, in vLLM's order:
+and each rule is a handful of tensor operations on the whole matrix (min_p, top_k and top_p
+are Chapter 8's filters, sampling.apply_min_p and apply_top_k_top_p), in vLLM's order:
 
     guide mask -> allowed_token_ids -> bad words -> min_tokens -> logit_bias -> penalties
     -> (greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> typical_p -> draw
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import sample
+from ..sampling import apply_min_p, apply_top_k_top_p, sample
 from .request import Request, SamplingParams
 
 
@@ -121,41 +122,6 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     logits -= frequency.unsqueeze(1) * output_counts.to(logits.dtype)
     logits -= presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
     return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Forbid (-inf) tokens whose probability is below min_p times the row's most likely
-    token's, in place; min_p [R] (0 = off). Returns `logits`."""
-    probs = torch.softmax(logits, dim=-1)
-    floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill_(probs < floor, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep, in every row, only its top_k highest logits and then the smallest set of its
-    most likely tokens whose probability reaches top_p; the rest become -inf, in place.  (Your engine: Chapter 34)
-
-    logits [R, V] float32, or float64 for Chapter 37's warped_probs (already divided by
-    the temperature); top_k [R] int64, where a value >= V means "off" (callers pass V for
-    top_k = 0); top_p [R] in (0, 1], logits' dtype (1 = off). Returns `logits`.
-    - top_k first: a token survives when its logit is >= the row's k-th highest logit
-      (tokens tied with the k-th all survive, like transformers' TopKLogitsWarper);
-    - top_p on the distribution that top_k left: sorted from most to least likely, a
-      token survives when the probability mass strictly before it is < top_p (so the
-      most likely token always survives, and top_p = 1 keeps every finite logit).
-    Surviving logits keep their values. Cost: a fixed number of tensor operations whatever
-    R is (no Python loop over rows).
-    """
-    ordered, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    kth = ordered.gather(1, (top_k.clamp(1, vocab) - 1).unsqueeze(1))
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= top_p.unsqueeze(1)
-    drop[:, 0] = False
-    ordered = ordered.masked_fill(drop, float("-inf"))
-    return logits.scatter_(1, order, ordered)
 
 
 def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:

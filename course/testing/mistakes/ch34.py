@@ -1,9 +1,9 @@
-"""Chapter 34: the full sampler's penalties, top-k/top-p filter and log-probabilities."""
+"""Chapter 34: the full sampler's penalties and log-probabilities (its top-k/top-p/min-p filters are
+Chapter 8's: course/testing/mistakes/ch08.py)."""
 from . import Mistake
 
 MILESTONE = "tests/test_ch34_full_sampler.py"
 PENALTIES = (f"{MILESTONE}::test_penalties_match_vllm_formulas_and_transformers",)
-FILTERS = (f"{MILESTONE}::test_top_k_top_p_min_p_match_transformers_warpers",)
 LOGPROBS = (f"{MILESTONE}::test_token_logprobs_rank_ties_and_top_lists",)
 
 MISTAKES = [
@@ -32,26 +32,6 @@ MISTAKES = [
             after="presence.unsqueeze(1) * output_counts.to(logits.dtype)",
             rule="the presence penalty is subtracted once per token, whatever its count",
             expect="whatever its count", tests=PENALTIES),
-    Mistake("serve/sampler.py", "apply_top_k_top_p",
-            before="(top_k.clamp(1, vocab) - 1)",
-            after="top_k.clamp(1, vocab - 1)",
-            rule="top_k keeps the k highest logits: the threshold is the k-th, not the (k+1)-th",
-            expect="top_k keeps every token whose logit is >= the row's k-th highest", tests=FILTERS),
-    Mistake("serve/sampler.py", "apply_top_k_top_p",
-            before="mass_before = probs.cumsum(dim=-1) - probs",
-            after="mass_before = probs.cumsum(dim=-1)",
-            rule="top_p keeps the token that crosses top_p: it looks at the mass strictly before a token",
-            expect="mass strictly before", tests=FILTERS),
-    Mistake("serve/sampler.py", "apply_top_k_top_p",
-            before="probs = torch.softmax(ordered, dim=-1)",
-            after="probs = torch.softmax(logits.sort(dim=-1, descending=True).values, dim=-1)",
-            rule="top_p is measured on the distribution that top_k left, renormalised",
-            expect="distribution that top_k", tests=FILTERS),
-    Mistake("serve/sampler.py", "apply_top_k_top_p",
-            before="ordered = ordered.masked_fill(ordered < kth, float(\"-inf\"))",
-            after="ordered = ordered.masked_fill(torch.arange(vocab) >= top_k.unsqueeze(1), float(\"-inf\"))",
-            rule="top_k keeps every token tied with the k-th highest logit, not exactly k of them",
-            expect="ties with the k-th included", tests=FILTERS),
     Mistake("serve/sampler.py", "token_logprobs",
             before="ranks = (logprobs > chosen).sum(dim=-1) + 1",
             after="ranks = (logprobs >= chosen).sum(dim=-1)",
