@@ -134,10 +134,19 @@ DECIDES = {
         "extreme temperatures and thresholds, greedy below the threshold) and draw from it with "
         "exactly one seeded multinomial in vocabulary order"
     ),
+    "apply_top_k_top_p": (
+        "how to find every row's k-th largest logit and its smallest top-p set at once, without a "
+        "loop over rows, with settings that differ per row or are off, and what happens to ties "
+        "at the threshold"
+    ),
+    "apply_min_p": (
+        "how to state a per-row floor relative to the row's most likely token as one masked "
+        "operation, leaving rows with min_p 0 untouched"
+    ),
     "generate_recompute": (
         "what the model is fed at each step (the whole sequence so far), which position's "
         "logits choose the next token, and which of the stopping rules (length, stop tokens, "
         "context limit) ends the loop"
     ),
 }
-DESIGN = ("sample",)
+DESIGN = ("apply_top_k_top_p", "sample")
