@@ -112,32 +112,26 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: truncated or corrupt header ({exc})") from None
 
     def _read_tables(self, buffer: memoryview) -> None:
-        """Header, metadata and tensor table; sets version, metadata, alignment, data_start, tensors."""
-        self.version, tensor_count, kv_count = struct.unpack_from("<IQQ", buffer, 4)
-        if self.version not in (2, 3):
-            raise GGUFError(f"{self.path}: GGUF version {self.version}; this reader knows versions 2 and 3")
-        offset = 24
-        self.metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key, offset = read_value(buffer, offset, STRING)
-            (value_type,) = struct.unpack_from("<I", buffer, offset)
-            self.metadata[key], offset = read_value(buffer, offset + 4, value_type)
-        infos = []
-        for _ in range(tensor_count):
-            name, offset = read_value(buffer, offset, STRING)
-            (n_dims,) = struct.unpack_from("<I", buffer, offset)
-            dims = struct.unpack_from(f"<{n_dims}Q", buffer, offset + 4)
-            type_id, relative = struct.unpack_from("<IQ", buffer, offset + 4 + 8 * n_dims)
-            offset += 4 + 8 * n_dims + 12
-            infos.append((name, tuple(reversed(dims)), type_id, relative))
-        self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        self.data_start = -(-offset // self.alignment) * self.alignment
-        self.tensors: dict[str, GGUFTensorInfo] = {}
-        for name, shape, type_id, relative in infos:
-            info = GGUFTensorInfo(name, shape, type_id, self.data_start + relative)
-            if type_id in TENSOR_TYPES and info.offset + info.nbytes > len(self._map):
-                raise GGUFError(f"{self.path}: tensor {name!r} runs past the end of the file")
-            self.tensors[name] = info
+        """Read the header, the metadata and the tensor table of the file in `buffer`.  (Your engine: Chapter 39)
+
+        buffer: the whole file's bytes (the map; the caller has checked the magic and turns a
+        struct.error, a count or length pointing past the end, into a GGUFError). The layout
+        is the module docstring's. Afterwards:
+          - self.version: the header's version (2 or 3; any other is a GGUFError naming it);
+          - self.metadata: {key: value} for every entry, in file order, each value as
+            read_value gives it;
+          - self.alignment: the metadata's general.alignment, else DEFAULT_ALIGNMENT;
+          - self.data_start: the first multiple of self.alignment at or after the end of
+            the tensor table;
+          - self.tensors: {name: GGUFTensorInfo} in file order, each with PyTorch's shape,
+            its ggml type id and its ABSOLUTE offset in the file.
+        Nothing of the tensor data is read. Errors: GGUFError naming the tensor and saying
+        "runs past the end" when a tensor of a type this reader knows (TENSOR_TYPES) does
+        not fit inside the file (unknown types are kept, and refused only when asked for).
+        Trap, as a property: where the data section starts, and so where every tensor is,
+        depends on an alignment that only the metadata can tell.
+        """
+        raise NotImplementedError("Your engine: Chapter 39: GGUFFile._read_tables")
 
     @property
     def architecture(self) -> str:
@@ -287,12 +281,14 @@ def undo_rope_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Reorder the output rows of a GGUF Q or K projection back to Hugging Face's layout.  (Your engine: Chapter 39)
 
     weight: [num_heads * head_dim, ...] (a dense weight [out, in], a bias [out], or GGUF
-    blocks [out, bytes]: only rows move). llama.cpp rotates ADJACENT channel pairs
-    (0, 1), (2, 3), ... of each head, while our apply_rope pairs channel c with
-    c + head_dim / 2; its converter therefore stored, within every head, row
-    2i + s of its layout = our row s * head_dim / 2 + i (s in {0, 1}). Return the
-    rows in our order, same shape and dtype. num_heads: query heads for Q, key/value
-    heads for K.
+    blocks [out, bytes]: rows move whole, nothing inside a row changes); num_heads: query
+    heads for Q, key/value heads for K. Returns the same rows in our order, same shape
+    and dtype.
+    Our apply_rope rotates channel c of a head together with channel c + head_dim / 2;
+    llama.cpp rotates ADJACENT channels, so its converter stored every head's rows with
+    the two channels of each of our rotary pairs side by side. Example, head_dim 8: a
+    head's stored rows are our rows 0, 4, 1, 5, 2, 6, 3, 7, and the result holds them as
+    0, 1, ..., 7. Each head is reordered within itself; the heads keep their order.
     """
     raise NotImplementedError("Your engine: Chapter 39: undo_rope_permutation")
 

@@ -114,21 +114,27 @@ class LatentAttention(nn.Module):
         return weight[:, :self.nope], weight[:, self.nope:]
 
     def absorbed(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs h [..., hidden] -> (queries [..., H, latent + rope], cache entries
-        [..., 1, latent + rope]), rotated with cos, sin broadcastable to [..., H, rope]."""
-        if self.cfg.q_lora_rank is None:
-            q = self.q_proj(h)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h)))
-        q = q.view(*h.shape[:-1], self.num_heads, self.nope + self.rope)
-        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        c, k_rope = self.kv_a_proj_with_mqa(h).split([self.latent, self.rope], dim=-1)
-        w_uk, _ = self.up_projections()
-        q_latent = torch.einsum("...hn,hnl->...hl", q_nope, w_uk)
-        q_rope = apply_rope(pairs_to_halves(q_rope), cos, sin)
-        k_rope = apply_rope(pairs_to_halves(k_rope).unsqueeze(-2), cos, sin)
-        entry = torch.cat([self.kv_a_layernorm(c).unsqueeze(-2), k_rope], dim=-1)
-        return torch.cat([q_latent, q_rope], dim=-1), entry
+        """Normalised rows -> absorbed queries and cache entries of latent attention.  (Your engine: Chapter 42)
+
+        h: [..., hidden] (the layer's normalised input); cos, sin: Chapter 6's rotary
+        tables of the rows' positions, broadcastable to [..., H, rope]. Returns (q, entry)
+        in h's dtype, q [..., H, latent + rope] and entry [..., 1, latent + rope], with
+        latent = kv_lora_rank, rope = qk_rope_head_dim, such that:
+          - scores: self.scale * (q of row s, head h) . (entry of row t) equals the score
+            DeepSeek-V2's attention (transformers') gives query s, head h and key t, whose
+            per-head key holds the no-rotary key W_UK c_t (self.up_projections(), c_t the
+            token's normalised latent) and the token's rotated shared rotary key;
+          - values: entry's first `latent` numbers are c_t, so attention weights applied
+            to entries, through self.output, give the module's output;
+          - entry depends on its own token alone and is the same for every head: it is
+            what the pool keeps, one per token and layer.
+        Queries come from q_proj, or from q_a_proj, q_a_layernorm and q_b_proj when
+        cfg.q_lora_rank is set. Both rotary parts keep the order pairs_to_halves gives
+        (DeepSeek rotates adjacent channel pairs; the cache never leaves this layer).
+        Trap, as a property: no per-head key or value of width nope or v_head_dim exists
+        for a cached token: the work per cached token does not grow with H.
+        """
+        raise NotImplementedError("Your engine: Chapter 42: LatentAttention.absorbed")
 
     def output(self, attended: torch.Tensor) -> torch.Tensor:
         """Attention results [..., H, latent + rope] -> [..., hidden]: keep the latent part,

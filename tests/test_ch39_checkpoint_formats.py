@@ -120,13 +120,16 @@ def test_header_metadata_and_tensor_table(impl, tmp_path):
                 f"metadata {key!r}: {got!r}, gguf package {value!r}: {METADATA_LAYOUT} (a bool is a bool)"
     assert set(ours.metadata) == set(want), f"metadata keys differ: {set(ours.metadata) ^ set(want)}"
     assert ours.version == 3
-    assert ours.data_start % 64 == 0, f"data starts at {ours.data_start}, not on the 64-byte alignment the file sets"
+    assert ours.data_start % 64 == 0, (f"GGUFFile._read_tables: data starts at {ours.data_start}, not on the 64-byte "
+                                       f"alignment the file sets (general.alignment)")
     assert list(ours.tensors) == [t.name for t in reader.tensors], "tensor table order differs"
     for t in reader.tensors:
         info = ours.tensors[t.name]
         assert info.shape == tuple(int(n) for n in reversed(t.shape)), (
             f"{t.name}: shape {info.shape}; the file lists dims fastest-first ({list(t.shape)}), ours reverses them")
-        assert info.offset == t.data_offset, f"{t.name}: data at byte {info.offset}, gguf package {t.data_offset}"
+        assert info.offset == t.data_offset, (
+            f"{t.name}: data at byte {info.offset}, gguf package {t.data_offset}: GGUFFile._read_tables: a tensor's "
+            f"offset in the table counts from the aligned start of the data section; GGUFTensorInfo.offset is absolute")
     for name, values in oracle_tensors(path).items():
         assert np.array_equal(ours.tensor(name).numpy(), values.reshape(ours.tensors[name].shape)), name
 
@@ -141,6 +144,46 @@ def test_not_a_gguf_file(impl, tmp_path):
     cut.write_bytes(whole[:120])                      # the header promises more than the file holds
     with pytest.raises(ValueError, match="cut.gguf"):
         impl.gguf.GGUFFile(cut)
+    future = tmp_path / "future.gguf"
+    future.write_bytes(whole[:4] + (4).to_bytes(4, "little") + whole[8:])
+    try:
+        impl.gguf.GGUFFile(future)
+    except ValueError as error:
+        assert "version 4" in str(error), f"a version-4 file is refused, but the message is {error}"
+    else:
+        pytest.fail("GGUFFile._read_tables: a GGUF version this reader does not know (here 4) must be refused, the "
+                    "message naming it ('version 4'); this reader knows versions 2 and 3")
+
+
+def test_the_alignment_comes_from_the_metadata(impl, tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "wide.gguf"), "test")
+    writer.add_custom_alignment(256)                  # sets general.alignment and lays the file out that way
+    for name, rows in (("a", 3), ("b", 5)):
+        writer.add_tensor(name, np.arange(rows * 32, dtype=np.float32).reshape(rows, 32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(tmp_path / "wide.gguf"))
+    ours = impl.gguf.GGUFFile(tmp_path / "wide.gguf")
+    got = {name: info.offset for name, info in ours.tensors.items()}
+    want = {t.name: int(t.data_offset) for t in reader.tensors}
+    assert got == want, (f"tensor offsets {got}, gguf package {want}: GGUFFile._read_tables: the data section starts "
+                         f"on general.alignment (256 in this file), which the metadata sets; 32 is only the default")
+
+
+def test_a_tensor_past_the_end_is_refused_on_opening(impl, tmp_path):
+    path = write_gguf(tmp_path / "whole.gguf", {"w": (np.ones((2, 32)), "Q8_0")}, METADATA[:9])
+    (tensor,) = gguf.GGUFReader(str(path)).tensors
+    short = tmp_path / "short.gguf"                   # the table is whole; the tensor's last byte is not there
+    short.write_bytes(path.read_bytes()[:tensor.data_offset + tensor.n_bytes - 1])
+    try:
+        impl.gguf.GGUFFile(short)
+    except ValueError as error:
+        assert "runs past the end" in str(error) and "'w'" in str(error), f"refused, but the message is {error}"
+    else:
+        pytest.fail("GGUFFile._read_tables: a tensor whose bytes run past the end of the file must be refused when "
+                    "the file is opened (a GGUFError naming it: 'runs past the end'), not when it is first read")
 
 
 def test_smollm2_reader_matches_gguf_package(impl, smollm2_path):

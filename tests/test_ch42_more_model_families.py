@@ -46,6 +46,10 @@ LATENT = {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None, "qk
 LATENT_RULES = ("; latent attention in the engine: this step's entry (latent and rotary key, one tensor that is "
                 "both key and value) is written to the pool before attention reads it, and the softmax scale is "
                 "self.scale, not one derived from the query's width")
+# What LatentAttention.absorbed must give, said when a latent family's logits differ from transformers'.
+ABSORBED_RULES = ("; LatentAttention.absorbed: a head's query is W_UK^T q_nope beside its rotated q_rope, a token's "
+                  "entry is its NORMALISED latent c beside its rotated k_rope, both rotary parts reordered by "
+                  "pairs_to_halves before rotation; low-rank queries go through q_a_proj, q_a_layernorm, q_b_proj")
 # family label -> (transformers config class, model class, extra config fields)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -101,7 +105,8 @@ def test_family_logits_match_transformers(impl, label, tmp_path_factory):
                           f"{worst} of 40" + (" (past the window: is the sliding window applied?)"
                                               if "mistral" in label and worst >= 6 else "")
                           + (" (does Qwen3Model.forward take its rotary tables from self.rope_tables?)"
-                             if "scaling" in label else ""))
+                             if "scaling" in label else "")
+                          + (ABSORBED_RULES if "latent" in label else ""))
 
 
 @pytest.mark.parametrize("label", list(FAMILIES))

@@ -350,3 +350,56 @@ MISTAKES = [
             rule="the MLP reads the post-attention NORMALISED stream",
             expect="dense model", tests=(f"{MILESTONE}::test_flat_model_matches_dense_forward",)),
 ]
+
+DECIDES = {
+    "write_kv":
+        "how to scatter a step's keys and values into the pool on the device, padding rows included, without the "
+        "host ever counting the real rows",
+    "ReferenceBackend.forward":
+        "how to recover each request's rows and its context from the flat batch's host lists and the block table, "
+        "and which keys each row may see",
+    "build_batch":
+        "how to lay a step's requests out as flat tensors (rows, positions, slots, which rows are sampled) and "
+        "build each tensor in one transfer",
+    "hash_block":
+        "what a block's key must cover so that equal keys mean equal whole prefixes, and why the hash must be "
+        "cryptographic and stable across processes",
+    "BlockManager.find_cached_prefix":
+        "how far a lookup may reuse cached blocks, stopping before the prompt's last token so its logits are "
+        "still computed",
+    "BlockManager.allocate_slots":
+        "how to count what an allocation needs (adopted cached-free blocks included) before changing anything, so "
+        "a refusal leaves no trace",
+    "BlockManager.cache_full_blocks":
+        "which of a request's blocks may be published now, and who keeps a key when two requests computed the "
+        "same block",
+    "BlockManager.free":
+        "what a freed block keeps (its key) and in which order blocks rejoin the free queue so shared prefixes "
+        "survive longest",
+    "EngineCore.check_stop":
+        "how the stop rules (stop tokens, EOS, min_tokens, max_tokens, the model's length) combine and which wins "
+        "when several hold",
+    "EngineCore.step":
+        "how the step's named parts hand data to one another, and what a step with nothing scheduled still must "
+        "do",
+    "EngineCore.execute_model":
+        "where a step's device work begins and ends: the block copies in a safe order, then one forward pass, "
+        "touching no request state",
+    "EngineCore.update":
+        "how each scheduled request ends the step in exactly one state (failed, mid-prompt, produced tokens, "
+        "finished) without one request's failure spoiling the others",
+    "FlatModel.attention":
+        "where this step's keys are written relative to the attention read, so every row sees its own key, and "
+        "when to hand over to a module's own paged path",
+    "FlatModel.forward":
+        "how to run the decoder layers on flat rows through the seams later chapters override, building the RoPE "
+        "tables once per step",
+    "Scheduler._preempt":
+        "what state a preempted request must give up or keep, for recompute and for swap, so it resumes correctly "
+        "ahead of newer requests",
+    "Scheduler.schedule":
+        "how to split a token budget between running and waiting requests, whom to preempt when blocks run short, "
+        "and when admission must stop",
+}
+
+DESIGN = ("Scheduler.schedule", "EngineCore.execute_model", "BlockManager.allocate_slots")

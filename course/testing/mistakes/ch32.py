@@ -123,3 +123,27 @@ MISTAKES = [
             rule="one scale per token AND head, not one per token",
             expect="per token and head", tests=QUANTIZED),
 ]
+
+DECIDES = {
+    "store_kv_kernel":
+        "how one Triton program per row finds its slot in the slot-major pool and how padding rows store nothing, "
+        "decided on the device",
+    "paged_attention_kernel":
+        "how a tile of query rows walks only the pool blocks its rows can see, with an online softmax that never "
+        "holds a whole score row and never yields NaN",
+    "query_tiles":
+        "how to cut every request's rows into fixed-size tiles from the host lists alone, skipping padding "
+        "requests",
+    "write_quantized_kv":
+        "how to quantize a step's rows per token and head and store codes and scales at their slots, on devices "
+        "without an fp8 copy kernel",
+    "plan_group":
+        "which index tensors a group of requests needs so that one attention call can serve them, built on the "
+        "host and moved in one copy",
+    "gather_blocks": "how to gather every request's blocks from the pool in one indexing call, not one per request",
+    "attend_all":
+        "how to serve a whole group with one attention call, GQA without repeating heads, and where to cache a "
+        "window mask so other layers reuse it",
+}
+
+DESIGN = ("paged_attention_kernel",)

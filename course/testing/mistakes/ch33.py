@@ -59,3 +59,17 @@ MISTAKES = [
             rule="the normalised row is multiplied by the norm's weight",
             expect="out is weight times", tests=KERNEL),
 ]
+
+DECIDES = {
+    "add_rms_norm_kernel":
+        "how one program per row fuses the residual add and the norm, normalising the stored sum, with padding "
+        "lanes kept out of the mean",
+    "GraphRunner.load_inputs":
+        "how to put a new batch in front of a captured graph: writing into its fixed buffers, never rebinding "
+        "them, and what to clear in the unused columns",
+    "settle_token":
+        "which placeholder a late token replaces, which index the stop rules judge, and what to discard when that "
+        "token ends the request",
+}
+
+DESIGN = ("settle_token",)

@@ -53,3 +53,14 @@ MISTAKES = [
             rule="a logprob is the log of the normalised distribution (log_softmax), not the raw logit",
             expect="log_softmax of the row", tests=LOGPROBS),
 ]
+
+DECIDES = {
+    "apply_penalties":
+        "how to apply three per-row penalties to a whole batch with masks and counts, judging the repetition rule "
+        "by each logit's sign before it changes",
+    "token_logprobs":
+        "how to get every row's logprob, rank (ties shared) and top list in a fixed number of device operations "
+        "and transfers, with no per-row work",
+}
+
+DESIGN = ("token_logprobs",)

@@ -148,3 +148,24 @@ MISTAKES = [
             rule="a token that closes a container whose kind below the walk does not know is reported as reaching",
             expect="must allow exactly the tokens advance", tests=AGREEMENT),
 ]
+
+DECIDES = {
+    "pushdown_step":
+        "how a byte's transition and the container stack move together, and how a refused or too-deep byte leaves "
+        "the stack untouched",
+    "JsonIndex.walk_tokens":
+        "how to walk thousands of tokens through a pushdown automaton at once without a Python stack per token, "
+        "tracking only what a token's walk needs",
+    "epsilon_closure":
+        "how to collect the states reachable by empty moves when those moves form cycles, as a value that can "
+        "name a DFA state",
+    "determinize":
+        "how to name DFA states by sets of NFA states, explore them until none is new, and avoid filling 256 "
+        "columns byte by byte",
+    "TokenIndex.compute_mask":
+        "how to test every token's bytes against the DFA from one state at once, with padding bytes not counted, "
+        "instead of a loop over the vocabulary",
+    "RegexGuide.advance": "when a token or EOS may be accepted, and how a refusal leaves the guide unchanged",
+}
+
+DESIGN = ("JsonIndex.walk_tokens", "determinize")

@@ -141,3 +141,25 @@ MISTAKES = [
             rule="the stop string itself is never sent",
             expect="everything before it", tests=STOPPING),
 ]
+
+DECIDES = {
+    "count_pairs": "what a word's count contributes to each of its adjacent pairs, and that pairs never span two words",
+    "merge_word": "how to replace a pair's occurrences so that whole symbols match and no symbol is used by two merges",
+    "train_bpe":
+        "what to recount after each merge, and how to break ties between equally frequent pairs so training is "
+        "deterministic",
+    "BPETokenizer.encode_word":
+        "in which order to apply the merges to a new word so it gets the tokens training would have made, not "
+        "just any spelling",
+    "BPETokenizer.decode":
+        "at which point bytes become text, so a character split over ids comes back whole and broken bytes never "
+        "raise",
+    "IncrementalDetokenizer.push":
+        "what state a stream keeps (ids and two offsets) and when text is complete enough to release, never to be "
+        "taken back",
+    "StopStringMatcher.push":
+        "which text may be sent, which tail must be held back, and which stop string wins when several complete "
+        "in one push",
+}
+
+DESIGN = ("IncrementalDetokenizer.push", "StopStringMatcher.push", "train_bpe")

@@ -64,3 +64,17 @@ MISTAKES = [
             rule="rows of rejected drafts hold no valid K/V: only the kept tokens, less the newest, count as computed",
             expect="rejected draft", tests=(TRIMS,)),
 ]
+
+DECIDES = {
+    "propose_ngram":
+        "how to find the longest tail that recurs and its latest earlier occurrence, and how far its continuation "
+        "may run",
+    "warped_probs":
+        "how to turn logits into exactly the distribution Chapter 8's sampler draws from, in float64, for target "
+        "and draft alike",
+    "settle":
+        "how to reconcile a verified step's tokens, computed count and blocks so no rejected draft keeps K/V, a "
+        "block or a key",
+}
+
+DESIGN = ("settle", "propose_ngram")

@@ -87,3 +87,19 @@ MISTAKES = [
             rule="deliveries go through self.hand: a deliver that raises costs its own submission alone",
             expect="costs its own submission alone", tests=LOOP),
 ]
+
+DECIDES = {
+    "sse_event":
+        "how to frame one event so a client's parser splits the stream where it should: one compact line of UTF-8 "
+        "JSON and the blank line that ends it",
+    "EngineLoop.run_once":
+        "in which order the inbox, the step and the routing happen so an abort is never a step late, and where "
+        "each kind of failure is contained so it costs one request, not the loop",
+    "AdmissionControl.try_admit":
+        "when a request is refused for good (400) or for now (429), and how to refuse without changing the count",
+    "TextStream.push":
+        "which text may leave now and which tail must wait, so that no stop string, not even its start, ever "
+        "reaches the client",
+}
+
+DESIGN = ("EngineLoop.run_once",)

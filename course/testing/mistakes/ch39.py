@@ -5,6 +5,7 @@ MILESTONE = "tests/test_ch39_checkpoint_formats.py"
 METADATA = f"{MILESTONE}::test_header_metadata_and_tensor_table"
 NIBBLES = f"{MILESTONE}::test_unpack_nibbles_order"
 ROPE = f"{MILESTONE}::test_undo_rope_permutation"
+TABLES = (MILESTONE, "-k", "header_metadata or not_a_gguf or past_the_end or alignment_comes")
 
 
 def dequantized(kind: str) -> str:
@@ -12,6 +13,36 @@ def dequantized(kind: str) -> str:
 
 
 MISTAKES = [
+    Mistake("gguf.py", "GGUFFile._read_tables",
+            before="self.data_start = -(-offset // self.alignment) * self.alignment",
+            after="self.data_start = offset",
+            rule="the data section starts on the alignment, after the padding that follows the tensor table",
+            expect="alignment the file sets", tests=TABLES),
+    Mistake("gguf.py", "GGUFFile._read_tables",
+            before='self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))',
+            after="self.alignment = DEFAULT_ALIGNMENT",
+            rule="the alignment is general.alignment when the metadata sets it (32 only by default)",
+            expect="which the metadata sets", tests=TABLES),
+    Mistake("gguf.py", "GGUFFile._read_tables",
+            before="tuple(reversed(dims))",
+            after="tuple(dims)",
+            rule="the file lists dims fastest-varying first; a shape is their reverse",
+            expect="fastest-first", tests=TABLES),
+    Mistake("gguf.py", "GGUFFile._read_tables",
+            before="GGUFTensorInfo(name, shape, type_id, self.data_start + relative)",
+            after="GGUFTensorInfo(name, shape, type_id, relative)",
+            rule="a tensor's offset in the table counts from the data section; the info's offset is absolute",
+            expect="counts from the aligned start", tests=TABLES),
+    Mistake("gguf.py", "GGUFFile._read_tables",
+            before="info.offset + info.nbytes > len(self._map)",
+            after="info.offset > len(self._map)",
+            rule="a tensor whose bytes run past the end of the file is refused when the file is opened",
+            expect="runs past the end", tests=TABLES),
+    Mistake("gguf.py", "GGUFFile._read_tables",
+            before="if self.version not in (2, 3):",
+            after="if self.version < 2:",
+            rule="a version this reader does not know is refused, naming it",
+            expect="version 4", tests=TABLES),
     Mistake("gguf.py", "unpack_nibbles",
             before="torch.cat([packed & 0x0F, packed >> 4], dim=1)",
             after="torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(packed.shape[0], -1)",
@@ -93,3 +124,26 @@ MISTAKES = [
             rule="the file's rows are reordered, not kept",
             expect="within every head", tests=(ROPE,)),
 ]
+
+DECIDES = {
+    "read_value":
+        "how to read a self-describing typed value whose arrays hold values of any type (nested too), returning "
+        "where the next one starts",
+    "GGUFFile._read_tables":
+        "how to walk the file's header, metadata and tensor table with one cursor, and how to place the tensors "
+        "once the table's end and the metadata's alignment are known",
+    "unpack_nibbles":
+        "how to split packed bytes into their two 4-bit halves in ggml's order (all low halves, then all high) "
+        "with whole-tensor operations",
+    "dequantize_q8_0":
+        "how to see every block as a row so its float16 scale and signed quants are column slices, reinterpreted "
+        "rather than converted",
+    "dequantize_q4_1":
+        "how to apply a block's scale and minimum to its 32 nibbles for all blocks at once, reusing "
+        "unpack_nibbles",
+    "undo_rope_permutation":
+        "which permutation undoes llama.cpp's row order inside every head, and how to apply it to dense weights, "
+        "biases and quantized block rows alike",
+}
+
+DESIGN = ("GGUFFile._read_tables",)

@@ -63,3 +63,17 @@ MISTAKES = [
             rule="the bytes depend on the stream's dtype (2 per bfloat16 value)",
             expect="whatever the dtype", tests=(HAND,)),
 ]
+
+DECIDES = {
+    "pick_device":
+        "what 'auto' tries and in which order, and how an explicit choice is checked and refused with a message "
+        "rather than silently replaced",
+    "plan_layers":
+        "how to search every contiguous split of layers over stages for the least-full fullest stage, exactly (no "
+        "rounding) and with ties to the earlier stages",
+    "PlacedFlatModel.hand_over":
+        "what crosses a stage boundary (the whole stream, once), what is counted even on one device, and which "
+        "copies may be asynchronous",
+}
+
+DESIGN = ("plan_layers",)

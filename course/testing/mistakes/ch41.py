@@ -110,3 +110,22 @@ MISTAKES = [
             rule="it returns how many blocks were filled: keys cached already need no data",
             expect="adopt", tests=ADOPTION),
 ]
+
+DECIDES = {
+    "kv_heads_of_rank":
+        "which KV heads a rank's query heads read, when KV heads are split and when copied, and which world sizes "
+        "to refuse",
+    "RowParallelLinear.forward":
+        "where the one all-reduce goes and where the bias is added, so the sum over ranks holds it exactly once",
+    "VocabParallelEmbedding.forward":
+        "how a rank answers for ids it does not own without indexing out of range, so one all-reduce assembles "
+        "every row",
+    "shard_model":
+        "which parallel module replaces each module of a Qwen3 layer and with which slice, and what the copy's "
+        "config and pool agreement must say so the unchanged engine runs on every rank",
+    "adopt_blocks":
+        "how to pair each shipped block with the pool row the block manager gave its key, for every pool tensor "
+        "of every layer, skipping keys already cached",
+}
+
+DESIGN = ("shard_model",)

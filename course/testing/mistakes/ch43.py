@@ -90,3 +90,22 @@ MISTAKES = [
             rule="every row of a request carries its adapter slot, not only its first",
             expect="carries its request's adapter slot", tests=(ADAPTERS,)),
 ]
+
+DECIDES = {
+    "lora_shrink":
+        "how to give every row its own adapter's A in one batched computation, with no loop over rows or requests",
+    "lora_expand":
+        "how to add every row's scaled low-rank update to a new output without touching the base, so slot 0's "
+        "rows stay exactly the base",
+    "ModelRunner.prepare_features":
+        "how to map each request's absolute positions onto the step's rows, so adapter slots, image rows (even an "
+        "image cut by a chunk) and three-axis positions land where they belong",
+    "patch_positions":
+        "how to produce the encoder's square-by-square patch order from a grid's shape with tensor operations, so "
+        "every run of merge x merge patches is one square",
+    "mrope_positions":
+        "how a running position counter advances over text and over each image's grid, and what delta continues "
+        "it after the prompt",
+}
+
+DESIGN = ("ModelRunner.prepare_features",)
