@@ -463,9 +463,11 @@ def llama_cpp_contenders(gguf_path: str, eos: int | None, float32_engine: bool) 
                      n_threads_batch=workload.threads, verbose=False)
 
     shipped = gguf_path.rsplit(".", 2)[-2]        # the quantization in the file's name: Q4_1
-    return [Contender("llama.cpp batched, F32", *batched(llama_cpp_f32_file(gguf_path)), streams=False,
-                      same_weights=float32_engine, same_kernels=False),
-            Contender(f"llama.cpp batched, {shipped}", *batched(gguf_path), streams=False, same_weights=False),
+    make_f32, serve_f32 = batched(llama_cpp_f32_file(gguf_path))
+    make_shipped, serve_shipped = batched(gguf_path)
+    return [Contender("llama.cpp batched, F32", make_f32, serve_f32, streams=False, same_weights=float32_engine,
+                      same_kernels=False),
+            Contender(f"llama.cpp batched, {shipped}", make_shipped, serve_shipped, streams=False, same_weights=False),
             Contender(f"llama.cpp one at a time, {shipped}", single, one_at_a_time, streams=False,
                       same_weights=False)]
 
