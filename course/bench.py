@@ -186,6 +186,7 @@ class Contender:
     same_weights: bool = True                         # False: its tokens are not held to the others'
     same_kernels: bool = True                         # False: same weights, another program's arithmetic:
                                                       # held to the first contender by agreement, not equality
+    weights: str | None = None                        # its weights' type when not the workload model's dtype
     best: dict = field(default_factory=dict)          # workload name -> (seconds, outputs, records, steps)
     rounds: dict = field(default_factory=dict)        # workload name -> every timed round's seconds
 
@@ -466,10 +467,11 @@ def llama_cpp_contenders(gguf_path: str, eos: int | None, float32_engine: bool) 
     make_f32, serve_f32 = batched(llama_cpp_f32_file(gguf_path))
     make_shipped, serve_shipped = batched(gguf_path)
     return [Contender("llama.cpp batched, F32", make_f32, serve_f32, streams=False, same_weights=float32_engine,
-                      same_kernels=False),
-            Contender(f"llama.cpp batched, {shipped}", make_shipped, serve_shipped, streams=False, same_weights=False),
+                      same_kernels=False, weights="float32"),
+            Contender(f"llama.cpp batched, {shipped}", make_shipped, serve_shipped, streams=False, same_weights=False,
+                      weights=shipped),
             Contender(f"llama.cpp one at a time, {shipped}", single, one_at_a_time, streams=False,
-                      same_weights=False)]
+                      same_weights=False, weights=shipped)]
 
 
 # --- reduced precision: agreement instead of equality -----------------------------------------
@@ -603,7 +605,8 @@ def roofline_share(line: dict, workload: Workload, limits: dict) -> dict:
     """What share of this machine's limits a contender's line reached. The model's matmul
     work is 2 FLOPs per weight per token, prompt and output tokens alike (attention and
     prefix-cache hits aside: a lower bound); the bytes are one read of every weight per
-    step (engines report their steps). The slower of the two roofs is the step's limit."""
+    step (engines report their steps; weights in a GGUF block type such as Q4_1 get no
+    bandwidth share). The slower of the two roofs is the step's limit."""
     dtype = line["dtype"]
     weights = matmul_weights(workload.model)
     served = workload.items[:line["requests"]]
@@ -612,7 +615,7 @@ def roofline_share(line: dict, workload: Workload, limits: dict) -> dict:
     share: dict = {}
     if peak:
         share["of_matmul_peak"] = round(2 * weights * tokens / line["seconds"] / (peak * 1e12), 3)
-    if line.get("steps"):
+    if line.get("steps") and isinstance(getattr(torch, dtype, None), torch.dtype):     # not a GGUF block type
         element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         share["of_memory_bandwidth"] = round(line["steps"] * weights * element / line["seconds"]
                                              / (limits["memory_gb_s"] * 1e9), 3)
@@ -654,7 +657,8 @@ def report(contender: Contender, workload: Workload, eos: int | None, workloads,
     outputs = {rid: cut(tokens, items[rid].max_tokens, eos) for rid, tokens in outputs.items()}
     tokens = sum(len(v) for v in outputs.values())
     line = {"workload": workload.name, "contender": contender.label, "threads": workload.threads,
-            "dtype": str(next(workload.model.parameters()).dtype).removeprefix("torch."), "requests": len(outputs),
+            "dtype": contender.weights or str(next(workload.model.parameters()).dtype).removeprefix("torch."),
+            "requests": len(outputs),
             "output_tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
     rounds = contender.rounds.get(workload.name, [])
     if len(rounds) > 1:                  # the spread a busy machine gives: every round's rate
