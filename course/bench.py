@@ -184,6 +184,9 @@ class Contender:
     streams: bool = True
     subset: int | None = None                         # serves only the first `subset` requests
     same_weights: bool = True                         # False: its tokens are not held to the others'
+    same_kernels: bool = True                         # False: same weights, another program's arithmetic:
+                                                      # held to the first contender by agreement, not equality
+    weights: str | None = None                        # its weights' type when not the workload model's dtype
     best: dict = field(default_factory=dict)          # workload name -> (seconds, outputs, records, steps)
     rounds: dict = field(default_factory=dict)        # workload name -> every timed round's seconds
 
@@ -336,30 +339,139 @@ def llama_cpp_missing() -> str | None:
             return (f"{', '.join(found)} found on PATH, but the bench drives llama.cpp through its Python "
                     f"package only")
         return "neither the llama_cpp Python package nor llama-server is installed"
+    except OSError as exc:          # the package loads its compiled library on import
+        return f"the llama_cpp package is installed but its library does not load ({exc})"
 
 
-def llama_cpp_contender(gguf_path: str) -> Contender:
-    """llama.cpp (through llama-cpp-python) on the GGUF file as shipped (SmolLM2's Q4_1: not
-    the engine's float weights, so its tokens are not held to the others'), greedy, one
-    request after another, with the workload's thread count."""
+def llama_cpp_f32_file(gguf_path: str) -> str:
+    """The GGUF file with every tensor dequantized to float32 by llama.cpp's own quantize tool,
+    made once beside the file as shipped: the engine's float32 weights, since the course's
+    reader dequantizes the same blocks with the same rule."""
+    import ctypes
+    from pathlib import Path
+
+    import llama_cpp
+    source = Path(gguf_path)
+    target = source.with_name(source.name.split(".")[0] + ".F32.gguf")
+    if not target.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.pure = llama_cpp.LLAMA_FTYPE_ALL_F32, True, True
+        partial = target.with_name(target.name + ".partial")       # never a half-written file under the name
+        if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not convert {source} to float32")
+        partial.rename(target)
+    return str(target)
+
+
+class LlamaCppBatch:
+    """One llama.cpp context (through llama-cpp-python's bindings of its C API) that serves a
+    list of requests together, as llama.cpp's own batched bench and server do: every
+    prompt in one batch, each request a sequence of its own in one shared KV cache, then one
+    batch per step holding the next token of every unfinished request, greedy."""
+
+    def __init__(self, gguf_path: str, threads: int, context: int, sequences: int, batch: int):
+        import llama_cpp
+        import llama_cpp._logger
+        llama_cpp._logger.set_verbose(False)          # llama.cpp logs every load on stderr
+        self.api = api = llama_cpp
+        api.llama_backend_init()
+        self.model = api.llama_model_load_from_file(gguf_path.encode(), api.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        settings = api.llama_context_default_params()
+        settings.n_ctx, settings.n_batch, settings.n_ubatch = context, batch, min(batch, 512)
+        settings.n_seq_max, settings.kv_unified = sequences, True    # one cache, shared by the sequences
+        settings.n_threads = settings.n_threads_batch = threads
+        self.context = api.llama_init_from_model(self.model, settings)
+        if not self.context:
+            raise RuntimeError(f"llama.cpp could not make a context of {context} tokens for {sequences} sequences")
+        self.batch = api.llama_batch_init(batch, 0, 1)
+        self.vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(self.model))
+        self.steps = 0
+
+    def __del__(self):
+        api = self.api
+        if getattr(self, "batch", None) is not None:
+            api.llama_batch_free(self.batch)
+        if getattr(self, "context", None):
+            api.llama_free(self.context)
+        if getattr(self, "model", None):
+            api.llama_model_free(self.model)
+
+    def greedy_step(self, rows: list) -> list:
+        """rows: (sequence, tokens, first position); feeds them in one llama_decode and
+        returns each row's next token (the argmax of its last token's logits)."""
+        import numpy as np
+        batch, count = self.batch, 0
+        for sequence, tokens, first in rows:
+            for offset, token in enumerate(tokens):
+                batch.token[count], batch.pos[count] = token, first + offset
+                batch.n_seq_id[count], batch.seq_id[count][0] = 1, sequence
+                batch.logits[count] = offset == len(tokens) - 1
+                count += 1
+        batch.n_tokens = count
+        if self.api.llama_decode(self.context, batch) != 0:
+            raise RuntimeError(f"llama_decode failed on a batch of {count} tokens")
+        self.steps += 1
+        logits = np.ctypeslib.as_array(self.api.llama_get_logits(self.context), shape=(len(rows), self.vocab))
+        return logits.argmax(axis=1).tolist()
+
+
+def llama_cpp_contenders(gguf_path: str, eos: int | None, float32_engine: bool) -> list:
+    """llama.cpp on the workload's GGUF file: batched on the file dequantized to float32 (the
+    engine's weights: held to the engine's tokens by agreement when the engine runs in
+    float32, since its kernels sum in another order), batched on the file as shipped
+    (SmolLM2's Q4_1, other weights: not compared), and one request after another on the
+    shipped file through llama-cpp-python's Llama, as a single-user program uses it. All
+    greedy, with the workload's thread count."""
     from llama_cpp import Llama
 
-    def make(workload):
-        return Llama(model_path=gguf_path, n_ctx=workload.longest + 8, n_threads=workload.threads,
-                     n_threads_batch=workload.threads, verbose=False)
+    def batched(path: str):
+        def make(workload):
+            prompts = sum(len(it.prompt_ids) for it in workload.items)
+            room = sum(len(it.prompt_ids) + it.max_tokens for it in workload.items)
+            return LlamaCppBatch(path, workload.threads, room + 256, len(workload.items),
+                                 max(prompts, len(workload.items)))
 
-    def serve(llm, items):
+        def serve(engine, items):
+            outputs: dict = {it.request_id: [] for it in items}
+            rows = [(sequence, list(it.prompt_ids), 0) for sequence, it in enumerate(items)]
+            while rows:
+                following = []
+                for (sequence, tokens, first), token in zip(rows, engine.greedy_step(rows)):
+                    it = items[sequence]
+                    generated = outputs[it.request_id]
+                    generated.append(token)
+                    if len(generated) < it.max_tokens and token != eos:
+                        following.append((sequence, [token], first + len(tokens)))
+                rows = following
+            return outputs, None
+        return make, serve
+
+    def one_at_a_time(llm, items):
         outputs = {}
         for it in items:
             tokens: list = []
             for token in llm.generate(it.prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
                 tokens.append(token)
-                if len(tokens) >= it.max_tokens or token == llm.token_eos():
+                if len(tokens) >= it.max_tokens or token == eos:
                     break
             outputs[it.request_id] = tokens
         return outputs, None
 
-    return Contender("llama.cpp one at a time", make, serve, streams=False, same_weights=False)
+    def single(workload):
+        return Llama(model_path=gguf_path, n_ctx=workload.longest + 8, n_threads=workload.threads,
+                     n_threads_batch=workload.threads, verbose=False)
+
+    shipped = gguf_path.rsplit(".", 2)[-2]        # the quantization in the file's name: Q4_1
+    make_f32, serve_f32 = batched(llama_cpp_f32_file(gguf_path))
+    make_shipped, serve_shipped = batched(gguf_path)
+    return [Contender("llama.cpp batched, F32", make_f32, serve_f32, streams=False, same_weights=float32_engine,
+                      same_kernels=False, weights="float32"),
+            Contender(f"llama.cpp batched, {shipped}", make_shipped, serve_shipped, streams=False, same_weights=False,
+                      weights=shipped),
+            Contender(f"llama.cpp one at a time, {shipped}", single, one_at_a_time, streams=False,
+                      same_weights=False, weights=shipped)]
 
 
 # --- reduced precision: agreement instead of equality -----------------------------------------
@@ -493,7 +605,8 @@ def roofline_share(line: dict, workload: Workload, limits: dict) -> dict:
     """What share of this machine's limits a contender's line reached. The model's matmul
     work is 2 FLOPs per weight per token, prompt and output tokens alike (attention and
     prefix-cache hits aside: a lower bound); the bytes are one read of every weight per
-    step (engines report their steps). The slower of the two roofs is the step's limit."""
+    step (engines report their steps; weights in a GGUF block type such as Q4_1 get no
+    bandwidth share). The slower of the two roofs is the step's limit."""
     dtype = line["dtype"]
     weights = matmul_weights(workload.model)
     served = workload.items[:line["requests"]]
@@ -502,7 +615,7 @@ def roofline_share(line: dict, workload: Workload, limits: dict) -> dict:
     share: dict = {}
     if peak:
         share["of_matmul_peak"] = round(2 * weights * tokens / line["seconds"] / (peak * 1e12), 3)
-    if line.get("steps"):
+    if line.get("steps") and isinstance(getattr(torch, dtype, None), torch.dtype):     # not a GGUF block type
         element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
         share["of_memory_bandwidth"] = round(line["steps"] * weights * element / line["seconds"]
                                              / (limits["memory_gb_s"] * 1e9), 3)
@@ -544,7 +657,8 @@ def report(contender: Contender, workload: Workload, eos: int | None, workloads,
     outputs = {rid: cut(tokens, items[rid].max_tokens, eos) for rid, tokens in outputs.items()}
     tokens = sum(len(v) for v in outputs.values())
     line = {"workload": workload.name, "contender": contender.label, "threads": workload.threads,
-            "dtype": str(next(workload.model.parameters()).dtype).removeprefix("torch."), "requests": len(outputs),
+            "dtype": contender.weights or str(next(workload.model.parameters()).dtype).removeprefix("torch."),
+            "requests": len(outputs),
             "output_tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1)}
     rounds = contender.rounds.get(workload.name, [])
     if len(rounds) > 1:                  # the spread a busy machine gives: every round's rate
@@ -741,8 +855,9 @@ def summarise(workload: Workload, lines: list) -> dict:
     hf_static = max((v for k, v in hf.items() if "static" in k), default=None)
     out = {"workload": workload.name, "outputs_identical": all(line.get("identical", True) for line in lines)}
     held = [line for line in lines if "agreement" in line]
-    if held:       # a reduced-precision run: equality was not asked, agreement was
-        del out["outputs_identical"]
+    if held:       # a reduced-precision run, or another program on the same weights: agreement was asked
+        if not any("identical" in line for line in lines):
+            del out["outputs_identical"]
         out["widest_divergence_margin"] = max((line["agreement"]["widest_divergence_margin"] or 0.0
                                                for line in held), default=0.0)
     for label in (k for k in tok if k.startswith("core/")):
@@ -754,8 +869,9 @@ def summarise(workload: Workload, lines: list) -> dict:
             out[f"{backend}_vs_hf_static"] = ratio(tok[label], hf_static)
         if "hf default" in tok:
             out[f"{backend}_vs_hf_default"] = ratio(tok[label], tok["hf default"])
-        if "llama.cpp one at a time" in tok:
-            out[f"{backend}_vs_llama_cpp"] = ratio(tok[label], tok["llama.cpp one at a time"])
+        for peer in (k for k in tok if k.startswith("llama.cpp")):      # "llama.cpp batched, F32" -> ..._batched_F32
+            name = peer.replace("llama.cpp", "llama_cpp").replace(", ", "_").replace(" ", "_")
+            out[f"{backend}_vs_{name}"] = ratio(tok[label], tok[peer])
         alone = next((v for k, v in tok.items() if k.startswith("hf one at a time")), None)
         if alone:
             out[f"{backend}_vs_hf_one_at_a_time"] = ratio(tok[label], alone)

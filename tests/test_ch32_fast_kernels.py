@@ -547,3 +547,54 @@ def test_run_py_bench_says_how_to_get_llama_cpp_when_it_is_missing(impl, device,
     skipped = [json.loads(line) for line in out.splitlines() if '"skipped"' in line]
     assert len(skipped) == 1 and skipped[0]["skipped"] == "llama.cpp", out
     assert "llama-cpp-python" in skipped[0]["to_run_it"] and "llama_cpp" in skipped[0]["why"], skipped
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_chat(smollm2_path):
+    """Two chat questions of the bench's chat workload (3 tokens each, tokenized by the
+    reference package: the learner's Chapter 36 and 39 come later) and the bench's llama.cpp
+    contenders on SmolLM2's file; skipped where llama-cpp-python is not installed."""
+    from course import bench
+    missing = bench.llama_cpp_missing()
+    if missing:
+        pytest.skip(f"llama.cpp: {missing}")
+    workload, = bench.make_workloads(reference(), ["chat"], scale=2 / 16)
+    for item in workload.items:
+        item.max_tokens = 3
+    eos = reference().gguf.GGUFFile(smollm2_path).metadata["tokenizer.ggml.eos_token_id"]
+    return workload, {c.label: c for c in bench.llama_cpp_contenders(workload.checkpoint, eos, float32_engine=True)}
+
+
+def test_llama_cpp_contender_serves_a_batch_as_one_request_at_a_time(llama_cpp_chat):
+    """The bench's batched llama.cpp contender (its own loop over llama.cpp's batch API:
+    positions, sequence ids, which rows give logits) gives a request what llama-cpp-
+    python's Llama gives it, on the same file: one request in the batch, where the two
+    compute the same thing."""
+    workload, contenders = llama_cpp_chat
+    alone = workload.items[:1]
+    labels = ("llama.cpp batched, Q4_1", "llama.cpp one at a time, Q4_1")
+    assert set(labels) <= set(contenders), f"the bench's llama.cpp contenders are {sorted(contenders)}"
+    batched, single = (contenders[label].serve(contenders[label].make(workload), alone)[0] for label in labels)
+    assert len(single[alone[0].request_id]) == 3, f"3 tokens were asked, got {single}"
+    assert batched == single, f"batched llama.cpp gave {batched}, llama-cpp-python's Llama {single}"
+
+
+def test_llama_cpp_on_float32_weights_gives_the_engines_tokens(llama_cpp_chat, request):
+    """llama.cpp batched on the GGUF file it dequantized to float32 runs the engine's own
+    weights: two chat questions together give the reference engine core's greedy tokens
+    (another program's sums, but no near tie in 3 tokens of these questions). The first run
+    converts the file (half a gigabyte), and the core loads SmolLM2: --stress only."""
+    if not request.config.getoption("stress"):
+        pytest.skip("converts SmolLM2 to float32 and loads it twice: run with --stress")
+    workload, contenders = llama_cpp_chat
+    llama = contenders["llama.cpp batched, F32"]
+    theirs = llama.serve(llama.make(workload), workload.items)[0]
+    ref = reference()
+    model = ref.checkpoint.load_model(workload.checkpoint)
+    engine, config, params = (ref.load(f"serve.{name}") for name in ("engine", "config", "request"))
+    core = engine.EngineCore(model, config.EngineConfig(num_blocks=32, attention_backend="vectorised"),
+                             eos_token_id=model.cfg.eos_token_id)
+    results = core.generate([it.prompt_ids for it in workload.items],
+                            [params.SamplingParams(max_tokens=3) for _ in workload.items])
+    mine = {it.request_id: result.output_token_ids for it, result in zip(workload.items, results)}
+    assert theirs == mine, f"llama.cpp on float32 weights gave {theirs}, the engine core {mine}"

@@ -339,7 +339,7 @@ def test_run_py_bench_chat_workload(impl, smollm2_path, capsys):
 
     from course import cli
     status = cli.main(["bench", "--impl", impl.spec.text, "--device", "cpu", "--workloads", "chat", "--scale", "0.125",
-                       "--backends", "reference", "--repeat", "1", "--no-hf", "--quiet"])
+                       "--backends", "reference", "--repeat", "1", "--no-hf", "--no-llama-cpp", "--quiet"])
     out, err = capsys.readouterr()
     assert status == 0, f"run.py bench --workloads chat failed:\n{out}{err}"
     runs = {line["contender"]: line for line in map(json.loads, out.splitlines()) if "contender" in line}

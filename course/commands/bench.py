@@ -21,10 +21,15 @@ Workloads (--workloads, comma-separated): seed (`run.py core`'s 16 requests on t
 outputs 32-256, 4 layers, hidden 256, vocabulary 151,936), long (4 prompts of 2k-8k
 tokens), poisson (the serving requests arriving at --rate per second), chat (16 chat
 questions to the real SmolLM2-135M-Instruct, up to 64 tokens each, fetched on first use).
-On the chat workload, when llama-cpp-python is installed (it is not a requirement), one
-more contender: "llama.cpp one at a time", llama.cpp on the same GGUF file as shipped
-(Q4_1 weights, so its tokens are not compared), greedy, with the same thread count;
-otherwise one line says it was skipped and how to get it.
+On the chat workload, when llama-cpp-python is installed (it is not a requirement), three
+more contenders, greedy, with the same thread count: "llama.cpp batched, F32" (every
+request in one llama.cpp context, each a sequence of the shared KV cache, as llama.cpp's
+batched bench and server run them, on the GGUF file dequantized to float32 by llama.cpp,
+made once beside it: the engine's own weights, so in a float32 run its tokens are held to
+the first contender's by agreement, its kernels summing in another order), "llama.cpp
+batched, Q4_1" (the file as shipped: other weights, not compared) and "llama.cpp one at
+a time, Q4_1" (llama-cpp-python's Llama, one request after another); otherwise one line
+says llama.cpp was skipped and how to get it.
 --scale shrinks the request counts and lengths; --config qwen3-0.6b runs every synthetic
 workload on a model of Qwen3-0.6B's shape with random weights. A workload may carry its own
 options after colons, `NAME:vocab=N:config=qwen3-0.6b:scale=X`, which override --vocab-size,
@@ -85,6 +90,7 @@ def add_arguments(parser):
                              "bfloat16 runs on AMX or AVX512-BF16 where the CPU has them, and outputs are held to "
                              "transformers' by agreement and divergence margins, not equality")
     parser.add_argument("--no-hf", action="store_true", help="leave transformers' generate out")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out where it is installed")
     parser.add_argument("--repeat", type=int, default=2, help="timed rounds; each contender's best counts (default 2)")
     parser.add_argument("--threads", default=None,
                         help="torch threads for every contender, or several counts comma-separated (1,2: every "
@@ -129,7 +135,7 @@ def run(args):
     # One plan per workload and thread count, the same contenders (and weights) in each.
     plans = [(bench.with_threads(w, threads, len(thread_counts) > 1), contenders)
              for w, contenders in plans for threads in thread_counts]
-    missing = bench.llama_cpp_missing()
+    missing = None if args.no_llama_cpp else bench.llama_cpp_missing()
     if missing:
         print(json.dumps({"skipped": "llama.cpp", "why": missing, "to_run_it": bench.LLAMA_CPP_HOW}), flush=True)
     limits = {}
@@ -166,21 +172,26 @@ def run(args):
     exact = args.dtype != "bfloat16"
     for workload, contenders in plans:
         eos = workload.model.cfg.eos_token_id
-        first = held_to = None
+        first = held_to = logits_of = None
         if not exact:   # rounding may part greedy paths: held to transformers by agreement, not equality
             held_to = next((c for c in contenders if c.label.startswith("hf")), contenders[0])
             theirs = bench.report(held_to, workload, eos, impl.load("workloads"))[1]
-            logits_of = bench.next_token_logits(bench.transformers_model(workload.model))
         mine = []
         for contender in contenders:
-            compare = exact and contender.same_weights
+            compare = exact and contender.same_weights and contender.same_kernels
             line, outputs = bench.report(contender, workload, eos, impl.load("workloads"), first if compare else None)
             if workload.threads in limits:
                 line["roofline"] = bench.roofline_share(line, workload, limits[workload.threads])
+            reference = None        # (label, outputs) this line is held to by agreement
             if held_to is not None and contender is not held_to and contender.same_weights:
-                line["agreement_with"] = held_to.label
-                line["agreement"] = bench.agreement(outputs, {rid: theirs[rid] for rid in outputs}, workload.items,
-                                                    logits_of)
+                reference = held_to.label, theirs
+            elif exact and contender.same_weights and not contender.same_kernels and first is not None:
+                reference = contenders[0].label, first     # another program's sums on the same weights
+            if reference is not None:
+                logits_of = logits_of or bench.next_token_logits(bench.transformers_model(workload.model))
+                line["agreement_with"] = reference[0]
+                line["agreement"] = bench.agreement(outputs, {rid: reference[1][rid] for rid in outputs},
+                                                    workload.items, logits_of)
             first = first or outputs
             mine.append(line)
             if not line.get("identical", True):
@@ -243,8 +254,10 @@ def _contenders(impl, bench, workload, device, backends, args):
                   + [bench.slots_contender(impl, model)])
     if not args.no_hf:
         contenders += bench.hf_contenders(model, workload)
-    if workload.checkpoint and workload.checkpoint.endswith(".gguf") and bench.llama_cpp_missing() is None:
-        contenders.append(bench.llama_cpp_contender(workload.checkpoint))
+    if (not args.no_llama_cpp and workload.checkpoint and workload.checkpoint.endswith(".gguf")
+            and bench.llama_cpp_missing() is None):
+        contenders += bench.llama_cpp_contenders(workload.checkpoint, model.cfg.eos_token_id,
+                                                 float32_engine=dtype == torch.float32)
     return contenders
 
 

@@ -19,8 +19,9 @@ static cache, continuous batching: the fastest of them), their ratio, the share 
 machine's matmul peak and memory bandwidth it reached (measured first, as `run.py bench
 --roofline` does), and whether its tokens are transformers' (greedy, float32: they must
 be). A chapter whose stubs are not written yet says so instead of a rate: a learner
-midway sees the chapters done so far. Stages are timed in turn, --repeat interleaved
-rounds, each its best (see `run.py bench`).
+midway sees the chapters done so far. Stages are timed in turn, once each after an
+untimed warm-up; --repeat N times N interleaved rounds, each stage's best counting (see
+`run.py bench`), and every round's rate joins its line.
 """
 import json
 import logging
@@ -39,7 +40,10 @@ def add_arguments(parser):
     parser.add_argument("--vocab-size", type=int, default=QWEN3_VOCAB_SIZE,
                         help=f"the model's vocabulary (default {QWEN3_VOCAB_SIZE:,}, Qwen3's, whose LM head is most "
                              f"of a token's work; {TINY_VOCAB_SIZE} shows the overhead-bound regime)")
-    parser.add_argument("--repeat", type=int, default=2, help="timed rounds; each stage's best counts (default 2)")
+    # One round by default: the ledger's question is which chapter is far off, which one round
+    # answers, and two doubled a run that took six minutes on a busy two-core machine.
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="timed rounds, interleaved; each stage's best counts (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_threads_argument(parser)
 
