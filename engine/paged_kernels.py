@@ -94,10 +94,11 @@ def paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table
     >= head_dim (mask the extra lanes). Computes, for each row i of the tile that belongs
     to its request (rows past the request's last row are masked: they belong to the next
     request), out[i, head] = softmax(scale * q[i, head] . K^T) V over the request's keys at
-    positions 0 .. pos_i, where pos_i = seq_len - t + (i - first row of the request)
-    (t = its number of rows this step), and with window > 0 only keys > pos_i - window.
-    K and V come from KV head head // (num_heads // num_kv_heads); the key at position p
-    sits in pool block block_table[request, p // BLOCK_SIZE], row p % BLOCK_SIZE.
+    positions 0 .. pos_i, pos_i being row i's own position (a request's rows this step are
+    its newest positions, the last of them at seq_len - 1), and with window > 0 only keys
+    > pos_i - window. K and V come from the KV head whose group the query head belongs to
+    (equal consecutive groups, as in Chapter 5); the key at position p sits where the
+    request's block table puts it, in the pool layout of Chapter 31's slot mapping.
     Cost contract: the pool is read in place (no gathered copy of the context), and only the
     blocks holding a key some row of the tile can see; scores never exist beyond one
     [BLOCK_M, BLOCK_SIZE] tile (an online softmax, Chapter 29, with float32 statistics).
