@@ -13,6 +13,11 @@ def dequantized(kind: str) -> str:
 
 
 MISTAKES = [
+    Mistake("gguf.py", "unpack_nibbles",
+            before="torch.cat([packed & 0x0F, packed >> 4], dim=1)",
+            after="torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(packed.shape[0], -1)",
+            rule="ggml's order: the low nibbles of bytes 0-15 first, then their high nibbles (not interleaved)",
+            expect="the low nibbles of bytes 0-15 are values 0-15", tests=(NIBBLES,)),
     Mistake("gguf.py", "GGUFFile._read_tables",
             before="self.data_start = -(-offset // self.alignment) * self.alignment",
             after="self.data_start = offset",
@@ -43,11 +48,6 @@ MISTAKES = [
             after="if self.version < 2:",
             rule="a version this reader does not know is refused, naming it",
             expect="version 4", tests=TABLES),
-    Mistake("gguf.py", "unpack_nibbles",
-            before="torch.cat([packed & 0x0F, packed >> 4], dim=1)",
-            after="torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(packed.shape[0], -1)",
-            rule="ggml's order: the low nibbles of bytes 0-15 first, then their high nibbles (not interleaved)",
-            expect="the low nibbles of bytes 0-15 are values 0-15", tests=(NIBBLES,)),
     Mistake("gguf.py", "unpack_nibbles",
             before="[packed & 0x0F, packed >> 4]",
             after="[packed >> 4, packed & 0x0F]",

@@ -8,6 +8,11 @@ LATENT = f"{MILESTONE}::test_family_engine_core_matches_solo_generate[recompute-
 ABSORBING = (MILESTONE, "-k", "test_family_logits_match_transformers and deepseek")
 
 MISTAKES = [
+    Mistake("families.py", "llama3_inv_freq",
+            before="return (1 - s) * f / factor + s * f",
+            after="return s * f / factor + (1 - s) * f",
+            rule="the blend's weight s is on the unscaled f",
+            expect="blended with the weight", tests=(FREQUENCIES,)),
     Mistake("mla.py", "LatentAttention.absorbed",
             before="entry = torch.cat([self.kv_a_layernorm(c).unsqueeze(-2), k_rope], dim=-1)",
             after="entry = torch.cat([c.unsqueeze(-2), k_rope], dim=-1)",
@@ -33,11 +38,6 @@ MISTAKES = [
             after='q_latent = torch.einsum("...hn,hnl->...hl", q_nope, w_uk.flip(0))',
             rule="each head absorbs its own W_UK",
             expect="W_UK^T q_nope", tests=ABSORBING),
-    Mistake("families.py", "llama3_inv_freq",
-            before="return (1 - s) * f / factor + s * f",
-            after="return s * f / factor + (1 - s) * f",
-            rule="the blend's weight s is on the unscaled f",
-            expect="blended with the weight", tests=(FREQUENCIES,)),
     Mistake("families.py", "llama3_inv_freq",
             before="wavelength = 2 * torch.pi / f",
             after="wavelength = 1 / f",
