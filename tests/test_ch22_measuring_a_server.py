@@ -183,46 +183,9 @@ class FakeClock:
         self.now = max(self.now, t)
 
 
-class OneTokenPerStepEngine:
-    """Serves requests one at a time, one token per step, one second per step."""
-
-    def __init__(self, clock):
-        self.clock, self.queue = clock, []
-
-    def add_request(self, request_id, prompt_ids, max_new_tokens, stop_token_ids=()):
-        self.queue.append([request_id, max_new_tokens])
-
-    @property
-    def has_unfinished(self):
-        return bool(self.queue)
-
-    def step(self):
-        self.clock.now += 1.0
-        self.queue[0][1] -= 1
-        request_id, left = self.queue[0]
-        if left == 0:
-            self.queue.pop(0)
-        return [(request_id, [1], left == 0)]
-
-
-def test_replay_records_queueing(impl):
-    """Two requests at t=0 (3 and 2 tokens) and one at t=10 (1 token), served one token per
-    second, one request at a time: b waits for a, c finds the server idle."""
-    w = impl.workloads
-    items = [w.WorkItem("a", [1], 3, 0.0), w.WorkItem("b", [1], 2, 0.0), w.WorkItem("c", [1], 1, 10.0)]
-    clock = FakeClock()
-    records = w.replay(OneTokenPerStepEngine(clock), items, clock=clock)
-    expected = {"a": (1.0, 3.0), "b": (4.0, 5.0), "c": (1.0, 1.0)}     # (ttft, e2e)
-    for request_id, (ttft, e2e) in expected.items():
-        r = records[request_id]
-        assert (r.ttft, r.e2e) == (ttft, e2e), (
-            f"request {request_id}: ttft/e2e {(r.ttft, r.e2e)}, expected {(ttft, e2e)}")
-    assert records["a"].tpot == 1.0 and records["c"].tpot is None
-
-
 class ChunkyEngine:
-    """One request at a time, one second per step, up to `per_step` tokens per step; notes
-    the clock at each add_request."""
+    """Serves requests one at a time, one second per step, up to `per_step` tokens per step;
+    notes the clock at each add_request."""
 
     def __init__(self, clock, per_step):
         self.clock, self.per_step, self.queue, self.admitted = clock, per_step, [], {}
@@ -243,6 +206,21 @@ class ChunkyEngine:
         if take == left:
             self.queue.pop(0)
         return [(request_id, [7] * take, take == left)]
+
+
+def test_replay_records_queueing(impl):
+    """Two requests at t=0 (3 and 2 tokens) and one at t=10 (1 token), served one token per
+    second, one request at a time: b waits for a, c finds the server idle."""
+    w = impl.workloads
+    items = [w.WorkItem("a", [1], 3, 0.0), w.WorkItem("b", [1], 2, 0.0), w.WorkItem("c", [1], 1, 10.0)]
+    clock = FakeClock()
+    records = w.replay(ChunkyEngine(clock, per_step=1), items, clock=clock)
+    expected = {"a": (1.0, 3.0), "b": (4.0, 5.0), "c": (1.0, 1.0)}     # (ttft, e2e)
+    for request_id, (ttft, e2e) in expected.items():
+        r = records[request_id]
+        assert (r.ttft, r.e2e) == (ttft, e2e), (
+            f"request {request_id}: ttft/e2e {(r.ttft, r.e2e)}, expected {(ttft, e2e)}")
+    assert records["a"].tpot == 1.0 and records["c"].tpot is None
 
 
 def test_replay_hands_requests_over_on_time_and_stamps_each_step(impl):
