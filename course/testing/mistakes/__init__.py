@@ -193,6 +193,7 @@ def _warm_imports() -> None:
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
     import hypothesis  # noqa: F401
+    import nbval.plugin  # noqa: F401      pytest loads it in every child (through nbformat: 0.3 s)
     import pytest  # noqa: F401
     import transformers  # noqa: F401
     from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
