@@ -70,7 +70,8 @@ def check_step(engine, step, before, events, finished):
     for slot, request in enumerate(engine.slots):
         if request is None:
             continue
-        assert request.slot == slot, f"step {step}: request {request.request_id} sits in slot {slot} but says {request.slot}"
+        assert request.slot == slot, (
+            f"step {step}: request {request.request_id} sits in slot {slot} but its slot says {request.slot}")
         moved = slot_before.get(request.request_id, slot)
         assert moved == slot, (f"step {step}: request {request.request_id} moved from slot {moved} to slot {slot}: "
                                f"a running request keeps its slot")
