@@ -183,36 +183,34 @@ class ContinuousBatchingEngine:
         return [r for r in self.slots if r is not None]
 
     def step(self) -> list[tuple[str, list[int], bool]]:
-        """One engine step: admit, decode every decoding request in one call, then run one
-        prefill chunk for each prefilling request. Returns [(request_id, new_token_ids, finished)]."""
-        self._admit()
-        decoding = [r for r in self.running if r.phase == DECODE]
-        prefilling = [r for r in self.running if r.phase == PREFILL]
-        events: list[tuple[str, list[int], bool]] = []
-        if decoding:
-            for request, token in zip(decoding, self._decode(decoding)):
-                events.append(self._emit(request, token))
-        for request in prefilling:
-            first = self._prefill_chunk(request)
-            if first is not None:
-                events.append(self._emit(request, first))
-        self.steps += 1
-        return events
+        """One engine step: admit waiting requests, give every running request one piece of
+        work, retire the finished ones.  (Your engine: Chapter 24)
+
+        Admission, first: each free slot (self.slots[s] is None) takes a waiting request, the
+        oldest first (self.waiting is in arrival order), as many as there are free slots and
+        waiting requests, never more; a running request keeps its slot. An admitted request
+        records its slot (request.slot) and starts on an empty slot (cache length 0).
+        Work: each running request gets exactly one piece of work, decided by its phase once
+        admission is done: every DECODE request one token, all of them through ONE call of
+        self._decode; every PREFILL request one chunk (self._prefill_chunk), which yields a
+        token only when it completes the prompt. A request therefore gets at most one token
+        per step, and a mid-prompt chunk none.
+        Retirement: every new token goes through self._emit; a request it reports finished
+        gives its slot back in this same step (self.slots[its slot] = None), so the slot is
+        admitted at the next step and the finished request is never run again.
+        Returns one (request_id, [token], finished) per request that got a token, in any
+        order; [] when nothing ran. Afterwards self.steps is one more, and every request is
+        in exactly one place: waiting (arrival order kept), running in the slot it names
+        (that slot's cache length = the request's tokens in the cache), or finished (reported
+        finished exactly once, in no slot).
+        """
+        raise NotImplementedError("Your engine: Chapter 24: ContinuousBatchingEngine.step")
 
     def run(self, items: Iterable[WorkItem]) -> dict[str, list[int]]:
         """Serve WorkItems (Chapter 22) to completion; returns {request_id: output token ids}."""
         return run_to_completion(self, items)
 
     # -- the parts of a step --------------------------------------------------------------
-    def _admit(self) -> None:
-        """Give every free slot to the oldest waiting request."""
-        for slot in range(self.num_slots):
-            if self.slots[slot] is None and self.waiting:
-                request = self.waiting.popleft()
-                request.slot = slot
-                self.cache.reset(slot)
-                self.slots[slot] = request
-
     def _forward(self, token_rows: list[list[int]], slot_ids: list[int]) -> torch.Tensor:
         """One model call on token_rows [B, T] over the given slots; logits of the last position [B, V]."""
         self.forward_calls += 1
@@ -243,23 +241,17 @@ class ContinuousBatchingEngine:
         raise NotImplementedError("Your engine: Chapter 24: ContinuousBatchingEngine._prefill_chunk")
 
     def _decode(self, requests: list[SlotRequest]) -> list[int]:
-        """One forward call for all decoding requests; returns one new token per request.
-        (Your engine: Chapter 24)
-
-        requests: SlotRequests whose prompts are in their slots and whose newest output token
-        output_ids[-1] is not yet in the cache. Runs exactly one model call (self._forward over
-        the requests' slots) and returns a list of ints, the greedy next token of each request,
-        in the order given. Afterwards each request's slot holds its newest token's keys and
-        values (its cache length grew by 1); the requests themselves are unchanged.
-        """
-        raise NotImplementedError("Your engine: Chapter 24: ContinuousBatchingEngine._decode")
+        """One forward call for all decoding requests: each feeds its newest output token (not
+        yet in its slot) on its own slot; returns their greedy next tokens, in order."""
+        logits = self._forward([[r.output_ids[-1]] for r in requests], [r.slot for r in requests])
+        return self._pick(logits)
 
     def _emit(self, request: SlotRequest, token: int) -> tuple[str, list[int], bool]:
-        """Append a sampled token; free the slot if the request is done."""
+        """Append a new token to the request's output and say whether the request is done
+        (max_new_tokens reached, EOS, one of its stop tokens, or the model's context full).
+        Frees nothing: retiring the request is the step's job."""
         request.output_ids.append(token)
         finished = (len(request.output_ids) >= request.max_new_tokens or token == self.eos_token_id
                     or token in request.stop_token_ids
                     or len(request.prompt_ids) + len(request.output_ids) >= self.limit)
-        if finished:
-            self.slots[request.slot] = None
         return request.request_id, [token], finished

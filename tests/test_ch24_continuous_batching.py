@@ -34,22 +34,67 @@ def assert_same_request_tokens(request_id, expected, got):
 
 
 def serve(engine, requests):
-    """Add (request_id, prompt, max_new[, stops]) and step to the end.
-    Returns (outputs, events_per_step)."""
+    """Add (request_id, prompt, max_new[, stops]) and step to the end, checking the step's
+    contract after every step (check_step). Returns (outputs, events_per_step)."""
     for request in requests:
         engine.add_request(*request)
     outputs = {r[0]: [] for r in requests}
     history = []
+    finished = set()
     guard = 10_000
     while engine.has_unfinished:
         guard -= 1
         assert guard > 0, "engine.has_unfinished never became False (10,000 steps)"
+        before = ([r.request_id for r in engine.waiting], {r.request_id: r.slot for r in engine.running},
+                  engine.slots.count(None))
         events = engine.step()
         history.append(events)
+        check_step(engine, len(history), before, events, finished)
         for request_id, tokens, _finished in events:
             assert request_id in outputs, f"step {len(history)}: unknown request id {request_id!r}"
             outputs[request_id].extend(tokens)
     return outputs, history
+
+
+def check_step(engine, step, before, events, finished):
+    """The contract of ContinuousBatchingEngine.step, seen from outside after one step."""
+    waiting_before, slot_before, free_before = before
+    waiting = [r.request_id for r in engine.waiting]
+    admitted = len(waiting_before) - len(waiting)
+    assert admitted == min(free_before, len(waiting_before)), (
+        f"step {step}: {free_before} slots were free and {len(waiting_before)} requests waiting, and the step "
+        f"admitted {admitted}: a step admits one waiting request per free slot, no more and no fewer")
+    assert waiting == waiting_before[admitted:], (
+        f"step {step}: waiting {waiting_before} became {waiting}: admission is first come, first served "
+        f"(the oldest waiting request first)")
+    for slot, request in enumerate(engine.slots):
+        if request is None:
+            continue
+        assert request.slot == slot, (
+            f"step {step}: request {request.request_id} sits in slot {slot} but its slot says {request.slot}")
+        moved = slot_before.get(request.request_id, slot)
+        assert moved == slot, (f"step {step}: request {request.request_id} moved from slot {moved} to slot {slot}: "
+                               f"a running request keeps its slot")
+    got = [request_id for request_id, _, _ in events]
+    for request_id, tokens, _ in events:
+        assert got.count(request_id) == 1 and len(tokens) == 1 and all(isinstance(t, int) for t in tokens), (
+            f"step {step}: request {request_id} got {[e[1] for e in events if e[0] == request_id]}: a request gets at "
+            f"most one token per step, and a mid-prompt chunk yields no token")
+        assert request_id not in finished, (
+            f"step {step}: request {request_id} got a token after it finished: a finished request is never run again")
+    running = {r.request_id: r.slot for r in engine.running}
+    for request_id, _, is_finished in events:
+        if is_finished:
+            finished.add(request_id)
+            assert request_id not in running, (
+                f"step {step}: request {request_id} finished but still holds slot {running[request_id]}: a finished "
+                f"request gives its slot back in the step that finishes it")
+    for request in engine.running:
+        in_cache = request.num_prefilled + max(0, len(request.output_ids) - 1)
+        assert engine.cache.lengths[request.slot] == in_cache, (
+            f"step {step}: slot {request.slot} holds {engine.cache.lengths[request.slot]} positions but request "
+            f"{request.request_id} has {in_cache} tokens in the cache: an admitted request starts on an empty slot "
+            f"(cache length 0)")
 
 
 class CallRecorder(torch.nn.Module):

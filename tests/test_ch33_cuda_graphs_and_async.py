@@ -331,6 +331,105 @@ def test_settle_token_twice_is_an_error(serve, overlap):
     assert request.token_ids == [1, 2, 3, 10], "a refused settle changes nothing"
 
 
+class HostGreedy:
+    """A sampler other than SimpleSampler, so the asynchronous engine samples on the host:
+    the plain argmax, the synchronous engine's greedy tokens."""
+
+    def __call__(self, logits, requests, generators):
+        return [[int(row.argmax())] for row in logits], None
+
+
+STEP_PARTS = ("wait_for_tokens", "launch", "settle", "sample_on_host", "count_launched")
+
+
+def recorded_calls(stepper):
+    """Wrap the stepper's named parts (on the instance) so that each call of step() leaves,
+    in `log`, the parts it ran in order, each with the launched step it handled (its
+    launch number; None for wait_for_tokens)."""
+    log, launched = [], []          # launched: every step launch returned, kept alive in order
+
+    def wrap(name):
+        part = getattr(stepper, name)
+
+        def recorded(*args):
+            result = part(*args)
+            if name == "launch":
+                launched.append(result)
+            handled = result if name == "launch" else args[0]
+            number = next((k for k, step in enumerate(launched) if step is handled), None)
+            log.append((name, number))
+            return result
+        setattr(stepper, name, recorded)
+    for name in STEP_PARTS:
+        wrap(name)
+    return log
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_async_step_launches_the_next_step_before_it_settles_the_one_in_flight(serve, tiny_model, baseline, where):
+    """AsyncStepper.step's order of the engine's named parts, call by call: wait for what the
+    next batch needs, launch step t+1, settle step t (each launched step once, in the next
+    call), sample step t+1 on the host (a host sampler only) and only then append its
+    placeholders. The engine's checks run once per plan and once per settled step."""
+    from types import SimpleNamespace
+
+    prompts, max_tokens, want = baseline
+    engine = serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(
+        block_size=BLOCK, num_blocks=64, async_scheduling=True), eos_token_id=EOS,
+        sampler=HostGreedy() if where == "host" else None)
+    checks = {"plan": 0, "scheduler": 0}
+    engine.checks = SimpleNamespace(check_plan=lambda *_: checks.update(plan=checks["plan"] + 1),
+                                    check_scheduler=lambda *_: checks.update(scheduler=checks["scheduler"] + 1))
+    log = recorded_calls(engine.async_steps)
+    params = [serve.request.SamplingParams(max_tokens=max_tokens[r]) for r in prompts]
+    for rid, prompt, p in zip(prompts, prompts.values(), params):
+        engine.add_request(rid, prompt, p)
+    got = {rid: [] for rid in prompts}
+    in_flight, settled, calls = None, set(), 0
+    while engine.has_unfinished:
+        calls += 1
+        assert calls < 500, "the engine still has unfinished work after 500 calls of step()"
+        del log[:]
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        names = [name for name, _ in log]
+        said = f"call {calls} of step() ran {names}"
+        launched = next((k for name, k in log if name == "launch"), None)
+        if "launch" in names:
+            assert "wait_for_tokens" in names and names.index("wait_for_tokens") < names.index("launch"), (
+                f"{said}: wait_for_tokens comes before the plan is prepared (launch), whose placeholder inputs "
+                f"are filled from the step in flight's tokens")
+        if "launch" in names and "settle" in names:
+            assert names.index("launch") < names.index("settle"), (
+                f"{said}: step t+1 is launched before the host waits for step t's tokens (settle): that is the "
+                f"overlap")
+        for name, k in log:
+            if name == "settle":
+                assert k == in_flight and k not in settled, (
+                    f"{said}: it settled launch {k}, the step in flight was launch {in_flight}: each launched "
+                    f"step is settled exactly once, in the next call")
+                settled.add(k)
+            if name in ("sample_on_host", "count_launched"):
+                assert k == launched, f"{said}: {name} handled launch {k}, not the step this call launched"
+        if "sample_on_host" in names:
+            assert where == "host", f"{said}: with SimpleSampler the device samples; nothing is sampled on the host"
+            assert "settle" not in names or names.index("settle") < names.index("sample_on_host"), (
+                f"{said}: the host samples step t+1 only once step t is settled (its sampler sees step t's tokens)")
+            assert "count_launched" not in names or names.index("sample_on_host") < names.index("count_launched"), (
+                f"{said}: step t+1's placeholders are appended (count_launched) only after it is sampled on the host")
+        elif where == "host" and launched is not None and "count_launched" in names:
+            pytest.fail(f"{said}: with a host sampler every launched step is sampled on the host")
+        if in_flight is not None and in_flight not in settled:
+            pytest.fail(f"{said}: launch {in_flight} was in flight and not settled: each launched step is settled "
+                        f"exactly once, in the next call")
+        in_flight = launched if "count_launched" in names else None
+    expect_same(f"async step order, {where} sampling", got, want)
+    assert checks == {"plan": calls, "scheduler": engine.steps}, (
+        f"{calls} calls of step, {engine.steps} steps settled; the checks ran {checks}: the asynchronous step goes "
+        f"through the engine's named parts, so each plan is checked once (schedule) and the scheduler once per "
+        f"settled step (update)")
+
+
 class DeviceOnlyTokens(torch.Tensor):
     """A step's sampled tokens that refuse every read on the host: prepare must copy them
     on the device (index them, copy them into the batch), never turn them into numbers."""

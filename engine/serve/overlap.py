@@ -3,34 +3,29 @@
 The synchronous step is a relay: the host schedules and builds a batch while the device
 waits, then the device computes while the host waits for the sampled tokens. The
 asynchronous engine calls the synchronous engine's own parts (EngineCore.schedule,
-ModelRunner.prepare, EngineCore.execute_model, EngineCore.sample_tokens, EngineCore.update),
-in another order; each call of `AsyncStepper.step` does:
+ModelRunner.prepare, EngineCore.execute_model, EngineCore.sample_tokens, EngineCore.update)
+in another order, chosen by what each part needs:
 
-    1. schedule step t+1 (EngineCore.schedule); a request whose token from step t is not
-       read back yet holds a PLACEHOLDER in its token list (num_placeholders counts them),
-       so the scheduler sees the right lengths and gives it its next decode;
-    2. prepare step t+1's batch with step t as `previous` (ModelRunner.prepare builds it
-       in host memory, moves it without waiting for the device, and fills each placeholder
-       input from step t's sampled tokens on the device, never read back), and hand its
-       device part to the device queue, behind step t: swaps and forward
-       (EngineCore.execute_model); with Chapter 31's SimpleSampler, the sampling too
-       (`sample_on_device`): the device never waits;
-    3. only now wait for step t's tokens and hand them to EngineCore.update, whose hooks
-       this stepper extends: each token is written over its placeholder, the stop rule
-       applies to it, and the outputs are made there, as for a synchronous step;
-    4. with any other sampler, sample step t+1 now (EngineCore.sample_tokens), on the host,
-       from the logits its forward left: the requests hold exactly what the synchronous
-       engine shows its sampler (step t's tokens applied, step t+1's not yet), so penalties,
-       a custom sampler and guided decoding (each guide advanced by step t's token) see the
-       same history and draw the same tokens. A request step t finished is not sampled;
-    5. count step t+1's rows as computed and append a placeholder per sampled request.
+  * scheduling step t+1 needs only how MANY tokens each request has: a request whose
+    token from step t is not read back yet holds a PLACEHOLDER in its token list
+    (num_placeholders counts them), so the scheduler sees the right lengths;
+  * preparing step t+1's batch needs step t's tokens only on the device: ModelRunner.prepare,
+    given step t as `previous`, fills each placeholder input from step t's sampled tokens
+    there, never read back; its device part (swaps, forward and, with Chapter 31's
+    SimpleSampler, the sampling: `sample_on_device`) queues behind step t's;
+  * applying step t (EngineCore.update, whose hooks this stepper extends: each token over
+    its placeholder, the stop rule on it, outputs of known tokens only) needs step t's
+    tokens on the host: the one wait;
+  * any other sampler reads the requests' histories, so it must see exactly what the
+    synchronous engine shows it: step t's tokens applied, step t+1's placeholders not yet
+    there (EngineCore.sample_tokens, on the host, from the logits step t+1's forward left).
 
 So step t's device work overlaps step t+1's host work. The cost: a request that stops at
 step t (an EOS nobody knew about yet) has already been given a row in step t+1, computed
 for nothing and thrown away; max_tokens is known in advance, so the scheduler never gives
-a request a row past its last token (its last token is "in flight"). Step 4 costs more:
-the host waits for step t+1's forward before it can plan step t+2, as vLLM's asynchronous
-scheduler does for structured outputs; only the forward of step t+1 overlaps step t's update.
+a request a row past its last token (its last token is "in flight"). A host sampler costs
+more: the host waits for step t+1's forward before it can plan step t+2, as vLLM's
+asynchronous scheduler does for structured outputs.
 
 The device queue keeps the device part of each step in order:
     "cuda"    runs it on the host thread, which only enqueues kernels on the current stream,
@@ -79,7 +74,7 @@ class InflightStep:
     in `tokens`; tokens: int64 [len(sampling)] on the device once sampled (0 in the row of
     a request that was not sampled); handle: what DeviceQueue.wait needs to read them;
     output: the ModelOutput its forward left (EngineCore.execute_model); sampled: the
-    host's SampledTokens, when the host sampled it (step 4 of the module docstring)."""
+    host's SampledTokens, when the host sampled it (AsyncStepper.sample_on_host)."""
     plan: SchedulerOutput
     batch: Batch | None
     sampling: list[Request]
@@ -200,7 +195,7 @@ class AsyncStepper(StepUpdate):
     def __init__(self, engine: EngineCore, mode: str | None = None) -> None:
         self.engine = engine
         # Chapter 31's SimpleSampler is redone on the device, drawing from its generator;
-        # any other sampler runs on the host once the step before is applied (step 4).
+        # any other sampler runs on the host once the step before is applied (sample_on_host).
         sampler = engine.sampler
         self.device_sampler = sampler if type(sampler) is SimpleSampler else None
         self.queue = DeviceQueue(mode or ("cuda" if engine.device.type == "cuda" else "inline"))
@@ -209,29 +204,47 @@ class AsyncStepper(StepUpdate):
         self.wait_seconds = 0.0           # time spent waiting for tokens
 
     def step(self) -> list[RequestOutput]:
-        engine = self.engine
-        started = time.perf_counter()
-        plan = engine.schedule()
-        self.host_seconds += time.perf_counter() - started
-        previous = self.inflight
-        if previous is not None and previous.tokens is None and any(r.num_placeholders for r, _ in plan.scheduled):
-            self.wait_for_tokens(previous)
-        started = time.perf_counter()
-        launched = self.launch(plan) if plan.scheduled or plan.swap_out or plan.swap_in else None
-        self.host_seconds += time.perf_counter() - started
-        outputs = self.settle(self.inflight) if self.inflight is not None else []
-        self.inflight = None
-        if launched is not None and launched.batch is not None and self.device_sampler is None:
-            self.sample_on_host(launched)
-        if launched is not None and plan.scheduled:
-            self.count_launched(launched)
-            self.inflight = launched
-        return outputs
+        """One call of the asynchronous engine: launch the next step, then apply the one in
+        flight.  (Your engine: Chapter 33)
 
-    def wait_for_tokens(self, step: InflightStep) -> None:
-        """The thread queue's price: the step in flight's tokens are made on the worker
-        thread, and the next batch's placeholder inputs are filled from them when it is
-        prepared, so the host waits for that step's device part first (counted as waiting)."""
+        The parts, each named once: self.schedule() plans step t+1; self.wait_for_tokens(plan)
+        must come before that plan is prepared (it waits only where the thread queue has not
+        made step t's tokens yet); self.launch(plan) prepares step t+1 (previous = the step in
+        flight) and queues its device part; self.settle(step) waits for a launched step's
+        tokens and applies them, returning the outputs; self.sample_on_host(step) samples a
+        launched step on the host; self.count_launched(step) counts its rows and appends its
+        placeholders. self.inflight is the launched step not yet settled (None: none).
+        Ordering guarantees:
+          * overlap: step t+1 is launched BEFORE the host waits for step t's tokens, so the
+            device always has work queued while the host settles;
+          * a plan is launched when it schedules rows or swaps; only a plan with scheduled
+            rows becomes the step in flight (a swaps-only plan samples nothing);
+          * every launched step in flight is settled exactly once, in the next call; the
+            last call (nothing left to schedule) only settles;
+          * with a host sampler (self.device_sampler is None), step t+1 is sampled after step
+            t is settled and before step t+1's placeholders are appended, so the sampler
+            sees the synchronous engine's histories;
+          * count_launched comes last: the next call's schedule sees step t+1's rows as
+            computed and its placeholders in the token lists.
+        Returns the RequestOutputs of the step settled in this call ([] on the first call).
+        """
+        raise NotImplementedError("Your engine: Chapter 33: AsyncStepper.step")
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (EngineCore.schedule), counting its time as host work."""
+        started = time.perf_counter()
+        plan = self.engine.schedule()
+        self.host_seconds += time.perf_counter() - started
+        return plan
+
+    def wait_for_tokens(self, plan: SchedulerOutput) -> None:
+        """Call before `plan` is prepared. The thread queue's price: the step in flight's tokens
+        are made on the worker thread, and the plan's placeholder inputs are filled from them
+        when it is prepared, so when the plan has any and they are not made yet, the host
+        waits for that step's device part first (counted as waiting). Otherwise a no-op."""
+        step = self.inflight
+        if step is None or step.tokens is not None or not any(r.num_placeholders for r, _ in plan.scheduled):
+            return
         waited = time.perf_counter()
         self.queue.ran(step)
         self.wait_seconds += time.perf_counter() - waited
@@ -240,7 +253,8 @@ class AsyncStepper(StepUpdate):
         """Prepare the plan's batch (ModelRunner.prepare fills its placeholder inputs from the
         step in flight's tokens, on the device) and queue its device part behind the step in
         flight: swaps and forward (EngineCore.execute_model), and with SimpleSampler the
-        sampling too."""
+        sampling too. Its time counts as host work."""
+        started = time.perf_counter()
         engine, runner = self.engine, self.engine.runner
         scheduled = plan.scheduled
         batch = runner.prepare(scheduled, plan.block_tables, previous=self.inflight) if scheduled else None
@@ -262,10 +276,11 @@ class AsyncStepper(StepUpdate):
             return sample_on_device(step.output.logits, sampling, generators, device_sampler.generator)
 
         self.queue.submit(step, device_part)
+        self.host_seconds += time.perf_counter() - started
         return step
 
     def sample_on_host(self, step: InflightStep) -> None:
-        """Step 4: once the step before is applied, sample `step` with the engine's own
+        """Once the step before is applied, sample `step` with the engine's own
         sampler (EngineCore.sample_tokens) from the logits its forward left; its tokens go
         to the device, where the next step's placeholders are filled from them."""
         self.queue.ran(step)

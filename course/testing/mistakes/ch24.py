@@ -47,24 +47,42 @@ MISTAKES = [
             rule="a mid-prompt chunk's logits are not used: the first token comes with the prompt's last chunk",
             expect="first token at step 5",
             tests=(f"{MILESTONE}::test_chunked_prefill_does_not_stall_decoding",)),
-    Mistake("continuous.py", "ContinuousBatchingEngine._decode",
-            before="self._forward([[r.output_ids[-1]] for r in requests], [r.slot for r in requests])",
-            after="torch.cat([self._forward([[r.output_ids[-1]]], [r.slot]) for r in requests])",
+    Mistake("continuous.py", "ContinuousBatchingEngine.step",
+            before="                self.slots[request.slot] = None\n",
+            after="                pass\n",
+            rule="a finished request gives its slot back in the step that finishes it",
+            expect="gives its slot back in the step that finishes it",
+            tests=(f"{MILESTONE}::test_freed_slot_is_reused_at_the_next_step",)),
+    Mistake("continuous.py", "ContinuousBatchingEngine.step",
+            before="if self.slots[slot] is None and self.waiting:",
+            after="if self.waiting:",
+            rule="a step admits one waiting request per free slot, never into a slot a running request holds",
+            expect="one waiting request per free slot",
+            tests=(f"{MILESTONE}::test_freed_slot_is_reused_at_the_next_step",)),
+    Mistake("continuous.py", "ContinuousBatchingEngine.step",
+            before="request = self.waiting.popleft()",
+            after="request = self.waiting.pop()",
+            rule="admission is first come, first served: the oldest waiting request takes the free slot",
+            expect="first come, first served",
+            tests=(f"{MILESTONE}::test_freed_slot_is_reused_at_the_next_step",)),
+    Mistake("continuous.py", "ContinuousBatchingEngine.step",
+            before="                self.cache.reset(slot)\n",
+            after="",
+            rule="an admitted request starts on an empty slot: the previous owner's length is reset to 0",
+            expect="starts on an empty slot",
+            tests=(f"{MILESTONE}::test_freed_slot_is_reused_at_the_next_step",)),
+    Mistake("continuous.py", "ContinuousBatchingEngine.step",
+            before="            if first is not None:\n                new_tokens.append((request, first))",
+            after="            new_tokens.append((request, first))",
+            rule="a mid-prompt chunk yields no token: only the chunk that completes the prompt does",
+            expect="a mid-prompt chunk yields no token",
+            tests=(f"{MILESTONE}::test_every_request_matches_solo_generate",)),
+    Mistake("continuous.py", "ContinuousBatchingEngine.step",
+            before="list(zip(decoding, self._decode(decoding)))",
+            after="list(zip(decoding, [t for r in decoding for t in self._decode([r])]))",
             rule="all decoding requests share one forward call per step",
             expect="one [4, 1] decode call per step",
             tests=(f"{MILESTONE}::test_one_prefill_call_per_request_and_one_decode_call_per_step",)),
-    Mistake("continuous.py", "ContinuousBatchingEngine._decode",
-            before="[[r.output_ids[-1]] for r in requests]",
-            after="[[r.output_ids[0]] for r in requests]",
-            rule="a decode feeds each request's newest token",
-            expect="differs from solo generate",
-            tests=(f"{MILESTONE}::test_one_prefill_call_per_request_and_one_decode_call_per_step",)),
-    Mistake("continuous.py", "ContinuousBatchingEngine._decode",
-            before="[r.slot for r in requests]",
-            after="list(range(len(requests)))",
-            rule="row b of the decode call runs on request b's own slot, wherever it is",
-            expect="differs from solo generate",
-            tests=(f"{MILESTONE}::test_freed_slot_is_reused_at_the_next_step",)),
 ]
 
 DECIDES = {
@@ -74,9 +92,10 @@ DECIDES = {
     "ContinuousBatchingEngine._prefill_chunk": (
         "where a request's prefill progress lives between steps, and when a chunk's logits are a token to "
         "keep and when they are thrown away"),
-    "ContinuousBatchingEngine._decode": (
-        "how to gather every decoding request's newest token into one call, and which token is fed (the "
-        "newest output, not yet in the cache)"),
+    "ContinuousBatchingEngine.step": (
+        "the scheduling of one step: which waiting requests take which free slots and in what order, how the "
+        "running requests split into one shared decode call and per-request prefill chunks, and when a finished "
+        "request's slot becomes free again"),
 }
 
-DESIGN = ("SlotRows.update",)
+DESIGN = ("SlotRows.update", "ContinuousBatchingEngine.step")

@@ -1,9 +1,10 @@
-"""Chapter 33: the graph runner's static inputs, the fused add + RMSNorm kernel, settling
-late tokens under asynchronous scheduling."""
+"""Chapter 33: the graph runner's static inputs, the fused add + RMSNorm kernel, the
+asynchronous step's order of the engine's parts, settling late tokens."""
 from . import Mistake
 
 MILESTONE = "tests/test_ch33_cuda_graphs_and_async.py"
 SETTLE = (MILESTONE, "-k", "settle_token")
+ORDER = (MILESTONE, "-k", "launches_the_next_step")
 LOAD = (f"{MILESTONE}::test_load_inputs_writes_into_the_same_buffers",)
 KERNEL = (MILESTONE, "-k", "fused_triton_kernel_matches")     # TRITON_INTERPRET=1 on a CPU
 
@@ -28,6 +29,57 @@ MISTAKES = [
             after="pass",
             rule="tokens computed past a stop are not output: a finish drops the placeholders after it",
             expect="past a stop is not output", tests=SETTLE),
+    Mistake("serve/overlap.py", "AsyncStepper.step",
+            before="""        launched = self.launch(plan) if plan.scheduled or plan.swap_out or plan.swap_in else None
+        outputs = self.settle(self.inflight) if self.inflight is not None else []
+""",
+            after="""        outputs = self.settle(self.inflight) if self.inflight is not None else []
+        launched = self.launch(plan) if plan.scheduled or plan.swap_out or plan.swap_in else None
+""",
+            rule="step t+1 is launched before the host waits for step t's tokens: that is the overlap",
+            expect="that is the overlap", tests=ORDER),
+    Mistake("serve/overlap.py", "AsyncStepper.step",
+            before="""        self.wait_for_tokens(plan)
+        launched = self.launch(plan) if plan.scheduled or plan.swap_out or plan.swap_in else None
+""",
+            after="""        launched = self.launch(plan) if plan.scheduled or plan.swap_out or plan.swap_in else None
+        self.wait_for_tokens(plan)
+""",
+            rule="the step in flight's tokens are waited for before the next plan's placeholder inputs are prepared",
+            expect="wait_for_tokens comes before the plan is prepared", tests=ORDER),
+    Mistake("serve/overlap.py", "AsyncStepper.step",
+            before="""        outputs = self.settle(self.inflight) if self.inflight is not None else []
+        self.inflight = None
+        if launched is not None and launched.batch is not None and self.device_sampler is None:
+            self.sample_on_host(launched)
+""",
+            after="""        if launched is not None and launched.batch is not None and self.device_sampler is None:
+            self.sample_on_host(launched)
+        outputs = self.settle(self.inflight) if self.inflight is not None else []
+        self.inflight = None
+""",
+            rule="a host sampler samples step t+1 only once step t is settled, as the synchronous engine shows it",
+            expect="only once step t is settled", tests=ORDER),
+    Mistake("serve/overlap.py", "AsyncStepper.step",
+            before="""        if launched is not None and launched.batch is not None and self.device_sampler is None:
+            self.sample_on_host(launched)
+        if launched is not None and plan.scheduled:
+            self.count_launched(launched)
+            self.inflight = launched
+""",
+            after="""        if launched is not None and plan.scheduled:
+            self.count_launched(launched)
+            self.inflight = launched
+        if launched is not None and launched.batch is not None and self.device_sampler is None:
+            self.sample_on_host(launched)
+""",
+            rule="step t+1's placeholders are appended only after the host sampled it: its sampler sees no placeholder",
+            expect="only after it is sampled on the host", tests=ORDER),
+    Mistake("serve/overlap.py", "AsyncStepper.step",
+            before="        self.inflight = None\n",
+            after="",
+            rule="each launched step is settled exactly once, in the next call",
+            expect="settled exactly once", tests=ORDER),
     Mistake("serve/graphs.py", "GraphRunner.load_inputs",
             before="self.input_ids[:size].copy_(batch.input_ids)",
             after="self.input_ids = batch.input_ids.clone()",
@@ -67,9 +119,12 @@ DECIDES = {
     "GraphRunner.load_inputs":
         "how to put a new batch in front of a captured graph: writing into its fixed buffers, never rebinding "
         "them, and what to clear in the unused columns",
+    "AsyncStepper.step":
+        "the order of the engine's named parts in one asynchronous call: what must be launched before the host "
+        "waits, what a host sampler must see, when placeholders are appended and which step in flight is settled",
     "settle_token":
         "which placeholder a late token replaces, which index the stop rules judge, and what to discard when that "
         "token ends the request",
 }
 
-DESIGN = ("settle_token",)
+DESIGN = ("AsyncStepper.step",)
