@@ -32,5 +32,5 @@ def defer_iri_grammar() -> None:
         real = importlib.import_module(_IRI_MODULE)
         return bool(real.is_valid_syntax(term, value))
 
-    setattr(stand_in, "is_valid_syntax", is_valid_syntax)
+    vars(stand_in)["is_valid_syntax"] = is_valid_syntax
     sys.modules[_IRI_MODULE] = stand_in
