@@ -1,9 +1,8 @@
 """Chapter 28: a quantized KV cache.
 
-Keys and values are stored as 8-bit numbers plus one float scale per (token, kv head): the
-vector of head_dim numbers a token writes for one head shares a scale chosen from its own
-largest magnitude. Storage drops from 2 bytes (bfloat16) or 4 (float32) to 1 byte per
-number, plus 4 bytes of scale per head_dim numbers.
+Keys and values are kept as 8-bit codes (int8 or fp8 e4m3) with what it takes to decode
+them: 1 byte per number instead of 2 (bfloat16) or 4 (float32), plus a few bytes per stored
+vector, each vector's error bounded by its own range.
 
 QuantizedKVCache is a drop-in replacement for Chapter 16's KVCache: the model calls the same
 update / advance / truncate and gets float keys and values back, so Qwen3 runs unchanged.
@@ -61,12 +60,26 @@ def dequantize_kv(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
 
 
 class QuantizedKVCache(KVCache):
-    """KVCache with 8-bit storage: k[layer], v[layer] hold codes [batch, kv_heads, max_len,
-    head_dim]; k_scale[layer], v_scale[layer] hold float32 scales [batch, kv_heads, max_len].
-    `dtype` is what update returns (the model's dtype); `fmt` is "int8" or "fp8"."""
+    """KVCache with 8-bit storage: update takes and returns float keys and values like
+    Chapter 16's cache, but what it keeps is 8-bit codes and what decodes them. `dtype` is
+    what update returns (the model's dtype); `fmt` is "int8" or "fp8"."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", fmt: str = "int8") -> None:
+        """Allocate, once, everything the cache will keep for num_layers layers of batch
+        sequences, kv_heads heads and max_len tokens.  (Your engine: Chapter 28)
+
+        A stored vector is one token's head_dim keys (or values) of one head. The cache must
+        give each one back as quantize_kv then dequantize_kv would (so every element within
+        half a code step of its own vector's range) while keeping at most head_dim + 4 bytes
+        for it, the codes included: never a float copy. Afterwards, as for KVCache:
+        length == 0, max_len is set, and k[layer], v[layer] are the code tensors
+        [batch, kv_heads, max_len, head_dim] in FORMATS[fmt][0] (advance and truncate rely
+        on that layout); fmt and dtype are kept as self.fmt and self.dtype. Whatever else is
+        kept lives in attributes that are tensors or lists of tensors: nbytes counts every
+        such tensor, and it is the memory figure the milestone checks. No two layers, and
+        not keys and values, share storage.
+        """
         qdtype = FORMATS[fmt][0]
         super().__init__(num_layers, batch, kv_heads, head_dim, max_len, qdtype, device)
         scale_shape = (batch, kv_heads, max_len)
@@ -81,16 +94,16 @@ class QuantizedKVCache(KVCache):
                    weight.dtype, weight.device, fmt)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize and store the new keys and values; return ALL keys and values so far,
-        dequantized.  (Your engine: Chapter 28)
+        """Keep the new keys and values in the form __init__ chose; return ALL keys and
+        values so far as floats.  (Your engine: Chapter 28)
 
         Same contract as KVCache.update: k, v [batch, kv_heads, T, head_dim] go to slots
-        length .. length + T - 1 (ValueError when they do not fit), `length` does not move,
-        and the return value is (keys, values) of slots 0 .. length + T - 1, shape
-        [batch, kv_heads, length + T, head_dim], in self.dtype. Store codes in self.k/self.v
-        and scales in self.k_scale/self.v_scale with quantize_kv(., self.fmt). The values
-        returned for the NEW tokens must be the dequantized ones too, not the exact inputs:
-        every later step will see the stored version, and this step must agree with them.
+        length .. length + T - 1 (ValueError, before anything is written, when they do not
+        fit), `length` does not move, and the result is (keys, values) of slots
+        0 .. length + T - 1, shape [batch, kv_heads, length + T, head_dim], in self.dtype.
+        Every returned vector, the T new ones included, is what its stored form decodes to:
+        dequantize_kv(*quantize_kv(vector, self.fmt)), the same on this call as on every
+        later one, whichever layer or tensor (keys or values) was written in between.
         """
         end = self.length + k.shape[2]
         if end > self.max_len:
@@ -105,7 +118,10 @@ class QuantizedKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + sum(t.numel() * t.element_size() for t in self.k_scale + self.v_scale)
+        """Bytes of every tensor the cache keeps (an attribute, or an element of a list
+        attribute): the codes and whatever decodes them."""
+        kept = [item for value in vars(self).values() for item in (value if isinstance(value, list) else [value])]
+        return sum(t.numel() * t.element_size() for t in kept if isinstance(t, torch.Tensor))
 
 
 def kv_bytes_per_token(cfg: Qwen3Config, dtype: torch.dtype = torch.bfloat16, fmt: str | None = None) -> int:

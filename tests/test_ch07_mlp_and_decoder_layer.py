@@ -1,16 +1,18 @@
 """Chapter 7 milestone: the SwiGLU MLP and the pre-norm decoder layer.
 
 Oracles: the SwiGLU formula written with F.silu and matrix products in float64,
-transformers' Qwen3MLP loaded with the same weights, and a decoder layer composed by hand
-from those pieces. Qwen3's attention is Chapter 9's work, so the layer is tested with a
-stand-in attention module: what matters here is how the two residual branches are wired.
+transformers' Qwen3MLP loaded with the same weights, a decoder layer composed by hand from
+those pieces, and transformers' Qwen3DecoderLayer with the same weights. Qwen3's attention is
+Chapter 9's work, so the layer is tested with a stand-in attention module (for the
+comparison with transformers, transformers' own attention behind our signature): what
+matters here is how the two residual branches are wired.
 """
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from course.models import fill_deterministic, tiny_config
+from course.models import fill_deterministic, tiny_config, tiny_config_values
 
 pytestmark = pytest.mark.chapter(7)
 
@@ -132,3 +134,45 @@ def test_decoder_layer_on_the_tiny_weights_in_bfloat16(impl, cfg, layer, device)
     expected = hand_composed(layer, x, cfg.rms_norm_eps)
     err = ((got.double() - expected).abs() / (1 + expected.abs())).max().item()
     assert err < 0.05, f"bfloat16 decoder layer is off the float64 composition by {err:.3g} (relative)"
+
+
+class BorrowedAttention(nn.Module):
+    """transformers' attention module behind our self_attn signature, so that our layer and
+    transformers' run the very same attention and differ only in how they wire the stream."""
+
+    def __init__(self, attention, position_embeddings):
+        super().__init__()
+        self.attention, self.position_embeddings = attention, position_embeddings
+
+    def forward(self, x, *args, **kwargs):
+        return self.attention(x, self.position_embeddings, None)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_layer_matches_transformers(impl, cfg, device, dtype):
+    """Bit for bit in bfloat16: the stream stays in the model's dtype, each branch's output is
+    added to the stream as it stands then, in that order."""
+    import transformers
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+    hf_cfg = transformers.Qwen3Config(**tiny_config_values(), attn_implementation="eager")
+    oracle = fill_deterministic(Qwen3DecoderLayer(hf_cfg, 0)).to(device, dtype)
+    layer = fill_deterministic(impl.qwen3.Qwen3DecoderLayer(cfg, 0)).to(device, dtype)
+    x = (4.0 * torch.randn(2, 5, cfg.hidden_size, generator=torch.Generator().manual_seed(5))).to(device, dtype)
+    positions = torch.arange(5, device=device)[None].expand(2, 5)
+    position_embeddings = Qwen3RotaryEmbedding(hf_cfg).to(device)(x, positions)
+    layer.self_attn = BorrowedAttention(oracle.self_attn, position_embeddings)
+    cos, sin = (t[:, None] for t in position_embeddings)
+    with torch.no_grad():
+        got = layer(x, cos, sin, positions[0])
+        expected = oracle(x, position_embeddings=position_embeddings)
+    assert got.dtype == dtype, f"a {dtype} layer keeps the stream in {dtype}; got {got.dtype}"
+    rule = ("each branch reading its own norm of the stream as it stands then and adding its output to the stream, "
+            "attention first, the stream kept in the model's dtype")
+    if dtype == torch.bfloat16:
+        mismatched = (got != expected).sum().item()
+        assert mismatched == 0, (
+            f"{mismatched} of {got.numel()} bfloat16 outputs differ from transformers' Qwen3DecoderLayer with the same "
+            f"weights and attention: {rule}")
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: (
+            f"differs from transformers' Qwen3DecoderLayer with the same weights and attention: {rule}: {m}"))

@@ -3,7 +3,9 @@
 Oracles: float32 formulas for the rounding error of one vector (at most half a step, the
 step being max|x| / 127), torch's scaled_dot_product_attention for what attention over the
 dequantized keys and values must give, the reference model with Chapter 16's float cache
-for logits and greedy tokens, and the byte count of codes + scales for memory. Greedy
+for logits and greedy tokens, the reference's quantize_kv round trip for what a stored
+vector decodes to, and the bytes of every tensor the cache keeps (at most head_dim + 4 per
+vector) for memory. Greedy
 choices must agree wherever the float margin (the logit gap between the two best tokens)
 exceeds 0.5, more than twice int8's largest logit error on the tiny model (0.21, measured
 over 200 random prompts), so the test is deterministic without being blind to a broken cache.
@@ -52,25 +54,40 @@ def test_zero_vectors_and_fp8(impl):
     assert relative < 1 / 16, f"fp8 e4m3 error {relative:.3f} of max|x|: 3 mantissa bits allow at most 1/16"
 
 
+def round_trip(x):
+    """What a stored vector must decode to: the reference's int8 quantizer and dequantizer."""
+    def compute():
+        reference = course.reference().kv_quant
+        return reference.dequantize_kv(*reference.quantize_kv(x, "int8"))
+    return recorded("int8 round trip", x, compute)
+
+
+def assert_decodes_as_stored(got, sent, what):
+    torch.testing.assert_close(got, round_trip(sent), rtol=0, atol=1e-6, msg=lambda m: (
+        f"{what}: every returned vector must be what its stored form decodes to, "
+        f"dequantize_kv(*quantize_kv(vector)): {m}"))
+
+
 def test_cache_protocol_matches_kvcache(impl):
-    """update stores codes and returns the dequantized prefix; advance / truncate / length
-    behave as in Chapter 16."""
+    """update returns the decoded prefix, the new tokens decoded too; advance / truncate /
+    length and the ValueError behave as in Chapter 16."""
     cache = impl.kv_quant.QuantizedKVCache(2, 1, 2, 8, max_len=6)
     g = torch.Generator().manual_seed(2)
     k1, v1 = torch.randn(1, 2, 4, 8, generator=g), torch.randn(1, 2, 4, 8, generator=g)
     k, v = cache.update(0, k1, v1)
     assert cache.length == 0, "update must not move length"
-    assert k.shape == (1, 2, 4, 8) and k.dtype == torch.float32
-    codes, scale = impl.kv_quant.quantize_kv(k1)
-    torch.testing.assert_close(k, codes.float() * scale[..., None],
-                               msg="update must return the dequantized keys, new tokens included")
-    assert (k - k1).abs().max() <= k1.abs().max() / 254 + 1e-6
-    cache.update(1, k1, v1)
+    assert k.shape == (1, 2, 4, 8) and k.dtype == torch.float32, (
+        f"update returns [batch, kv_heads, length + T, head_dim] in the cache's dtype; got {tuple(k.shape)} {k.dtype}")
+    assert_decodes_as_stored(k, k1, "keys of the new tokens")
+    assert_decodes_as_stored(v, v1, "values of the new tokens")
+    cache.update(1, 10 * k1.flip(2), 0.1 * v1.flip(2))
     cache.advance(4)
     k2, v2 = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 2, 1, 8, generator=g)
     k, v = cache.update(0, k2, v2)
     assert k.shape == (1, 2, 5, 8), f"after 4 + 1 tokens update should return 5 slots, got {tuple(k.shape)}"
-    assert cache.k[0].dtype == torch.int8, f"stored keys should be int8 codes, found {cache.k[0].dtype}"
+    assert_decodes_as_stored(k, torch.cat([k1, k2], 2), "layer 0's keys, read after its values and layer 1 were "
+                             "written (no two layers share storage, and keys and values do not share storage)")
+    assert_decodes_as_stored(v, torch.cat([v1, v2], 2), "layer 0's values (keys and values do not share storage)")
     try:
         cache.update(0, torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
     except ValueError:
@@ -100,15 +117,39 @@ def test_attention_over_quantized_cache_within_bound(impl):
     assert error > 0, "a quantized cache that returns exact values is not storing codes"
 
 
-def test_memory_is_codes_plus_scales(impl, tiny_model):
+def bytes_held(cache):
+    """Every tensor the cache keeps, counted here without the cache's own nbytes."""
+    total = 0
+    for value in vars(cache).values():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, torch.Tensor):
+                total += item.numel() * item.element_size()
+    return total
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_storage_is_8_bit_codes_and_at_most_4_bytes_a_vector(impl, tiny_model, fmt):
+    """What __init__ allocates: codes in the format's dtype in KVCache's layout, and at most
+    head_dim + 4 bytes per stored vector in all; nbytes says so."""
     cfg = tiny_model.cfg
-    quantized = impl.kv_quant.QuantizedKVCache.for_model(tiny_model, 2, 100)
+    cache = impl.kv_quant.QuantizedKVCache.for_model(tiny_model, 2, 100, fmt=fmt)
+    code_dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[fmt]
+    shape = (2, cfg.num_key_value_heads, 100, cfg.head_dim)
+    for name, codes in (("keys", cache.k), ("values", cache.v)):
+        assert len(codes) == cfg.num_hidden_layers and all(
+            tuple(t.shape) == shape and t.dtype == code_dtype for t in codes), (
+            f"stored {name} should be {code_dtype} codes, one tensor {shape} per layer; found "
+            f"{[(tuple(t.shape), t.dtype) for t in codes]}")
+    assert cache.length == 0 and cache.max_len == 100, "a new cache is empty: length 0, max_len as asked"
+    vectors = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 100      # K and V, batch 2
+    held = bytes_held(cache)
+    assert held <= vectors * (cfg.head_dim + 4), (
+        f"{fmt} cache keeps {held} bytes, {held / vectors:.1f} per stored vector: at most head_dim + 4 = "
+        f"{cfg.head_dim + 4} (the codes and what decodes them, never a float copy)")
+    assert cache.nbytes == held, f"nbytes says {cache.nbytes}; the tensors the cache keeps hold {held} bytes"
     float_cache = impl.kv_cache.KVCache.for_model(tiny_model, 2, 100)
-    slots = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 100      # K and V, batch 2
-    assert quantized.nbytes == slots * (cfg.head_dim + 4), (
-        f"int8 cache: expected {slots * (cfg.head_dim + 4)} bytes (1 per number + a float32 scale per "
-        f"head vector), nbytes says {quantized.nbytes}")
-    assert float_cache.nbytes / quantized.nbytes == pytest.approx(4 * cfg.head_dim / (cfg.head_dim + 4))
+    assert float_cache.nbytes / cache.nbytes >= 4 * cfg.head_dim / (cfg.head_dim + 4) - 1e-9, (
+        "against a float32 cache the 8-bit one should save at least 4 * head_dim / (head_dim + 4)")
 
 
 def test_logits_and_greedy_tokens_close_to_float_cache(impl, tiny_model, device, model_path):

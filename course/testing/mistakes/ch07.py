@@ -4,6 +4,7 @@ from . import Mistake
 MILESTONE = "tests/test_ch07_mlp_and_decoder_layer.py"
 SWIGLU = f"{MILESTONE}::test_mlp_matches_swiglu_formula"
 COMPOSED = f"{MILESTONE}::test_decoder_layer_matches_hand_composition"
+TRANSFORMERS_LAYER = f"{MILESTONE}::test_decoder_layer_matches_transformers"
 
 MISTAKES = [
     Mistake("qwen3.py", "Qwen3MLP.forward",
@@ -44,6 +45,24 @@ MISTAKES = [
             rule="pre-norm, not post-norm: the MLP reads the normalised stream and its output is added unnormalised",
             expect="pre-norm", tests=(COMPOSED,)),
     Mistake("qwen3.py", "Qwen3DecoderLayer.forward",
+            before="return x + self.mlp(self.post_attention_layernorm(x))",
+            after="return x + self.mlp(self.input_layernorm(x))",
+            rule="each branch reads its own norm: the MLP's is post_attention_layernorm",
+            expect="each branch reading its own norm", tests=(TRANSFORMERS_LAYER,)),
+    Mistake("qwen3.py", "Qwen3DecoderLayer.forward",
+            before="""        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, cache, allowed)
+        return x + self.mlp(self.post_attention_layernorm(x))""",
+            after="""        attended = self.self_attn(self.input_layernorm(x), cos, sin, slots, cache, allowed)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(attended))""",
+            rule="the MLP reads the stream with attention's output added, not attention's output alone",
+            expect="the stream as it stands then", tests=(TRANSFORMERS_LAYER,)),
+    Mistake("qwen3.py", "Qwen3DecoderLayer.forward",
+            before="return x + self.mlp(",
+            after="return x.float() + self.mlp(",
+            rule="the residual stream stays in the model's dtype, the layer's output too",
+            expect="keeps the stream in", tests=(TRANSFORMERS_LAYER,)),
+    Mistake("qwen3.py", "Qwen3DecoderLayer.forward",
             before="cos, sin, slots, cache, allowed)",
             after="cos, sin, slots)",
             rule="cache and allowed reach self_attn unchanged",
@@ -60,7 +79,7 @@ DECIDES = {
     "Qwen3DecoderLayer.forward": (
         "what the residual stream is and where it lives: what each branch reads (a normalised "
         "copy of the stream as it stands then), what it adds back, and that the stream itself "
-        "is never normalised or changed in place"
+        "is never normalised or changed in place and stays in the model's dtype"
     ),
 }
 DESIGN = ("Qwen3DecoderLayer.forward",)
