@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from course import reference
+from course.testing.milestone_helpers import OperatorCounter
 from course.testing.oracle_records import recorded
 from course.testing.oracles import reference_generate
 
@@ -224,32 +225,18 @@ def test_gather_blocks_reads_every_table_at_once(serve):
     assert torch.equal(got, want), "request r's rows are its blocks in table order"
 
 
-def aten_calls(function, *args):
-    """The torch operators one call of function(*args) runs, by name, in order."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-            self.names.append(str(op.overloadpacket))
-            return op(*args, **(kwargs or {}))
-
-    with Recorder() as recorder:
-        function(*args)
-    return recorder.names
-
-
 def test_gather_blocks_makes_one_indexing_call_whatever_the_number_of_requests(serve):
     """The cost contract: the same operators for 2 requests as for 16, not a call per request."""
     pool = torch.randn(20, 4, 2, 3)
     few, many = (torch.randint(0, 20, (rows, 3)) for rows in (2, 16))
-    calls_few, calls_many = (aten_calls(serve.backends.gather_blocks, pool, table) for table in (few, many))
-    assert calls_few == calls_many, (
+    counts = []
+    for table in (few, many):
+        with OperatorCounter() as counter:
+            serve.backends.gather_blocks(pool, table)
+        counts.append(dict(counter.ops))
+    assert counts[0] == counts[1], (
         f"gather_blocks reads every table at once, in one indexing call whatever the number of requests: "
-        f"{len(calls_few)} torch operators for 2 requests, {len(calls_many)} for 16 ({calls_many[:6]}...)")
+        f"torch operators for 2 requests {counts[0]}, for 16 {counts[1]}")
 
 
 # --- the engine with each backend ------------------------------------------------------------------
