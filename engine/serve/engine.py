@@ -447,21 +447,16 @@ class EngineCore:
         """One engine iteration; returns a RequestOutput per request that gained a token or
         finished this step, in plan order.  (Your engine: Chapter 31)
 
-        The work belongs to the engine's named parts, and a step goes through them, never
-        around them: later chapters change what happens inside a part (Chapter 33's
-        asynchronous engine calls the same parts in another order), and a step that calls
-        self.scheduler directly loses the plan's checks and its preemption count. What each
-        part takes and gives:
-          schedule()                                   -> the plan (a SchedulerOutput)
-          runner.prepare(plan.scheduled, plan.block_tables) -> a Batch
-          execute_model(plan, batch or None)           -> a ModelOutput, or None without a batch
-          record_prompt_logprobs(batch, prompt_rows)   (Chapter 34; prompt_rows None is allowed)
-          sample_tokens(plan, batch, logits)           -> SampledTokens
-          update(plan, sampled)                        -> the step's outputs
-        Invariants: each part runs at most once per step. A plan that schedules nothing
-        builds no batch, samples and applies nothing and returns [], yet its block copies
-        still happen (a step that only swapped a request out must copy it out). With
-        self.async_steps set (Chapter 33) the step is self.async_steps.step().
+        A step goes through the engine's named parts, never around them: later chapters
+        change what happens inside a part (Chapter 33 calls the same parts in another order),
+        and self.scheduler called directly skips the plan's checks and preemption count.
+          schedule() -> the plan; runner.prepare(plan.scheduled, plan.block_tables) -> Batch;
+          execute_model(plan, batch or None) -> ModelOutput (None without a batch);
+          record_prompt_logprobs(batch, prompt_rows) (Chapter 34; None is allowed);
+          sample_tokens(plan, batch, logits) -> SampledTokens; update(plan, sampled) -> outputs.
+        Invariants: each part runs at most once per step. A plan that schedules nobody builds
+        no batch, samples and applies nothing and returns [], yet its block copies still
+        happen. With self.async_steps set (Chapter 33) the step is self.async_steps.step().
         Example: a plan scheduling a (a decode) and b (a mid-prompt chunk) returns [a's
         output] only: b gained no token.
         """

@@ -347,31 +347,25 @@ def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device
     """The StepPlan of some of a step's requests: where their query rows and keys sit.  (Your engine: Chapter 32)
 
     meta: the step's BatchMeta; requests: the group's request indices, increasing, or None
-    for all of them; device: where the plan's tensors live. With R the group's requests,
-    t_r request r's rows this step, N their sum, Tq the largest t_r and K = num_blocks *
-    block_size, the plan holds:
-      - rows: int64 [N], the step's rows of the group's requests, request by request; None
-        when requests is None;
-      - num_blocks: the fewest blocks that hold the group's longest context (at least 1);
+    for all. With R the group's requests, t_r request r's rows, N their sum, Tq the largest
+    t_r and K = num_blocks * block_size, the plan's tensors (on `device`) hold:
+      - rows: int64 [N], the group's step rows, request by request (None for all requests);
+      - num_blocks: the fewest blocks holding the group's longest context, at least 1;
         block_table: int64 [R, num_blocks], the group's rows of meta.block_table;
-      - decode_only: every t_r is 1. Otherwise row_request and row_offset, int64 [N], say
-        which of the group's requests row i belongs to and which of its rows it is; both
-        None when decode_only (row r is request r);
-      - query_positions: int64 [R, Tq]; slot i < t_r holds the position of request r's i-th
-        row (a request's rows are its newest tokens, the last at seq_len - 1); slots past
-        t_r are read by no row; no entry is negative (a padding request, seq_len 0, has 0);
-      - visible: bool [R, 1, Tq, K], True exactly where key j <= the slot's position, so a
-        row sees its own key and nothing past its request's length;
-      - empty_rows: bool [N, 1, 1], True on rows of padding requests; None when the group
-        has none (most steps: no work is spent on them).
-    Example, block_size 4: requests a (seq_len 9, 3 rows: step rows 0-2) and c (seq_len 4,
-    4 rows: step rows 4-7) of a step whose row 3 is another request's:
-      rows [0, 1, 2, 4, 5, 6, 7]; num_blocks 3; row_request [0, 0, 0, 1, 1, 1, 1];
-      row_offset [0, 1, 2, 0, 1, 2, 3]; query_positions [[6, 7, 8, 9], [0, 1, 2, 3]]
-      (a's slot 3 is read by no row); empty_rows None.
+      - decode_only: every t_r is 1 (then row_request, row_offset are None: row r is
+        request r); else row_request, row_offset: int64 [N], row i's request in the group
+        and its index among that request's rows;
+      - query_positions: int64 [R, Tq]; slot i < t_r is the position of request r's i-th
+        row (its rows are its newest tokens, the last at seq_len - 1); no entry negative;
+      - visible: bool [R, 1, Tq, K], key j visible exactly where j <= the slot's position;
+      - empty_rows: bool [N, 1, 1], True on rows of padding requests (seq_len 0); None when
+        the group has none.
+    Example, block_size 4: a (seq_len 9, 3 rows, step rows 0-2) and c (seq_len 4, 4 rows,
+    step rows 4-7): rows [0, 1, 2, 4, 5, 6, 7]; num_blocks 3; row_request [0, 0, 0, 1, 1,
+    1, 1]; row_offset [0, 1, 2, 0, 1, 2, 3]; query_positions [[6, 7, 8, 9], [0, 1, 2, 3]]
+    (a's slot 3 is read by no row).
     Cost contract: sizes come from the host lists (query_start_loc_cpu, seq_lens_cpu), never
-    from a device value, and the plan's index lists reach the device in one copy
-    (upload_indices), never one per request.
+    from a device value; the index lists reach the device in one copy, not one per request.
     """
     starts, lengths = meta.query_start_loc_cpu, meta.seq_lens_cpu
     picked = list(range(len(lengths))) if requests is None else requests
