@@ -12,15 +12,14 @@ they cannot:
 """
 import dataclasses
 import time
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from course import reference
 from course.models import tiny_qwen3
+from course.testing.milestone_helpers import OperatorCounter
 from course.testing.oracle_records import recorded
 from course.testing.oracles import reference_call
 
@@ -77,18 +76,8 @@ def test_step_time_grows_with_batch(impl, tiny_model):
     assert real[0] < real[1], f"2048 rows must take longer than 1 row on the real tiny model: {real}"
 
 
-class AddCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_launch_overhead_runs_a_chain(impl, device):
-    with AddCounter() as counter:
+    with OperatorCounter() as counter:
         per_op = impl.decode_timing.launch_overhead(device, num_ops=50, repeats=4, warmup=1)
     arithmetic = sum(n for name, n in counter.ops.items() if name in ("add", "sub", "mul", "div", "neg"))
     assert arithmetic >= 50 * 5, (f"50 ops x (4 repeats + 1 warm-up) = 250 tiny operations expected, "

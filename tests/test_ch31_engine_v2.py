@@ -493,6 +493,27 @@ def test_flat_model_matches_dense_forward(serve, tiny_model, ref_model, device):
         f"b's second chunk must read its first chunk's K/V from the pool and match the dense model: {m}"))
 
 
+
+def test_flat_model_goes_through_its_seams(serve, tiny_model):
+    """Every residual add and norm goes through add_norm (the final norm too), every sublayer
+    through attention and mlp: Chapter 33 fuses add_norm, Chapters 42 and 43 change the others."""
+    runner = serve.runner.ModelRunner(tiny_model, num_blocks=8, block_size=4)
+    flat, calls = runner.flat, {"add_norm": 0, "attention": 0, "mlp": 0}
+
+    def counted(name):
+        seam = getattr(flat, name)
+        return lambda *args: calls.update({name: calls[name] + 1}) or seam(*args)
+
+    for name in calls:
+        setattr(flat, name, counted(name))
+    a = FakeRequest(serve, "a", [5, 9, 13, 200, 7])
+    runner.execute(runner.prepare([(a, 5)], {"a": [3, 0]}))
+    layers = tiny_model.cfg.num_hidden_layers
+    want = {"add_norm": 2 * layers + 1, "attention": layers, "mlp": layers}
+    assert calls == want, (
+        f"FlatModel.forward goes through its seams, never around them: a {layers}-layer model makes "
+        f"{want} calls (add_norm for every residual add and norm, the final norm included), got {calls}")
+
 # --- the scheduler and the engine ------------------------------------------------------------------
 
 def test_priority_policy_orders_admission(serve, tiny_model, ref_model):
@@ -537,7 +558,8 @@ def test_scheduler_preempt_states(serve, tiny_model):
             assert request.num_computed_tokens == 30 and request.swapped_out, (
                 "swap mode: a preempted request keeps its computed tokens and is marked swapped_out")
             assert len(out.swap_out) == 1 and out.swap_out[0][0] is request and len(out.swap_out[0][1]) == 2, (
-                "swap mode: its two blocks, listed before they were freed, go to swap_out")
+                f"swap mode: swap_out names the blocks the request held when preempted (its two blocks, listed "
+                f"before they were freed), got {out.swap_out}")
         else:
             assert request.num_computed_tokens == 0 and not out.swap_out, (
                 "recompute mode: a preempted request computes prompt and output again from position 0, no swap")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from course import reference
+from course.testing.milestone_helpers import OperatorCounter
 from course.testing.oracle_records import recorded
 from course.testing.oracles import reference_generate
 
@@ -224,6 +225,20 @@ def test_gather_blocks_reads_every_table_at_once(serve):
     assert torch.equal(got, want), "request r's rows are its blocks in table order"
 
 
+def test_gather_blocks_makes_one_indexing_call_whatever_the_number_of_requests(serve):
+    """The cost contract: the same operators for 2 requests as for 16, not a call per request."""
+    pool = torch.randn(20, 4, 2, 3)
+    few, many = (torch.randint(0, 20, (rows, 3)) for rows in (2, 16))
+    counts = []
+    for table in (few, many):
+        with OperatorCounter() as counter:
+            serve.backends.gather_blocks(pool, table)
+        counts.append(dict(counter.ops))
+    assert counts[0] == counts[1], (
+        f"gather_blocks reads every table at once, in one indexing call whatever the number of requests: "
+        f"torch operators for 2 requests {counts[0]}, for 16 {counts[1]}")
+
+
 # --- the engine with each backend ------------------------------------------------------------------
 
 def five_requests(seed=0):
@@ -407,6 +422,17 @@ def test_quantized_write_keeps_codes_and_scales_per_token_and_head(serve):
     v_codes, v_scales = cache[1].view(-1, 2, 8), cache[3].view(-1, 2)
     assert torch.equal(v_scales[2:5], 2 * scales[2:5]) and torch.equal(v_codes[2:5], -codes[2:5]), \
         "v's codes and scales are v's own (here -2k: twice k's scales, negated codes), at the same slots as k's"
+    fp8 = serve.backends.get_backend("vectorised", kv_cache_dtype="fp8")
+    cache = fp8.allocate((4, 2, 2, 8), torch.float32, "cpu")
+    try:
+        fp8.write(cache, k, -2 * k, meta)
+    except NotImplementedError as exc:
+        pytest.fail(f"an fp8 pool is written on every device, a CPU too, whose index_copy_ has no kernel for "
+                    f"one-byte floats ({exc}): the codes' bytes are what must land in the pool")
+    codes, scales = serve.backends.quantize_kv(k, "fp8")
+    assert torch.equal(cache[0].view(torch.uint8).view(-1, 2, 8)[2:5], codes.view(torch.uint8)), (
+        "fp8 codes land at the rows' slots bit for bit, as quantize_kv made them")
+    assert torch.equal(cache[2].view(-1, 2)[2:5], scales), "fp8 scales land beside their codes, per token and head"
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

@@ -143,7 +143,9 @@ def test_load_inputs_writes_into_the_same_buffers(serve, tiny_model):
     decodes = decoding_requests(serve, 3)
     batch = serve.batch.build_batch([(r, 1) for r in decodes], block_tables(decodes), BLOCK, "cpu", pad_to=4)
     assert g.can_run(batch)
-    assert g.load_inputs(batch) == 4
+    size = g.load_inputs(batch)
+    assert size == 4, (
+        f"load_inputs returns the batch's bucket size (3 requests padded to 4: the graph to replay), got {size}")
     assert [t.data_ptr() for t in (g.input_ids, g.positions, g.slot_mapping, g.seq_lens, g.block_table)] \
         == addresses, "load_inputs must copy INTO the static buffers: a captured graph keeps their addresses"
     assert g.input_ids[:4].tolist() == batch.input_ids.tolist()

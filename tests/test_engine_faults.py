@@ -98,7 +98,11 @@ def test_a_request_whose_stop_check_fails_is_aborted_alone(serve, tiny_model, re
     engine.add_request("a", PROMPTS["a"], P(serve))
     broken = engine.add_request("broken", PROMPTS["b"], P(serve))
     broken.params.stop_token_ids = BrokenStops()
-    outputs = drain(engine)
+    try:
+        outputs = drain(engine)
+    except KeyError as exc:
+        pytest.fail(f"one request's failure is never the step's: request 'broken''s stop check raised {exc!r}, "
+                    f"and the step raised it instead of finishing that request alone, as aborted")
     assert outputs["broken"].finish_reason == "abort" and "'broken'" in outputs["broken"].error
     assert "stop" in outputs["broken"].error and "state 17" in outputs["broken"].error
     assert outputs["a"].output_token_ids == solo(ref_model, PROMPTS["a"], 6)

@@ -447,6 +447,36 @@ def test_the_pool_is_sized_from_kv_cache_bytes(serve, tiny_model, monkeypatch, c
         f"the engine made {engine.blocks.num_blocks}")
 
 
+def test_a_plan_that_schedules_nobody_still_copies_its_blocks_out(serve, tiny_model):
+    """A step whose plan only swaps a request out (nothing scheduled) returns no output, yet
+    the request's K/V reach the host, so it resumes where it stopped."""
+    def run(preempt_once):
+        engine = scripted(serve, tiny_model, num_blocks=16, block_size=4, preemption_mode="swap")
+        add(serve, engine, "a", [3, 1, 4, 1, 5], max_tokens=6)
+        outputs = [engine.step()]
+        if preempt_once:
+            victim, blocks = engine.scheduler.running[0], engine.scheduler.block_table(engine.scheduler.running[0])
+
+            def only_a_swap():
+                plan = serve.scheduler.SchedulerOutput()
+                engine.scheduler._preempt(victim, plan)
+                return plan
+
+            engine.scheduler.schedule = only_a_swap
+            outputs.append(engine.step())
+            del engine.scheduler.schedule
+            assert outputs[-1] == [] and engine.runner.swapped == {"a": blocks}, (
+                f"a plan that schedules nobody still carries out its block copies: a step that only swapped "
+                f"request 'a' out must copy its blocks {blocks} out and return []; got outputs {outputs[-1]}, "
+                f"copied out {engine.runner.swapped}")
+        while engine.has_unfinished:
+            outputs.append(engine.step())
+        assert_engine_idle(engine)
+        return [token for step in outputs for out in step for token in out.new_token_ids]
+
+    assert run(preempt_once=True) == run(preempt_once=False)
+
+
 def test_each_step_checks_its_plan_once_and_the_scheduler_once_per_update(serve, tiny_model):
     """With debug checks on, a step's plan is checked once (EngineCore.schedule) and the
     scheduler once per applied step (EngineCore.update). Chapter 33's milestone holds the

@@ -6,14 +6,19 @@ and where two token lists part, in the words a failing test reports.
 - `step_difference(expected, got)`: that position as a sentence ("step 3: expected token 7, got 9").
 - `assert_same_tokens(what, expected, got)`: fail with the first differing output token and
   both lists.
+- `OperatorCounter`: a context that counts the torch operators run inside it, by name (a cost
+  contract's "one call, whatever the size" or "this many small operations").
 
 Nothing here imports an implementation, so milestones and the learner's edition can use it.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def prompt_ids(length: int, seed: int, vocab: int = 256) -> list[int]:
@@ -53,3 +58,16 @@ def assert_same_tokens(what: str, expected: Sequence[int], got: Sequence[int],
     i = first_difference(expected, got)
     pytest.fail(f"{what}: output differs from {oracle} at output token {i}: expected {token_at(expected, i)}, "
                 f"got {token_at(got, i)}\n  expected {expected}\n  got      {got}")
+
+
+class OperatorCounter(TorchDispatchMode):
+    """`with OperatorCounter() as counter:` counts every torch operator the block runs in
+    `counter.ops` ({"add": 3, "index_select": 1, ...}), below autograd and Python wrappers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

@@ -447,18 +447,18 @@ class EngineCore:
         """One engine iteration; returns a RequestOutput per request that gained a token or
         finished this step, in plan order.  (Your engine: Chapter 31)
 
-        A step is the engine's named parts, each used once, in this order; later chapters
-        change what happens inside a part, never the order, so go through them, never around:
-          self.schedule() -> plan (kept as self.last_plan, preemptions counted);
-          self.runner.prepare(plan.scheduled, plan.block_tables) -> Batch, only when
-            plan.scheduled is not empty (no batch otherwise);
-          self.execute_model(plan, batch) -> ModelOutput (its swaps happen even without a batch);
-          self.record_prompt_logprobs(batch, output.prompt_rows) (Chapter 34; it ignores None);
-          self.sample_tokens(plan, batch, output.logits) -> SampledTokens;
-          self.update(plan, sampled) -> the outputs.
-        Returns [] when nothing is scheduled (after the swaps). With self.async_steps set
-        (Chapter 33) the step is self.async_steps.step(), which calls these same parts in
-        another order.
+        A step goes through the engine's named parts, never around them: later chapters
+        change what happens inside a part (Chapter 33 calls the same parts in another order),
+        and self.scheduler called directly skips the plan's checks and preemption count.
+          schedule() -> the plan; runner.prepare(plan.scheduled, plan.block_tables) -> Batch;
+          execute_model(plan, batch or None) -> ModelOutput (None without a batch);
+          record_prompt_logprobs(batch, prompt_rows) (Chapter 34; None is allowed);
+          sample_tokens(plan, batch, logits) -> SampledTokens; update(plan, sampled) -> outputs.
+        Invariants: each part runs at most once per step. A plan that schedules nobody builds
+        no batch, samples and applies nothing and returns [], yet its block copies still
+        happen. With self.async_steps set (Chapter 33) the step is self.async_steps.step().
+        Example: a plan scheduling a (a decode) and b (a mid-prompt chunk) returns [a's
+        output] only: b gained no token.
         """
         raise NotImplementedError("Your engine: Chapter 31: EngineCore.step")
 
@@ -520,28 +520,29 @@ class EngineCore:
     def update(self, plan: SchedulerOutput, sampled: SampledTokens) -> list[RequestOutput]:
         """Apply a step's results to its scheduled requests; returns their outputs.  (Your engine: Chapter 31)
 
-        Outputs follow plan order. hooks is self.update_hooks, the seam through which Chapters
-        33 and 37 change how tokens land: call its methods, never inline Chapter 31's bodies.
-        They see a request and what the step decided for it, never the engine.
-        Every (request, n) of plan.scheduled is advanced by hooks.advance(request, n)
-        (Chapter 31's: num_computed_tokens grows by n), except one already finished (aborted
-        while its step ran), which is skipped entirely. Each advanced request ends in exactly one state:
-          - failed (in sampled.failed, or hooks.commit raised): finished alone, as aborted,
-            its output carrying the error with sampled.doing or hooks.doing (prefixed by
-            "advancing its guide or " for a request with a guide, Chapter 35)
-            (self._abort_with_error);
-          - no tokens in sampled.tokens (a mid-prompt chunk): its full blocks published
-            (self.scheduler.publish_computed), no output;
-          - tokens: kept, status = hooks.commit(request, tokens, self.stop_rule) (appended,
-            stop rule applied); full blocks published (self.scheduler.publish_computed);
-            first_token_time set once; a status finishes it within this call
-            (self.scheduler.finish: its blocks serve the next step) and drops its generator
-            from self.generators; its output is hooks.report(request, self.make_output(
-            request, kept, self._keep_logprobs(request, sampled.logprobs))).
-        Then hooks.after_update(plan, advanced) sees the (request, kept) pairs still
-        running, and self.steps grows by one. With self.checks set:
-        checks.check_scheduler(scheduler, where) once the step is applied.
-        Isolation: one request's failure is never the step's; the others carry on.
+        plan: the step's SchedulerOutput; sampled: the sampler's tokens and logprobs by
+        request id, and the error of each request whose sampling failed (sampled.failed,
+        sampled.doing). Outputs follow plan order.
+        Seam: a step's results reach a request only through hooks = self.update_hooks
+        (advance, commit, report, after_update; serve.interfaces.UpdateHooks), which Chapters
+        33 and 37 replace: a rule written around them would hold for Chapter 31's steps only.
+        Afterwards, every scheduled request that was not already finished (one aborted while
+        its step ran is left untouched) has had its rows counted and is in exactly one state:
+          - an error (in sampled.failed, or raised by hooks.commit): finished alone, as
+            aborted, its blocks freed, its output carrying an error that names what failed
+            (sampled.doing or hooks.doing; "advancing its guide or ..." for a request with a
+            guide, Chapter 35). self._abort_with_error makes that output;
+          - no tokens (a mid-prompt chunk): running, its full blocks published (through
+            self.scheduler.publish_computed), no output;
+          - tokens, no stop: running, the kept tokens appended, its full blocks published,
+            first_token_time set at its first token and never moved after;
+          - tokens that stop it: finished with the status the stop rule gave, its blocks
+            free for the next step's schedule, its generator dropped.
+        An output is hooks.report's version of make_output(request, kept, its logprobs).
+        Then after_update has seen the (request, kept) pairs still running, self.steps is one
+        higher, and with self.checks set the scheduler passed checks.check_scheduler.
+        Isolation: one request's failure is never the step's; the others end as if it had
+        not been there.
         """
         raise NotImplementedError("Your engine: Chapter 31: EngineCore.update")
 

@@ -243,17 +243,20 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Take a running request off the device.  (Your engine: Chapter 31)
 
-        request: one of self.running; out: this step's SchedulerOutput. Afterwards the request is
-        not running, holds no blocks (self.blocks.free), has no draft tokens (spec_token_ids
-        empty: drafts are for one step), has status PREEMPTED and num_preemptions one higher, is
-        listed in out.preempted, and is back in the waiting queue as a preempted request
-        (self.waiting.add(request, front=True)): it was admitted before everyone still waiting.
-        By self.config.preemption_mode:
-          "recompute": num_computed_tokens == 0 (it prefills prompt and output again; its own
-            blocks are probably still in the prefix cache);
-          "swap": out.swap_out holds (request, self.block_table(request), taken before
-            freeing) so the runner can copy those blocks out; swapped_out is True and
-            num_computed_tokens is kept.
+        request: one of self.running; out: this step's SchedulerOutput. Afterwards the request:
+          - is not running, holds no blocks, and has no draft tokens (drafts are for one step);
+          - has status PREEMPTED, num_preemptions one higher, and is listed in out.preempted;
+          - waits ahead of every request still waiting (self.waiting, at its front): it was
+            admitted before all of them.
+        What it keeps depends on self.config.preemption_mode:
+          "recompute": nothing computed (num_computed_tokens 0): its prompt and outputs so far
+            are prefilled again, much of them probably from the prefix cache;
+          "swap": num_computed_tokens as it was, swapped_out True, and out.swap_out names the
+            blocks it held when preempted, so the runner copies their K/V to the host
+            before anyone else writes them.
+        Example (block_size 4): r has 13 tokens, 12 computed, blocks [4, 7, 9]. Recompute:
+        r computed 0, no blocks; 4, 7 and 9 back in the free queue with their keys. Swap:
+        r computed 12, no blocks, out.swap_out == [(r, [4, 7, 9])].
         """
         raise NotImplementedError("Your engine: Chapter 31: Scheduler._preempt")
 

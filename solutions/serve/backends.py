@@ -71,12 +71,14 @@ def write_quantized_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_ma
     """Store this step's keys and values in a quantized pool.  (Your engine: Chapter 32)
 
     cache: (k_codes, v_codes, k_scale, v_scale): codes [num_blocks + 1, block_size, Hkv, D]
-    in FORMATS[fmt]'s storage dtype, scales [num_blocks + 1, block_size, Hkv] float32;
-    k, v: [N, Hkv, D] float. Afterwards each row's codes and its per-head scales (Chapter
-    28's quantize_kv: one scale per token and head) sit at the row's flat slot, so
-    codes * scale[..., None] gives back the row to within scale / 2 per element (int8).
-    Same slot rule as write_kv (slot -1 goes to the scratch slot), and index_copy_ has no
-    fp8 kernel on every device: copy one-byte floats through a uint8 view (raw_bytes).
+    in FORMATS[fmt]'s storage dtype (int8, or a one-byte float for fp8), scales
+    [num_blocks + 1, block_size, Hkv] float32; k, v: [N, Hkv, D] float; slot_mapping: int64
+    [N], as write_kv takes it (-1: a padding row). Afterwards row n's codes and its scales,
+    one per head (Chapter 28's quantize_kv), sit at slot slot_mapping[n] of their pools, so
+    codes * scale[..., None] there gives back k[n] (and v[n]) to within scale / 2 per
+    element for int8; a padding row touches no request's slot. Nothing else changes.
+    Trap: the result must be the same on every device, and some devices have no copy
+    kernel for one-byte floats (index_copy_ refuses fp8 on a CPU).
     """
     (k_codes, k_scale), (v_codes, v_scale) = quantize_kv(k, fmt), quantize_kv(v, fmt)
     write_kv(raw_bytes(cache[0]), raw_bytes(cache[1]), raw_bytes(k_codes), raw_bytes(v_codes), slot_mapping)
@@ -344,25 +346,26 @@ def plan_step(meta: BatchMeta, device: torch.device | str, token_bytes: int = 0)
 def plan_group(meta: BatchMeta, requests: list[int] | None, device: torch.device | str) -> StepPlan:
     """The StepPlan of some of a step's requests: where their query rows and keys sit.  (Your engine: Chapter 32)
 
-    meta: the step's BatchMeta; requests: indices of the group's requests in increasing
-    order, or None for all of them. Read sizes from the HOST lists meta.query_start_loc_cpu
-    and meta.seq_lens_cpu, make the index lists on the host and move them to `device` in
-    ONE copy (upload_indices; never a tensor per request, never a read of a device value).
-    With R = the group's requests, t_r their row counts, N = the sum of t_r, the
-    fields hold (K = num_blocks * block_size):
-      - rows: int64 [N], the step's row numbers of the group's rows, request by request,
-        or None when requests is None;
-      - num_blocks = ceil(largest seq_len of the group / block_size), at least 1;
-        block_table = the group's rows of meta.block_table, first num_blocks columns, int64;
-      - decode_only: every t_r is 1; then row_request and row_offset are None (row r of the
-        group IS request r);
-      - otherwise row_request[i] = r and row_offset[i] = the row's index among request r's
-        rows, for the group's i-th row (int64 [N]);
-      - query_positions [R, Tq] int64 (Tq = largest t_r): request r's slot i sits at
-        position seq_len_r - t_r + i, clamped to at least 0 (padding requests: seq_len 0);
-      - visible [R, 1, Tq, K] bool: key j <= query_positions[r, i];
-      - empty_rows: bool [N, 1, 1] marking rows of requests with seq_len 0, or None when
-        the group has none (most steps: then no work is spent on them).
+    meta: the step's BatchMeta; requests: the group's request indices, increasing, or None
+    for all. With R the group's requests, t_r request r's rows, N their sum, Tq the largest
+    t_r and K = num_blocks * block_size, the plan's tensors (on `device`) hold:
+      - rows: int64 [N], the group's step rows, request by request (None for all requests);
+      - num_blocks: the fewest blocks holding the group's longest context, at least 1;
+        block_table: int64 [R, num_blocks], the group's rows of meta.block_table;
+      - decode_only: every t_r is 1 (then row_request, row_offset are None: row r is
+        request r); else row_request, row_offset: int64 [N], row i's request in the group
+        and its index among that request's rows;
+      - query_positions: int64 [R, Tq]; slot i < t_r is the position of request r's i-th
+        row (its rows are its newest tokens, the last at seq_len - 1); no entry negative;
+      - visible: bool [R, 1, Tq, K], key j visible exactly where j <= the slot's position;
+      - empty_rows: bool [N, 1, 1], True on rows of padding requests (seq_len 0); None when
+        the group has none.
+    Example, block_size 4: a (seq_len 9, 3 rows, step rows 0-2) and c (seq_len 4, 4 rows,
+    step rows 4-7): rows [0, 1, 2, 4, 5, 6, 7]; num_blocks 3; row_request [0, 0, 0, 1, 1,
+    1, 1]; row_offset [0, 1, 2, 0, 1, 2, 3]; query_positions [[6, 7, 8, 9], [0, 1, 2, 3]]
+    (a's slot 3 is read by no row).
+    Cost contract: sizes come from the host lists (query_start_loc_cpu, seq_lens_cpu), never
+    from a device value; the index lists reach the device in one copy, not one per request.
     """
     starts, lengths = meta.query_start_loc_cpu, meta.seq_lens_cpu
     picked = list(range(len(lengths))) if requests is None else requests
@@ -402,12 +405,14 @@ def gather_blocks(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     """Every request's blocks from one pool in a single indexing call.  (Your engine: Chapter 32)
 
     pool: [num_blocks + 1, block_size, ...] (K or V rows, or their scales [.., Hkv]);
-    block_table: int64 [R, W]. Returns [R, W * block_size, ...]: request r's first
-    W * block_size context rows in logical order (rows past its seq_len are whatever the
-    blocks hold: the mask hides them). A copy; the pool is unchanged.
+    block_table: int64 [R, W]. Returns [R, W * block_size, ...]: row r holds request r's
+    blocks in its table's order, so its context position p is at [r, p] for every p below
+    W * block_size (rows past its seq_len are whatever the blocks hold: the mask hides them).
+    A copy; the pool is unchanged.
+    Example, block_size 2: table [[5, 1], [2, 2]] -> row 0 is block 5's two rows then block
+    1's; row 1 is block 2's rows twice.
     Cost contract: one indexing call for the whole table, whatever R is (no loop over
-    requests); on a CPU, advanced indexing (pool[block_table]) copies 1.3-3x slower than
-    index_select does.
+    requests, no call per block).
     """
     blocks = pool.index_select(0, block_table.flatten())     # [R * W, block_size, ...]
     return blocks.view(block_table.shape[0], -1, *pool.shape[2:])

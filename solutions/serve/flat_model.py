@@ -144,13 +144,15 @@ class FlatModel(nn.Module):
         input_ids, positions: int64 [N]; kv_caches: one pool tuple per layer; meta: the step's
         BatchMeta; backend: the AttentionBackend; embeds: [N, D] rows to use instead of the token
         embeddings (image rows, Chapter 43). Returns [N, D] in the model's dtype, equal (to
-        float tolerance) to the reference model's final-norm output at those positions.
-        The decoder layers run through the seams later chapters override: self.add_norm(norm,
-        stream, branch) -> (normed, stream) adds a branch's output to the residual stream (None:
-        nothing to add yet) and normalises a copy; self.attention(i, layer.self_attn, normed,
-        positions, rope, kv_caches[i], meta, backend); self.mlp(layer.mlp, normed); the
-        backbone's final norm also closes through add_norm. RoPE tables: self.rope(positions,
-        dtype), built once per step and shared by every layer.
+        float tolerance) to the reference model's final-norm output at those positions;
+        afterwards every layer's pool holds these rows' keys and values.
+        Seams: every piece of a layer goes through the method a later chapter overrides,
+        never around it. self.attention and self.mlp run the sublayers; self.add_norm owns
+        every residual add and every norm, the backbone's final norm included (Chapter 33
+        fuses the add into the norm there). So a model of L layers makes L attention calls,
+        L mlp calls and 2L + 1 add_norm calls per forward.
+        Cost contract: the RoPE tables (self.rope(positions, dtype)) are built once per step
+        and shared by every layer.
         """
         stream = embeds if embeds is not None else self.backbone.embed_tokens(input_ids)
         tables = self.rope(positions, stream.dtype)

@@ -127,18 +127,21 @@ class GraphRunner:
     # --- the static path -------------------------------------------------------------------
 
     def load_inputs(self, batch: Batch) -> int:
-        """Copy a padded decode batch into the static buffers; returns its bucket size b.  (Your engine: Chapter 33)
+        """Put a padded decode batch where the graphs read it; returns its bucket size b.  (Your engine: Chapter 33)
 
         batch: a decode-only Batch that build_batch padded to b requests (can_run(batch) is
         True): input_ids, positions, slot_mapping [b] int64, meta.seq_lens [b] int32,
         meta.block_table [b, w] int32 with w <= self.max_blocks.
         Afterwards the first b entries of self.input_ids, self.positions, self.slot_mapping
-        and self.seq_lens, and the first b rows of self.block_table, hold the batch's values,
-        the table's columns from w on holding 0. self.query_start_loc is never written (it is
-        0, 1, 2, ... for every decode batch).
-        Trap: a captured graph reads these buffers at fixed addresses, so write INTO them
-        (copy_, fill_); rebinding an attribute to a new tensor leaves the graph reading stale
-        values. Copies only: no host read of a device value.
+        and self.seq_lens hold the batch's values, and the first b rows of self.block_table
+        hold its table followed by zeros, never an earlier, wider table's block ids.
+        self.query_start_loc is not touched (0, 1, 2, ... fits every decode batch).
+        Invariant: each of these buffers is the same tensor, at the same address, before and
+        after; a captured graph reads those addresses, so a buffer replaced by a new tensor
+        leaves it replaying stale inputs.
+        Example, self.max_blocks 4: after a step whose row 0 was [3, 8, 2, 9], a batch whose
+        row 0 is [5, 1] leaves self.block_table[0] as [5, 1, 0, 0].
+        Cost contract: copies on the device only, no host read of a device value.
         """
         meta = batch.meta
         size, width = meta.num_reqs, meta.block_table.shape[1]

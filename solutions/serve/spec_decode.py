@@ -85,15 +85,19 @@ def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled request draws from, one row per logits row.  (Your engine: Chapter 37)
 
     logits: float [R, V]; params: a sampled request's SamplingParams (temperature at or
-    above GREEDY_BELOW_TEMPERATURE). Returns float64 [R, V] rows that sum to 1: exactly
-    the distribution Chapter 8's `sample(logits, temperature, top_k, top_p, min_p)` draws
-    from (divide by the temperature, keep the top_k highest logits, keep the smallest
-    most-likely set reaching top_p with the most likely token always kept, drop tokens
-    below min_p times the top probability, renormalise). Verification rows of the target
-    and a draft model's rows both go through this one function: rejection sampling only
-    preserves the distribution when target and draft are warped by the same rules. Trap:
-    work in float64, as `sample` does; rows computed in float32 differ from what the
-    non-speculative engine draws from.
+    above GREEDY_BELOW_TEMPERATURE; top_k 0, top_p 1 and min_p 0 mean "no cut"). Returns
+    float64 [R, V] rows that sum to 1: each row holds, to 1e-12, the probability with which
+    Chapter 8's `sample(logits, temperature, top_k, top_p, min_p)` draws each token, 0 for
+    a token it can never draw. Example, one row of logits [2, 1, 0, -1]:
+      temperature 1                [0.644, 0.237, 0.087, 0.032]
+      temperature 1, top_k 2       [0.731, 0.269, 0, 0]
+      temperature 0.5, top_k 2     [0.881, 0.119, 0, 0]
+      temperature 1, top_p 0.7     [0.731, 0.269, 0, 0]   (0.644 alone falls short of 0.7)
+      temperature 1, min_p 0.2     [0.731, 0.269, 0, 0]   (0.087 < 0.2 x 0.644)
+    Verification rows of the target and a draft model's rows both go through this one
+    function: rejection sampling preserves the distribution only when target and draft are
+    warped by the same rules. Trap: `sample` computes in float64; rows computed in float32
+    differ from what the non-speculative engine draws from.
     """
     scaled = logits.double() / params.temperature
     rows, vocab = scaled.shape

@@ -179,6 +179,11 @@ MISTAKES = [
             after="pass",
             rule="a swapped-out request is marked swapped_out, so its next admission swaps it back in",
             expect="swapped_out", tests=(MILESTONE, "-k", "preempt_states")),
+    Mistake("serve/scheduler.py", "Scheduler._preempt",
+            before="        request.spec_token_ids = []\n",
+            after="        request.spec_token_ids = []\n        self.blocks.free(request)\n",
+            rule="swap_out names the blocks the request held when preempted, so their K/V reach the host",
+            expect="held when preempted", tests=(MILESTONE, "-k", "preempt_states")),
     # --- write_kv ---------------------------------------------------------------------------
     Mistake("serve/backends.py", "write_kv",
             before="target = slot_mapping.masked_fill(slot_mapping < 0, scratch)",
@@ -267,6 +272,14 @@ MISTAKES = [
                   "        return outputs",
             rule="update counts the applied step; step does not count it again",
             expect="steps applied", tests=("tests/test_engine_rules.py", "-k", "checks_its_plan_once")),
+    Mistake("serve/engine.py", "EngineCore.step",
+            before="        output = self.execute_model(plan, batch)\n",
+            after="        if batch is None:\n"
+                  "            return []\n"
+                  "        output = self.execute_model(plan, batch)\n",
+            rule="a plan that schedules nobody still carries out its block copies",
+            expect="still carries out its block copies",
+            tests=("tests/test_engine_rules.py", "-k", "schedules_nobody")),
     Mistake("serve/engine.py", "EngineCore.execute_model",
             before="            self.runner.swap_in(resumed, new_blocks)\n",
             after="            pass\n",
@@ -300,6 +313,11 @@ MISTAKES = [
             after="                self.scheduler.finish(request, Status.FINISHED_LENGTH)",
             rule="a request finishes with the status the stop rule gave (a stop token: 'stop')",
             expect="finishes as 'stop'", tests=("tests/test_engine_rules.py", "-k", "carry_the_stop_token")),
+    Mistake("serve/engine.py", "EngineCore.update",
+            before="            except Exception as exc:",
+            after="            except ValueError as exc:",
+            rule="one request's failure is never the step's: whatever its stop check raises, it finishes alone",
+            expect="never the step's", tests=("tests/test_engine_faults.py", "-k", "stop_check_fails")),
     # --- ReferenceBackend.forward ----------------------------------------------------------------
     Mistake("serve/backends.py", "ReferenceBackend.forward",
             before="q_pos = k_pos[context - (last - first):]",
@@ -349,6 +367,11 @@ MISTAKES = [
             after="branch = self.mlp(block.mlp, stream)",
             rule="the MLP reads the post-attention NORMALISED stream",
             expect="dense model", tests=(f"{MILESTONE}::test_flat_model_matches_dense_forward",)),
+    Mistake("serve/flat_model.py", "FlatModel.forward",
+            before="return self.add_norm(self.backbone.norm, stream, branch)[0]",
+            after="return self.backbone.norm(stream + branch)",
+            rule="the final norm goes through add_norm like every other residual add and norm (Chapter 33 fuses it)",
+            expect="goes through its seams", tests=(f"{MILESTONE}::test_flat_model_goes_through_its_seams",)),
 ]
 
 DECIDES = {

@@ -76,6 +76,13 @@ MISTAKES = [
             after="num_blocks = max(1, max(lengths) // meta.block_size)",
             rule="the gathered blocks cover every key: num_blocks rounds seq_len / block_size up",
             expect="up to and including the last one", tests=vectorised("only")),
+    Mistake("serve/backends.py", "plan_group",
+            before="empty = upload_indices([",
+            after="empty = (lambda parts, device: [torch.tensor(part, dtype=torch.int64, device=device)\n"
+                  "                                          for part in parts])([",
+            rule="the plan's index lists reach the device in one copy, never one tensor per list or request",
+            expect="one copy per group",
+            tests=(f"{MILESTONE}::test_a_step_reads_nothing_back_and_copies_its_indices_once",)),
     Mistake("serve/backends.py", "gather_blocks",
             before="pool.index_select(0, block_table.flatten())",
             after="pool.index_select(0, block_table.t().flatten())",
@@ -91,6 +98,12 @@ MISTAKES = [
             after="blocks.view(block_table.shape[1], -1, *pool.shape[2:])",
             rule="the result has one run of W * block_size rows per request (R of them)",
             expect="one run of W * block_size rows per request", tests=GATHER),
+    Mistake("serve/backends.py", "gather_blocks",
+            before="pool.index_select(0, block_table.flatten())",
+            after="torch.cat([pool.index_select(0, row) for row in block_table])",
+            rule="one indexing call for the whole table, whatever the number of requests",
+            expect="in one indexing call whatever the number of requests",
+            tests=(f"{MILESTONE}::test_gather_blocks_makes_one_indexing_call_whatever_the_number_of_requests",)),
     Mistake("serve/backends.py", "attend_all",
             before="recent = keys_at > plan.query_positions[:, :, None] - window",
             after="recent = keys_at >= plan.query_positions[:, :, None] - window",
@@ -122,6 +135,11 @@ MISTAKES = [
                   "slot_mapping)",
             rule="one scale per token AND head, not one per token",
             expect="per token and head", tests=QUANTIZED),
+    Mistake("serve/backends.py", "write_quantized_kv",
+            before="raw_bytes(cache[0]), raw_bytes(cache[1]), raw_bytes(k_codes), raw_bytes(v_codes)",
+            after="cache[0], cache[1], k_codes, v_codes",
+            rule="an fp8 pool is written on every device, a CPU too, where index_copy_ has no one-byte-float kernel",
+            expect="written on every device", tests=QUANTIZED),
 ]
 
 DECIDES = {

@@ -47,6 +47,11 @@ MISTAKES = [
                   "    apply_top_k_top_p(scaled, top_k, scaled.new_full((rows,), params.top_p))\n",
             rule="the cuts apply in sample's order: top-k, then top-p, then min-p",
             expect="chapter 8", tests=WARPS),
+    Mistake("serve/spec_decode.py", "warped_probs",
+            before="params.top_k if 0 < params.top_k < vocab else vocab",
+            after="params.top_k",
+            rule="top_k 0 means no top-k cut, as in Chapter 8's sample",
+            expect="chapter 8", tests=WARPS),
     # --- settle -----------------------------------------------------------------------------
     Mistake("serve/spec_decode.py", "settle",
             before="        if reason is not None:\n            break\n",
