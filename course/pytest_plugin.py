@@ -85,6 +85,8 @@ def pytest_cmdline_main(config):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "chapter(n): this milestone belongs to Chapter n of book.toml")
+    config.addinivalue_line("markers", "edition_stress: a --stress test its chapter promises the learner; the "
+                                       "release records its oracles' answers with --stress (course.release)")
     workers = getattr(config, "workerinput", {}).get("workercount")
     if "OMP_NUM_THREADS" not in os.environ and (workers or _device_name(config) == "cpu"):
         # Share the cores among workers (and their notebook kernels) instead of each
