@@ -227,8 +227,11 @@ def pytest_runtest_makereport(item, call):
     # (the indirect signs are read for a chapter's milestones only: a maintainer's test of the
     # machinery may print a stub's words for its own reasons)
     milestone = chapter_of(item) is not None
-    unwritten = _unwritten_stub(call.excinfo.value, milestone) if call.excinfo is not None else None
-    if unwritten is None and call.excinfo is not None and milestone:
+    # (a skip keeps its own reason, which already says what is missing, and the (path, line,
+    # reason) form that -rs lists)
+    errored = call.excinfo is not None and not report.skipped
+    unwritten = _unwritten_stub(call.excinfo.value, milestone) if errored else None
+    if unwritten is None and errored and milestone:
         # `assert cli.main([...]) == 0`, or a server whose engine thread died: the command's
         # one-line error, or the thread's traceback, in the captured output names the stub
         said = next((found for _, text in report.sections if (found := _OUTPUT_SAYS.search(text))), None)
