@@ -85,6 +85,8 @@ def pytest_cmdline_main(config):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "chapter(n): this milestone belongs to Chapter n of book.toml")
+    config.addinivalue_line("markers", "edition_stress: a --stress test its chapter promises the learner; the "
+                                       "release records its oracles' answers with --stress (course.release)")
     workers = getattr(config, "workerinput", {}).get("workercount")
     if "OMP_NUM_THREADS" not in os.environ and (workers or _device_name(config) == "cpu"):
         # Share the cores among workers (and their notebook kernels) instead of each
@@ -225,8 +227,11 @@ def pytest_runtest_makereport(item, call):
     # (the indirect signs are read for a chapter's milestones only: a maintainer's test of the
     # machinery may print a stub's words for its own reasons)
     milestone = chapter_of(item) is not None
-    unwritten = _unwritten_stub(call.excinfo.value, milestone) if call.excinfo is not None else None
-    if unwritten is None and call.excinfo is not None and milestone:
+    # (a skip keeps its own reason, which already says what is missing, and the (path, line,
+    # reason) form that -rs lists)
+    errored = call.excinfo is not None and not report.skipped
+    unwritten = _unwritten_stub(call.excinfo.value, milestone) if errored else None
+    if unwritten is None and errored and milestone:
         # `assert cli.main([...]) == 0`, or a server whose engine thread died: the command's
         # one-line error, or the thread's traceback, in the captured output names the stub
         said = next((found for _, text in report.sections if (found := _OUTPUT_SAYS.search(text))), None)

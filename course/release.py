@@ -4,8 +4,9 @@
 chapters, the tests, course/, run.py, requirements, README, book.toml, the Classroom
 configuration) and leaves out solutions/ and the maintainer's own tooling. It also
 - records the reference's answers: it runs the milestones here in record mode
-  (course.testing.oracle_records) and writes what the reference answered into the edition's
-  tests/oracle_records/, from which the edition's oracles replay;
+  (course.testing.oracle_records), and again with --stress those marked `edition_stress`
+  (the --stress runs a chapter promises), and writes what the reference answered into the
+  edition's tests/oracle_records/, from which the edition's oracles replay;
 - keeps the notebooks from giving stubs away (`edition_notebook`): the setup line
   `course.reference()` becomes `course.notebook.reference_or_engine()` (the learner's engine
   where there is no reference), and a code cell that calls a stub of the reference by name
@@ -23,9 +24,9 @@ tests collect and that Chapter 1's milestone fails with "not implemented yet" fo
 stubs rather than with an import or collection error, and that `run.py progress` counts
 the stubs from engine/'s markers. `verify_release(dest)` is the full proof: with the
 reference copied into the edition's engine/, every written chapter's milestone passes with
-`--impl engine`, and every notebook runs there with each check line the full course's; and
-before that, with the bare skeleton, every notebook runs to its end (minutes; CI runs it
-after the book).
+`--impl engine` (the `edition_stress` tests with --stress), and every notebook runs there with
+each check line the full course's; and before that, with the bare skeleton, every notebook
+runs to its end (minutes; CI runs it after the book).
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ MAINTAINER_COMMANDS = ("course/commands/skeleton.py", "course/commands/release.p
 # its test runs them: both stay with the maintainers.
 MAINTAINER_PATHS = ("course/testing/mistakes/", "tests/test_course_mistakes.py")
 NOT_IMPLEMENTED = "not implemented yet"
+NO_TESTS_COLLECTED = 5      # pytest's exit status when a selection picks no test
 NOTEBOOK_TIMEOUT = 600.0        # seconds one notebook may take to run top to bottom
 
 
@@ -79,6 +81,10 @@ def release_files(root: Path = ROOT) -> list[Path]:
 
 # What the recording run selects by default: every milestone (tests of a chapter).
 ALL_MILESTONES = ("tests", "--upto", str(max(manifest.load().numbers)))
+# The marker of a --stress test that a chapter promises its learner (Chapter 41's SmolLM2 over
+# three ranks): the release runs the marked tests of its selection once more, with --stress, to
+# record their oracles' answers, and --verify runs them so in the edition.
+STRESS_MARK = "edition_stress"
 RECORDS_FILE = oracle_records.RECORDS_DIR / "records.json.gz"
 LEFT_OUT = ("[left out of the learner's edition: this cell calls a stub of the reference, so its saved output "
             "is what the stub computes; run the cell once your engine has it]\n")
@@ -113,17 +119,24 @@ def write_release(dest: Path, root: Path = ROOT, record: tuple[str, ...] | None 
     if record is not None:
         (dest / RECORDS_FILE).parent.mkdir(parents=True, exist_ok=True)
         answers, asked = record_checks(root, notebooks=notebooks)
-        oracle_records.write_store(dest / RECORDS_FILE, {**asked, **record_oracles(root, record, timeout)})
+        oracle_records.write_store(dest / RECORDS_FILE, {**asked, **record_oracles(root, record, timeout),
+                                                         **record_oracles(root, stress_runs(record), timeout)})
         files.append(RECORDS_FILE)
         notebook.write_check_answers(dest / notebook.CHECK_ANSWERS, answers)
         files.append(notebook.CHECK_ANSWERS)
     return files
 
 
+def stress_runs(selection: tuple[str, ...]) -> tuple[str, ...]:
+    """The pytest arguments that run the `edition_stress` tests of `selection`, with --stress."""
+    return (*selection, "--stress", "-m", STRESS_MARK)
+
+
 def record_oracles(root: Path, selection: tuple[str, ...], timeout: float) -> dict[str, dict]:
     """Run the milestones `selection` picks against the reference in root, in record mode, and
-    return every answer the reference gave. Raises ReleaseError when a milestone fails there
-    (an edition recorded from a red reference would replay wrong answers)."""
+    return every answer the reference gave (none when it picks no test). Raises ReleaseError
+    when a milestone fails there (an edition recorded from a red reference would replay wrong
+    answers)."""
     with tempfile.TemporaryDirectory(prefix="oracle-records-") as folder:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COURSE_IMPL")}
         env.update(PYTHONPATH=str(root), **{oracle_records.RECORD_ENV: folder})
@@ -131,7 +144,7 @@ def record_oracles(root: Path, selection: tuple[str, ...], timeout: float) -> di
                               "-o", "addopts=-p course.pytest_plugin", "--impl", "solutions", *_workers(selection),
                               *selection],
                              cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-        if ran.returncode != 0:
+        if ran.returncode not in (0, NO_TESTS_COLLECTED):
             raise ReleaseError("recording the reference's answers: the milestones fail against solutions/:\n"
                                + "\n".join(ran.stdout.splitlines()[-15:]) + ran.stderr[-1000:])
         return oracle_records.read_stores(Path(folder))
@@ -382,27 +395,29 @@ def verify_release(dest: Path, root: Path = ROOT, timeout: float = 3600.0,
                    selection: tuple[str, ...] = ALL_MILESTONES) -> dict[int, tuple[int, int]]:
     """The proof that the edition in dest works for a learner who never opens solutions/: the
     reference (root's solutions/) copied into the edition's engine/, the milestones run there
-    with `--impl engine`. Returns {chapter: (passed, failed)}, failures including errors."""
+    with `--impl engine`, then their `edition_stress` tests with --stress. Returns {chapter:
+    (passed, failed)}, failures including errors; a skipped test counts in neither."""
     dest = Path(dest)
     if (dest / "solutions").exists():
         raise ReleaseError(f"{dest} has solutions/: the proof runs without the reference")
     shutil.rmtree(dest / "engine")
     shutil.copytree(root / "solutions", dest / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    report = dest / ".verify.xml"
-    ran = _pytest(dest, "-q", "--impl", "engine", *_workers(selection), f"--junitxml={report}", *selection,
-                  timeout=timeout)
-    if not report.is_file():
-        raise ReleaseError("the milestones did not run in the edition:\n" + (ran.stdout + ran.stderr)[-2000:])
     chapters = {path.stem: _chapter_of_file(path) for path in (dest / "tests").glob("test_*.py")}
     results: dict[int, tuple[int, int]] = {}
-    for case in ElementTree.parse(report).getroot().iter("testcase"):
-        chapter = next((chapters[part] for part in case.get("classname", "").split(".") if part in chapters), None)
-        if chapter is None or case.find("skipped") is not None:
-            continue
-        failed = case.find("failure") is not None or case.find("error") is not None
-        passed, failures = results.get(chapter, (0, 0))
-        results[chapter] = (passed + (not failed), failures + failed)
-    report.unlink()
+    for arguments in ((*_workers(selection), *selection), stress_runs(selection)):
+        report = dest / ".verify.xml"
+        ran = _pytest(dest, "-q", "--impl", "engine", f"--junitxml={report}", *arguments, timeout=timeout)
+        if not report.is_file():
+            raise ReleaseError("the milestones did not run in the edition:\n" + (ran.stdout + ran.stderr)[-2000:])
+        for case in ElementTree.parse(report).getroot().iter("testcase"):
+            chapter = next((chapters[part] for part in case.get("classname", "").split(".") if part in chapters),
+                           None)
+            if chapter is None or case.find("skipped") is not None:     # a stress test skips in the first run
+                continue
+            failed = case.find("failure") is not None or case.find("error") is not None
+            passed, failures = results.get(chapter, (0, 0))
+            results[chapter] = (passed + (not failed), failures + failed)
+        report.unlink()
     return dict(sorted(results.items()))
 
 

@@ -12,7 +12,6 @@ This file is about the algorithm, not speed: PyTorch runs every tile as separate
 operations. Chapter 32's Triton kernel does the same walk with each tile in on-chip memory.
 """
 import math
-from typing import Any
 
 import torch
 
@@ -59,20 +58,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     costs no arithmetic; every other tile adds 1 to stats["computed"].
     """
     raise NotImplementedError("Your engine: Chapter 29: flash_attention")
-
-
-def online_softmax_trace(scores: torch.Tensor, block: int) -> list[dict[str, Any]]:
-    """Walk one row of scores [T] block by block; returns one dict per block with the running
-    max, running sum and the softmax the state implies so far (for the chapter's table)."""
-    m, l, rows = torch.tensor(float("-inf")), torch.tensor(0.0), []
-    for start in range(0, scores.shape[0], block):
-        tile = scores[start:start + block].float()
-        m_new = torch.maximum(m, tile.max())
-        l = l * torch.exp(m - m_new) + torch.exp(tile - m_new).sum()
-        m = m_new
-        rows.append({"block": start // block, "max": float(m), "sum": float(l),
-                     "partial": torch.exp(scores[:start + block].float() - m) / l})
-    return rows
 
 
 def tile_map(q_pos: torch.Tensor, k_pos: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:

@@ -530,15 +530,24 @@ class DFA:
 
 
 def determinize(nfa: NFA) -> DFA:
-    """The DFA of `nfa` by subset construction.  (Your engine: Chapter 35)
+    """The DFA that reads bytes as `nfa` does, one state per set of NFA states.  (Your engine: Chapter 35)
 
-    Returns DFA(transitions int32 [S, 256], accepting bool [S], start 0). State s stands
-    for one epsilon_closure of NFA states, state 0 for nfa.start's; its move on byte b
-    leads to the closure of the states its set reaches on b (edges (lo, hi, target) read
-    bytes lo..hi), -1 when there are none; s accepts when its set holds nfa.accept. Equal
-    sets are one state; trimming and minimising come later (compile_nfa).
-    Errors: ValueError naming MAX_DFA_STATES once more states would be needed.
-    Trap: filling 256 columns byte by byte is slow in Python; see byte_classes().
+    Returns DFA(transitions int32 [S, 256], accepting bool [S], start 0) such that:
+    - each state stands for one set of NFA states closed under empty moves (an
+      epsilon_closure), no two states for the same set, state 0 for nfa.start's closure;
+    - transitions[s, b] is the state of the closure of every NFA state that some member of
+      s's set reaches by one edge reading b (edge (lo, hi, target) reads bytes lo..hi), or
+      -1 when no member reads b;
+    - accepting[s] is True exactly when s's set holds nfa.accept;
+    - every state is reachable from state 0; states that cannot reach an accepting one
+      stay (trim and minimize come later, in compile_nfa).
+    Errors: ValueError naming MAX_DFA_STATES when the DFA would need more states than that.
+    Example: (a|b)*abb as the NFA 0 -a,b-> 0, 0 -a-> 1 -b-> 2 -b-> 3 (accept, no empty
+    moves) gives four states, the sets {0}, {0,1}, {0,2} and {0,3}; only {0,3} accepts, and
+    every column but 'a' and 'b' holds -1.
+    Trap: a JSON schema's pattern makes hundreds of states of 256 columns each, and it is
+    compiled while a request waits; byte_classes(nfa) (given) lists the byte ranges that
+    every NFA state treats alike.
     """
     raise NotImplementedError("Your engine: Chapter 35: determinize")
 

@@ -65,12 +65,17 @@ class LlamaConfig(Qwen3Config):
 def llama3_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3's rescaled rotary frequencies.  (Your engine: Chapter 42)
 
-    Starts from Chapter 6's frequencies f_i = theta ** (-2i / head_dim), i < head_dim / 2,
-    and returns float32 [head_dim / 2]. With L = scaling["original_max_position_embeddings"],
-    factor, low = low_freq_factor, high = high_freq_factor, and wavelength w = 2 pi / f:
-    w < L / high (fast, local channels): f unchanged; w > L / low (slow, long-range
-    channels): f / factor; in between, blend f / factor and f with weight
-    s = (L / w - low) / (high - low) on f, i.e. (1 - s) * f / factor + s * f.
+    scaling is config.json's rope_scaling: "factor", "low_freq_factor" (low),
+    "high_freq_factor" (high > low) and "original_max_position_embeddings" (L). Returns
+    float32 [head_dim / 2], one frequency per channel i. Chapter 6 gives the channel
+    f_i = theta ** (-2i / head_dim), a wavelength of w_i = 2 pi / f_i positions; then:
+    - a channel that turns at least `high` times over L (w_i <= L / high) keeps f_i;
+    - one that turns at most `low` times (w_i >= L / low) gets f_i / factor;
+    - one in between gets a value between those two, made of f_i / factor and f_i, with
+      the share of f_i growing linearly in L / w_i, so the result is continuous at both edges.
+    Example: head_dim 8, theta 10000, L 1000, factor 8, low 1, high 4 (edges at w = 250
+    and 1000):   f_i 1, 0.1, 0.01, 0.001 (w_i 6.28, 62.8, 628, 6283)
+                 ->  1, 0.1, 0.00298, 0.000125
     """
     f = theta ** (-torch.arange(0, head_dim // 2, dtype=torch.float32) * 2 / head_dim)
     wavelength = 2 * torch.pi / f

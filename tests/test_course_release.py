@@ -77,6 +77,23 @@ def test_an_unwritten_stub_fails_as_not_implemented_yet(pytester):
     assert "Traceback" not in result.stdout.str() and "raise NotImplementedError" not in result.stdout.str()
 
 
+def test_a_skip_that_names_an_unwritten_stub_keeps_its_own_reason(pytester):
+    """A milestone that skips because its model needs chapters not written yet (SmolLM2 on a
+    bare engine) stays a skip with its reason, which -rs can list."""
+    pytester.makepyfile(test_skip="""
+        import pytest
+
+        pytestmark = pytest.mark.chapter(41)
+
+        def test_needs_smollm2():
+            pytest.skip("SmolLM2 runs on your engine once you have done Chapter 39 "
+                        "(Your engine: Chapter 39: GGUFFile._read_tables is not written yet)")
+    """)
+    result = pytester.runpytest("-p", "course.pytest_plugin", "-p", "no:nbval", "-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED*SmolLM2 runs on your engine once you have done Chapter 39*"])
+
+
 def test_a_stub_behind_another_failure_is_reported_in_one_line_too(pytester):
     """A milestone run on an engine whose stubs are unwritten shows one line per test, not a
     page of dependent failures, however the stub's NotImplementedError reaches the test:

@@ -151,15 +151,14 @@ def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list
 
 def smollm2_tensor_parallel_rank(rank: int, world: int, port: int, impl_spec: str, prompt: list[int], max_new: int,
                                  eos_token_id: int, out_dir: str) -> None:
-    """SmolLM2-135M (the reference's loader: Chapter 42's family) split over `world` ranks
-    by the implementation under test, served by its engine; writes the greedy tokens."""
-    from course import reference
-    from course.models.smollm2 import smollm2_gguf_path
+    """SmolLM2-135M (loaded as course.models.real loads it: by the reference, or in a
+    learner's edition by their engine) split over `world` ranks by the implementation under
+    test, served by its engine; writes the greedy tokens."""
+    from course.models.real import smollm2
     impl = load(impl_spec)
     impl.load("parallel.launch").init_group(rank, world, port, timeout_s=120)
-    model = reference().checkpoint.load_model(smollm2_gguf_path(quiet=True)).eval()
-    sharded = impl.load("parallel.tp").shard_model(model, rank, world)
-    del model
+    sharded = impl.load("parallel.tp").shard_model(smollm2()[0], rank, world)
+    smollm2.cache_clear()               # the whole model's 540 MB: each of the ranks keeps its shard only
     engine = impl.load("serve.engine").EngineCore(
         sharded, impl.load("serve.config").EngineConfig(num_blocks=32, block_size=16), eos_token_id=eos_token_id)
     out = engine.generate([prompt], impl.load("serve.request").SamplingParams(max_tokens=max_new))[0]
