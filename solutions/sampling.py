@@ -102,9 +102,13 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p
     else:
         scaled = rows.double() / temperature          # float64: a tiny temperature stays finite
         count, vocab = scaled.shape
-        if 0 < top_k < vocab or top_p < 1.0:
+        if top_p < 1.0:
             apply_top_k_top_p(scaled, scaled.new_full((count,), top_k if 0 < top_k < vocab else vocab,
                                                       dtype=torch.int64), scaled.new_full((count,), top_p))
+        elif 0 < top_k < vocab:
+            # top_k alone needs each row's k-th highest logit only: one topk, not a sort of the row
+            kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+            scaled.masked_fill_(scaled < kth, float("-inf"))
         if min_p > 0.0:
             apply_min_p(scaled, scaled.new_full((count,), min_p))
         chosen = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator)[:, 0]

@@ -128,3 +128,41 @@ def test_run_py_core_in_bfloat16_runs_every_engine_on_bfloat16_weights(impl, dev
     summary = next(line for line in lines if "outputs_identical" in line)
     assert summary["dtype"] == "bfloat16", summary
     assert all(line["tok_s"] > 0 for line in lines if "engine" in line), out
+
+
+class AttentionQueryDtypes(torch.overrides.TorchFunctionMode):
+    """Records the query dtype of every scaled_dot_product_attention call made inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_vectorised_backend_attends_bfloat16_queries_in_float32_on_a_cpu(serve):
+    """On a CPU torch's bfloat16 scaled_dot_product_attention is several times slower than its
+    float32 one at decode shapes, so the backend widens the gathered keys and values and the
+    queries to float32 for the call, and returns the rows in the queries' dtype."""
+    requests = [serve.request.Request(f"r{i}", list(range(3 + 4 * i))) for i in range(3)]
+    tables = {"r0": [0], "r1": [1, 2], "r2": [3, 4, 5]}
+    batch = serve.batch.build_batch([(r, len(r.token_ids)) for r in requests], tables, 4, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    rows = batch.input_ids.shape[0]
+    q, k, v = (torch.randn(rows, heads, 8, generator=generator).to(torch.bfloat16) for heads in (4, 2, 2))
+    outputs = {}
+    for name in ("vectorised", "reference"):
+        backend = serve.backends.get_backend(name)
+        pools = backend.allocate((7, 4, 2, 8), torch.bfloat16, "cpu")
+        backend.write(pools, k, v, batch.meta)
+        with AttentionQueryDtypes() as seen:
+            outputs[name] = backend.forward(q, pools, batch.meta)
+        if name == "vectorised":
+            assert seen.dtypes and set(seen.dtypes) == {torch.float32}, (
+                f"on a CPU the vectorised backend attends bfloat16 queries in float32; its attention calls "
+                f"got {seen.dtypes}")
+    assert outputs["vectorised"].dtype == torch.bfloat16, "the backend returns rows in the queries' dtype"
+    torch.testing.assert_close(outputs["vectorised"].float(), outputs["reference"].float(), atol=1e-2, rtol=1e-2)

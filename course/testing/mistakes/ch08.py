@@ -19,25 +19,26 @@ MISTAKES = [
             expect="softmax(logits / temperature)", tests=(FREQUENCIES,)),
     Mistake("sampling.py", "sample",
             before="top_k if 0 < top_k < vocab else vocab",
-            after="top_k - 1 if 0 < top_k < vocab else vocab",
+            after="top_k",
+            rule="top_k = 0 is off: apply_top_k_top_p then gets the vocabulary size, not a k of 0",
+            expect="with or without top_k", tests=(FREQUENCIES,)),
+    Mistake("sampling.py", "sample",
+            before="scaled.masked_fill_(scaled < kth, float(\"-inf\"))",
+            after="scaled.masked_fill_(scaled <= kth, float(\"-inf\"))",
             rule="top_k keeps the k highest logits, the k-th included",
             expect="top_k keeps the k highest logits", tests=(FREQUENCIES,)),
     Mistake("sampling.py", "sample",
-            before="if 0 < top_k < vocab or top_p < 1.0:",
-            after="if 0 < top_k < vocab:",
+            before="if top_p < 1.0:",
+            after="if top_p < 1.0 and not 0 < top_k < vocab:",
             rule="top_p filters whether or not top_k is on",
             expect="with or without top_k", tests=(FREQUENCIES,)),
     Mistake("sampling.py", "sample",
-            before="""        if 0 < top_k < vocab or top_p < 1.0:
-            apply_top_k_top_p(scaled, scaled.new_full((count,), top_k if 0 < top_k < vocab else vocab,
-                                                      dtype=torch.int64), scaled.new_full((count,), top_p))
-        if min_p > 0.0:
-            apply_min_p(scaled, scaled.new_full((count,), min_p))""",
+            before="""        if top_p < 1.0:
+            apply_top_k_top_p(""",
             after="""        if min_p > 0.0:
             apply_min_p(scaled, scaled.new_full((count,), min_p))
-        if 0 < top_k < vocab or top_p < 1.0:
-            apply_top_k_top_p(scaled, scaled.new_full((count,), top_k if 0 < top_k < vocab else vocab,
-                                                      dtype=torch.int64), scaled.new_full((count,), top_p))""",
+        if top_p < 1.0:
+            apply_top_k_top_p(""",
             rule="min_p comes last: it filters what top_k and top_p kept",
             expect="applied after top_k and top_p", tests=(FREQUENCIES,)),
     Mistake("sampling.py", "sample",
