@@ -19,7 +19,7 @@ both engines agree on (see ecma_class_escapes), and "." excludes every line term
 alternation |; the quantifiers * + ? {m} {m,} {m,n} {,n}. The whole text must match
 (re.fullmatch), so anchors are refused, as are backreferences, lookarounds and lazy
 quantifiers (which cannot change what fullmatch accepts, and which we refuse rather
-than silently ignore).
+than silently ignore; with ecma=True, for a search, a lazy quantifier is read as greedy).
 """
 from __future__ import annotations
 
@@ -170,6 +170,7 @@ class _Parser:
         self.pattern = pattern
         self.classes = ECMA_CLASS_ESCAPES if ecma else CLASS_ESCAPES
         self.any = ECMA_ANY if ecma else ANY_BUT_NEWLINE
+        self.ecma = ecma
         self.pos = 0
         self.depth = 0                                  # groups open at self.pos
 
@@ -212,7 +213,9 @@ class _Parser:
             low, high = counts
         else:
             return node
-        if self.peek("?") or self.peek("+"):
+        if self.ecma and self.peek("?"):
+            self.pos += 1     # lazy: a pattern (a search) finds a match exactly when the greedy one does
+        elif self.peek("?") or self.peek("+"):
             raise self.fail("lazy and possessive quantifiers are not supported (fullmatch needs neither)")
         after = self.pos
         if self.peek("*") or (self.peek("{") and self.counts() is not None):
