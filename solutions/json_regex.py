@@ -116,6 +116,11 @@ FREE_DEPTH = 2
 STRING_CHARACTER = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
                     r"|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
                     r"|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+# One character of a string whose length bound is above LONG_STRING characters: raw or a
+# short escape, never a \\u escape. The automaton keeps a copy of one character's states per
+# character of the bound, and a \\u escape (a surrogate pair with it) more than doubles them.
+COUNTED_CHARACTER = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])'
+LONG_STRING = 32
 RAW_CHARACTERS: CharSet = complement(((0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))))
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 FRACTION_DIGITS = 6                  # digits after the point of a number with bounds
@@ -1087,12 +1092,13 @@ class _SchemaCompiler:
             shapes.append({"format": name})
         if "pattern" in schema:
             shapes.append({"pattern": schema["pattern"]})
+        character = STRING_CHARACTER if max(low, high or 0) <= LONG_STRING else COUNTED_CHARACTER
         if not shapes:
-            return add_dfa(self.nfa, _string_automaton(low, high))
+            return add_dfa(self.nfa, _string_automaton(low, high, character))
         bounded = "minLength" in schema or "maxLength" in schema
         if len(shapes) > 1 or bounded:    # each keyword's strings apart, then the strings all accept
             automata = [self.apart(partial(_SchemaCompiler.string, schema=shape, where=where)) for shape in shapes]
-            return self.intersected(automata + [_string_automaton(low, high)] if bounded else automata)
+            return self.intersected(automata + [_string_automaton(low, high, character)] if bounded else automata)
         body = self.pattern(FORMATS[str(name)]) if name in FORMATS else self.search(schema["pattern"], where)
         return self.nfa.chain([self.pattern('"'), body, self.pattern('"')])
 
@@ -1474,13 +1480,14 @@ def _pattern_automaton(text: str) -> DFA:
 
 
 @lru_cache(maxsize=256)
-def _string_automaton(low: int, high: int | None) -> DFA:
-    """The minimal DFA of a JSON string of low..high characters (high None: no bound),
-    quotes included, built straight from the automaton of one character: a copy of its
+def _string_automaton(low: int, high: int | None, character_pattern: str = STRING_CHARACTER) -> DFA:
+    """The minimal DFA of a JSON string of low..high characters (high None: no bound), each
+    one `character_pattern` (a complete character, at most one end state after it), quotes
+    included, built straight from the automaton of one character: a copy of its
     states per count of characters read, the count moving on when a character ends.
     (Subset construction and minimisation of the repeat took a second for maxLength 255.)
     ValueError past MAX_NFA_STATES, the limit of the automaton it joins."""
-    character = _pattern_automaton(STRING_CHARACTER)
+    character = _pattern_automaton(character_pattern)
     table = character.transitions
     ends = np.flatnonzero(character.accepting)          # one end state, with no moves out of it
     inner = np.flatnonzero(~character.accepting)

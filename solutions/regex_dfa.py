@@ -36,8 +36,9 @@ SURROGATES = (0xD800, 0xDFFF)           # not characters: UTF-8 cannot encode th
 # running for minutes (every one is checked while the automaton is built, not afterwards):
 MAX_REPEAT = 1000                       # the largest count {m,n} may name
 MAX_NESTING = 64                        # groups (and schema levels) open at once
-MAX_NFA_STATES = 20000                  # the Thompson NFA (a "." is about 20 states, a JSON string character 40)
-MAX_DFA_STATES = 10000                  # the DFA before minimisation
+MAX_NFA_STATES = 60000                  # the Thompson NFA (a "." is about 20 states, a JSON string character 40)
+MAX_DFA_STATES = 30000                  # the DFA before minimisation
+MINIMIZE_LIMIT = 8000                   # the largest trimmed DFA that compile_nfa minimises
 
 # A set of characters: sorted, disjoint, non-adjacent inclusive code-point intervals.
 CharSet = tuple[tuple[int, int], ...]
@@ -758,8 +759,12 @@ def _hopcroft(columns: np.ndarray, first: np.ndarray) -> np.ndarray:
 
 
 def compile_nfa(nfa: NFA) -> DFA:
-    """The trimmed, minimal DFA of an NFA."""
-    return minimize(trim(determinize(nfa)))
+    """The trimmed DFA of an NFA, minimal when trimming leaves at most MINIMIZE_LIMIT states.
+    Past that it is only trimmed: minimising a large schema's automaton took seconds of CPU
+    (most of its compile time) and, because its pieces are minimal DFAs already, mostly
+    saved few states."""
+    trimmed = trim(determinize(nfa))
+    return minimize(trimmed) if trimmed.num_states <= MINIMIZE_LIMIT else trimmed
 
 
 def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
