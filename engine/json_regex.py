@@ -23,11 +23,14 @@ What is honoured (a keyword this module does not know is an annotation, as in JS
 a known one it cannot compile is refused with a ValueError naming it, its place
 "$.properties.age" and the reason, never ignored):
 - "type" (one or a list), "enum" and "const" (JSON equality: 1 and 1.0 are one value, true
-  is not 1; the values are filtered by every keyword beside them), "anyOf", "oneOf" (its
-  options shown apart: by type, by listed values, by a required property's listed values,
-  or for scalars by their automata), "allOf" (parts merged keyword by keyword: the stricter
-  bound, both schemas of one property), "not" (around a type, scalar enum/const values,
-  "required", or an object schema of properties and required), "if"/"then"/"else" (the
+  is not 1; the values are filtered by every keyword beside them), "anyOf", "oneOf" (each
+  option written where no other holds: as it is where shown apart from the others, by type,
+  listed values, a property one requires and the other forbids, never writes or gives a
+  schema apart from the first's, or for scalars by their automata; else with "not" around
+  the others), "allOf" (parts merged keyword by keyword: the stricter bound, both schemas
+  of one property, a part's additionalProperties/items given to the names/positions another
+  part lists), "not" (around a type, scalar enum/const values, "required", or an object
+  schema, by its properties and required), "if"/"then"/"else" (the
   union of the branches that compile: if+then, not-if+else, then+else), local "$ref" ("#",
   "#/$defs/...", "#/definitions/...", or the root's own $id followed by one of those).
 - integers: "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" (digit-range
@@ -37,7 +40,8 @@ a known one it cannot compile is refused with a ValueError naming it, its place
   point; a bound with more digits than that after the point, or one of 1e8 or more with a
   fraction, is refused. "multipleOf" only with an integer step (then the number is an
   integer).
-- strings: "minLength"/"maxLength" (characters, as JSON Schema counts them), "pattern"
+- strings: "minLength"/"maxLength" (characters, as JSON Schema counts them; past
+  LONG_STRING characters written raw or with a short escape, never \\u), "pattern"
   (a search, through regex_dfa with ecma=True: its classes cut to the characters ECMA-262
   and Python's re agree on; the matched part is written with unescaped characters only),
   "format" in FORMATS (another format JSON Schema defines is refused; one it does not, an
@@ -117,9 +121,11 @@ STRING_CHARACTER = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
                     r"|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
                     r"|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 # One character of a string whose length bound is above LONG_STRING characters: raw or a
-# short escape, never a \\u escape. The automaton keeps a copy of one character's states per
-# character of the bound, and a \\u escape (a surrogate pair with it) more than doubles them.
-COUNTED_CHARACTER = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt])'
+# short escape, a \\u escape only for a control character (which has no raw form, so that
+# every string still has a spelling here, the one other automata of strings also write:
+# oneOf's options are told apart on that). The automaton keeps a copy of one character's
+# states per character of the bound, and every \\u escape (surrogate pairs) doubles them.
+COUNTED_CHARACTER = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
 LONG_STRING = 32
 RAW_CHARACTERS: CharSet = complement(((0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))))
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -1635,6 +1641,7 @@ def schema_to_nfa(schema: Any, whitespace: str = OPTIONAL_SPACE, strict: bool = 
 
 
 def compile_schema(schema: Any, whitespace: str = OPTIONAL_SPACE, strict: bool = True) -> DFA:
-    """The trimmed, minimal byte DFA of the JSON documents that validate against `schema`
+    """The trimmed byte DFA (minimal up to regex_dfa.MINIMIZE_LIMIT states) of the JSON
+    documents that validate against `schema`
     (arguments as schema_to_nfa's)."""
     return compile_nfa(schema_to_nfa(schema, whitespace, strict))
