@@ -23,11 +23,14 @@ What is honoured (a keyword this module does not know is an annotation, as in JS
 a known one it cannot compile is refused with a ValueError naming it, its place
 "$.properties.age" and the reason, never ignored):
 - "type" (one or a list), "enum" and "const" (JSON equality: 1 and 1.0 are one value, true
-  is not 1; the values are filtered by every keyword beside them), "anyOf", "oneOf" (its
-  options shown apart: by type, by listed values, by a required property's listed values,
-  or for scalars by their automata), "allOf" (parts merged keyword by keyword: the stricter
-  bound, both schemas of one property), "not" (around a type, scalar enum/const values,
-  "required", or an object schema of properties and required), "if"/"then"/"else" (the
+  is not 1; the values are filtered by every keyword beside them), "anyOf", "oneOf" (each
+  option written where no other holds: as it is where shown apart from the others, by type,
+  listed values, a property one requires and the other forbids, never writes or gives a
+  schema apart from the first's, or for scalars by their automata; else with "not" around
+  the others), "allOf" (parts merged keyword by keyword: the stricter bound, both schemas
+  of one property, a part's additionalProperties/items given to the names/positions another
+  part lists), "not" (around a type, scalar enum/const values, "required", or an object
+  schema, by its properties and required), "if"/"then"/"else" (the
   union of the branches that compile: if+then, not-if+else, then+else), local "$ref" ("#",
   "#/$defs/...", "#/definitions/...", or the root's own $id followed by one of those).
 - integers: "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum" (digit-range
@@ -37,7 +40,8 @@ a known one it cannot compile is refused with a ValueError naming it, its place
   point; a bound with more digits than that after the point, or one of 1e8 or more with a
   fraction, is refused. "multipleOf" only with an integer step (then the number is an
   integer).
-- strings: "minLength"/"maxLength" (characters, as JSON Schema counts them), "pattern"
+- strings: "minLength"/"maxLength" (characters, as JSON Schema counts them; past
+  LONG_STRING characters written raw or with a short escape, never \\u), "pattern"
   (a search, through regex_dfa with ecma=True: its classes cut to the characters ECMA-262
   and Python's re agree on; the matched part is written with unescaped characters only),
   "format" in FORMATS (another format JSON Schema defines is refused; one it does not, an
@@ -116,6 +120,13 @@ FREE_DEPTH = 2
 STRING_CHARACTER = (r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]'
                     r"|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
                     r"|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+# One character of a string whose length bound is above LONG_STRING characters: raw or a
+# short escape, a \\u escape only for a control character (which has no raw form, so that
+# every string still has a spelling here, the one other automata of strings also write:
+# oneOf's options are told apart on that). The automaton keeps a copy of one character's
+# states per character of the bound, and every \\u escape (surrogate pairs) doubles them.
+COUNTED_CHARACTER = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
+LONG_STRING = 32
 RAW_CHARACTERS: CharSet = complement(((0, 0x1F), (ord('"'), ord('"')), (ord("\\"), ord("\\"))))
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 FRACTION_DIGITS = 6                  # digits after the point of a number with bounds
@@ -640,13 +651,20 @@ class _SchemaCompiler:
             if option is not True:
                 parts.append(option)
         # additionalProperties (items) sees only the properties (prefixItems) beside it: merged
-        # with another part's, it would wrongly stop applying to them.
-        for listed, rest in (("properties", "additionalProperties"), ("prefixItems", "items"),
-                             ("patternProperties", "additionalProperties")):
-            owners = {i for i, part in enumerate(parts) if listed in part or rest in part}
-            if len(owners) > 1 and any(rest in parts[i] for i in owners):
-                raise ValueError(f"schema at {where}: allOf parts with {rest} and another part's {listed} do not "
-                                 f"merge into one schema")
+        # with another part's, it would wrongly stop applying to them. So each part first lists
+        # the names (positions) the others list, with its additionalProperties (items) as their
+        # schema, which says the same; then the parts merge name by name (position by position).
+        # Beside patternProperties (which a name may or may not match) that is refused.
+        if any("patternProperties" in part for part in parts):
+            owners = {i for i, part in enumerate(parts) if {"properties", "patternProperties",
+                                                            "additionalProperties"} & set(part)}
+            if len(owners) > 1 and any("additionalProperties" in parts[i] for i in owners):
+                raise ValueError(f"schema at {where}: allOf parts with additionalProperties and another part's "
+                                 f"properties or patternProperties do not merge into one schema")
+        else:
+            parts = [_listing_others(part, parts, "properties", "additionalProperties") for part in parts]
+        parts = [_listing_others(part, parts, "prefixItems", "items") for part in parts]
+        result = parts[0]
         later: list[Any] = []                      # conditionals of a second part, merged on the next pass
         for i, option in enumerate(parts[1:]):
             conditional: dict[str, Any] = {k: option[k] for k in ("if", "then", "else") if k in option}
@@ -664,6 +682,8 @@ class _SchemaCompiler:
                     for name, sub in item.items():
                         both[name] = {"allOf": [both[name], sub]} if name in both else sub
                     result[key] = both
+                elif key == "prefixItems" and isinstance(item, list) and isinstance(result[key], list):
+                    result[key] = [{"allOf": [mine, theirs]} for mine, theirs in zip(result[key], item)]
                 elif key in ("required",) and isinstance(item, list) and isinstance(result[key], list):
                     result[key] = result[key] + [name for name in item if name not in result[key]]
                 elif key in TIGHTEST and _is_number(item) and _is_number(result[key]):
@@ -726,15 +746,35 @@ class _SchemaCompiler:
         siblings = {k: v for k, v in schema.items() if k != combinator}
         if siblings:                        # the keywords beside it hold in every option
             options = [{"allOf": [siblings, option]} for option in options]
-        if combinator == "oneOf":                 # exactly one option: they must not overlap
-            for i in range(len(options)):
-                for j in range(i):
-                    if not self.apart_options(options[i], options[j], where, depth, refs):
-                        raise ValueError(f"schema at {where}: oneOf options {j} and {i} may overlap (a value valid "
-                                         f"for both is invalid for oneOf); supported: options told apart by type, "
-                                         f"by their enum/const values, or by a required property's const")
+        if combinator == "oneOf":                 # exactly one option: never two at once
+            return self.one_of(schema[combinator], options, where, depth, refs)
         return self.nfa.choice([self.value(option, f"{where}.{combinator}[{i}]", depth + 1, refs)
                                 for i, option in enumerate(options)])
+
+    def one_of(self, raw: list[Any], options: list[Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
+        """oneOf's options (`options`: the `raw` ones with their siblings), each written only
+        where no other holds: an option shown apart from another is written as it is; where
+        that is not shown, it is written with "not" around the other (when that compiles)."""
+        overlapping: list[list[int]] = [[] for _ in options]
+        for i in range(len(options)):
+            for j in range(i):
+                if not self.apart_options(options[i], options[j], where, depth, refs):
+                    overlapping[i].append(j)
+                    overlapping[j].append(i)
+        fragments = []
+        for i, option in enumerate(options):
+            others = [{"not": raw[j]} for j in overlapping[i]]
+            try:
+                fragments.append(self.value({"allOf": [option, *others]} if others else option,
+                                            f"{where}.oneOf[{i}]", depth + 1, refs))
+            except ValueError as error:
+                if not others:
+                    raise
+                raise ValueError(f"schema at {where}: oneOf options {i} and {overlapping[i][0]} may overlap (a value "
+                                 f"valid for both is invalid for oneOf), and option {i} without the others does not "
+                                 f"compile ({error}); supported: options told apart by type, by listed values, by "
+                                 f"required or forbidden properties, or whose others' complement compiles") from None
+        return self.nfa.choice(fragments)
 
     def kinds(self, schema: Any, depth: int = 0) -> set[str]:
         """The types of the values `schema` allows, as far as its type, enum, const, $ref
@@ -792,18 +832,50 @@ class _SchemaCompiler:
             merged_a, merged_b = (self.merged({"allOf": [x]}, where) for x in (a, b))
             if not isinstance(merged_a, dict) or not isinstance(merged_b, dict):
                 return True
-            for name in set(merged_a.get("required", [])) & set(merged_b.get("required", [])):
-                listed_a = self.values_of(merged_a.get("properties", {}).get(name, True))
-                listed_b = self.values_of(merged_b.get("properties", {}).get(name, True))
-                if listed_a is not None and listed_b is not None and not any(
-                        json_equal(x, y) for x in listed_a for y in listed_b):
-                    return True
+            return (self.excluded_object(merged_a, merged_b, where, depth, refs)
+                    and self.excluded_object(merged_b, merged_a, where, depth, refs))
         return False
+
+    def excluded_object(self, a: dict[str, Any], b: dict[str, Any], where: str, depth: int,
+                        refs: tuple[str, ...]) -> bool:
+        """Is every object written for `a` invalid for `b` (both merged object schemas)? Shown
+        by one name: `a` requires it and `b` forbids it, or gives it a schema that no value of
+        `a`'s schema for it meets; or `b` requires it and `a` never writes it."""
+        if depth > MAX_NESTING:
+            return False
+        properties_a, properties_b = a.get("properties", {}), b.get("properties", {})
+        required_a, required_b = a.get("required", []), b.get("required", [])
+        if not all(isinstance(x, dict) for x in (properties_a, properties_b)) or not all(
+                isinstance(x, list) for x in (required_a, required_b)):
+            return False
+        # b's schema for a name it does not list: its additionalProperties (JSON Schema's default, true)
+        b_extra = True if "patternProperties" in b else b.get("additionalProperties", True)
+        for name in required_a:
+            schema_b = properties_b.get(name, b_extra)
+            if schema_b is False:
+                return True
+            if name in properties_a and schema_b is not True and self.apart_options(
+                    properties_a[name], schema_b, where, depth + 1, refs):
+                return True
+        # a writes only its listed names when nothing else in it can bring more
+        growing = {"anyOf", "oneOf", "allOf", "if", "not", "$ref", "patternProperties", "propertyNames",
+                   "dependentRequired", "dependentSchemas"}
+        a_closed = not growing & set(a) and a.get("additionalProperties",
+                                                   not (self.strict and properties_a)) is False
+        return a_closed and any(properties_a.get(name, False) is False and name not in required_a
+                                for name in required_b)
 
     def negation(self, rest: dict[str, Any], where: str, depth: int, refs: tuple[str, ...]) -> Fragment:
         """"not" where its complement is known: a type, enum or const values (scalars), or
         required names (then absent)."""
         negated = self.clean(rest["not"], f"{where}.not")
+        for _ in range(MAX_NESTING):               # the schema a lone $ref or allOf stands for
+            if isinstance(negated, dict) and set(negated) == {"$ref"}:
+                negated = self.clean(self.resolve(negated["$ref"], f"{where}.not"), negated["$ref"])
+            elif isinstance(negated, dict) and "allOf" in negated:
+                negated = self.clean(self.merged(negated, f"{where}.not"), f"{where}.not")
+            else:
+                break
         others = {k: v for k, v in rest.items() if k != "not"}
         if negated is True or negated == {}:
             return self.nothing()
@@ -826,9 +898,10 @@ class _SchemaCompiler:
             if not isinstance(properties, dict):
                 raise ValueError(f"schema at {where}: properties must be an object of schemas")
             # not all of the names present: one of them absent (listed with the schema false)
+            others = self.kept_open(others)
             return self.nfa.choice([self.value({**others, "properties": {**properties, name: False}},
                                                where, depth + 1, refs) for name in negated["required"]])
-        if set(negated) <= {"properties", "required", "type"} and negated.get("type", "object") == "object":
+        if {"properties", "required"} & set(negated) and "object" in _listed(negated.get("type", "object")):
             return self.not_object(negated, others, where, depth, refs)
         if set(negated) <= {"enum", "const"}:
             values = list(negated.get("enum", [])) + ([negated["const"]] if "const" in negated else [])
@@ -841,19 +914,36 @@ class _SchemaCompiler:
         raise ValueError(f"schema at {where}: keyword 'not' is supported around type, enum, const or required "
                          f"only (the complement of {sorted(negated)[0]!r} is not computed)")
 
+    def kept_open(self, schema: dict[str, Any]) -> dict[str, Any]:
+        """`schema` with its extra keys allowed in so many words where the strict rule allows
+        them only because it lists no property (so that listing one does not forbid them)."""
+        if self.strict and not schema.get("properties") and not {"patternProperties",
+                                                                 "additionalProperties"} & set(schema):
+            return {**schema, "additionalProperties": True}
+        return schema
+
     def not_object(self, negated: dict[str, Any], others: dict[str, Any], where: str, depth: int,
                    refs: tuple[str, ...]) -> Fragment:
-        """Objects that fail an object schema of properties and required: one required name
-        absent, or one listed property present with a value its schema refuses (each way
-        that compiles; a non-object satisfies such a schema, so none is written)."""
+        """Objects that fail an object schema by its properties and required (its other
+        keywords only add ways to fail, left unwritten): one required name absent, or one
+        property present with a value its schema refuses (each way that compiles and that
+        `others` lets be written; a non-object may satisfy the schema, so none is written)."""
         properties, required = negated.get("properties", {}), negated.get("required", [])
         if not isinstance(properties, dict) or not isinstance(required, list):
             raise ValueError(f"schema at {where}.not: properties must be an object and required a list")
         own = others.get("properties", {})
-        ways = [{**others, "type": "object", "not": {"required": [name]}} for name in required]
+        if not isinstance(own, dict):
+            raise ValueError(f"schema at {where}: properties must be an object of schemas")
+        # The schema `others` gives an unlisted name: its additionalProperties (a missing one
+        # is false under the strict rule); with patternProperties, such names are not written.
+        default_extra = False if self.strict and (own or "patternProperties" in others) else True
+        extra = False if "patternProperties" in others else others.get("additionalProperties", default_extra)
+        others = self.kept_open(others)
+        ways = [{**others, "type": "object", "not": {"required": [name]}} for name in required
+                if name not in others.get("required", [])]
         ways += [{**others, "type": "object", "required": list(others.get("required", [])) + [name],
-                  "properties": {**own, name: {"allOf": [own.get(name, True), {"not": sub}]}}}
-                 for name, sub in properties.items()]
+                  "properties": {**own, name: {"allOf": [own.get(name, extra), {"not": sub}]}}}
+                 for name, sub in properties.items() if own.get(name, extra) is not False]
         fragments, errors = [], []
         for way in ways:
             try:
@@ -1008,12 +1098,13 @@ class _SchemaCompiler:
             shapes.append({"format": name})
         if "pattern" in schema:
             shapes.append({"pattern": schema["pattern"]})
+        character = STRING_CHARACTER if max(low, high or 0) <= LONG_STRING else COUNTED_CHARACTER
         if not shapes:
-            return add_dfa(self.nfa, _string_automaton(low, high))
+            return add_dfa(self.nfa, _string_automaton(low, high, character))
         bounded = "minLength" in schema or "maxLength" in schema
         if len(shapes) > 1 or bounded:    # each keyword's strings apart, then the strings all accept
             automata = [self.apart(partial(_SchemaCompiler.string, schema=shape, where=where)) for shape in shapes]
-            return self.intersected(automata + [_string_automaton(low, high)] if bounded else automata)
+            return self.intersected(automata + [_string_automaton(low, high, character)] if bounded else automata)
         body = self.pattern(FORMATS[str(name)]) if name in FORMATS else self.search(schema["pattern"], where)
         return self.nfa.chain([self.pattern('"'), body, self.pattern('"')])
 
@@ -1023,6 +1114,9 @@ class _SchemaCompiler:
         part uses unescaped characters (all of the body when raw_only)."""
         if not isinstance(pattern, str):
             raise ValueError(f"schema at {where}: pattern must be a string, got {_shown(pattern)}")
+        alternatives = _top_level_alternatives(pattern)
+        if len(alternatives) > 1:                  # a match of any one, each with its own anchors
+            return self.nfa.choice([self.search(option, where, raw_only) for option in alternatives])
         anchored_start = pattern.startswith("^")
         trailing_backslashes = len(pattern[:-1]) - len(pattern[:-1].rstrip("\\"))
         anchored_end = pattern.endswith("$") and trailing_backslashes % 2 == 0 and len(pattern) > anchored_start
@@ -1031,9 +1125,6 @@ class _SchemaCompiler:
             tree = parse_regex(body, ecma=True)
         except ValueError as error:
             raise ValueError(f"schema at {where}: pattern: {error}") from None
-        if isinstance(tree, Alt) and (anchored_start or anchored_end):
-            raise ValueError(f"schema at {where}: pattern {pattern!r}: an anchor beside a top-level | is not "
-                             f"supported (group the alternatives)")
         around = "[^\"\\\\\\x00-\\x1f]*" if raw_only else STRING_CHARACTER + "*"
         pieces = [] if anchored_start else [self.pattern(around)]
         pieces.append(add_fragment(self.nfa, _restrict(tree, RAW_CHARACTERS)))
@@ -1183,9 +1274,11 @@ class _SchemaCompiler:
         keys = {pattern: self.apart(partial(_SchemaCompiler.key, pattern=pattern, where=where))
                 for pattern in patterns}
         for name in [n for n in required if n not in properties]:
-            if extra is False and not any(_is_key(keys[p], name, unknown=False) for p in patterns):
+            if extra is False and "additionalProperties" in schema and not any(
+                    _is_key(keys[p], name, unknown=False) for p in patterns):
                 raise ValueError(f"schema at {where}: required property {name!r} has no schema in properties, and "
-                                 f"additionalProperties (or its strict default) forbids it")
+                                 f"additionalProperties false forbids it")
+            # (the strict default forbids only keys the schema does not name; required names one)
             properties[name] = extra if extra is not False else True
         for name in properties:                      # a listed name that a pattern matches obeys both
             matched = [patterns[p] for p in patterns if _is_key(keys[p], name)]
@@ -1393,13 +1486,14 @@ def _pattern_automaton(text: str) -> DFA:
 
 
 @lru_cache(maxsize=256)
-def _string_automaton(low: int, high: int | None) -> DFA:
-    """The minimal DFA of a JSON string of low..high characters (high None: no bound),
-    quotes included, built straight from the automaton of one character: a copy of its
+def _string_automaton(low: int, high: int | None, character_pattern: str = STRING_CHARACTER) -> DFA:
+    """The minimal DFA of a JSON string of low..high characters (high None: no bound), each
+    one `character_pattern` (a complete character, at most one end state after it), quotes
+    included, built straight from the automaton of one character: a copy of its
     states per count of characters read, the count moving on when a character ends.
     (Subset construction and minimisation of the repeat took a second for maxLength 255.)
     ValueError past MAX_NFA_STATES, the limit of the automaton it joins."""
-    character = _pattern_automaton(STRING_CHARACTER)
+    character = _pattern_automaton(character_pattern)
     table = character.transitions
     ends = np.flatnonzero(character.accepting)          # one end state, with no moves out of it
     inner = np.flatnonzero(~character.accepting)
@@ -1437,6 +1531,45 @@ def _string_automaton(low: int, high: int | None) -> DFA:
     accepting = np.zeros(size, dtype=bool)
     accepting[closing] = True
     return DFA(rows.astype(np.int32), accepting, opening)
+
+
+def _top_level_alternatives(pattern: str) -> list[str]:
+    """`pattern` cut at each | outside groups and classes (escapes skipped)."""
+    cuts, depth, in_class, k = [], 0, False, 0
+    while k < len(pattern):
+        char = pattern[k]
+        if char == "\\":
+            k += 1
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char in "()":
+            depth += 1 if char == "(" else -1
+        elif char == "|" and depth == 0:
+            cuts.append(k)
+        k += 1
+    bounds = [-1, *cuts, len(pattern)]
+    return [pattern[a + 1:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _listing_others(part: Any, parts: list[Any], listed: str, rest: str) -> Any:
+    """An allOf part that also lists, under `listed` (properties or prefixItems), the names
+    or positions the other parts list, each with the part's own `rest` schema
+    (additionalProperties or items), which is what that part asks of them: the same schema."""
+    if not isinstance(part, dict) or not (listed in part or rest in part):
+        return part
+    own = part.get(listed, {} if listed == "properties" else [])
+    others = [other.get(listed) for other in parts if isinstance(other, dict) and other is not part]
+    if listed == "properties":
+        if not isinstance(own, dict) or rest not in part:
+            return part
+        names = [name for other in others if isinstance(other, dict) for name in other if name not in own]
+        return {**part, listed: {**own, **{name: part[rest] for name in names}}} if names else part
+    if not isinstance(own, list):
+        return part
+    length = max([len(own)] + [len(other) for other in others if isinstance(other, list)])
+    return {**part, listed: own + [part.get(rest, True)] * (length - len(own))} if length > len(own) else part
 
 
 def _is_key(key: DFA | None, name: str, unknown: bool = True) -> bool:
@@ -1508,6 +1641,7 @@ def schema_to_nfa(schema: Any, whitespace: str = OPTIONAL_SPACE, strict: bool = 
 
 
 def compile_schema(schema: Any, whitespace: str = OPTIONAL_SPACE, strict: bool = True) -> DFA:
-    """The trimmed, minimal byte DFA of the JSON documents that validate against `schema`
+    """The trimmed byte DFA (minimal up to regex_dfa.MINIMIZE_LIMIT states) of the JSON
+    documents that validate against `schema`
     (arguments as schema_to_nfa's)."""
     return compile_nfa(schema_to_nfa(schema, whitespace, strict))

@@ -19,7 +19,7 @@ both engines agree on (see ecma_class_escapes), and "." excludes every line term
 alternation |; the quantifiers * + ? {m} {m,} {m,n} {,n}. The whole text must match
 (re.fullmatch), so anchors are refused, as are backreferences, lookarounds and lazy
 quantifiers (which cannot change what fullmatch accepts, and which we refuse rather
-than silently ignore).
+than silently ignore; with ecma=True, for a search, a lazy quantifier is read as greedy).
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ SURROGATES = (0xD800, 0xDFFF)           # not characters: UTF-8 cannot encode th
 # running for minutes (every one is checked while the automaton is built, not afterwards):
 MAX_REPEAT = 1000                       # the largest count {m,n} may name
 MAX_NESTING = 64                        # groups (and schema levels) open at once
-MAX_NFA_STATES = 20000                  # the Thompson NFA (a "." is about 20 states, a JSON string character 40)
-MAX_DFA_STATES = 10000                  # the DFA before minimisation
+MAX_NFA_STATES = 60000                  # the Thompson NFA (a "." is about 20 states, a JSON string character 40)
+MAX_DFA_STATES = 30000                  # the DFA before minimisation
+MINIMIZE_LIMIT = 8000                   # the largest trimmed DFA that compile_nfa minimises
 
 # A set of characters: sorted, disjoint, non-adjacent inclusive code-point intervals.
 CharSet = tuple[tuple[int, int], ...]
@@ -170,6 +171,7 @@ class _Parser:
         self.pattern = pattern
         self.classes = ECMA_CLASS_ESCAPES if ecma else CLASS_ESCAPES
         self.any = ECMA_ANY if ecma else ANY_BUT_NEWLINE
+        self.ecma = ecma
         self.pos = 0
         self.depth = 0                                  # groups open at self.pos
 
@@ -212,7 +214,9 @@ class _Parser:
             low, high = counts
         else:
             return node
-        if self.peek("?") or self.peek("+"):
+        if self.ecma and self.peek("?"):
+            self.pos += 1     # lazy: a pattern (a search) finds a match exactly when the greedy one does
+        elif self.peek("?") or self.peek("+"):
             raise self.fail("lazy and possessive quantifiers are not supported (fullmatch needs neither)")
         after = self.pos
         if self.peek("*") or (self.peek("{") and self.counts() is not None):
@@ -764,8 +768,12 @@ def _hopcroft(columns: np.ndarray, first: np.ndarray) -> np.ndarray:
 
 
 def compile_nfa(nfa: NFA) -> DFA:
-    """The trimmed, minimal DFA of an NFA."""
-    return minimize(trim(determinize(nfa)))
+    """The trimmed DFA of an NFA, minimal when trimming leaves at most MINIMIZE_LIMIT states.
+    Past that it is only trimmed: minimising a large schema's automaton took seconds of CPU
+    (most of its compile time) and, because its pieces are minimal DFAs already, mostly
+    saved few states."""
+    trimmed = trim(determinize(nfa))
+    return minimize(trimmed) if trimmed.num_states <= MINIMIZE_LIMIT else trimmed
 
 
 def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
