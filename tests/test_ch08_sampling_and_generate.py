@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from course.testing.milestone_helpers import OperatorCounter
 from course.testing.oracles import reference_tiny_qwen3
 
 pytestmark = pytest.mark.chapter(8)
@@ -240,16 +241,6 @@ def test_filters_in_float64_at_the_edges(impl):
     assert [kept_ids(row) for row in got] == [[t] for t in top], "min_p = 1 keeps only the most likely token"
 
 
-class CountOps(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_filters_cost_a_fixed_number_of_operations(impl):
     """The engine filters a whole step at once: the number of tensor operations may not grow
     with the number of rows (no Python loop over rows)."""
@@ -259,9 +250,9 @@ def test_filters_cost_a_fixed_number_of_operations(impl):
         calls = {"apply_top_k_top_p": (torch.full((rows,), 5), torch.full((rows,), 0.7)),
                  "apply_min_p": (torch.full((rows,), 0.1),)}
         for name, per_row in calls.items():
-            with CountOps() as mode:
+            with OperatorCounter() as counter:
                 getattr(impl.sampling, name)(logits.clone(), *per_row)
-            counts[name, rows] = mode.calls
+            counts[name, rows] = sum(counter.ops.values())
     for name in ("apply_top_k_top_p", "apply_min_p"):
         assert counts[name, 40] == counts[name, 2], (
             f"{name} ran {counts[name, 2]} tensor operations on 2 rows and {counts[name, 40]} on 40: it must filter "
