@@ -46,7 +46,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
     probs = torch.softmax(ordered, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = mass_before >= top_p.unsqueeze(1)
+    # 1 means off: a float32 mass before a very unlikely token can round up to exactly 1.
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p.unsqueeze(1) < 1)
     drop[:, 0] = False                                     # the most likely token stays, always
     ordered = ordered.masked_fill(drop, float("-inf"))
     return logits.scatter_(1, order, ordered)

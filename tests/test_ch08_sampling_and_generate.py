@@ -161,10 +161,11 @@ FILTER_VOCAB = 64
 
 
 def filter_cases():
-    """Ten rows of logits with their own (top_k, top_p, min_p), ties at the k-th place included."""
+    """Eleven rows of logits with their own (top_k, top_p, min_p), ties at the k-th place included."""
     settings = [(0, 1.0, 0.0), (5, 1.0, 0.0), (0, 0.8, 0.0), (7, 0.6, 0.0), (0, 1.0, 0.1), (10, 0.9, 0.05),
-                (1, 0.5, 0.0), (64, 1e-9, 0.0), (3, 0.9, 0.0), (2, 1.0, 1.0)]
+                (1, 0.5, 0.0), (64, 1e-9, 0.0), (3, 0.9, 0.0), (2, 1.0, 1.0), (0, 1.0, 0.0)]
     logits = torch.randn(len(settings), FILTER_VOCAB, generator=torch.Generator().manual_seed(1)) * 2
+    logits[10] *= 15        # a steep row: its least likely tokens weigh less than float32's epsilon
     logits[1, [3, 9, 20]] = logits[1].max() - 0.5          # ties at the 2nd-4th place, top_k 5
     logits[8, [1, 2, 30, 40, 50, 60]] = logits[8].max() + 1    # six tokens tied at the top, top_k 3: all stay
     logits[9, [4, 5, 6]] = logits[9].max() + 1               # a tie across the k-th place, top_k 2: all stay
