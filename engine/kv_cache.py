@@ -37,11 +37,18 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
-        self.length = 0
+        """Make room, once, for the keys and values of num_layers layers of `batch` sequences
+        of up to max_len tokens, kv_heads heads of head_dim numbers each.  (Your engine: Chapter 16)
+
+        Afterwards: `length` == 0 and `max_len` is kept; `k` and `v` are lists of num_layers
+        tensors, k[layer] and v[layer] each [batch, kv_heads, max_len, head_dim] in `dtype` on
+        `device` (update, advance and truncate, the subclasses of Chapters 19 and 28, and
+        nbytes all rely on these names and this layout). `length` is the only write position:
+        one int for every row and every layer. Every slot reads 0 until something is written
+        there. These tensors are all the memory the cache ever has: no later call allocates,
+        grows or rebinds them. Writing any one of the 2 x num_layers tensors changes no other.
+        """
+        raise NotImplementedError("Your engine: Chapter 16: KVCache.__init__")
 
     @classmethod
     def for_model(cls, model: Qwen3ForCausalLM, batch: int, max_len: int) -> KVCache:

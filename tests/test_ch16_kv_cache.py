@@ -23,6 +23,46 @@ def small_cache(impl, batch=2, max_len=10, layers=2, kv_heads=2, head_dim=4):
     return impl.kv_cache.KVCache(layers, batch, kv_heads, head_dim, max_len)
 
 
+def storage_bytes(tensors):
+    """Bytes of the memory behind `tensors`, each block counted once, measured here rather than
+    by the cache's own nbytes (views of one big block are one block)."""
+    blocks = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(blocks.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_new_cache_is_empty_zeroed_and_owns_a_buffer_per_layer_and_tensor(impl, dtype):
+    """What __init__ allocates, seen from outside: the layout, zeros, no sharing, exactly the formula."""
+    layers, batch, kv_heads, head_dim, max_len = 3, 2, 2, 4, 10
+    shape = (batch, kv_heads, max_len, head_dim)
+    for attempt in range(5):
+        # Leave NaN-filled memory behind, so that a cache which does not clear what it gets sees it.
+        leftovers = [torch.full(shape, float("nan"), dtype=dtype) for _ in range(2 * layers)]
+        del leftovers
+        cache = impl.kv_cache.KVCache(layers, batch, kv_heads, head_dim, max_len, dtype=dtype)
+        assert cache.length == 0 and cache.max_len == max_len, "a new cache is empty: length 0, max_len as asked"
+        buffers = list(cache.k) + list(cache.v)
+        assert len(cache.k) == len(cache.v) == layers, (
+            f"one key tensor and one value tensor per layer: {layers} layers, got {len(cache.k)} and {len(cache.v)}")
+        found = [(tuple(t.shape), t.dtype) for t in buffers]
+        assert all(item == (shape, dtype) for item in found), (
+            f"each layer's keys and values are one tensor [batch, kv_heads, max_len, head_dim] = {shape} in the "
+            f"dtype asked ({dtype}); found {sorted(set(found), key=str)}")
+        dirty = [i for i, t in enumerate(buffers) if torch.count_nonzero(t.nan_to_num(1.0)) > 0]
+        assert not dirty, (f"every slot reads 0 until written; tensors {dirty} of a new cache (attempt {attempt}) "
+                           "hold leftover memory")
+    for index, tensor in enumerate(buffers):
+        tensor.fill_(index + 1)
+    shared = [index for index, tensor in enumerate(buffers) if not bool((tensor == index + 1).all())]
+    assert not shared, (f"writing one tensor changed another (tensors {shared}, keys first then values): no two "
+                        "layers share storage, and keys and values do not share storage")
+    element = torch.empty((), dtype=dtype).element_size()
+    expected = 2 * layers * batch * kv_heads * max_len * head_dim * element
+    held = storage_bytes(buffers)
+    assert held == expected, (f"the cache holds {held} bytes of storage; the layout needs exactly {expected}: "
+                              "max_len slots, no spare copy")
+
+
 def test_update_stores_new_keys_and_returns_all_so_far(impl):
     cache = small_cache(impl)
     g = torch.Generator().manual_seed(0)
@@ -32,6 +72,8 @@ def test_update_stores_new_keys_and_returns_all_so_far(impl):
     torch.testing.assert_close(k, k1)
     torch.testing.assert_close(v, v1)
     assert cache.length == 0, "update must not move length; the model calls advance once after all layers"
+    assert k.data_ptr() == cache.k[0].data_ptr() and v.data_ptr() == cache.v[0].data_ptr(), (
+        "update returns views into the cache's own buffers, not copies")
     k1b = torch.randn(2, 2, 3, 4, generator=g)
     cache.update(1, k1b, k1b)                       # layer 1 of the same step starts at slot 0 too
     cache.advance(3)

@@ -4,8 +4,49 @@ from . import Mistake
 MILESTONE = "tests/test_ch16_kv_cache.py"
 UPDATE = f"{MILESTONE}::test_update_stores_new_keys_and_returns_all_so_far"
 CAPACITY = f"{MILESTONE}::test_capacity_is_enforced_before_writing"
+NEW_CACHE = f"{MILESTONE}::test_a_new_cache_is_empty_zeroed_and_owns_a_buffer_per_layer_and_tensor"
+KEYS = "self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]"
+VALUES = "self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]"
 
 MISTAKES = [
+    Mistake("kv_cache.py", "KVCache.__init__",
+            before=KEYS,
+            after="self.k = [torch.zeros(shape, dtype=dtype, device=device)] * num_layers",
+            rule="each layer has storage of its own: a list of one tensor repeated is one tensor shared by every layer",
+            expect="no two layers share storage",
+            tests=(NEW_CACHE,)),
+    Mistake("kv_cache.py", "KVCache.__init__",
+            before=VALUES,
+            after="self.v = self.k",
+            rule="keys and values are kept in tensors of their own",
+            expect="keys and values do not share storage",
+            tests=(NEW_CACHE,)),
+    Mistake("kv_cache.py", "KVCache.__init__",
+            before="shape = (batch, kv_heads, max_len, head_dim)",
+            after="shape = (batch, max_len, kv_heads, head_dim)",
+            rule="a layer's keys are one tensor [batch, kv_heads, max_len, head_dim]: slots on the third axis, "
+                 "so a slice of it is attention's input",
+            expect="[batch, kv_heads, max_len, head_dim]",
+            tests=(NEW_CACHE,)),
+    Mistake("kv_cache.py", "KVCache.__init__",
+            before=KEYS,
+            after="self.k = [torch.zeros(shape, device=device) for _ in range(num_layers)]",
+            rule="the cache is kept in the dtype asked for (the model's), not float32 whatever the model",
+            expect="in the dtype asked",
+            tests=(NEW_CACHE,)),
+    Mistake("kv_cache.py", "KVCache.__init__",
+            before=VALUES,
+            after=VALUES.replace("torch.zeros", "torch.empty"),
+            rule="every slot reads 0 until written: Chapter 19 gives attention whole buffers, and leftover memory "
+                 "can be NaN, which a weight of 0 does not cancel",
+            expect="every slot reads 0 until written",
+            tests=(NEW_CACHE,)),
+    Mistake("kv_cache.py", "KVCache.update",
+            before="return self.k[layer][:, :, :end], self.v[layer][:, :, :end]",
+            after="return self.k[layer][:, :, :end].clone(), self.v[layer][:, :, :end].clone()",
+            rule="update returns views into the cache, never copies: copying every step undoes the point",
+            expect="not copies",
+            tests=(UPDATE,)),
     Mistake("kv_cache.py", "KVCache.update",
             before="return self.k[layer][:, :, :end], self.v[layer][:, :, :end]",
             after="return self.k[layer][:, :, self.length:end], self.v[layer][:, :, self.length:end]",
@@ -57,9 +98,12 @@ MISTAKES = [
 ]
 
 DECIDES = {
+    "KVCache.__init__": "what the cache owns and in what layout (one zeroed buffer per layer for keys and one for "
+                        "values, sized once for max_len slots, nothing shared), and where the single write position "
+                        "lives",
     "KVCache.update": "how to append into a buffer allocated once without copying what is there, what attention "
                       "gets back (views of every filled slot), and why the write position is not moved here",
     "generate_cached": "what each call to the model must be fed so that every token goes through it exactly once, "
                        "and how large the cache must be for the prompt, the new tokens and the context limit",
 }
-DESIGN = ("generate_cached",)
+DESIGN = ("KVCache.__init__", "generate_cached")
