@@ -199,14 +199,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     """The raw log-probabilities of given tokens, with their ranks and each row's top list.  (Your engine: Chapter 34)
 
     logits [P, V] float (raw model logits, no sampling rule applied); token_ids [P] int64
-    on the same device (the token each row is asked about); num_top: P ints, how many of
-    the most likely tokens row p lists (0: none). Returns P TokenLogprobs, row order kept.
-    - logprob: the token's log-probability under its row's distribution, exact to float32
-      even when the logits are bfloat16;
-    - rank: the token's place in its row, most likely first, where tied tokens share the
-      best place of their group (logprobs -1, -1, -2: ranks 1, 1, 3);
-    - top_token_ids / top_logprobs: exactly num_top[p] of the row's most likely tokens,
-      most likely first (num_top may differ from row to row, 0 included).
+    on the same device; num_top: P ints (0: none). Returns P TokenLogprobs, in row order:
+    - logprob: token_ids[p]'s log-probability under row p's distribution, to float32
+      precision even from bfloat16 logits;
+    - rank: its place in the row, most likely first, tied tokens sharing their group's best
+      place (logprobs -1, -1, -2: ranks 1, 1, 3);
+    - top_token_ids / top_logprobs: row p's num_top[p] most likely tokens, most likely first.
     Cost: a fixed number of device operations and device-to-host transfers, whatever P is
     (nothing done per row on the device, no per-row .item()).
     """
