@@ -61,8 +61,8 @@ MISTAKES = [
 
 DECIDES = {
     "apply_penalties":
-        "how to apply three per-row penalties to a whole batch with masks and counts, judging the repetition rule "
-        "by each logit's sign before it changes",
+        "how to apply three per-row penalties to a whole batch from masks and counts, choosing each logit's "
+        "repetition rule by its sign without turning a forbidden token's -inf into NaN",
     "token_logprobs":
         "how to get every row's logprob, rank (ties shared) and top list in a fixed number of device operations "
         "and transfers, with no per-row work",
