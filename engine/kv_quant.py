@@ -35,8 +35,9 @@ def quantize_kv(x: torch.Tensor, fmt: str = "int8") -> tuple[torch.Tensor, torch
     entry is (the code dtype, qmax, the largest code: 127 for "int8", 448 for "fp8" e4m3).
     Returns (codes [..., head_dim] in FORMATS[fmt][0], scale [...] float32) with
     codes * scale[..., None] close to x:
-    - a vector's scale is max|x| / qmax over that vector, taken in float32, so its largest
-      element maps to +-qmax and no code lies outside [-qmax, qmax];
+    - one float32 scale per vector, fixed by this: the vector's element of largest magnitude
+      gets the code +-qmax and decodes back to itself (to float32 rounding); no code lies
+      outside [-qmax, qmax];
     - int8: each code is the integer nearest x / scale (error per element at most scale / 2);
       fp8: each code is the e4m3 value nearest x / scale.
     Trap (part of the contract): an all-zero vector comes back as zero codes with a positive,

@@ -546,9 +546,10 @@ def determinize(nfa: NFA) -> DFA:
     Returns DFA(transitions int32 [S, 256], accepting bool [S], start 0) such that:
     - each state stands for one set of NFA states closed under empty moves (an
       epsilon_closure), no two states for the same set, state 0 for nfa.start's closure;
-    - transitions[s, b] is the state of the closure of every NFA state that some member of
-      s's set reaches by one edge reading b (edge (lo, hi, target) reads bytes lo..hi), or
-      -1 when no member reads b;
+    - for every byte string w, walking w from state 0 through transitions (an edge
+      (lo, hi, target) of the NFA reads bytes lo..hi) ends in the state whose set is exactly
+      the NFA states the NFA can be in after reading w, or at -1 as soon as that set is
+      empty;
     - accepting[s] is True exactly when s's set holds nfa.accept;
     - every state is reachable from state 0; states that cannot reach an accepting one
       stay (trim and minimize come later, in compile_nfa).

@@ -152,6 +152,35 @@ def test_plan_is_built_once_per_step(serve, monkeypatch):
     assert [g.rows.tolist() for g in groups] == [[3, 8], [0, 1, 2, 4, 5, 6, 7, 9, 10, 11, 12, 13]]
 
 
+def test_attend_all_makes_one_attention_call_per_group_and_shares_the_window_mask(serve, monkeypatch):
+    """attend_all's cost contract, seen from torch's attention function: each group of a
+    step is served by one call whose keys keep their Hkv heads (never repeated to H), and
+    the windowed mask built for the first layer is the very tensor the later layers use."""
+    heads, kv_heads, layers = 4, 2, 3
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query, key, value, *args, **kwargs):
+        calls.append((key.shape[1], kwargs.get("attn_mask")))
+        return real(query, key, value, *args, **kwargs)
+
+    meta = make_meta(serve, random_requests(random.Random(3), SCENARIOS["mixed prefill chunks and decodes"], 8, 24), 8)
+    k_pool, v_pool, q = pools_and_queries(heads, kv_heads, 16, 8, 24, meta.query_start_loc_cpu[-1], seed=3)
+    backend = serve.backends.get_backend("vectorised")
+    groups = len(backend.plan_for(meta, torch.device("cpu")))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    for _layer in range(layers):
+        backend.forward(q, (k_pool, v_pool), meta, window=5)
+    assert len(calls) == groups * layers, \
+        f"attend_all: {len(calls)} attention calls for {groups} groups x {layers} layers; one call serves a whole group"
+    assert all(key_heads == kv_heads for key_heads, _ in calls), \
+        f"attend_all: keys reached attention with {sorted({h for h, _ in calls})} heads, not the pool's {kv_heads}: " \
+        "K/V heads are never repeated in memory"
+    first_layer = [mask for _, mask in calls[:groups]]
+    assert all(mask is first_layer[i % groups] for i, (_, mask) in enumerate(calls)), \
+        "attend_all: a windowed mask is built once per step and kept in plan.masks, so later layers reuse that tensor"
+
+
 def test_a_step_reads_nothing_back_and_copies_its_indices_once(serve, monkeypatch):
     """On a GPU every read of a device value (.item(), .tolist(), bool()) and every small
     torch.tensor(..., device=...) is the host waiting for the device. A step's plans are

@@ -54,6 +54,7 @@ def penalised(prompts, outputs, repetition, presence, frequency, logits):
 def test_penalties_match_vllm_formulas_and_transformers(serve, sampler):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 16, generator=gen) * 3
+    logits[0, 3] = logits[2, 5] = float("-inf")             # forbidden tokens that every penalty touches
     prompts = [[1, 2, 3], [4, 4], [5]]
     outputs = [[3, 7, 7, 9], [], [5, 5, 5, 11]]
     prompt_mask = torch.zeros(3, 16, dtype=torch.bool)
@@ -78,6 +79,8 @@ def test_penalties_match_vllm_formulas_and_transformers(serve, sampler):
         got = sampler.apply_penalties(logits.clone(), prompt_mask, counts, torch.tensor(repetition),
                                       torch.tensor(presence), torch.tensor(frequency))
         expected = penalised(prompts, outputs, repetition, presence, frequency, logits)
+        assert torch.isneginf(got[logits.isneginf()]).all(), \
+            f"apply_penalties ({what}): a forbidden token (-inf) stays -inf, never NaN or finite"
         wrong = [(r, t) for r, t in (~torch.isclose(got.double(), expected, atol=1e-5)).nonzero().tolist()]
         assert not wrong, f"apply_penalties ({what}): {rule}; differs at (row, token) {wrong[:4]}"
     transformers = pytest.importorskip("transformers")

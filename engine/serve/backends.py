@@ -389,9 +389,9 @@ def attend_all(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: 
     ReferenceBackend.forward on the same rows: row i attends over the keys plan.visible marks
     for its slot and, when window > 0, only over keys at positions > its own - window.
     Rows of padding requests (plan.empty_rows) come back as zeros.
-    Cost contract: ONE call of torch's scaled_dot_product_attention for the whole group,
-    with enable_gqa=True (K/V heads are never repeated in memory); a windowed mask is built
-    once per step and kept in plan.masks[window], so the other layers reuse it.
+    Cost contract: ONE call of scaled_dot_product_attention per group, whatever its requests
+    and rows; keys and values reach it with their Hkv heads (never repeated to H); a windowed
+    mask is built once per step and window, kept in plan.masks[window] for the other layers.
     """
     raise NotImplementedError("Your engine: Chapter 32: attend_all")
 

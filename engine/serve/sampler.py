@@ -107,14 +107,14 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     logits [R, V] float32; prompt_mask [R, V] bool (token occurs in row r's prompt);
     output_counts [R, V] (any number dtype: how often the token occurs in row r's OUTPUT);
     repetition, presence, frequency [R] float32, one value per row (1, 0, 0 = off).
-    - repetition penalty: for every token seen in the prompt OR the output, a logit > 0 is
-      divided by the row's repetition value and a logit <= 0 multiplied by it (both push
-      the token down when the value is > 1);
-    - frequency lowers a token by frequency * (its count in the output); presence lowers it
-      by presence once if it occurs in the output at all. Neither looks at the prompt, and
-      both apply to the repetition-penalised value.
-    Rows whose values are neutral come out unchanged. Traps: which of the two repetition
-    rules a token gets depends on the sign of its logit BEFORE the penalty; -inf stays -inf.
+    - repetition rho: every token of the prompt OR the output moves down, by the factor rho
+      towards zero when its logit is positive and away from zero otherwise (rho 2: 3.0 ->
+      1.5, -1.0 -> -2.0); unseen tokens keep their logit;
+    - frequency f and presence p look at the output only: a token produced 3 times loses
+      3f + p, one produced once f + p, a prompt-only token nothing. They come off the
+      repetition-penalised value.
+    Rows whose values are neutral come out unchanged; a forbidden token (-inf) stays -inf,
+    never NaN.
     """
     raise NotImplementedError("Your engine: Chapter 34: apply_penalties")
 
@@ -194,12 +194,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     """The raw log-probabilities of given tokens, with their ranks and each row's top list.  (Your engine: Chapter 34)
 
     logits [P, V] float (raw model logits, no sampling rule applied); token_ids [P] int64
-    on the same device (the token each row is asked about); num_top: P ints, how many of
-    the most likely tokens row p lists (0: none). Returns P TokenLogprobs.
-    - logprob = log_softmax(logits[p])[token_ids[p]], computed in float32;
-    - rank = 1 + the number of tokens with a STRICTLY greater logprob (ties share a rank);
-    - top_token_ids / top_logprobs: the row's num_top[p] most likely tokens, most likely
-      first.
+    on the same device; num_top: P ints (0: none). Returns P TokenLogprobs, in row order:
+    - logprob: token_ids[p]'s log-probability under row p's distribution, to float32
+      precision even from bfloat16 logits;
+    - rank: its place in the row, most likely first, tied tokens sharing their group's best
+      place (logprobs -1, -1, -2: ranks 1, 1, 3);
+    - top_token_ids / top_logprobs: row p's num_top[p] most likely tokens, most likely first.
     Cost: a fixed number of device operations and device-to-host transfers, whatever P is
     (nothing done per row on the device, no per-row .item()).
     """

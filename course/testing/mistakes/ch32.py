@@ -8,6 +8,7 @@ STORE = (f"{MILESTONE}::test_triton_store_writes_through_the_slot_mapping",)
 TRITON_ATTENTION = (MILESTONE, "-k", "triton_paged_attention_matches and 4-2")
 GATHER = (f"{MILESTONE}::test_gather_blocks_reads_every_table_at_once",)
 QUANTIZED = (f"{MILESTONE}::test_quantized_write_keeps_codes_and_scales_per_token_and_head",)
+ONE_CALL = (f"{MILESTONE}::test_attend_all_makes_one_attention_call_per_group_and_shares_the_window_mask",)
 
 
 def vectorised(scenario: str) -> tuple[str, ...]:
@@ -119,6 +120,17 @@ MISTAKES = [
             after="slot_of_row = plan.row_offset * requests + plan.row_request",
             rule="the [R, Tq] layout is request-major: row i goes to its request's slot row_offset",
             expect="sits at position seq_len - t + i", tests=vectorised("mixed")),
+    Mistake("serve/backends.py", "attend_all",
+            before="cached = plan.masks.get(window)",
+            after="cached = None",
+            rule="a windowed mask is built once per step and kept in plan.masks for the other layers",
+            expect="kept in plan.masks", tests=ONE_CALL),
+    Mistake("serve/backends.py", "attend_all",
+            before="(laid_out, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)",
+            after="(laid_out, keys.repeat_interleave(q.shape[1] // keys.shape[1], 1), "
+                  "values.repeat_interleave(q.shape[1] // values.shape[1], 1), attn_mask=mask, scale=scale)",
+            rule="K/V heads are never repeated in memory: the keys reach attention with their Hkv heads",
+            expect="never repeated in memory", tests=ONE_CALL),
     Mistake("serve/backends.py", "write_quantized_kv",
             before="write_kv(cache[2], cache[3], k_scale, v_scale, slot_mapping)",
             after="write_kv(cache[2], cache[3], k_scale, k_scale, slot_mapping)",

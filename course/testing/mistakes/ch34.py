@@ -18,6 +18,11 @@ MISTAKES = [
             rule="the repetition penalty divides a positive logit but multiplies a negative one",
             expect="a negative one multiplied", tests=PENALTIES),
     Mistake("serve/sampler.py", "apply_penalties",
+            before="torch.where(logits > 0, logits / factor, logits * factor)",
+            after="(logits > 0) * logits / factor + (logits <= 0) * logits * factor",
+            rule="a forbidden token (-inf) stays -inf: masks multiplied into -inf give NaN",
+            expect="stays -inf", tests=PENALTIES),
+    Mistake("serve/sampler.py", "apply_penalties",
             before="frequency.unsqueeze(1) * output_counts.to(logits.dtype)",
             after="frequency.unsqueeze(1) * (output_counts > 0).to(logits.dtype)",
             rule="the frequency penalty counts every occurrence of the token in the output",
@@ -56,8 +61,8 @@ MISTAKES = [
 
 DECIDES = {
     "apply_penalties":
-        "how to apply three per-row penalties to a whole batch with masks and counts, judging the repetition rule "
-        "by each logit's sign before it changes",
+        "how to apply three per-row penalties to a whole batch from masks and counts, choosing each logit's "
+        "repetition rule by its sign without turning a forbidden token's -inf into NaN",
     "token_logprobs":
         "how to get every row's logprob, rank (ties shared) and top list in a fixed number of device operations "
         "and transfers, with no per-row work",
