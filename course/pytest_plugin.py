@@ -20,6 +20,7 @@ they run unless a chapter selection is given.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import sys
@@ -217,6 +218,54 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+class PassedOnAnUnwrittenStub(AssertionError):
+    """A milestone that passed although a request inside it failed on an unwritten stub."""
+
+
+class _StubErrorsLogged(logging.Handler):
+    """Collects "Your engine: Chapter N: NAME" of every unwritten stub whose NotImplementedError
+    was logged with its traceback: the engine logs each error it turns into one request's
+    failure (EngineCore._abort_with_error) before the step goes on for everyone else."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.stubs: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        error = record.exc_info[1] if record.exc_info else None
+        found = _unwritten_stub(error, read_message=False) if error is not None else None
+        if found is not None:
+            self.stubs.add(found[0])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A milestone must not pass on the back of an unwritten stub. The engine keeps serving
+    when one request's processing raises, so a stub that is not written yet (a later
+    chapter's, under solutions@N or in a learner's engine) fails only the requests that reach
+    it; a test that looks at the others would pass while it depends on code nobody wrote.
+    Such a pass is turned into a failure that names the stub."""
+    if chapter_of(item) is None:
+        return (yield)
+    logged = _StubErrorsLogged()
+    root = logging.getLogger()
+    root.addHandler(logged)
+    try:
+        result = yield
+    finally:
+        root.removeHandler(logged)
+    if logged.stubs:
+        # (said as "Chapter 34's NAME", not in the stub's own words, which the report would
+        # read as this test's own unwritten stub)
+        names = "; ".join(sorted(f"{chapter}'s {name}" for stub in logged.stubs
+                                 for chapter, name in [stub.removeprefix("Your engine: ").split(": ", 1)]))
+        raise PassedOnAnUnwrittenStub(
+            f"this test passed, but a request inside it failed on an unwritten stub ({names}): the engine turned "
+            "the stub's NotImplementedError into that request's error, so the test depends on code that is not "
+            "written yet")
+    return result
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failure inside a gated copy (.course_cache/solutions_at_8/...) is reported at the
@@ -229,7 +278,8 @@ def pytest_runtest_makereport(item, call):
     milestone = chapter_of(item) is not None
     # (a skip keeps its own reason, which already says what is missing, and the (path, line,
     # reason) form that -rs lists)
-    errored = call.excinfo is not None and not report.skipped
+    errored = (call.excinfo is not None and not report.skipped
+               and not call.excinfo.errisinstance(PassedOnAnUnwrittenStub))   # its own message says it all
     unwritten = _unwritten_stub(call.excinfo.value, milestone) if errored else None
     if unwritten is None and errored and milestone:
         # `assert cli.main([...]) == 0`, or a server whose engine thread died: the command's

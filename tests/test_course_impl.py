@@ -154,6 +154,35 @@ def test_an_explicit_impl_applies_to_every_chapter(milestone_run, fake_package):
     result.assert_outcomes(failed=1, deselected=4)
 
 
+SWALLOWED = """
+    import logging
+    import pytest
+    pytestmark = pytest.mark.chapter(1)
+
+    def serve_both(impl):
+        # as the engine does: one request's error is logged with its traceback, the other is served
+        served = []
+        for work in (lambda: impl.ops.add(1, 2), lambda: impl.ops.Box().area(2, 3)):
+            try:
+                served.append(work())
+            except Exception:
+                logging.getLogger("fake.engine").error("a request failed", exc_info=True)
+        return served
+
+    def test_looks_only_at_the_first_request(impl):
+        assert serve_both(impl)[0] == 3
+"""
+
+
+def test_a_milestone_that_passes_on_a_swallowed_unwritten_stub_fails(milestone_run, pytester, fake_package):
+    pytester.makepyfile(test_ch01_swallowed=SWALLOWED)
+    result = milestone_run("test_ch01_swallowed.py")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*this test passed, but a request inside it failed on an unwritten stub "
+                                 "(Chapter 2's Box.area)*"])
+    milestone_run("test_ch01_swallowed.py", "--impl", str(fake_package)).assert_outcomes(passed=1)
+
+
 def test_chapter_and_upto_select_milestones_only(milestone_run):
     milestone_run("--chapter", "2").assert_outcomes(passed=1, deselected=4)
     milestone_run("--upto", "1").assert_outcomes(passed=3, deselected=2)
