@@ -82,8 +82,9 @@ def release_files(root: Path = ROOT) -> list[Path]:
 # What the recording run selects by default: every milestone (tests of a chapter).
 ALL_MILESTONES = ("tests", "--upto", str(max(manifest.load().numbers)))
 # The marker of a --stress test that a chapter promises its learner (Chapter 41's SmolLM2 over
-# three ranks): the release runs the marked tests of its selection once more, with --stress, to
-# record their oracles' answers, and --verify runs them so in the edition.
+# three ranks, Chapter 36's whole book against the tokenizers library): the release runs the
+# marked tests of its selection once more, with --stress, to record their oracles' answers,
+# and --verify runs them so in the edition.
 STRESS_MARK = "edition_stress"
 RECORDS_FILE = oracle_records.RECORDS_DIR / "records.json.gz"
 LEFT_OUT = ("[left out of the learner's edition: this cell calls a stub of the reference, so its saved output "

@@ -220,6 +220,7 @@ def test_loaded_from_gguf_metadata(smol, metadata):
         f"special tokens decode to their names (unless skip_special_tokens); got {smol.decode([1, 2])!r}")
 
 
+@pytest.mark.edition_stress
 def test_book_encodes_like_tokenizers(smol, oracle, request):
     chapters = BOOK if request.config.getoption("stress") else BOOK[::max(1, len(BOOK) // FAST_CHAPTERS)]
     for path in chapters:
@@ -492,6 +493,7 @@ def test_gguf_metadata_bad_model_is_rejected(bpe, metadata):
         bpe.BPETokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "llama"})
 
 
+@pytest.mark.edition_stress
 def test_transformers_gguf_tokenizer_agrees_away_from_digits(smol, smollm2_path, request):
     """transformers' own GGUF tokenizer (GPT-2's split, no digit rule) gives the same ids on
     every paragraph of the book that has no numeric character. Slow to build: --stress only."""

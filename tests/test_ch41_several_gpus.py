@@ -521,6 +521,7 @@ def test_smollm2_splits_over_three_ranks(impl, request):
         _compare(found["tp"]["outputs"], [want], f"SmolLM2, TP=3, rank {rank}")
 
 
+@pytest.mark.edition_stress
 def test_run_py_core_tp2(impl, device, capsys, request):
     """`python run.py core --tp 2`, shortened: the split engine's lines, same steps and
     outputs as the single-process core (three processes' worth of start-up: --stress only)."""
