@@ -183,6 +183,52 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float16 if device.type == "mps" else torch.float32
 
 
+class PackedLinear:
+    """The forward of one nn.Linear whose bfloat16 weight oneDNN has laid out once, ahead of
+    time, in the blocked order its CPU matmul kernels read. A plain bfloat16 F.linear on a
+    CPU re-lays the weight out on every call; at decode shapes (a few to 64 rows) that copy
+    costs as much as the product itself: 1.2-1.6x for SmolLM2's projections and LM head, 2x
+    for one row. Results are bit-identical to F.linear (the same kernel runs on the same
+    blocks). Installed as the module's own `forward`, so its hooks (LoRA, Chapter 43) still
+    run; anything the packed copy cannot serve goes to F.linear: another dtype or device,
+    autograd, and a weight changed in place since packing is packed again first."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.module = module
+        self.pack()
+
+    def pack(self) -> None:
+        weight = self.module.weight.detach()
+        self.packed_from = (weight.data_ptr(), weight._version)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:     # nn.Linear.forward's own parameter name
+        weight, bias = self.module.weight, self.module.bias
+        if not (input.dtype == weight.dtype == torch.bfloat16 and input.device.type == weight.device.type == "cpu") or (
+                torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad)):
+            return nn.functional.linear(input, weight, bias)
+        if (weight.data_ptr(), weight._version) != self.packed_from:
+            self.pack()
+        return torch.ops.mkldnn._linear_pointwise(input, self.packed, bias, "none", [], "")
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every plain nn.Linear of `model` whose weight is bfloat16 on a CPU a PackedLinear
+    forward, once, when the engine loads the model; returns how many it packed (0 without
+    oneDNN, on other devices and dtypes, and for subclasses such as quantized linears, whose
+    forward is their own). Packing again is harmless: a packed module is skipped. The packed
+    copies add one bfloat16 copy of those weights to host memory."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if (type(module) is nn.Linear and module.weight.dtype == torch.bfloat16
+                and module.weight.device.type == "cpu" and "forward" not in vars(module)):
+            module.forward = PackedLinear(module)        # type: ignore[method-assign]
+            count += 1
+    return count
+
+
 def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`host` (a CPU tensor) in page-locked memory when copies to and from `device` gain
     from it (CUDA, XPU: the copy engine reads it directly, asynchronously); unchanged for
