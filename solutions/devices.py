@@ -208,23 +208,41 @@ class PackedLinear:
     F.linear: other dtypes and devices, and autograd; a weight changed in place or replaced
     since packing is packed again first."""
 
-    def __init__(self, module: nn.Linear) -> None:
+    def __init__(self, module: nn.Linear, pack: bool = True) -> None:
         self.module = module
         # oneDNN's linear on a packed weight, looked up once: the attribute chain costs a
         # microsecond a call (and builds without oneDNN have no such operator).
         self.linear_on_packed = torch.ops.mkldnn._linear_pointwise.default
-        self.pack()
+        self.packed_from: tuple[int, int] | None = None      # (data_ptr, version) of the weight packed
+        self.packed: torch.Tensor | None = None
+        if pack:
+            self.pack()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The packed copy is an opaque oneDNN tensor that can be neither copied nor pickled:
+        # a deep copy or a saved model carries the module alone and packs again on first use.
+        return {"module": self.module}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["module"], pack=False)     # type: ignore[misc]
 
     def pack(self) -> None:
         weight = self.module.weight.detach()
-        self.packed_from = (weight.data_ptr(), weight._version)
+        self.packed_from = self.identity(weight)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+
+    @staticmethod
+    def identity(weight: torch.Tensor) -> tuple[int, int]:
+        """What tells a weight changed since packing: its storage and its version counter.
+        Tensors made under torch.inference_mode keep no version counter; for them only a new
+        tensor is noticed (an in-place change is not)."""
+        return weight.data_ptr(), -1 if weight.is_inference() else weight._version
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:     # nn.Linear.forward's own parameter name
         # Called for every projection of every layer at every step: the usual case costs
         # one comparison of the weight's identity and a few flags.
         weight, bias = self.module.weight, self.module.bias
-        if (weight.data_ptr(), weight._version) != self.packed_from:
+        if self.identity(weight) != self.packed_from:
             if not (weight.dtype == torch.bfloat16 and weight.is_cpu):
                 return nn.functional.linear(input, weight, bias)
             self.pack()

@@ -7,6 +7,7 @@ within a few bfloat16 steps of each other (a near tie), and every weight and poo
 is really bfloat16. A wrong RoPE, a norm computed in 16 bits or a pool read at the wrong
 slot parts the paths at a wide margin.
 """
+import copy
 import json
 import random
 from types import SimpleNamespace
@@ -172,7 +173,7 @@ def test_bfloat16_linears_on_a_cpu_run_on_weights_packed_once_and_match_plain_li
     """On a CPU the engine lays each bfloat16 linear weight out for oneDNN once, when it loads
     the model (devices.prepack_linears), instead of on every call. The packed path must give
     what torch's own F.linear gives on the module's weight, bit for bit, for any number of
-    rows, and must follow a weight changed in place after packing; a float32 engine keeps
+    rows, must follow a weight changed in place after packing and survive a deep copy; a float32 engine keeps
     the plain path."""
     if tiny_model.lm_head.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         pytest.skip("weights are packed for oneDNN on a CPU only")
@@ -196,6 +197,9 @@ def test_bfloat16_linears_on_a_cpu_run_on_weights_packed_once_and_match_plain_li
         assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias)), \
             "a weight changed in place after packing must be packed again before use"
         module.weight.div_(-2)
+        twin = copy.deepcopy(tiny_model).lm_head    # the packed copy is opaque: copies must pack their own
+        assert twin.weight.data_ptr() != module.weight.data_ptr() and torch.equal(
+            twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias)), "a deep copy of a packed model must work"
     prompts = [[5, 9, 14, 200, 31], list(range(40, 75))]
     params = [serve.request.SamplingParams(max_tokens=8) for _ in prompts]
     packed_tokens = [out.output_token_ids for out in engine.generate(prompts, params)]
