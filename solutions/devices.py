@@ -198,6 +198,77 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float16 if device.type == "mps" else torch.float32
 
 
+class PackedLinear:
+    """The forward of one nn.Linear whose bfloat16 weight oneDNN has laid out once, ahead of
+    time, in the blocked order its CPU matmul kernels read, instead of being handed torch's
+    row-major weight at every call. At SmolLM2's decode shapes (torch 2.13, a Zen 4 core with
+    AVX512-BF16) that is 1.1-1.6x faster at 16 rows (the LM head gains most) and 1.3-2.3x at
+    one row. Results are bit-identical to F.linear. Installed as the module's own `forward`,
+    so its hooks (LoRA, Chapter 43) still run. What the packed copy cannot serve goes to
+    F.linear: other dtypes and devices, and autograd; a weight changed in place or replaced
+    since packing is packed again first."""
+
+    def __init__(self, module: nn.Linear, pack: bool = True) -> None:
+        self.module = module
+        # oneDNN's linear on a packed weight, looked up once: the attribute chain costs a
+        # microsecond a call (and builds without oneDNN have no such operator).
+        self.linear_on_packed = torch.ops.mkldnn._linear_pointwise.default
+        self.packed_from: tuple[int, int] | None = None      # (data_ptr, version) of the weight packed
+        self.packed: torch.Tensor | None = None
+        if pack:
+            self.pack()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The packed copy is an opaque oneDNN tensor that can be neither copied nor pickled:
+        # a deep copy or a saved model carries the module alone and packs again on first use.
+        return {"module": self.module}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["module"], pack=False)     # type: ignore[misc]
+
+    def pack(self) -> None:
+        weight = self.module.weight.detach()
+        self.packed_from = self.identity(weight)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+
+    @staticmethod
+    def identity(weight: torch.Tensor) -> tuple[int, int]:
+        """What tells a weight changed since packing: its storage and its version counter.
+        Tensors made under torch.inference_mode keep no version counter; for them only a new
+        tensor is noticed (an in-place change is not)."""
+        return weight.data_ptr(), -1 if weight.is_inference() else weight._version
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:     # nn.Linear.forward's own parameter name
+        # Called for every projection of every layer at every step: the usual case costs
+        # one comparison of the weight's identity and a few flags.
+        weight, bias = self.module.weight, self.module.bias
+        if self.identity(weight) != self.packed_from:
+            if not (weight.dtype == torch.bfloat16 and weight.is_cpu):
+                return nn.functional.linear(input, weight, bias)
+            self.pack()
+        if input.dtype != torch.bfloat16 or not input.is_cpu or (
+                torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad)):
+            return nn.functional.linear(input, weight, bias)
+        return self.linear_on_packed(input, self.packed, bias, "none", [], "")
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every plain nn.Linear of `model` whose weight is bfloat16 on a CPU a PackedLinear
+    forward, once, when the engine loads the model; returns how many it packed (0 without
+    oneDNN, on other devices and dtypes, and for subclasses such as quantized linears, whose
+    forward is their own). Packing again is harmless: a packed module is skipped. The packed
+    copies add one bfloat16 copy of those weights to host memory."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if (type(module) is nn.Linear and module.weight.dtype == torch.bfloat16
+                and module.weight.device.type == "cpu" and "forward" not in vars(module)):
+            module.forward = PackedLinear(module)        # type: ignore[method-assign]
+            count += 1
+    return count
+
+
 def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`host` (a CPU tensor) in page-locked memory when copies to and from `device` gain
     from it (CUDA, XPU: the copy engine reads it directly, asynchronously); unchanged for

@@ -295,3 +295,24 @@ def test_request_that_cannot_fit_a_slot_is_refused(impl, tiny_model):
     engine = impl.continuous.ContinuousBatchingEngine(tiny_model, num_slots=2, slot_len=32, eos_token_id=EOS)
     with pytest.raises(ValueError):
         engine.add_request("too-long", list(range(30)), 8)
+
+
+def test_bfloat16_engine_packs_its_linears_and_keeps_the_plain_tokens(impl, tiny_model):
+    """In bfloat16 on a CPU the engine lays its linear weights out for oneDNN once, when it is
+    built (devices.prepack_linears, as Chapter 31's engine does); the greedy tokens must be
+    those of the same engine on nn.Linear's own forward."""
+    if next(tiny_model.parameters()).device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        pytest.skip("weights are packed for oneDNN on a CPU only")
+    model = tiny_model.to(torch.bfloat16)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    requests = [(f"r{i}", p, 6) for i, p in enumerate(make_prompts(seed=4, count=5))]
+    tokens = []
+    for packed in (True, False):
+        engine = impl.continuous.ContinuousBatchingEngine(model, num_slots=3, slot_len=96, eos_token_id=None)
+        assert all(isinstance(vars(m).get("forward"), impl.devices.PackedLinear) for m in linears), \
+            "a bfloat16 model on a CPU must have its linear weights packed when the engine is built"
+        if not packed:
+            for m in linears:
+                del m.forward
+        tokens.append(serve(engine, requests)[0])
+    assert tokens[0] == tokens[1], "packing the weights must not change a greedy token"

@@ -7,6 +7,7 @@ within a few bfloat16 steps of each other (a near tie), and every weight and poo
 is really bfloat16. A wrong RoPE, a norm computed in 16 bits or a pool read at the wrong
 slot parts the paths at a wide margin.
 """
+import copy
 import json
 import random
 from types import SimpleNamespace
@@ -166,3 +167,46 @@ def test_vectorised_backend_attends_bfloat16_queries_in_float32_on_a_cpu(serve):
                 f"got {seen.dtypes}")
     assert outputs["vectorised"].dtype == torch.bfloat16, "the backend returns rows in the queries' dtype"
     torch.testing.assert_close(outputs["vectorised"].float(), outputs["reference"].float(), atol=1e-2, rtol=1e-2)
+
+
+def test_bfloat16_linears_on_a_cpu_run_on_weights_packed_once_and_match_plain_linear(impl, serve, tiny_model):
+    """On a CPU the engine lays each bfloat16 linear weight out for oneDNN once, when it loads
+    the model (devices.prepack_linears), instead of on every call. The packed path must give
+    what torch's own F.linear gives on the module's weight, bit for bit, for any number of
+    rows, must follow a weight changed in place after packing and survive a deep copy; a float32 engine keeps
+    the plain path."""
+    if tiny_model.lm_head.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        pytest.skip("weights are packed for oneDNN on a CPU only")
+    plain = impl.load("qwen3").Qwen3ForCausalLM(tiny_model.cfg)
+    plain.load_state_dict(tiny_model.state_dict())
+    serve.engine.EngineCore(plain, serve.config.EngineConfig(num_blocks=16))
+    assert not any("forward" in vars(m) for m in plain.modules()), "a float32 engine must keep the plain linears"
+    config = serve.config.EngineConfig(num_blocks=64, attention_backend="vectorised", dtype="bfloat16")
+    engine = serve.engine.EngineCore(tiny_model, config, eos_token_id=None)
+    linears = [m for m in tiny_model.modules() if type(m) is torch.nn.Linear]
+    packed = [m for m in linears if isinstance(vars(m).get("forward"), impl.devices.PackedLinear)]
+    assert linears and packed == linears, f"{len(packed)} of {len(linears)} bfloat16 linears were packed"
+    generator = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for module in (linears[0], tiny_model.lm_head):
+            for rows in (1, 7, 64):
+                x = torch.randn(rows, module.in_features, generator=generator).to(torch.bfloat16)
+                assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias)), \
+                    f"the packed linear must equal F.linear on {rows} rows"
+        module.weight.mul_(-2)                     # changed in place after packing: packed again
+        assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight, module.bias)), \
+            "a weight changed in place after packing must be packed again before use"
+        module.weight.div_(-2)
+        twin = copy.deepcopy(tiny_model).lm_head    # the packed copy is opaque: copies must pack their own
+        assert twin.weight.data_ptr() != module.weight.data_ptr() and torch.equal(
+            twin(x), torch.nn.functional.linear(x, twin.weight, twin.bias)), "a deep copy of a packed model must work"
+    prompts = [[5, 9, 14, 200, 31], list(range(40, 75))]
+    params = [serve.request.SamplingParams(max_tokens=8) for _ in prompts]
+    packed_tokens = [out.output_token_ids for out in engine.generate(prompts, params)]
+    for m in linears:
+        del m.forward                              # back to nn.Linear's own forward
+    unpacked = serve.engine.EngineCore(tiny_model, config, eos_token_id=None)
+    for m in linears:
+        del m.forward
+    plain_tokens = [out.output_token_ids for out in unpacked.generate(prompts, params)]
+    assert packed_tokens == plain_tokens, "greedy tokens must not change when the weights are packed"

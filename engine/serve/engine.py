@@ -121,6 +121,8 @@ class EngineCore:
         flat = FlatModel(model) if not isinstance(model, FlatModel) else model
         if config.dtype != "auto":               # before anything reads the weights' dtype (Chapter 32)
             flat.to(getattr(torch, config.dtype))
+        from ..devices import prepack_linears
+        prepack_linears(flat)                    # bfloat16 on a CPU: weights laid out once for oneDNN
         if vision is not None:                   # Chapter 43: checked and wired before anything is built on it
             from .vision import attach_vision
             attach_vision(flat, vision.encoder, vision.image_token_id, vision.sections)
