@@ -20,6 +20,8 @@ import time
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from course.models import tiny_qwen3
 from course.testing import oracles
@@ -206,14 +208,78 @@ def test_text_stream_cuts_at_stop_strings_and_holds_back_prefixes(impl):
     assert stream.push([65]) == "" and stream.flush() == "", "after a stop string, every later push sends nothing"
 
 
-def test_text_stream_cuts_at_the_earliest_stop_string_not_the_first_listed(impl):
+def test_text_stream_cuts_at_the_stop_string_completed_first_not_the_first_listed(impl):
     text = impl.load("server.text")
     tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer())
     for pieces in (["one two three"], ["one t", "wo thr", "ee"]):
         stream = text.TextStream(text.DiffDetokenizer(tokenizer), stops=("three", "two"))
         sent = "".join(stream.push(tokenizer.encode(piece)) for piece in pieces) + stream.flush()
-        assert sent == "one ", f"stops ('three', 'two') on 'one two three': the text ends before the EARLIEST " \
-                               f"occurrence ('two'), whichever stop string is listed first; got {sent!r}"
+        assert sent == "one ", f"stops ('three', 'two') on 'one two three': the text ends before the stop string " \
+                               f"completed FIRST ('two'), whichever stop string is listed first; got {sent!r}"
+
+
+def _cut_where_a_char_by_char_stream_stops(whole, stops):
+    """Oracle: feed `whole` one character at a time; at the first character that completes a
+    stop string, the text ends before the longest stop string it completes."""
+    for end in range(1, len(whole) + 1):
+        completed = [stop for stop in stops if whole[:end].endswith(stop)]
+        if completed:
+            return whole[:end - max(map(len, completed))]
+    return whole
+
+
+def _every_split(pieces_left):
+    """Every way to cut a string into consecutive non-empty pieces."""
+    if not pieces_left:
+        yield []
+        return
+    for size in range(1, len(pieces_left) + 1):
+        for rest in _every_split(pieces_left[size:]):
+            yield [pieces_left[:size], *rest]
+
+
+def _stream_text(text, tokenizer, stops, pieces):
+    stream = text.TextStream(text.DiffDetokenizer(tokenizer), stops)
+    return "".join(stream.push(tokenizer.encode(piece)) for piece in pieces) + stream.flush()
+
+
+def test_text_stream_stops_at_the_stop_string_completed_first_whatever_the_chunking(impl):
+    text = impl.load("server.text")
+    tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer())
+    for stops, whole, expected in ((("abcd", "bc"), "xabcd", "xa"), (("bc", "abc"), "xabc", "x")):
+        for pieces in _every_split(whole):
+            sent = _stream_text(text, tokenizer, stops, pieces)
+            assert sent == expected, (
+                f"stops {stops} on {whole!r} pushed as {pieces}: the stop string completed FIRST ends the text "
+                f"(the longest, of two completed by the same character), so it is {expected!r} whatever the chunking; "
+                f"got {sent!r}")
+
+
+def _slices_of(word, min_size=0):
+    """A strategy: the slices word[i:j] with at least min_size characters."""
+    spans = st.tuples(st.integers(0, len(word)), st.integers(0, len(word))).filter(
+        lambda ends: abs(ends[1] - ends[0]) >= min_size)
+    return spans.map(lambda ends: word[min(ends):max(ends)])
+
+
+@settings(max_examples=300, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_text_stream_matches_a_char_by_char_oracle_for_any_chunking(impl, data):
+    """Stop strings nested in one another, texts built from slices of them (so stops overlap
+    and half-occur), cut into random pushes: the stream sends what a char-by-char stream would."""
+    text = impl.load("server.text")
+    tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer())
+    outer = data.draw(st.text("abc", min_size=1, max_size=5), label="a stop string")
+    inner = st.lists(_slices_of(outer, 1) | st.text("abc", min_size=1, max_size=3), max_size=2)
+    stops = [outer, *data.draw(inner, label="more stop strings")]
+    fragments = st.sampled_from(stops) | st.sampled_from(stops).flatmap(_slices_of) | st.text("abcx", max_size=2)
+    whole = "".join(data.draw(st.lists(fragments, max_size=8), label="fragments"))
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(whole) - 1)), max_size=len(whole)), label="cuts"))
+    pieces = [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)]) if a < b]
+    sent = _stream_text(text, tokenizer, stops, pieces)
+    expected = _cut_where_a_char_by_char_stream_stops(whole, stops)
+    assert sent == expected, (f"stops {stops} on {whole!r} pushed as {pieces}: the stop string completed FIRST "
+                              f"ends the text, whatever the chunking; sent {sent!r}, expected {expected!r}")
 
 
 def test_a_choice_ending_inside_a_character_still_sends_it(impl):
@@ -227,7 +293,7 @@ def test_a_choice_ending_inside_a_character_still_sends_it(impl):
 
 def test_text_stream_equals_decode_then_cut(impl):
     """Random byte ids (split UTF-8 characters included), random stops: what the stream sends
-    equals the whole output decoded at once and cut before the first stop string."""
+    equals the whole output decoded at once and cut where a char-by-char stream stops."""
     text = impl.load("server.text")
     tokenizer = text.ByteChatTokenizer(impl.tokenizer.ByteTokenizer())
     rng = random.Random(3)
@@ -245,8 +311,7 @@ def test_text_stream_equals_decode_then_cut(impl):
             i += k
         sent += stream.flush()
         whole = bytes(ids).decode("utf-8", errors="replace")
-        hits = [whole.find(s) for s in stops if s in whole]
-        expected = whole[:min(hits)] if hits else whole
+        expected = _cut_where_a_char_by_char_stream_stops(whole, stops)
         assert sent == expected, f"trial {trial}: stops {stops}, ids {ids}: sent {sent!r}, expected {expected!r}"
 
 

@@ -138,11 +138,15 @@ class TextStream:
     def push(self, token_ids: Sequence[int]) -> str:
         """The text that may be sent now, after these new output ids.  (Your engine: Chapter 38)
 
-        token_ids: the ids one engine step added to this choice (usually one). Returns a str,
-        possibly empty. Contract:
+        token_ids: the ids one engine step added to this choice (usually one; none when flush
+        calls push(()) to judge the detokenizer's last text). Returns a str, possibly empty.
+        Contract:
         - Everything push and flush ever return, joined, equals the decoded output cut just
-          before the EARLIEST occurrence of any stop string in the text (not the first stop
-          string listed); the stop string itself is never sent.
+          before the stop string that a character-by-character stream would complete FIRST
+          (the one that ends first, the longest of those ending at the same character), not
+          the one that starts first nor the first one listed: with stops ["abcd", "bc"] the
+          text "xabcd" sends "xa". The stop string itself is never sent.
+        - So the text sent is the same however the output was cut into pushes.
         - A tail that could still grow into a stop string is held back until later ids
           settle it ("Hel" waits when "Hello" is a stop string).
         - After a stop string: `stopped` is True, nothing is held, every later push is "".
@@ -157,11 +161,10 @@ class TextStream:
         string that only this last piece completes."""
         if self.stopped:
             return ""
-        text, self.pending = self.pending + self.detokenizer.flush(), ""
-        hits = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
-        if hits:
-            text, self.stopped = text[:min(hits)], True
-        return text
+        self.pending += self.detokenizer.flush()
+        text = self.push(())                 # push's stop rule, applied to the last piece too
+        rest, self.pending = self.pending, ""    # a held tail can no longer grow into a stop string
+        return text + rest
 
 
 DetokenizerFactory = Callable[[], Detokenizer]
