@@ -498,8 +498,21 @@ class _SchemaCompiler:
         if isinstance(value, list):
             return self.joined("[", [self.literal(item, depth + 1) for item in value], "]")
         if isinstance(value, str):
-            return self.pattern('"' + "".join(self.spellings(char) for char in value) + '"')
-        return self.pattern(escape(canonical_json(value)))
+            if json.dumps(value) != json.dumps(value, ensure_ascii=False):    # characters with two spellings
+                return self.pattern('"' + "".join(self.spellings(char) for char in value) + '"')
+            return self.text(json.dumps(value))
+        return self.text(canonical_json(value))
+
+    def text(self, data: str) -> Fragment:
+        """A fragment that reads exactly `data`, a byte per state: a literal (a property's
+        name, most often) needs no subset construction and minimisation of its own."""
+        nfa = self.nfa
+        start = here = nfa.new_state()
+        for byte in data.encode("utf-8"):
+            following = nfa.new_state()
+            nfa.edges[here].append((byte, byte, following))
+            here = following
+        return start, here
 
     def spellings(self, char: str) -> str:
         """The pattern of one character inside a JSON string: raw, and also \\u-escaped
