@@ -87,7 +87,6 @@ from .regex_dfa import (
     DFA,
     MAX_DFA_STATES,
     MAX_NESTING,
-    MAX_NFA_STATES,
     NFA,
     Alt,
     Chars,
@@ -449,12 +448,17 @@ Fragment = tuple[int, int]
 class _SchemaCompiler:
     """Builds one schema's NFA, fragment by fragment (see the module docstring)."""
 
-    def __init__(self, root: Any, whitespace: str, strict: bool, draft: int) -> None:
+    def __init__(self, root: Any, whitespace: str, strict: bool, draft: int,
+                 pieces: dict[tuple[Any, ...], DFA | None] | None = None) -> None:
         self.root = root
         self.whitespace = whitespace
         self.strict = strict
         self.draft = draft
         self.nfa = NFA()
+        # Automata built apart, by what they depend on: shared with the compilers built apart
+        # from this one, so a piece met again (oneOf compares each option with every other; a
+        # $ref'd definition repeats its patterns and strings) is compiled once per schema.
+        self.pieces: dict[tuple[Any, ...], DFA | None] = {} if pieces is None else pieces
         self.separator = parse_regex("," + whitespace)
         self.colon = parse_regex(":" + whitespace)
         self.resources = 0              # sub-schemas with their own $id around the one being built
@@ -472,7 +476,15 @@ class _SchemaCompiler:
     def sub_dfa(self, schema: Any, where: str, depth: int, refs: tuple[str, ...]) -> DFA | None:
         """The DFA of a sub-schema built apart (to combine it with another automaton, or to
         test a value on it), under this compiler's limits; None when no value is written."""
-        return self.apart(lambda compiler: compiler.value(schema, where, depth, refs))
+        return self.piece(("value", canonical_json(schema), refs, self.resources),
+                          lambda: self.apart(lambda compiler: compiler.value(schema, where, depth, refs)))
+
+    def piece(self, key: tuple[Any, ...], make: Callable[[], DFA | None]) -> DFA | None:
+        """make()'s automaton, kept under `key` for the rest of this schema's compilation (a
+        refusal is not kept: its message names the place where it was met)."""
+        if key not in self.pieces:
+            self.pieces[key] = make()
+        return self.pieces[key]
 
     def literal(self, value: Any, depth: int = 0) -> Fragment:
         """One JSON value, every spelling of it this compiler writes: keys in the value's
@@ -486,8 +498,21 @@ class _SchemaCompiler:
         if isinstance(value, list):
             return self.joined("[", [self.literal(item, depth + 1) for item in value], "]")
         if isinstance(value, str):
-            return self.pattern('"' + "".join(self.spellings(char) for char in value) + '"')
-        return self.pattern(escape(canonical_json(value)))
+            if json.dumps(value) != json.dumps(value, ensure_ascii=False):    # characters with two spellings
+                return self.pattern('"' + "".join(self.spellings(char) for char in value) + '"')
+            return self.text(json.dumps(value))
+        return self.text(canonical_json(value))
+
+    def text(self, data: str) -> Fragment:
+        """A fragment that reads exactly `data`, a byte per state: a literal (a property's
+        name, most often) needs no subset construction and minimisation of its own."""
+        nfa = self.nfa
+        start = here = nfa.new_state()
+        for byte in data.encode("utf-8"):
+            following = nfa.new_state()
+            nfa.edges[here].append((byte, byte, following))
+            here = following
+        return start, here
 
     def spellings(self, char: str) -> str:
         """The pattern of one character inside a JSON string: raw, and also \\u-escaped
@@ -1060,7 +1085,7 @@ class _SchemaCompiler:
 
     def apart(self, build: Callable[[_SchemaCompiler], Fragment]) -> DFA | None:
         """The DFA of a fragment that `build` makes in a compiler of its own (None: empty)."""
-        compiler = _SchemaCompiler(self.root, self.whitespace, self.strict, self.draft)
+        compiler = _SchemaCompiler(self.root, self.whitespace, self.strict, self.draft, self.pieces)
         compiler.resources = self.resources
         compiler.nfa.start, compiler.nfa.accept = build(compiler)
         try:
@@ -1072,9 +1097,7 @@ class _SchemaCompiler:
 
     def intersected(self, automata: list[DFA | None]) -> Fragment:
         """The strings every automaton accepts, as a fragment."""
-        both: DFA | None = automata[0]
-        for other in automata[1:]:
-            both = None if both is None or other is None else combine(both, other, lambda a, b: a and b)
+        both = _product(automata)
         return self.nothing() if both is None else add_dfa(self.nfa, both)
 
     def count(self, schema: dict[str, Any], name: str, where: str) -> int | None:
@@ -1103,10 +1126,22 @@ class _SchemaCompiler:
             return add_dfa(self.nfa, _string_automaton(low, high, character))
         bounded = "minLength" in schema or "maxLength" in schema
         if len(shapes) > 1 or bounded:    # each keyword's strings apart, then the strings all accept
-            automata = [self.apart(partial(_SchemaCompiler.string, schema=shape, where=where)) for shape in shapes]
-            return self.intersected(automata + [_string_automaton(low, high, character)] if bounded else automata)
+            automaton = self.piece(("string", canonical_json(shapes), low, high, bounded),
+                                   lambda: self.bounded_string(shapes, low, high, character if bounded else None,
+                                                               where))
+            return self.nothing() if automaton is None else add_dfa(self.nfa, automaton)
         body = self.pattern(FORMATS[str(name)]) if name in FORMATS else self.search(schema["pattern"], where)
         return self.nfa.chain([self.pattern('"'), body, self.pattern('"')])
+
+    def bounded_string(self, shapes: list[dict[str, Any]], low: int, high: int | None, character: str | None,
+                       where: str) -> DFA | None:
+        """The strings that each of `shapes` (a format, a pattern) accepts, also low..high
+        characters long (each one `character`) unless `character` is None: each keyword's
+        automaton apart, then their product (None: no such string)."""
+        automata = [self.apart(partial(_SchemaCompiler.string, schema=shape, where=where)) for shape in shapes]
+        if character is not None:
+            automata.append(_string_automaton(low, high, character))
+        return _product(automata)
 
     def search(self, pattern: Any, where: str, raw_only: bool = False) -> Fragment:
         """A string body containing a match of `pattern`, read as ECMA-262 reads it (JSON
@@ -1271,7 +1306,8 @@ class _SchemaCompiler:
         # rule (strict=False), or when the schema lists no property at all.
         open_by_default = not self.strict or not (properties or patterns)
         extra = schema.get("additionalProperties", True if open_by_default else False)
-        keys = {pattern: self.apart(partial(_SchemaCompiler.key, pattern=pattern, where=where))
+        keys = {pattern: self.piece(("key", pattern), partial(self.apart, partial(_SchemaCompiler.key,
+                                                                                    pattern=pattern, where=where)))
                 for pattern in patterns}
         for name in [n for n in required if n not in properties]:
             if extra is False and "additionalProperties" in schema and not any(
@@ -1298,16 +1334,12 @@ class _SchemaCompiler:
         # differ from every listed name and match exactly the patterns whose schema they get.
         groups: list[tuple[DFA | None, Any]] = []  # (None: any key but the listed names, value schema)
         if patterns or names is not True:
-            listed = compile_regex("|".join('"' + escape(n) + '"' for n in properties)) if properties else None
-            candidates = [(keys[p], patterns[p], [keys[q] for q in patterns if q != p]) for p in patterns]
-            if extra is not False:
-                candidates.append((compile_regex('"[^"\\\\\\x00-\\x1f]*"'), extra, list(keys.values())))
-            for key, sub, others in candidates:
-                for other in [*others, listed]:
-                    if key is not None and other is not None:
-                        key = combine(key, other, lambda a, b: a and not b)
-                if names is not True:
-                    key = None if key is None or names_dfa is None else combine(key, names_dfa, lambda a, b: a and b)
+            # An object schema met again (a $ref'd definition) gets its keys from the first time.
+            context = (tuple(patterns), tuple(properties),
+                       *((canonical_json(names), refs, self.resources) if names is not True else ()))
+            for pattern, sub in [*patterns.items(), *([(None, extra)] if extra is not False else [])]:
+                key = self.piece(("extra key", pattern, *context),
+                                 partial(_extra_key, pattern, keys, list(properties), names is not True, names_dfa))
                 if key is not None:
                     groups.append((key, sub))
         elif extra is not False:
@@ -1492,7 +1524,8 @@ def _string_automaton(low: int, high: int | None, character_pattern: str = STRIN
     included, built straight from the automaton of one character: a copy of its
     states per count of characters read, the count moving on when a character ends.
     (Subset construction and minimisation of the repeat took a second for maxLength 255.)
-    ValueError past MAX_NFA_STATES, the limit of the automaton it joins."""
+    ValueError past MAX_DFA_STATES: every one of its states would be a state of the DFA it
+    joins, so that would be refused anyway, after seconds of subset construction."""
     character = _pattern_automaton(character_pattern)
     table = character.transitions
     ends = np.flatnonzero(character.accepting)          # one end state, with no moves out of it
@@ -1511,8 +1544,8 @@ def _string_automaton(low: int, high: int | None, character_pattern: str = STRIN
     # count after them: `high` characters read (only the quote may follow), or, without a
     # bound, `low` or more read (a character started there continues in the last copy).
     size = 2 + full_counts * width + (not looping)
-    if size > MAX_NFA_STATES:
-        raise ValueError(f"the automaton needs more than MAX_NFA_STATES={MAX_NFA_STATES} NFA states "
+    if size > MAX_DFA_STATES:
+        raise ValueError(f"the automaton needs more than MAX_DFA_STATES={MAX_DFA_STATES} states "
                          f"(a string length of {high if high is not None else low} characters)")
     opening, closing, last = 0, 1, size - 1
     rows = np.full((size, 256), -1, dtype=np.int64)
@@ -1531,6 +1564,14 @@ def _string_automaton(low: int, high: int | None, character_pattern: str = STRIN
     accepting = np.zeros(size, dtype=bool)
     accepting[closing] = True
     return DFA(rows.astype(np.int32), accepting, opening)
+
+
+def _product(automata: list[DFA | None]) -> DFA | None:
+    """The automaton of the strings every one of `automata` accepts (None: no string)."""
+    both: DFA | None = automata[0]
+    for other in automata[1:]:
+        both = None if both is None or other is None else combine(both, other, lambda a, b: a and b)
+    return both
 
 
 def _top_level_alternatives(pattern: str) -> list[str]:
@@ -1570,6 +1611,24 @@ def _listing_others(part: Any, parts: list[Any], listed: str, rest: str) -> Any:
         return part
     length = max([len(own)] + [len(other) for other in others if isinstance(other, list)])
     return {**part, listed: own + [part.get(rest, True)] * (length - len(own))} if length > len(own) else part
+
+
+def _extra_key(pattern: str | None, keys: dict[str, DFA | None], listed: list[str], named: bool,
+               names: DFA | None) -> DFA | None:
+    """The keys of the extra members whose value `pattern`'s schema governs (pattern None:
+    additionalProperties'), given every pattern's key automaton: the keys it matches (any
+    key of raw characters for None) that no other pattern matches, no listed name spells and,
+    when `named`, propertyNames accepts (`names`: its automaton, None when it accepts no name).
+    None when there is no such key."""
+    key = keys[pattern] if pattern is not None else compile_regex('"[^"\\\\\\x00-\\x1f]*"')
+    others = [keys[other] for other in keys if other != pattern]
+    others.append(compile_regex("|".join('"' + escape(name) + '"' for name in listed)) if listed else None)
+    for other in others:
+        if key is not None and other is not None:
+            key = combine(key, other, lambda a, b: a and not b)
+    if named:
+        key = None if key is None or names is None else combine(key, names, lambda a, b: a and b)
+    return key
 
 
 def _is_key(key: DFA | None, name: str, unknown: bool = True) -> bool:

@@ -742,7 +742,12 @@ def compile_nfa(nfa: NFA) -> DFA:
     Past that it is only trimmed: minimising a large schema's automaton took seconds of CPU
     (most of its compile time) and, because its pieces are minimal DFAs already, mostly
     saved few states."""
-    trimmed = trim(determinize(nfa))
+    return reduced(determinize(nfa))
+
+
+def reduced(dfa: DFA) -> DFA:
+    """`dfa` trimmed, then minimised when at most MINIMIZE_LIMIT states are left."""
+    trimmed = trim(dfa)
     return minimize(trimmed) if trimmed.num_states <= MINIMIZE_LIMIT else trimmed
 
 
@@ -750,7 +755,8 @@ def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
     """The product automaton of `a` and `b`: it accepts the strings for which keep(a accepts,
     b accepts) holds (and: intersection; a and not b: difference). A missing move counts as a
     move to a rejecting sink, so a difference keeps the strings b never reads to the end.
-    Trimmed and minimal; None when it accepts nothing. ValueError past MAX_DFA_STATES."""
+    Reduced as compile_nfa's result is; None when it accepts nothing. ValueError past
+    MAX_DFA_STATES."""
     sink_a, sink_b = a.num_states, b.num_states              # each side's sink: its row is all sinks
     moves_a = np.vstack([np.where(a.transitions >= 0, a.transitions, sink_a), np.full((1, 256), sink_a)])
     moves_b = np.vstack([np.where(b.transitions >= 0, b.transitions, sink_b), np.full((1, 256), sink_b)])
@@ -787,7 +793,7 @@ def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
     if not accepting.any():
         return None
     table = np.array(rows, dtype=np.int32)[:, byte_class]
-    return minimize(trim(DFA(table, accepting, 0)))
+    return reduced(DFA(table, accepting, 0))
 
 
 def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:

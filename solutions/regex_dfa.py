@@ -566,6 +566,9 @@ def determinize(nfa: NFA) -> DFA:
     first = epsilon_closure(nfa, [nfa.start])
     number = {first: 0}
     order = [first]
+    # Most classes of a row reach the same few sets, which other rows reach too: each set's
+    # closure (and so its DFA state) is looked up once, not once per class and row.
+    number_after: dict[frozenset[int], int] = {}    # NFA states a byte reaches -> the DFA state
     rows: list[np.ndarray] = []
     while len(rows) < len(order):
         current = order[len(rows)]
@@ -576,13 +579,16 @@ def determinize(nfa: NFA) -> DFA:
                 for k in range(bisect.bisect_left(cuts, lo), bisect.bisect_right(cuts, hi)):
                     moved_by_class.setdefault(k, set()).add(target)
         for k, moved in moved_by_class.items():
-            closure = epsilon_closure(nfa, moved)
-            if closure not in number:
-                if len(order) >= MAX_DFA_STATES:
-                    raise ValueError(f"the pattern needs more than MAX_DFA_STATES={MAX_DFA_STATES} DFA states")
-                number[closure] = len(order)
-                order.append(closure)
-            row[cuts[k]:bounds[k + 1]] = number[closure]
+            reached = frozenset(moved)
+            if reached not in number_after:
+                closure = epsilon_closure(nfa, reached)
+                if closure not in number:
+                    if len(order) >= MAX_DFA_STATES:
+                        raise ValueError(f"the pattern needs more than MAX_DFA_STATES={MAX_DFA_STATES} DFA states")
+                    number[closure] = len(order)
+                    order.append(closure)
+                number_after[reached] = number[closure]
+            row[cuts[k]:bounds[k + 1]] = number_after[reached]
         rows.append(row)
     accepting = np.array([nfa.accept in subset for subset in order], dtype=bool)
     return DFA(np.stack(rows), accepting, 0)
@@ -773,7 +779,12 @@ def compile_nfa(nfa: NFA) -> DFA:
     Past that it is only trimmed: minimising a large schema's automaton took seconds of CPU
     (most of its compile time) and, because its pieces are minimal DFAs already, mostly
     saved few states."""
-    trimmed = trim(determinize(nfa))
+    return reduced(determinize(nfa))
+
+
+def reduced(dfa: DFA) -> DFA:
+    """`dfa` trimmed, then minimised when at most MINIMIZE_LIMIT states are left."""
+    trimmed = trim(dfa)
     return minimize(trimmed) if trimmed.num_states <= MINIMIZE_LIMIT else trimmed
 
 
@@ -781,7 +792,8 @@ def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
     """The product automaton of `a` and `b`: it accepts the strings for which keep(a accepts,
     b accepts) holds (and: intersection; a and not b: difference). A missing move counts as a
     move to a rejecting sink, so a difference keeps the strings b never reads to the end.
-    Trimmed and minimal; None when it accepts nothing. ValueError past MAX_DFA_STATES."""
+    Reduced as compile_nfa's result is; None when it accepts nothing. ValueError past
+    MAX_DFA_STATES."""
     sink_a, sink_b = a.num_states, b.num_states              # each side's sink: its row is all sinks
     moves_a = np.vstack([np.where(a.transitions >= 0, a.transitions, sink_a), np.full((1, 256), sink_a)])
     moves_b = np.vstack([np.where(b.transitions >= 0, b.transitions, sink_b), np.full((1, 256), sink_b)])
@@ -818,7 +830,7 @@ def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
     if not accepting.any():
         return None
     table = np.array(rows, dtype=np.int32)[:, byte_class]
-    return minimize(trim(DFA(table, accepting, 0)))
+    return reduced(DFA(table, accepting, 0))
 
 
 def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:
