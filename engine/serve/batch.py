@@ -113,11 +113,10 @@ def build_batch(scheduled: Sequence[tuple[Request, int]], block_tables: Mapping[
       meta.seq_lens: int32 [R], c + n (the context length after this step);
       meta.block_table: int32 [R, W], each row zero-padded, W >= 1;
       meta.slot_mapping: int64 [N], the pool slot each row's K/V is written to (-1 for
-        dummies). The pool's slots are numbered block by block (physical block b owns
-        block_size consecutive slots, from b * block_size); a token lives in the physical
-        block its request's table lists for the logical block its position falls in, at
-        its position's offset within that block. Example, block_size 4, table [7, 2]:
-        positions 0 .. 5 go to slots 28, 29, 30, 31, 8, 9;
+        dummies), numbered as write_kv numbers them: a token's slot lies in the physical
+        block its request's table lists for the logical block its position falls in, at the
+        position's place within that block. Example, block_size 4, table [7, 2]: positions
+        0 .. 5 go to slots 28, 29, 30, 31, 8, 9;
       meta.query_start_loc_cpu / seq_lens_cpu: the same as host lists; max_query_len,
         max_seq_len their maxima;
       logits_indices: int64 [L], the rows whose logits are needed: first every sampling row,

@@ -44,13 +44,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
     k_cache, v_cache: one layer's pools, [num_blocks + 1, block_size, Hkv, D], written in
     place (nothing is returned). k, v: [N, Hkv, D], any float dtype; they are stored in the
-    pool's dtype. slot_mapping: int64 [N]; entry i is the flat slot (block * block_size +
-    offset, counting across the whole pool) that receives row i of k and of v.
+    pool's dtype. slot_mapping: int64 [N]; entry i is the slot that receives row i of k and
+    of v, counted over the whole pool with its block and offset axes taken as one flat axis.
     Afterwards slot slot_mapping[i] of each pool holds row i; no other slot of a request's
     blocks changes. Padding rows carry slot -1: they must land in the pool's very last slot,
     inside the scratch block no request owns, and never be filtered out on the host (that
-    would need the number of real rows, a device sync a CUDA graph cannot hold). The write
-    must be a device-side scatter, with no host reads of slot_mapping.
+    would need the number of real rows, a device sync a CUDA graph cannot hold). Nothing
+    reads slot_mapping on the host: the write is queued on the device like any other kernel.
     """
     scratch = k_cache.shape[0] * k_cache.shape[1] - 1
     target = slot_mapping.masked_fill(slot_mapping < 0, scratch)

@@ -35,6 +35,13 @@ MISTAKES = [
             rule="embeddings=False leaves out the embedding table and an untied LM head",
             expect="non-embedding parameters",
             tests=("tests/test_ch01_the_engine_you_will_build.py::test_count_without_embeddings",)),
+    Mistake("cost.py", "count_parameters",
+            before="    if embeddings:\n        tables = 1 if cfg.tie_word_embeddings else 2\n",
+            after=("    if embeddings or not cfg.tie_word_embeddings:\n"
+                   "        tables = (1 if cfg.tie_word_embeddings else 2) if embeddings else 1\n"),
+            rule="embeddings=False leaves out an untied LM head too: the figure is the same tied or untied",
+            expect="untied LM head",
+            tests=("tests/test_ch01_the_engine_you_will_build.py::test_count_without_embeddings",)),
 ]
 
 # What the learner must decide at each stub (one sentence each), and the chapter's design stubs.
