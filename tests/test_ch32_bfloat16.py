@@ -224,9 +224,13 @@ def test_float32_linears_on_a_cpu_are_packed_and_used_for_large_calls_within_flo
     with torch.inference_mode():
         for module in (tiny_model.lm_head, linears[0]):
             forward = vars(module)["forward"]
-            calls = []
-            on_packed = forward.linear_on_packed
-            forward.linear_on_packed = lambda *args: calls.append(args[0].shape) or on_packed(*args)
+            calls: list[torch.Size] = []
+
+            def counted(*args, on_packed=forward.linear_on_packed, calls=calls):
+                calls.append(args[0].shape)
+                return on_packed(*args)
+
+            forward.linear_on_packed = counted
             work = module.in_features * module.out_features
             for rows in (1, 3, 16, 64, -(-impl.devices.PACKED_FLOAT32_MIN_WORK // work)):
                 x = torch.randn(rows, module.in_features, generator=generator)
