@@ -201,7 +201,8 @@ class PackedLinear:
     PACKED_FLOAT32_MIN_WORK (SmolLM2's LM head at every row count, its projections from two
     rows, the tiny seed model's from about 16 rows), F.linear otherwise; packed calls are
     1.5-3x faster and differ from F.linear by float32 rounding only (a different summation
-    order), so a row's result may change in its last bits with the batch it is computed in.
+    order), so a row's result may change in its last bits with the batch it is computed in,
+    as F.linear's own results already do between one row and several.
     The packed copy costs host memory equal to the weights packed.
 
     Installed as the module's own `forward`, so its hooks (LoRA, Chapter 43) still run. What
