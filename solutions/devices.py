@@ -201,8 +201,10 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 PACKED_DTYPES = (torch.bfloat16, torch.float32)     # what oneDNN packs here: see PackedLinear
 # Multiply-adds (rows x in_features x out_features) from which a float32 call goes to the packed
 # weight: below it oneDNN's fixed ~12 microseconds a call outweigh its faster kernel (measured
-# on SmolLM2's and the tiny seed model's shapes, 1 to 64 rows, one thread).
-PACKED_FLOAT32_MIN_WORK = 1 << 20
+# on SmolLM2's and the tiny seed model's shapes, 1 to 64 rows, one thread). In the engine 2**19
+# beat 2**20 on the serving workload and matched it on the seed one, where packing every call
+# lost a third.
+PACKED_FLOAT32_MIN_WORK = 1 << 19
 
 
 class PackedLinear:
@@ -213,12 +215,12 @@ class PackedLinear:
     bfloat16: every call is packed, bit-identical to F.linear; at SmolLM2's decode shapes
     (torch 2.13, a Zen 4 core with AVX512-BF16) 1.1-1.6x faster at 16 rows, 1.3-2.3x at one.
     float32: a call is packed when rows x in_features x out_features reaches
-    PACKED_FLOAT32_MIN_WORK (SmolLM2's LM head at every row count, its projections from two
-    rows, the tiny seed model's from about 16 rows), F.linear otherwise; packed calls are
-    1.5-3x faster and differ from F.linear by float32 rounding only (a different summation
-    order), so a row's result may change in its last bits with the batch it is computed in,
-    as F.linear's own results already do between one row and several.
-    The packed copy costs host memory equal to the weights packed.
+    PACKED_FLOAT32_MIN_WORK (SmolLM2's LM head and MLP at every row count, its attention
+    projections from 2-5 rows, the tiny seed model's from about 30 rows), F.linear otherwise;
+    packed calls are 1.5-3x faster and differ from F.linear by float32 rounding only (another
+    summation order), so a row's result may change in its last bits with the batch it is
+    computed in, as F.linear's own results already do between one row and several. The packed
+    copy costs host memory equal to the weights packed.
 
     Installed as the module's own `forward`, so its hooks (LoRA, Chapter 43) still run. What
     the packed copy cannot serve goes to F.linear: other dtypes and devices, and autograd; a
