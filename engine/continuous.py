@@ -149,7 +149,7 @@ class ContinuousBatchingEngine:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.model = model
         from .devices import prepack_linears
-        prepack_linears(model)              # bfloat16 on a CPU: weights laid out once for oneDNN (Chapter 32)
+        prepack_linears(model)              # on a CPU: weights laid out once for oneDNN (Chapter 32)
         self.num_slots, self.slot_len, self.chunk_size = num_slots, slot_len, chunk_size
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(model.cfg, "eos_token_id", None)
         self.device = next(model.parameters()).device

@@ -183,15 +183,33 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float16 if device.type == "mps" else torch.float32
 
 
+PACKED_DTYPES = (torch.bfloat16, torch.float32)     # what oneDNN packs here: see PackedLinear
+# Multiply-adds (rows x in_features x out_features) from which a float32 call goes to the packed
+# weight: below it oneDNN's fixed ~12 microseconds a call outweigh its faster kernel (measured
+# on SmolLM2's and the tiny seed model's shapes, 1 to 64 rows, one thread). In the engine 2**19
+# beat 2**20 on the serving workload and matched it on the seed one, where packing every call
+# lost a third.
+PACKED_FLOAT32_MIN_WORK = 1 << 19
+
+
 class PackedLinear:
-    """The forward of one nn.Linear whose bfloat16 weight oneDNN has laid out once, ahead of
-    time, in the blocked order its CPU matmul kernels read, instead of being handed torch's
-    row-major weight at every call. At SmolLM2's decode shapes (torch 2.13, a Zen 4 core with
-    AVX512-BF16) that is 1.1-1.6x faster at 16 rows (the LM head gains most) and 1.3-2.3x at
-    one row. Results are bit-identical to F.linear. Installed as the module's own `forward`,
-    so its hooks (LoRA, Chapter 43) still run. What the packed copy cannot serve goes to
-    F.linear: other dtypes and devices, and autograd; a weight changed in place or replaced
-    since packing is packed again first."""
+    """The forward of one nn.Linear whose weight oneDNN has laid out once, ahead of time, in
+    the blocked order its CPU matmul kernels read, instead of being handed torch's row-major
+    weight at every call. The weight itself stays, so F.linear remains available.
+
+    bfloat16: every call is packed, bit-identical to F.linear; at SmolLM2's decode shapes
+    (torch 2.13, a Zen 4 core with AVX512-BF16) 1.1-1.6x faster at 16 rows, 1.3-2.3x at one.
+    float32: a call is packed when rows x in_features x out_features reaches
+    PACKED_FLOAT32_MIN_WORK (SmolLM2's LM head and MLP at every row count, its attention
+    projections from 2-5 rows, the tiny seed model's from about 30 rows), F.linear otherwise;
+    packed calls are 1.5-3x faster and differ from F.linear by float32 rounding only (another
+    summation order), so a row's result may change in its last bits with the batch it is
+    computed in, as F.linear's own results already do between one row and several. The packed
+    copy costs host memory equal to the weights packed.
+
+    Installed as the module's own `forward`, so its hooks (LoRA, Chapter 43) still run. What
+    the packed copy cannot serve goes to F.linear: other dtypes and devices, and autograd; a
+    weight changed in place or replaced since packing is packed again first."""
 
     def __init__(self, module: nn.Linear, pack: bool = True) -> None:
         self.module = module
@@ -227,27 +245,29 @@ class PackedLinear:
         # Called for every projection of every layer at every step: the usual case costs
         # one comparison of the weight's identity and a few flags.
         weight, bias = self.module.weight, self.module.bias
+        if input.dtype == torch.float32 and input.numel() * weight.shape[0] < PACKED_FLOAT32_MIN_WORK:
+            return nn.functional.linear(input, weight, bias)        # numel is rows x in_features
         if self.identity(weight) != self.packed_from:
-            if not (weight.dtype == torch.bfloat16 and weight.is_cpu):
+            if not (weight.dtype in PACKED_DTYPES and weight.is_cpu):
                 return nn.functional.linear(input, weight, bias)
             self.pack()
-        if input.dtype != torch.bfloat16 or not input.is_cpu or (
+        if input.dtype != weight.dtype or input.dtype not in PACKED_DTYPES or not input.is_cpu or (
                 torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad)):
             return nn.functional.linear(input, weight, bias)
         return self.linear_on_packed(input, self.packed, bias, "none", [], "")
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Give every plain nn.Linear of `model` whose weight is bfloat16 on a CPU a PackedLinear
-    forward, once, when the engine loads the model; returns how many it packed (0 without
-    oneDNN, on other devices and dtypes, and for subclasses such as quantized linears, whose
-    forward is their own). Packing again is harmless: a packed module is skipped. The packed
-    copies add one bfloat16 copy of those weights to host memory."""
+    """Give every plain nn.Linear of `model` whose weight is bfloat16 or float32 on a CPU a
+    PackedLinear forward, once, when the engine loads the model; returns how many it packed (0
+    without oneDNN, on other devices and dtypes, and for subclasses such as quantized linears,
+    whose forward is their own). Packing again is harmless: a packed module is skipped. The
+    packed copies add one copy of those weights, in their dtype, to host memory."""
     if not torch.backends.mkldnn.is_available():
         return 0
     count = 0
     for module in model.modules():
-        if (type(module) is nn.Linear and module.weight.dtype == torch.bfloat16
+        if (type(module) is nn.Linear and module.weight.dtype in PACKED_DTYPES
                 and module.weight.device.type == "cpu" and "forward" not in vars(module)):
             module.forward = PackedLinear(module)        # type: ignore[method-assign]
             count += 1

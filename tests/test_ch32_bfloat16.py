@@ -173,14 +173,9 @@ def test_bfloat16_linears_on_a_cpu_run_on_weights_packed_once_and_match_plain_li
     """On a CPU the engine lays each bfloat16 linear weight out for oneDNN once, when it loads
     the model (devices.prepack_linears), instead of on every call. The packed path must give
     what torch's own F.linear gives on the module's weight, bit for bit, for any number of
-    rows, must follow a weight changed in place after packing and survive a deep copy; a float32 engine keeps
-    the plain path."""
+    rows, must follow a weight changed in place after packing and survive a deep copy."""
     if tiny_model.lm_head.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         pytest.skip("weights are packed for oneDNN on a CPU only")
-    plain = impl.load("qwen3").Qwen3ForCausalLM(tiny_model.cfg)
-    plain.load_state_dict(tiny_model.state_dict())
-    serve.engine.EngineCore(plain, serve.config.EngineConfig(num_blocks=16))
-    assert not any("forward" in vars(m) for m in plain.modules()), "a float32 engine must keep the plain linears"
     config = serve.config.EngineConfig(num_blocks=64, attention_backend="vectorised", dtype="bfloat16")
     engine = serve.engine.EngineCore(tiny_model, config, eos_token_id=None)
     linears = [m for m in tiny_model.modules() if type(m) is torch.nn.Linear]
@@ -210,3 +205,42 @@ def test_bfloat16_linears_on_a_cpu_run_on_weights_packed_once_and_match_plain_li
         del m.forward
     plain_tokens = [out.output_token_ids for out in unpacked.generate(prompts, params)]
     assert packed_tokens == plain_tokens, "greedy tokens must not change when the weights are packed"
+
+
+def test_float32_linears_on_a_cpu_are_packed_and_used_for_large_calls_within_float32_error(impl, serve, tiny_model):
+    """A float32 engine on a CPU packs its linears too (devices.prepack_linears) but sends a
+    call to the packed weight only from devices.PACKED_FLOAT32_MIN_WORK multiply-adds (rows x
+    in_features x out_features), F.linear below it. Either way the result must be within
+    float32 rounding of the exact product, held to a float64 oracle: at most in_features
+    units of float32 rounding of the sum of absolute terms, per output."""
+    if tiny_model.lm_head.weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        pytest.skip("weights are packed for oneDNN on a CPU only")
+    serve.engine.EngineCore(tiny_model, serve.config.EngineConfig(num_blocks=16, dtype="float32"))
+    linears = [m for m in tiny_model.modules() if type(m) is torch.nn.Linear]
+    packed = [m for m in linears if isinstance(vars(m).get("forward"), impl.devices.PackedLinear)]
+    assert linears and packed == linears, f"{len(packed)} of {len(linears)} float32 linears were packed"
+    generator = torch.Generator().manual_seed(5)
+    eps = torch.finfo(torch.float32).eps
+    with torch.inference_mode():
+        for module in (tiny_model.lm_head, linears[0]):
+            forward = vars(module)["forward"]
+            calls: list[torch.Size] = []
+
+            def counted(*args, on_packed=forward.linear_on_packed, calls=calls):
+                calls.append(args[0].shape)
+                return on_packed(*args)
+
+            forward.linear_on_packed = counted
+            work = module.in_features * module.out_features
+            for rows in (1, 3, 16, 64, -(-impl.devices.PACKED_FLOAT32_MIN_WORK // work)):
+                x = torch.randn(rows, module.in_features, generator=generator)
+                calls.clear()
+                got = module(x).double()
+                assert len(calls) == (rows * work >= impl.devices.PACKED_FLOAT32_MIN_WORK), (
+                    f"{rows} rows x {module.in_features} x {module.out_features}: the packed weight serves a call "
+                    f"from {impl.devices.PACKED_FLOAT32_MIN_WORK} multiply-adds, F.linear below")
+                weight, bias = module.weight.double(), module.bias
+                exact = torch.nn.functional.linear(x.double(), weight, None if bias is None else bias.double())
+                bound = module.in_features * eps * (x.double().abs() @ weight.abs().T + 1e-30)
+                excess = ((got - exact).abs() / bound).max().item()
+                assert excess <= 1, f"{rows} rows: error {excess:.2f}x the float32 rounding bound"

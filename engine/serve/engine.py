@@ -122,7 +122,7 @@ class EngineCore:
         if config.dtype != "auto":               # before anything reads the weights' dtype (Chapter 32)
             flat.to(getattr(torch, config.dtype))
         from ..devices import prepack_linears
-        prepack_linears(flat)                    # bfloat16 on a CPU: weights laid out once for oneDNN
+        prepack_linears(flat)                    # on a CPU: weights laid out once for oneDNN (Chapter 32)
         if vision is not None:                   # Chapter 43: checked and wired before anything is built on it
             from .vision import attach_vision
             attach_vision(flat, vision.encoder, vision.image_token_id, vision.sections)
