@@ -4,10 +4,12 @@ Oracles, none of which shares code with the compiler:
 - soundness: thousands of random walks through each schema's automaton, start to an
   accepting state; every document one spells must parse (`json.loads`) and validate
   (`jsonschema`, formats checked);
-- completeness: hand-written valid instances, and instances `hypothesis-jsonschema` draws
-  from the schema itself, serialized compactly, the way `json.dumps` writes by default
-  (ASCII escapes, ", " and ": ") and with raw UTF-8, must be accepted; hand-written invalid
-  instances must be refused;
+- completeness: hand-written valid instances, and instances `hypothesis-jsonschema` (or, for
+  object schemas, a strategy written here) draws from the schema itself, serialized
+  compactly, the way `json.dumps` writes by default (ASCII escapes, ", " and ": ") and with
+  raw UTF-8, must be accepted; hand-written invalid instances must be refused;
+- the peers' own tables (xgrammar's and outlines-core's tests): the texts a peer accepts or
+  refuses, where `jsonschema` agrees with it, must be accepted or refused here;
 - refusals: every keyword outside the subset, malformed schema or pattern over a stated
   limit is refused with a ValueError that names it, and quickly.
 """
