@@ -638,7 +638,10 @@ def array_values(st, schema, root, depth):
     if schema.get("uniqueItems") and isinstance(rest, dict) and "enum" in rest and not prefix_schemas:
         listed = rest["enum"]
         return st.sets(st.sampled_from(range(len(listed)))).map(lambda chosen: [listed[i] for i in sorted(chosen)])
-    prefix = [schema_values(st, item, root, depth) for item in prefix_schemas]
+    # An untyped position (allOf's {"prefixItems": [{"minimum": 5}]} beside an "items" schema) is
+    # drawn as the items schema narrowed by it, not as any value, which would almost never fit.
+    prefix = [schema_values(st, {**rest, **item} if isinstance(rest, dict) and isinstance(item, dict)
+                            and "type" not in item else item, root, depth) for item in prefix_schemas]
     low = max(schema.get("minItems", 0) - len(prefix), 0)
     element = schema_values(st, rest, root, depth)
     high = low if element.is_empty else max(schema.get("maxItems", low + 3) - len(prefix), low)

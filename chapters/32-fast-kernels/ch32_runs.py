@@ -44,7 +44,8 @@ def round_ratios(lines, workload, mine, theirs):
 
 
 def bench_run_tables(path, pairs=(("core/vectorised", "core/reference"), ("core/vectorised", "best of transformers"),
-                                  ("core/vectorised", "ch24 slots"))):
+                                  ("core/vectorised", "ch24 slots"), ("core/vectorised", "llama.cpp batched, F32"),
+                                  ("core/vectorised", "llama.cpp batched, Q4_1"))):
     """A saved run as the reader's tables: how it was made; every contender's best round and
     every round; each pair's ratio of best rounds and its spread over the rounds; and the
     profiles (share of a core step per part) when the run has them. Each row starts with a
