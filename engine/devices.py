@@ -247,13 +247,11 @@ class PackedLinear:
         weight, bias = self.module.weight, self.module.bias
         if input.dtype == torch.float32 and input.numel() * weight.shape[0] < PACKED_FLOAT32_MIN_WORK:
             return nn.functional.linear(input, weight, bias)        # numel is rows x in_features
-        if self.identity(weight) != self.packed_from:
-            if not (weight.dtype in PACKED_DTYPES and weight.is_cpu):
-                return nn.functional.linear(input, weight, bias)
-            self.pack()
-        if input.dtype != weight.dtype or input.dtype not in PACKED_DTYPES or not input.is_cpu or (
+        if input.dtype != weight.dtype or input.dtype not in PACKED_DTYPES or not (input.is_cpu and weight.is_cpu) or (
                 torch.is_grad_enabled() and (weight.requires_grad or input.requires_grad)):
             return nn.functional.linear(input, weight, bias)
+        if self.identity(weight) != self.packed_from:
+            self.pack()
         return self.linear_on_packed(input, self.packed, bias, "none", [], "")
 
 
