@@ -3,7 +3,7 @@
 For each vocabulary (the tiny model's 256 byte tokens plus specials, and SmolLM2-135M's
 49,152 BPE tokens read from its GGUF file) and each grammar (a date-and-time regex and a
 nested JSON schema), prints one JSON line:
-- layout_ms: the vocabulary's bytes laid out as a matrix (once per engine, on first use);
+- layout_ms: the vocabulary's bytes laid out as a prefix tree (once per engine, on first use);
 - compile_ms: pattern -> minimal byte DFA (parse, NFA, subset construction, minimisation);
 - states: the DFA's states; first_mask_ms: the first mask of one state (walking every
   token's bytes once); precompute_ms: every state's mask (what an ahead-of-time index such
@@ -97,7 +97,7 @@ def measure(guided, request, name, vocab_bytes, eos, grammar, fields, args):
     for _ in range(args.repeat):                   # fresh factories: nothing cached between rounds
         factory = guided.GuideFactory(vocab_bytes, eos, len(vocab_bytes))
         start = time.perf_counter()
-        _ = factory.vocabulary.longer_than         # lays out the byte matrix (once per engine)
+        _ = factory.vocabulary.trie                # lays out the token trie (once per engine)
         layout_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         index = factory(params).index

@@ -20,6 +20,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
 
@@ -36,14 +37,38 @@ from .request import SamplingParams
 JSON_OBJECT = {"type": "json_object"}
 
 
+@dataclass(frozen=True)
+class TokenTrie:
+    """The distinct byte prefixes of a vocabulary's tokens as a tree, numbered level by level.
+
+    Node 0 is the root (no bytes); node u != 0 is one prefix: its parent's prefix followed by
+    byte[u]. The nodes of prefixes d bytes long are the ids levels[d] .. levels[d + 1] - 1,
+    ordered by parent and then byte (so a parent's id is always smaller than its children's).
+    parent: int64 [N] (-1 for the root); byte: uint8 [N] (0 for the root);
+    levels: list of len(longest token) + 2 ids (levels[0] = 0, levels[-1] = N);
+    token_node: int64 [n], the node whose prefix is all of row r's bytes (row r of
+    Vocabulary.token_ids). A token may end at a node that has children (b"ca" under b"cat"),
+    and tokens with the same bytes share a node.
+    """
+    parent: np.ndarray
+    byte: np.ndarray
+    levels: list[int]
+    token_node: np.ndarray
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parent)
+
+
 class Vocabulary:
-    """The tokens' bytes as a matrix, longest token first.
+    """The tokens' bytes laid out for walking them all at once: a prefix tree (for the masks
+    of TokenIndex) and a matrix, longest token first (for the pushdown guide's walks).
 
     vocab_bytes: token id -> its bytes (b"" for a token that never appears in guided text).
     eos_token_id: the end-of-sequence id (its bytes are ignored), or None.
     vocab_size: the width of the model's logits (>= len(vocab_bytes); the ids past the list
     are never allowed).
-    The matrix is laid out on first use, so an engine that never sees a guided request
+    Both are laid out on first use, so an engine that never sees a guided request
     never pays for it.
     """
 
@@ -69,10 +94,30 @@ class Vocabulary:
         return np.array(usable, dtype=np.int64)
 
     @cached_property
+    def trie(self) -> TokenTrie:
+        """The tokens' bytes as a prefix tree (TokenTrie), laid out on first use."""
+        rows = [self.vocab_bytes[i] for i in self.token_ids.tolist()]
+        depth = max((len(data) for data in rows), default=0)
+        prefixes: list[set[bytes]] = [set() for _ in range(depth + 1)]
+        for data in rows:
+            for cut in range(1, len(data) + 1):
+                prefixes[cut].add(data[:cut])
+        number = {b"": 0}                                  # prefix -> node id
+        levels, parents, last_bytes = [0, 1], [-1], [0]
+        for cut in range(1, depth + 1):
+            for prefix in sorted(prefixes[cut]):           # sorted: by parent (numbered in order), then byte
+                number[prefix] = len(parents)
+                parents.append(number[prefix[:-1]])
+                last_bytes.append(prefix[-1])
+            levels.append(len(parents))
+        return TokenTrie(np.array(parents, dtype=np.int64), np.array(last_bytes, dtype=np.uint8), levels,
+                         np.array([number[data] for data in rows], dtype=np.int64))
+
+    @cached_property
     def byte_matrix(self) -> np.ndarray:
         """uint8 [n, longest]: row r holds the bytes of token_ids[r], zero-padded. Stored
-        column by column (Fortran order): a mask reads one byte position of many rows at a
-        time, which is then one contiguous column (a quarter faster on SmolLM2's vocabulary)."""
+        column by column (Fortran order): a walk reads one byte position of many rows at a
+        time, which is then one contiguous column (the pushdown guide of json_pda.py walks it)."""
         rows = [self.vocab_bytes[i] for i in self.token_ids.tolist()]
         matrix = np.zeros((len(rows), len(rows[0]) if rows else 0), dtype=np.uint8)
         for row, data in enumerate(rows):
@@ -116,25 +161,30 @@ class TokenIndex:
         when reading all of t's bytes from `state` through self.dfa.transitions (int32
         [S, 256]) never meets -1; vocabulary.eos_token_id is True exactly when
         self.dfa.accepting[state]; ids listed with b"" and ids past the byte list are False.
-        Given: vocabulary.token_ids (int64 [n], the tokens with bytes, longest first),
-        byte_matrix (uint8 [n, longest], rows zero-padded) and longer_than[p] (how many of
-        those n tokens have more than p bytes).
-        Traps: a padding 0 is not one of the token's bytes; a Python loop over 49,152
-        tokens costs tens of milliseconds per state (the mask is computed once per state).
+        Given: vocabulary.token_ids (int64 [n], the tokens with bytes) and vocabulary.trie
+        (a TokenTrie): every distinct prefix of those tokens' bytes is one node, the nodes
+        numbered level by level (levels[d] .. levels[d + 1] - 1 hold the prefixes of d
+        bytes), each with its parent node and its last byte; token_node[r] is the node of
+        all of token_ids[r]'s bytes.
+        Traps: a token may end at a node that has children, and it is allowed or not by its
+        own bytes alone, whatever longer tokens below it do; once a prefix meets -1, every
+        token that starts with it is refused; a Python loop over 49,152 tokens costs tens of
+        milliseconds per state (the mask is computed once per state).
         """
         vocabulary = self.vocabulary
+        trie = vocabulary.trie
         table = self.dfa.transitions
-        states = np.full(len(vocabulary.token_ids), state, dtype=np.int64)
-        reading = np.arange(len(vocabulary.token_ids))    # rows still alive with bytes left, ascending
-        for position, count in enumerate(vocabulary.longer_than):
-            reading = reading[:np.searchsorted(reading, count)]     # the shorter tokens are done
-            if not len(reading):
+        reached = np.full(trie.num_nodes, -1, dtype=table.dtype)    # the state after each prefix, -1: dead
+        reached[0] = state
+        for depth in range(1, len(trie.levels) - 1):
+            first, stop = trie.levels[depth], trie.levels[depth + 1]
+            before = reached[trie.parent[first:stop]]
+            live = np.flatnonzero(before >= 0)               # a dead parent's subtree is never read
+            if not len(live):
                 break
-            moved = table[states[reading], vocabulary.byte_matrix[reading, position]]
-            states[reading] = moved
-            reading = reading[moved >= 0]
+            reached[first + live] = table[before[live], trie.byte[first:stop][live]]
         allowed = torch.zeros(vocabulary.vocab_size, dtype=torch.bool)
-        allowed[torch.from_numpy(vocabulary.token_ids[states >= 0])] = True
+        allowed[torch.from_numpy(vocabulary.token_ids[reached[trie.token_node] >= 0])] = True
         if vocabulary.eos_token_id is not None and self.dfa.accepting[state]:
             allowed[vocabulary.eos_token_id] = True
         return allowed
