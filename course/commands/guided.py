@@ -12,7 +12,13 @@ nested JSON schema), prints one JSON line:
   percentile over the first --walks random walks, which compute each new state's mask as
   they reach it (what a server pays while a schema is new);
 - step_us / step_p99_us: the same once every state's mask is cached;
-- mask_apply_us: setting the forbidden logits of one [vocab] float32 row to -inf.
+- mask_apply_us: setting the forbidden logits of one [vocab] float32 row to -inf;
+- on SmolLM2's vocabulary, cold_step_cpu_p99_us (the cold steps' 99th percentile in CPU
+  time of this thread) and its share of one SmolLM2 decode step per weight type,
+  mask_share_of_step {"float32": .., "bfloat16": ..}: the step is the median CPU time of
+  --decode-steps decode steps of the core engine (the bench's chat workload: 16 chat
+  requests at once to SmolLM2-135M-Instruct, `run.py bench`'s engine setup, one thread),
+  measured in the same process first and printed as its own line (decode_step_ms).
 Layout, compile and first-mask times are the best of --repeat fresh rounds and mask_apply_us the
 best of five batches (a busy machine only ever makes a run slower); precompute_ms is one run.
 The walks draw uniformly among allowed tokens (seeded), so they visit many more states than
@@ -66,6 +72,9 @@ def add_arguments(parser):
     parser.add_argument("--requests", type=int, default=4, help="requests per --engine run (default 4)")
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per --engine request (default 32)")
     parser.add_argument("--corpus", action="store_true", help="time compiling the suite's schema corpora")
+    parser.add_argument("--decode-steps", type=int, default=6,
+                        help="timed SmolLM2 decode steps per weight type, for the masks' share of a step "
+                             "(default 6; 0: not measured)")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed rounds, best kept: compiles and first masks; with --engine the free and "
                              "warm runs (default 3)")
@@ -122,8 +131,9 @@ def measure(guided, request, name, vocab_bytes, eos, grammar, fields, args):
     return {"vocabulary": name, "vocab_size": len(vocab_bytes), "grammar": grammar, "states": index.dfa.num_states,
             "layout_ms": round(min(layout_s) * 1e3, 1), "compile_ms": round(min(compile_s) * 1e3, 1),
             "first_mask_ms": round(min(first_mask_s) * 1e3, 2),
-            "precompute_ms": round(precompute_s * 1e3, 1), **percentiles("cold_step", cold_s),
-            **percentiles("step", step_s), "mask_apply_us": round(min(apply_s) * 1e6, 1)}
+            "precompute_ms": round(precompute_s * 1e3, 1), **percentiles("cold_step", cold_s[0]),
+            **percentiles("step", step_s[0]), "mask_apply_us": round(min(apply_s) * 1e6, 1),
+            **percentiles("cold_step_cpu", cold_s[1])}
 
 
 def percentiles(name, seconds):
@@ -134,25 +144,27 @@ def percentiles(name, seconds):
 
 
 def walk_steps(factory, params, eos, rng, walks, max_tokens=200):
-    """The time of each allowed() + advance() over `walks` walks that draw a random allowed
-    token each step, until the guide finishes, EOS is drawn or max_tokens are written."""
+    """The times of each allowed() + advance() over `walks` walks that draw a random allowed
+    token each step, until the guide finishes, EOS is drawn or max_tokens are written:
+    (wall seconds, CPU seconds of this thread), one entry per step in each."""
     import torch
-    step_s = []
+    step_s, cpu_s = [], []
     for _ in range(walks):
         guide = factory(params)
         for _ in range(max_tokens):
             if guide.finished:
                 break
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             allowed = guide.allowed()
-            middle = time.perf_counter()
+            middle, middle_cpu = time.perf_counter(), time.thread_time()
             token = rng.choice(torch.nonzero(allowed).flatten().tolist())
-            restart = time.perf_counter()
+            restart, restart_cpu = time.perf_counter(), time.thread_time()
             guide.advance(token)
             step_s.append(time.perf_counter() - restart + middle - start)
+            cpu_s.append(time.thread_time() - restart_cpu + middle_cpu - start_cpu)
             if token == eos:
                 break
-    return step_s
+    return step_s, cpu_s
 
 
 def measure_pushdown(guided, request, name, vocab_bytes, eos, args):
@@ -163,7 +175,45 @@ def measure_pushdown(guided, request, name, vocab_bytes, eos, args):
     cold_s = walk_steps(factory, params, eos, rng, args.walks)
     step_s = walk_steps(factory, params, eos, rng, args.walks)
     return {"vocabulary": name, "vocab_size": len(vocab_bytes), "grammar": "json_object",
-            **percentiles("cold_step", cold_s), **percentiles("step", step_s)}
+            **percentiles("cold_step", cold_s[0]), **percentiles("step", step_s[0]),
+            **percentiles("cold_step_cpu", cold_s[1])}
+
+
+def decode_step_ms(impl, steps):
+    """{"float32": ms, "bfloat16": ms}: the median CPU time of `steps` decode steps of the
+    core engine on the bench's chat workload (16 SmolLM2 chat requests decoding together,
+    one thread, run.py bench's core setup), each weight type loaded in turn. Raises what
+    loading raises (SmolLM2Unavailable, NotImplementedError for an unwritten stub)."""
+    import torch
+
+    from course import bench
+    workloads = impl.load("workloads")
+    items, path = bench.chat_items(impl, workloads, 16, 1)
+    found = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = impl.checkpoint.load_model(path, dtype=dtype, device=torch.device("cpu"))
+        name = str(dtype).removeprefix("torch.")
+        make = bench.core_contender(impl, model, "vectorised", dtype=name).make
+        engine = make(bench.Workload("chat", items, {}, checkpoint=path)).engine     # bench.CoreSteps
+        params = engine.params(max_tokens=steps + 4, ignore_eos=True)
+        for item in items:
+            engine.core.add_request(item.request_id, item.prompt_ids, params)
+        started: set[str] = set()
+        while len(started) < len(items):                       # the prompts' prefill is not a decode step
+            started.update(rid for rid, tokens, _ in engine.step() if tokens)
+        times = []
+        for _ in range(steps):
+            start = time.process_time()
+            engine.step()
+            times.append(time.process_time() - start)
+        found[name] = statistics.median(times) * 1e3
+    return found
+
+
+def shares(line, step_ms):
+    """The cold steps' CPU p99 of one result line as a share of each decode step."""
+    return {"mask_share_of_step": {name: round(line["cold_step_cpu_p99_us"] / 1e3 / ms, 3)
+                                   for name, ms in step_ms.items()}}
 
 
 def timed(engine, prompts, params):
@@ -255,6 +305,19 @@ def run(args):
             print(json.dumps(result), flush=True)
         return
     for name, vocab_bytes, eos in vocabularies(guided, args.vocabulary):
+        step_ms = {}
+        if name == "smollm2" and args.decode_steps > 0:
+            from course.models import smollm2
+            try:
+                step_ms = decode_step_ms(impl, args.decode_steps)
+            except (smollm2.SmolLM2Unavailable, NotImplementedError) as missing:
+                print(json.dumps({"decode_step": "smollm2", "skipped": str(missing)}), flush=True)
+            else:
+                print(json.dumps({"decode_step": "smollm2 chat, 16 requests, 1 thread, core engine",
+                                  "steps": args.decode_steps,
+                                  **{f"{k}_step_ms": round(v, 2) for k, v in step_ms.items()}}), flush=True)
         for grammar, fields in (("regex", {"guided_regex": REGEX}), ("json", {"guided_json": SCHEMA})):
-            print(json.dumps(measure(guided, request, name, vocab_bytes, eos, grammar, fields, args)), flush=True)
-        print(json.dumps(measure_pushdown(guided, request, name, vocab_bytes, eos, args)), flush=True)
+            line = measure(guided, request, name, vocab_bytes, eos, grammar, fields, args)
+            print(json.dumps({**line, **(shares(line, step_ms) if step_ms else {})}), flush=True)
+        line = measure_pushdown(guided, request, name, vocab_bytes, eos, args)
+        print(json.dumps({**line, **(shares(line, step_ms) if step_ms else {})}), flush=True)
