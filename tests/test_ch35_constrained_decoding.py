@@ -304,6 +304,41 @@ def test_the_mask_allows_exactly_the_tokens_that_keep_a_match_possible(guided, p
         prefix += vocab[token]
 
 
+def walk_lives(table, state, data):
+    """The oracle of one token: its bytes read one at a time through the DFA's table."""
+    for byte in data:
+        state = int(table[state, byte])
+        if state < 0:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("pattern", [r"a{0,24}b{0,3}", r"(ab|ba)*c?", r"[ab]{3,30}c"])
+def test_each_states_mask_allows_exactly_the_tokens_whose_walk_lives(guided, pattern):
+    """Every state of the DFA, against a walk of each token's bytes through the table, on a
+    vocabulary whose tokens share prefixes, end inside other tokens, repeat, and include
+    the longest ones a pattern allows."""
+    import itertools
+    vocab = [bytes(t) for n in range(1, 5) for t in itertools.product(b"abc", repeat=n)]
+    vocab += [b"a" * 24, b"a" * 23 + b"b", b"ab" * 12, b"ba" * 12 + b"c", b"ab", b"c", b"\xff", b"a" * 30 + b"c"]
+    vocab += [b"", b""]                                          # EOS and a special
+    eos = len(vocab) - 2
+    index = guided.GuideFactory(vocab, eos, len(vocab) + 2).index_for(pattern)
+    table = index.dfa.transitions
+    for state in range(index.dfa.num_states):
+        allowed = index.compute_mask(state)
+        assert allowed.dtype == torch.bool and allowed.shape == (len(vocab) + 2,)
+        for token, data in enumerate(vocab[:eos]):
+            expected = walk_lives(table, state, data)
+            assert bool(allowed[token]) == expected, (
+                f"pattern {pattern!r}, DFA state {state}: token {token} ({data!r}) should be "
+                f"{'allowed' if expected else 'forbidden'}: its walk through the table "
+                f"{'never meets -1' if expected else 'meets -1'}")
+        assert bool(allowed[eos]) == bool(index.dfa.accepting[state]), (
+            f"pattern {pattern!r}, DFA state {state}: EOS must be allowed exactly on a complete match")
+        assert not allowed[eos + 1:].any(), "tokens without bytes (and ids past the list) are never allowed"
+
+
 def params_for(guided, **fields):
     return guided.SamplingParams(max_tokens=8, **fields)
 

@@ -60,20 +60,36 @@ MISTAKES = [
             rule="EOS is allowed exactly in accepting states",
             expect="allowed exactly on a complete match", tests=MASKS),
     Mistake("serve/guided.py", "TokenIndex.compute_mask",
-            before="reading = reading[:np.searchsorted(reading, count)]",
+            before="""        if vocabulary.eos_token_id is not None and self.dfa.accepting[state]:
+            allowed[vocabulary.eos_token_id] = True
+""",
             after="",
-            rule="a padding 0 is not one of the token's bytes: a token's walk ends with its last byte",
+            rule="EOS has no node in the trie, yet it is allowed in every accepting state",
+            expect="allowed exactly on a complete match", tests=MASKS),
+    Mistake("serve/guided.py", "TokenIndex.compute_mask",
+            before="live = np.flatnonzero(before >= 0)",
+            after="live = np.arange(stop - first)",
+            rule="once a prefix meets -1 every token that starts with it is refused: a dead node's children "
+                 "are never stepped",
+            expect="should be forbidden", tests=MASKS),
+    Mistake("serve/guided.py", "TokenIndex.compute_mask",
+            before="reached[first + live] = table[before[live], trie.byte[first:stop][live]]",
+            after="reached[live] = table[before[live], trie.byte[first:stop][live]]",
+            rule="node ids count across levels: the nodes of d bytes start at levels[d]",
+            expect="should be", tests=MASKS),
+    Mistake("serve/guided.py", "TokenIndex.compute_mask",
+            before="for depth in range(1, len(trie.levels) - 1):",
+            after="for depth in range(1, len(trie.levels) - 2):",
+            rule="a token is allowed only when all of its bytes are read, the longest tokens' last byte included",
             expect="should be allowed", tests=MASKS),
     Mistake("serve/guided.py", "TokenIndex.compute_mask",
-            before="            reading = reading[moved >= 0]\n",
-            after="",
-            rule="a token is allowed only when none of its bytes meets -1: a dead walk stays dead",
-            expect="should be forbidden", tests=MASKS),
-    Mistake("serve/guided.py", "TokenIndex.compute_mask",
-            before="for position, count in enumerate(vocabulary.longer_than):",
-            after="for position, count in enumerate(vocabulary.longer_than[:2]):",
-            rule="a token is allowed only when all of its bytes are read, however long it is",
-            expect="should be forbidden", tests=MASKS),
+            before="allowed[torch.from_numpy(vocabulary.token_ids[reached[trie.token_node] >= 0])] = True",
+            after="""leaves = np.ones(trie.num_nodes, dtype=bool)
+        leaves[trie.parent[1:]] = False
+        ends = trie.token_node[leaves[trie.token_node]]
+        allowed[torch.from_numpy(vocabulary.token_ids[leaves[trie.token_node]][reached[ends] >= 0])] = True""",
+            rule="a token that ends at a node with children is allowed by its own bytes, like one that ends at a leaf",
+            expect="should be allowed", tests=MASKS),
     Mistake("serve/guided.py", "RegexGuide.advance",
             before="""            if not self.accepting:
                 raise ValueError(f"token {token_id} (EOS) before the text matches the pattern")
@@ -163,8 +179,9 @@ DECIDES = {
         "how to name DFA states by sets of NFA states, explore them until none is new, and avoid filling 256 "
         "columns byte by byte",
     "TokenIndex.compute_mask":
-        "how to test every token's bytes against the DFA from one state at once, with padding bytes not counted, "
-        "instead of a loop over the vocabulary",
+        "how to test every token's bytes against the DFA from one state at once by walking the token trie level "
+        "by level, each shared prefix read once and a dead prefix's subtree never read, instead of a loop over "
+        "the vocabulary",
     "RegexGuide.advance": "when a token or EOS may be accepted, and how a refusal leaves the guide unchanged",
 }
 
