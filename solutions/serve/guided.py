@@ -1,5 +1,6 @@
 """Chapter 35: token-level guides, the constrained-decoding state the engine keeps per request.
 
+    TokenTrie      the tokens' distinct byte prefixes as a tree, numbered level by level
     Vocabulary     every token's bytes, laid out once for walking them all at the same time
     TokenIndex     one (pattern, vocabulary) pair: the mask of allowed tokens per DFA state,
                    computed the first time a state is reached and kept
