@@ -649,7 +649,9 @@ def test_llama_cpp_on_float32_weights_gives_the_engines_tokens(llama_cpp_chat, r
     """llama.cpp batched on the GGUF file it dequantized to float32 runs the engine's own
     weights: two chat questions together give the reference engine core's greedy tokens
     (another program's sums, but no near tie in 3 tokens of these questions). The first run
-    converts the file (half a gigabyte), and the core loads SmolLM2: --stress only."""
+    converts the file (half a gigabyte), and the core loads SmolLM2: --stress only. A
+    maintainer's test: the chapter's text names no --stress run (llama-cpp-python is not a
+    requirement), so the learner's edition does not promise it and it is not edition_stress."""
     if not request.config.getoption("stress"):
         pytest.skip("converts SmolLM2 to float32 and loads it twice: run with --stress")
     workload, contenders = llama_cpp_chat
