@@ -8,6 +8,7 @@ as fast as those for the tiny test model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -94,13 +95,21 @@ def matmul_parameters(cfg: ModelShape) -> int:
     """Parameters that every token is multiplied by: all projection matrices of the layers
     plus the LM head (counted even when it is tied to the embedding, because the lookup of
     an embedding row is a copy, while the LM head is a real matrix product). Norm weights and
-    biases are left out; they cost a handful of operations per channel."""
-    hidden, layers, head_dim = cfg.hidden_size, cfg.num_hidden_layers, head_dim_of(cfg)
-    norms = layers * (2 * head_dim + 2 * hidden) + hidden
-    biases = 0
-    if getattr(cfg, "attention_bias", False):
-        biases = layers * ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim + hidden)
-    return count_parameters(cfg, embeddings=False) - norms - biases + cfg.vocab_size * hidden
+    biases are left out; they cost a handful of operations per channel.
+
+    Read off count_parameters rather than counted again: a matrix has two widths and a
+    vector one, so doubling every width (hidden_size, head_dim, intermediate_size,
+    vocab_size) multiplies the matrices' share of the count by 4 and the vectors' by 2, and
+    the two counts separate them."""
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "tie_word_embeddings")
+    shape = {name: getattr(cfg, name) for name in fields}
+    shape.update(attention_bias=getattr(cfg, "attention_bias", False), head_dim=head_dim_of(cfg))
+    widths = ("vocab_size", "hidden_size", "intermediate_size", "head_dim")
+    doubled = dict(shape, **{name: 2 * shape[name] for name in widths})
+    once, twice = (count_parameters(SimpleNamespace(**s), embeddings=False) for s in (shape, doubled))
+    matrices = (twice - 2 * once) // 2                     # once = matrices + vectors, twice = 4 m + 2 v
+    return matrices + cfg.vocab_size * cfg.hidden_size     # the LM head, tied or not
 
 
 def bytes_per_element(dtype: torch.dtype) -> int:

@@ -9,6 +9,7 @@ the sampled acceptance rule. Greedy parity is deterministic: the tiny model's gr
 choices have margins far above the ~1e-6 by which a k + 1-token verify differs from
 one-token steps.
 """
+import inspect
 import math
 
 import pytest
@@ -106,6 +107,79 @@ def test_greedy_output_equals_target_solo_generate(impl, solo, tiny_model, draft
                 assert list(got) == expected, (
                     f"draft '{name}', k={k}, prompt of {length} tokens, {new} new tokens: "
                     f"{step_difference(expected, list(got))} ({rule})")
+
+
+
+def _spy_on_forward(monkeypatch, model, on_call):
+    """Replace `model`'s forward (this instance only) by one that reports (input ids of row 0,
+    the cache passed) before running the real forward; arguments are bound by signature, so a
+    cache passed by position is seen too."""
+    original = model.forward
+    signature = inspect.signature(original)
+
+    def forward(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        on_call(bound.arguments["input_ids"][0].tolist(), bound.arguments.get("cache"))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(model, "forward", forward)
+
+
+def test_the_drafts_cache_never_holds_a_rejected_guess(impl, solo, tiny_model, drafts, model_path, monkeypatch):
+    """White-box: output tests cannot see a stale draft (the target's verify hides it: a bad
+    guess is only rejected more often), so this test watches what the draft's cache holds.
+    Each draft call is replayed onto a list of the tokens at each cache position (a call
+    with the cache at length L keeps positions 0 .. L-1 and appends what it feeds). When a
+    round begins (the first draft call after a target call), every position the cache holds
+    and every token fed must be the committed token there (the oracle: the target's solo
+    greedy output)."""
+    draft = drafts["unrelated model" if model_path is None else "first layer of the target"]
+    rule = "the draft's cache never holds a rejected guess"
+    for length, new, k in ((6, 17, 3), (19, 12, 4)):
+        p = prompt_ids(length, seed=300 + length)
+        committed = list(p) + solo(p, new)
+        held: list[int] = []
+        state = {"round": 0, "target_called": False, "broken": None}
+
+        def on_target(ids, cache, state=state):
+            state["target_called"] = True
+
+        def on_draft(ids, cache, held=held, state=state, committed=committed):
+            if cache is None:
+                state["broken"] = state["broken"] or "the draft was called without its KVCache"
+                return
+            start = cache.length
+            round_starts, state["target_called"] = state["target_called"], False
+            if round_starts:
+                state["round"] += 1
+            if start > len(held):
+                state["broken"] = state["broken"] or (
+                    f"round {state['round']}: the draft's cache claims {start} tokens, but only {len(held)} were "
+                    "ever fed to it (a position it never saw)")
+            del held[start:]
+            held.extend(ids)
+            if round_starts and state["broken"] is None and held != committed[:len(held)]:
+                where = next(i for i, (a, b) in enumerate(zip(held, committed)) if a != b) \
+                    if any(a != b for a, b in zip(held, committed)) else len(committed)
+                got = held[where] if where < len(held) else None
+                want = committed[where] if where < len(committed) else "nothing (past the output)"
+                state["broken"] = (
+                    f"round {state['round']}: when the round began the draft's cache (with what it was fed) held "
+                    f"{len(held)} tokens; position {where} is {got}, but the committed token there is {want}")
+
+        with monkeypatch.context() as patch:
+            _spy_on_forward(patch, tiny_model, on_target)
+            _spy_on_forward(patch, draft, on_draft)
+            stats = impl.speculative.SpecStats()
+            try:
+                impl.speculative.speculative_generate(tiny_model, draft, p, new, k=k, stats=stats)
+            except Exception:
+                if state["broken"] is None:
+                    raise
+        assert state["broken"] is None, (
+            f"prompt of {length} tokens, k={k}: {state['broken']} ({rule}, and it sees every committed token "
+            "before it guesses: when a round begins it holds committed tokens only, in their positions)")
+        assert stats.accepted < stats.proposed, (
+            f"prompt of {length} tokens: the test needs a round with a rejected guess, and every guess was accepted")
 
 
 @pytest.mark.parametrize("k", [1, 4])

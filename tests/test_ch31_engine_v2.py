@@ -23,7 +23,7 @@ import torch
 from course import reference
 from course.testing import oracles
 from course.testing.engine_checks import engine_state
-from course.testing.milestone_helpers import first_difference, token_at
+from course.testing.milestone_helpers import OperatorCounter, first_difference, token_at
 from course.testing.oracle_records import recorded
 from course.testing.oracles import TINY_EOS as EOS
 from course.testing.oracles import ScriptedRunner, solo
@@ -417,6 +417,36 @@ def test_flattened_batch_layout_and_logits_rows(serve):
     assert meta.block_table[2].tolist() == [0, 1, 2, 11, 0]
     assert meta.max_query_len == 6 and meta.max_seq_len == 13 and meta.num_reqs == 6
     assert batch.request_ids == ["mid", "end", "dec", "new"]
+
+
+
+def test_build_batch_makes_as_many_tensor_operations_for_a_large_batch_as_a_small_one(serve):
+    """build_batch runs every step: its cost in tensor operations may not grow with the batch.
+    The oracle is the small batch itself: a batch six times as wide, with many times the rows,
+    may run no more torch operators (tensors made from lists, element writes, copies, views)."""
+    def batch_of(num_requests, rows_each):
+        requests, tables = [], {}
+        for r in range(num_requests):
+            prompt = FakeRequest(serve, f"p{r}", range(rows_each + 3), computed=3)        # a prompt chunk
+            decode = FakeRequest(serve, f"d{r}", range(30 + r), computed=29 + r)         # a decode
+            requests += [(prompt, rows_each), (decode, 1)]
+            tables[f"p{r}"] = list(range(r, r + (rows_each + 3) // 4 + 1))
+            tables[f"d{r}"] = list(range(40 + r, 40 + r + (30 + r) // 4 + 1))
+        return requests, tables
+
+    counts = {}
+    for size in ("small", "large"):
+        requests, tables = batch_of(*((1, 2) if size == "small" else (6, 14)))
+        with OperatorCounter() as counter:
+            batch = serve.batch.build_batch(requests, tables, 4, pad_to=len(requests) + 2)
+        counts[size] = (counter.ops, batch.num_tokens, len(requests))
+    (small, small_rows, small_reqs), (large, large_rows, large_reqs) = counts["small"], counts["large"]
+    grew = {name: f"{small[name]} -> {n}" for name, n in large.items() if n > small[name]}
+    assert sum(large.values()) <= sum(small.values()), (
+        f"build_batch made {sum(small.values())} tensor operations for {small_reqs} requests ({small_rows} rows) "
+        f"but {sum(large.values())} for {large_reqs} requests ({large_rows} rows); grew: {grew} (it runs every "
+        "step, and on a GPU each tensor operation is a copy to the device or a kernel launch: their number "
+        "must not grow with the number of requests or rows)")
 
 
 def test_write_kv_and_the_scratch_block(serve):

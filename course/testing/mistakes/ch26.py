@@ -7,6 +7,7 @@ PROPOSE = f"{MILESTONE}::test_propose_guesses_what_the_draft_would_generate"
 SAMPLED = f"{MILESTONE}::test_sampled_acceptance_keeps_the_target_distribution"
 PARITY = f"{MILESTONE}::test_greedy_output_equals_target_solo_generate"
 COUNTS = f"{MILESTONE}::test_perfect_draft_counts"
+DRAFT_CACHE = f"{MILESTONE}::test_the_drafts_cache_never_holds_a_rejected_guess"
 
 MISTAKES = [
     Mistake("speculative.py", "accept_greedy",
@@ -87,6 +88,20 @@ MISTAKES = [
             rule="the target's cache keeps the last committed token and every accepted guess",
             expect="whatever the draft guesses",
             tests=(PARITY,)),
+    Mistake("speculative.py", "speculative_generate",
+            before="d_cache.truncate(min(d_cache.length, t_cache.length))",
+            after="pass",
+            rule="the draft's cache is rolled back too: it never holds a rejected guess (the target's verify "
+                 "hides a stale draft, so only the cache shows it)",
+            expect="the draft's cache never holds a rejected guess",
+            tests=(DRAFT_CACHE,)),
+    Mistake("speculative.py", "speculative_generate",
+            before="propose(draft, d_cache, committed[d_cache.length:],",
+            after="propose(draft, d_cache, committed[-1:],",
+            rule="the draft sees every committed token before it guesses (the prompt, and an accepted last guess "
+                 "it was never fed), each in its own position",
+            expect="sees every committed token before it guesses",
+            tests=(DRAFT_CACHE,)),
     Mistake("speculative.py", "speculative_generate",
             before="min(k, max_new_tokens - len(out) - 1)",
             after="k",

@@ -11,6 +11,7 @@ ALLOCATION = (MILESTONE, "-k", "adopting or all_or_nothing or free_is_tail or hi
 PUBLISHING = (MILESTONE, "-k", "written_by_this_step or publishing or cache_key or hitting or find_cached_prefix")
 FREEING = (MILESTONE, "-k", "free_is_tail or hitting or abort")
 BATCH = (MILESTONE, "-k", "slot_mapping or flattened_batch")
+BATCH_COST = f"{MILESTONE}::test_build_batch_makes_as_many_tensor_operations_for_a_large_batch_as_a_small_one"
 STOPPING = f"{MILESTONE}::test_check_stop_rules"
 
 MISTAKES = [
@@ -162,6 +163,16 @@ MISTAKES = [
             after="lengths.append(n)",
             rule="seq_lens is the context length after this step (computed + new), not the new rows",
             expect="context length", tests=BATCH),
+    Mistake("serve/batch.py", "build_batch",
+            before="        return torch.tensor(values, dtype=dtype, device=device)",
+            after="        nested = bool(values) and isinstance(values[0], list)\n"
+                  "        shape = (len(values), len(values[0])) if nested else (len(values),)\n"
+                  "        tensor = torch.zeros(shape, dtype=dtype, device=device)\n"
+                  "        for i, value in enumerate(values):\n"
+                  "            tensor[i] = torch.as_tensor(value, dtype=dtype)\n"
+                  "        return tensor",
+            rule="its number of tensor operations (copies to the device, launches) does not grow with the batch",
+            expect="must not grow with the number of requests or rows", tests=(BATCH_COST,)),
     # --- _preempt ---------------------------------------------------------------------------
     Mistake("serve/scheduler.py", "Scheduler._preempt",
             before="self.waiting.add(request, front=True)",
@@ -382,8 +393,8 @@ DECIDES = {
         "how to recover each request's rows and its context from the flat batch's host lists and the block table, "
         "and which keys each row may see",
     "build_batch":
-        "how to lay a step's requests out as flat tensors (rows, positions, slots, which rows are sampled) and "
-        "build each tensor in one transfer",
+        "how to lay a step's requests out as flat tensors (rows, positions, slots, which rows are sampled) with "
+        "a number of tensor operations that does not grow with the batch",
     "hash_block":
         "what a block's key must cover so that equal keys mean equal whole prefixes, and why the hash must be "
         "cryptographic and stable across processes",
