@@ -279,6 +279,92 @@ def test_limits_are_refused_quickly_by_name(json_regex, rx, kind, source, words)
                            f"it early")
 
 
+@pytest.mark.parametrize("bounds", [{"minimum": 0}, {"maximum": 0}, {"minimum": -1, "maximum": 0.5},
+                                    {"exclusiveMinimum": 0}, {"exclusiveMaximum": 0}, {"minimum": 0.25}])
+def test_negative_zero_is_zero_under_bounds(json_regex, bounds):
+    """-0 and -0.0 (json.dumps of a float -0.0) equal 0: accepted exactly where 0 is."""
+    schema = {"type": "number", **bounds}
+    dfa = json_regex.compile_schema(schema)
+    for text in ("-0", "-0.0", "-0.000", "0", "0.0"):
+        valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+        assert bool(dfa.fullmatch(text.encode())) == valid, f"{schema}: {text} is {'' if valid else 'in'}valid"
+
+
+URIS = ["http://example.com", "https://a.b/c?x=1&y=2#frag", "urn:isbn:0451450523", "mailto:ada@example.org",
+        "HTTP://X.org/%20a", "file:///etc/hosts", "http://u:p@h:80/p;q", "tel:+1-816-555-1212", "x:/a//b?"]
+RELATIVE_REFERENCES = ["/rel/path", "rel", "", "#f", "?q"]
+NOT_URIS = ["/rel/path", "rel", "", "#f", "http ://x", "1a:b", "a b:c", "http://a b", "%zz:x", "a:%g1", "a:b#c#d",
+            "http://x/\u00e9", "http://x/<y>"]
+
+
+@pytest.mark.parametrize("name", ["uri", "uri-reference"])
+def test_uris_follow_rfc_3986(json_regex, name):
+    """format uri (uri-reference) takes RFC 3986's URIs (and relative references): queries,
+    fragments, urn: and mailto: forms; what the automaton writes is one for jsonschema's
+    format checker (rfc3986-validator's grammar), which must be there to check."""
+    checker = jsonschema.FormatChecker()
+    assert name in checker.checkers, "jsonschema checks format uri with rfc3986-validator: install it"
+    dfa = json_regex.compile_schema({"type": "string", "format": name})
+    for text in URIS + (RELATIVE_REFERENCES if name == "uri-reference" else []):
+        assert checker.conforms(text, name), f"table error: {text!r}"
+        assert dfa.fullmatch(json.dumps(text).encode()), f"format {name} refuses {text!r}"
+    for text in [t for t in NOT_URIS if name == "uri" or t not in RELATIVE_REFERENCES]:
+        assert not checker.conforms(text, name), f"table error: {text!r}"
+        assert not dfa.fullmatch(json.dumps(text).encode()), f"format {name} accepts {text!r}"
+    for document in walks(dfa, 1500, seed=3986):
+        text = json.loads(document)
+        assert checker.conforms(text, name), f"format {name} writes {text!r}, which is not one"
+
+
+# Each draft's keywords: (schema, an instance that one of its keywords refuses where that
+# keyword asserts). Under a draft that does not define the keyword it is an annotation, and
+# the instance is valid (draft-04 has no propertyNames, const or contains; -06 no if; up to
+# -07 no dependentRequired or minContains; up to 2019-09 no prefixItems).
+DRAFT_NAMES = {4: "http://json-schema.org/draft-04/schema#", 6: "http://json-schema.org/draft-06/schema#",
+               7: "http://json-schema.org/draft-07/schema#", 2019: "https://json-schema.org/draft/2019-09/schema",
+               2020: "https://json-schema.org/draft/2020-12/schema"}
+BY_DRAFT = [
+    ({"type": "object", "propertyNames": {"maxLength": 1}}, {"ab": 1}),
+    ({"const": 1}, 2),
+    ({"type": "array", "contains": {"type": "string"}}, [1]),
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}}, 1),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, {"a": 1}),
+    ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}),
+    ({"type": "array", "prefixItems": [{"type": "string"}]}, [1]),
+    ({"type": "array", "contains": {"type": "string"}, "minContains": 0}, [1]),
+    ({"type": "array", "contains": {"type": "string"}, "maxContains": 1}, ["a", "b"]),
+    ({"type": "object", "unevaluatedProperties": False}, {"a": 1}),
+    ({"type": "array", "allOf": [{"items": [{"type": "string"}]}, {"items": [{"maxLength": 2}]}]}, ["abc"]),
+    ({"type": "object", "allOf": [{"dependencies": {"a": ["b"]}}, {"properties": {"a": {}}}]}, {"a": 1}),
+]
+# 2019-09 split "dependencies" in two; the compiler still honours the old name there (it can
+# only refuse more), where jsonschema ignores it.
+HONOURED_BEYOND_ITS_DRAFT = {"dependencies": (2019, 2020)}
+
+
+@pytest.mark.parametrize("draft", sorted(DRAFT_NAMES))
+def test_each_draft_reads_only_its_own_keywords(json_regex, draft):
+    """Under every draft: an instance valid there (a keyword the draft does not define is an
+    annotation) is accepted, an invalid one refused or its schema refused by name."""
+    for schema, instance in BY_DRAFT:
+        named = {"$schema": DRAFT_NAMES[draft], **schema}
+        validator = jsonschema.validators.validator_for(named)
+        if not validator(validator.META_SCHEMA).is_valid(named):
+            continue                                # not a schema of this draft (2020-12's items list)
+        valid = validator(named).is_valid(instance)
+        text = json.dumps(instance, separators=(",", ":")).encode("utf-8")
+        kept = any(keyword in json.dumps(schema) and draft in drafts
+                   for keyword, drafts in HONOURED_BEYOND_ITS_DRAFT.items())
+        if valid and not kept:
+            assert json_regex.compile_schema(named).fullmatch(text), f"{named}: refuses {text!r}, valid there"
+            continue
+        try:
+            dfa = json_regex.compile_schema(named)
+        except ValueError:
+            continue
+        assert not dfa.fullmatch(text), f"{named}: accepts {text!r}, invalid there"
+
+
 # --- the JSON-Schema-Test-Suite's cases (vendored, MIT licence beside them) ---------------------
 
 SUITE = pathlib.Path(__file__).parent / "data" / "json-schema-test-suite"
