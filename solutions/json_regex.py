@@ -17,7 +17,8 @@ Drafts: draft-04, -06, -07, 2019-09 and 2020-12, by "$schema" (none, or a meta-s
 is not a draft: 2020-12, as validators read it; draft-03 is refused). Their old forms are
 read as such: draft-04's boolean exclusiveMinimum/Maximum, array "items" with
 "additionalItems" before 2020-12, "dependencies", "definitions", and a "$ref"'s siblings
-ignored up to draft-07 (applied beside it after).
+ignored up to draft-07 (applied beside it after). A keyword a draft does not define is an
+annotation in it (KEYWORD_DRAFTS: "const" under draft-04, "prefixItems" before 2020-12).
 
 What is honoured (a keyword this module does not know is an annotation, as in JSON Schema;
 a known one it cannot compile is refused with a ValueError naming it, its place
@@ -37,7 +38,7 @@ a known one it cannot compile is refused with a ValueError naming it, its place
   automata), "multipleOf" (an integer up to MAX_MULTIPLE); written without fraction or
   exponent (9, never 9.0, which draft-04 does not count as an integer).
 - numbers with bounds: written without exponent, at most FRACTION_DIGITS digits after the
-  point; a bound with more digits than that after the point, or one of 1e8 or more with a
+  point (-0 and -0.0 are 0); a bound with more digits than that after the point, or one of 1e8 or more with a
   fraction, is refused. "multipleOf" only with an integer step (then the number is an
   integer).
 - strings: "minLength"/"maxLength" (characters, as JSON Schema counts them; past
