@@ -210,6 +210,8 @@ def test_instances_drawn_from_the_schema_are_accepted(json_regex, name):
     ({"type": "object", "unevaluatedProperties": False}, "unevaluatedProperties"),
     ({"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"}, "draft-03"),
     ({"type": "integer", "exclusiveMinimum": True, "minimum": 1}, "draft-04"),
+    ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "number", "minimum": 5, "exclusiveMinimum": 3},
+     "draft-04's exclusiveMinimum is a boolean"),
     ({"type": "array", "items": [{"type": "string"}]}, "tuple form"),
     ({"type": "date"}, "'date'"),
     ({"type": "string", "format": "ipv6"}, "ipv6"),
