@@ -17,7 +17,8 @@ Drafts: draft-04, -06, -07, 2019-09 and 2020-12, by "$schema" (none, or a meta-s
 is not a draft: 2020-12, as validators read it; draft-03 is refused). Their old forms are
 read as such: draft-04's boolean exclusiveMinimum/Maximum, array "items" with
 "additionalItems" before 2020-12, "dependencies", "definitions", and a "$ref"'s siblings
-ignored up to draft-07 (applied beside it after).
+ignored up to draft-07 (applied beside it after). A keyword a draft does not define is an
+annotation in it (KEYWORD_DRAFTS: "const" under draft-04, "prefixItems" before 2020-12).
 
 What is honoured (a keyword this module does not know is an annotation, as in JSON Schema;
 a known one it cannot compile is refused with a ValueError naming it, its place
@@ -37,7 +38,7 @@ a known one it cannot compile is refused with a ValueError naming it, its place
   automata), "multipleOf" (an integer up to MAX_MULTIPLE); written without fraction or
   exponent (9, never 9.0, which draft-04 does not count as an integer).
 - numbers with bounds: written without exponent, at most FRACTION_DIGITS digits after the
-  point; a bound with more digits than that after the point, or one of 1e8 or more with a
+  point (-0 and -0.0 are 0); a bound with more digits than that after the point, or one of 1e8 or more with a
   fraction, is refused. "multipleOf" only with an integer step (then the number is an
   integer).
 - strings: "minLength"/"maxLength" (characters, as JSON Schema counts them; past
@@ -133,14 +134,29 @@ _DATE = (r"[1-9][0-9]{3}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[4
          r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")        # February 29 left out: every date written exists
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+# RFC 3986's URI: scheme ":" hier-part ["?" query] ["#" fragment], hier-part being "//"
+# authority and a path, or a path alone ("urn:isbn:0451450523", "mailto:a@b.org"). Its
+# grammar is regular; left out: a host in brackets (IPv6 or IPvFuture literals).
+_PCHAR_NO_COLON = r"(?:[a-zA-Z0-9._~!$&'()*+,;=@-]|%[0-9a-fA-F]{2})"
+_PCHAR = r"(?:[a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9a-fA-F]{2})"
+_SEGMENTS = "(?:/" + _PCHAR + "*)*"                 # a path-abempty: "/"-led segments, maybe empty ones
+_AUTHORITY = (r"(?:(?:[a-zA-Z0-9._~!$&'()*+,;=:-]|%[0-9a-fA-F]{2})*@)?"     # userinfo@
+              r"(?:[a-zA-Z0-9._~!$&'()*+,;=-]|%[0-9a-fA-F]{2})*(?::[0-9]*)?")  # host (a name, IPv4), :port
+_QUERY_FRAGMENT = r"(?:\?(?:" + _PCHAR + r"|[/?])*)?(?:#(?:" + _PCHAR + r"|[/?])*)?"
+_URI_SCHEME = r"[a-zA-Z][a-zA-Z0-9+.-]*"
+_URI_REST = ("(?://" + _AUTHORITY + _SEGMENTS + "|/(?:" + _PCHAR + "+" + _SEGMENTS + ")?|" + _PCHAR + "+" +
+             _SEGMENTS + ")?" + _QUERY_FRAGMENT)
+# A relative reference: no scheme, and no ":" in its first segment (else it reads as one).
+_RELATIVE_REFERENCE = ("(?://" + _AUTHORITY + _SEGMENTS + "|/(?:" + _PCHAR + "+" + _SEGMENTS + ")?|" +
+                       _PCHAR_NO_COLON + "+" + _SEGMENTS + ")?" + _QUERY_FRAGMENT)
 FORMATS = {
     "date": _DATE, "time": _TIME, "date-time": _DATE + "T" + _TIME,
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
     "email": r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)+",
     "ipv4": _OCTET + r"(?:\." + _OCTET + "){3}",
     "hostname": r"(?:[a-z0-9](?:[a-z0-9-]{0,18}[a-z0-9])?\.){0,3}[a-z](?:[a-z0-9-]{0,18}[a-z0-9])?",
-    "uri": r"[a-z][a-z0-9+.-]*://[a-zA-Z0-9._~-]+(?:/[a-zA-Z0-9._~-]+)*/?",
-    "uri-reference": r"(?:[a-z][a-z0-9+.-]*://)?[a-zA-Z0-9._~-]+(?:/[a-zA-Z0-9._~-]+)*/?",
+    "uri": _URI_SCHEME + ":" + _URI_REST,
+    "uri-reference": "(?:" + _URI_SCHEME + ":" + _URI_REST + "|" + _RELATIVE_REFERENCE + ")",
     "json-pointer": r"(?:/(?:[^~/\x00-\x1f\\\"]|~[01])*)*",
 }
 # The formats JSON Schema defines: one outside FORMATS is refused; a format outside this set
@@ -158,6 +174,19 @@ WHY_REFUSED = {
     "maxContains": "counting the matching items is not compiled",
     "extends": "draft-03 is not supported", "disallow": "draft-03 is not supported",
     "divisibleBy": "draft-03 is not supported",
+}
+# The drafts that define a keyword the compiler reads, (first, last), where not all of them
+# do. In a schema of another draft the keyword is unknown there, so an annotation, and is
+# ignored, as validators read it ("const" under draft-04 asserts nothing). "dependencies" is
+# still read under 2019-09 and 2020-12 (which split it in two; validators differ on whether
+# the old name still asserts): honouring it there can only refuse more.
+KEYWORD_DRAFTS = {
+    "const": (6, LATEST_DRAFT), "contains": (6, LATEST_DRAFT), "propertyNames": (6, LATEST_DRAFT),
+    "if": (7, LATEST_DRAFT), "then": (7, LATEST_DRAFT), "else": (7, LATEST_DRAFT),
+    "dependentRequired": (2019, LATEST_DRAFT), "dependentSchemas": (2019, LATEST_DRAFT),
+    "minContains": (2019, LATEST_DRAFT), "maxContains": (2019, LATEST_DRAFT),
+    "unevaluatedProperties": (2019, LATEST_DRAFT), "unevaluatedItems": (2019, LATEST_DRAFT),
+    "$recursiveRef": (2019, 2019), "prefixItems": (2020, LATEST_DRAFT), "$dynamicRef": (2020, LATEST_DRAFT),
 }
 # Every keyword the compiler reads; any other keyword (title, description, id, examples,
 # x-kubernetes-..., markdownDescription...) is an annotation, as JSON Schema reads unknown
@@ -449,11 +478,15 @@ class _SchemaCompiler:
     """Builds one schema's NFA, fragment by fragment (see the module docstring)."""
 
     def __init__(self, root: Any, whitespace: str, strict: bool, draft: int,
-                 pieces: dict[tuple[Any, ...], DFA | None] | None = None) -> None:
+                 pieces: dict[tuple[Any, ...], DFA | None] | None = None, written: set[int] | None = None) -> None:
         self.root = root
         self.whitespace = whitespace
         self.strict = strict
         self.draft = draft
+        # The objects of the schema as written (by identity): only those are read under their
+        # draft's keywords. A schema this compiler rewrote or built (draft-04's "dependencies"
+        # as dependentRequired, a tuple "items" as prefixItems) is in 2020-12's words already.
+        self.written = _objects_in(root) if written is None else written
         self.nfa = NFA()
         # Automata built apart, by what they depend on: shared with the compilers built apart
         # from this one, so a piece met again (oneOf compares each option with every other; a
@@ -476,7 +509,7 @@ class _SchemaCompiler:
     def sub_dfa(self, schema: Any, where: str, depth: int, refs: tuple[str, ...]) -> DFA | None:
         """The DFA of a sub-schema built apart (to combine it with another automaton, or to
         test a value on it), under this compiler's limits; None when no value is written."""
-        return self.piece(("value", canonical_json(schema), refs, self.resources),
+        return self.piece(("value", canonical_json(schema), id(schema) in self.written, refs, self.resources),
                           lambda: self.apart(lambda compiler: compiler.value(schema, where, depth, refs)))
 
     def piece(self, key: tuple[Any, ...], make: Callable[[], DFA | None]) -> DFA | None:
@@ -543,6 +576,10 @@ class _SchemaCompiler:
             return schema
         if not isinstance(schema, dict):
             raise ValueError(f"schema at {where}: a schema is an object or a boolean, got {_shown(schema)}")
+        written = id(schema) in self.written
+        if written:                                 # keywords its draft does not define are annotations
+            schema = {k: v for k, v in schema.items()
+                      if KEYWORD_DRAFTS.get(k, (0, 0))[0] <= self.draft <= KEYWORD_DRAFTS.get(k, (0, LATEST_DRAFT))[1]}
         for keyword in schema:
             if keyword in WHY_REFUSED:
                 raise ValueError(f"schema at {where}: keyword {keyword!r} is not supported: {WHY_REFUSED[keyword]}")
@@ -561,6 +598,9 @@ class _SchemaCompiler:
             rest["prefixItems"] = schema["items"]
             rest["items"] = schema.get("additionalItems", True)
         for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if written and self.draft == 4 and exclusive in rest and not isinstance(rest[exclusive], bool):
+                raise ValueError(f"schema at {where}: draft-04's {exclusive} is a boolean (true makes {bound} "
+                                 f"exclusive), got {_shown(rest[exclusive])}")
             if isinstance(rest.get(exclusive), bool):
                 if self.draft != 4:
                     raise ValueError(f"schema at {where}: {exclusive} true/false is draft-04's form; name that "
@@ -1079,13 +1119,15 @@ class _SchemaCompiler:
             body = magnitudes(lower, upper)
             if body:
                 parts.append("-" + body)
+        if ((low is None or low[0] < 0 or low == zero) and (high is None or high[0] > 0 or high == zero)):
+            parts.append(f"-0(?:\\.0{{1,{FRACTION_DIGITS}}})?")     # negative zero (-0.0 from a float) equals 0
         if not parts:
             raise ValueError(f"schema at {where}: no number lies within the bounds")
         return "(?:" + "|".join(parts) + ")"
 
     def apart(self, build: Callable[[_SchemaCompiler], Fragment]) -> DFA | None:
         """The DFA of a fragment that `build` makes in a compiler of its own (None: empty)."""
-        compiler = _SchemaCompiler(self.root, self.whitespace, self.strict, self.draft, self.pieces)
+        compiler = _SchemaCompiler(self.root, self.whitespace, self.strict, self.draft, self.pieces, self.written)
         compiler.resources = self.resources
         compiler.nfa.start, compiler.nfa.accept = build(compiler)
         try:
@@ -1670,6 +1712,20 @@ def _load(schema: Any) -> Any:
     if _json_depth(schema) > MAX_JSON_DEPTH:
         raise ValueError(f"the schema nests objects and lists deeper than MAX_JSON_DEPTH={MAX_JSON_DEPTH}")
     return schema
+
+
+def _objects_in(value: Any) -> set[int]:
+    """The identities of the objects (dicts) anywhere inside `value`, a JSON value."""
+    found: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            found.add(id(item))
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return found
 
 
 def draft_of(schema: Any) -> int:
