@@ -260,6 +260,40 @@ def test_shard_model_cuts_every_layer(impl, one_rank_group):
             _check_layer_shards(tp, cfg, index, layer, [shard.model.layers[index] for shard in shards])
 
 
+def test_shard_model_copies_a_kv_head_to_the_ranks_that_read_it(impl):
+    """Four ranks over the tiny model's 4 query heads and 2 KV heads: more ranks than KV
+    heads, so each KV head is copied whole to the ranks whose query heads read it. Which
+    heads those are is worked out here from the grouping itself (query head q reads KV head
+    q // (H / Hkv)), not from kv_heads_of_rank, so a shard that cuts k_proj by some other
+    rule fails even when its own kv_heads_of_rank agrees with it. Building and calling the
+    column-parallel projections communicates nothing."""
+    from course.models import tiny_qwen3
+    tp = impl.load("parallel.tp")
+    model = tiny_qwen3(impl.package)
+    cfg, world, dim = model.cfg, 4, model.cfg.head_dim
+    queries_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+    queries_per_rank = cfg.num_attention_heads // world
+    assert cfg.num_key_value_heads < world, "this test needs more ranks than KV heads"
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(41))
+    for rank in range(world):
+        queries = range(rank * queries_per_rank, (rank + 1) * queries_per_rank)
+        read = sorted({q // queries_per_kv for q in queries})
+        shard = tp.shard_model(model, rank, world)
+        assert shard.cfg.num_key_value_heads == len(read), \
+            (f"rank {rank} of {world}: its cfg counts {shard.cfg.num_key_value_heads} KV heads; its query heads "
+             f"{list(queries)} read KV head(s) {read}, and those are the ones its pool holds")
+        columns = slice(read[0] * dim, (read[-1] + 1) * dim)
+        for index, (layer, whole) in enumerate(zip(shard.model.layers, model.model.layers)):
+            for name in ("k_proj", "v_proj"):
+                with torch.no_grad():
+                    got, want = getattr(layer.self_attn, name)(x), getattr(whole.self_attn, name)(x)[:, columns]
+                assert got.shape == want.shape and torch.allclose(got, want), \
+                    (f"layer {index}, rank {rank} of {world}: {name} must give the features of KV head(s) {read}, "
+                     f"the ones its query heads {list(queries)} read (columns {columns} of the unsplit {name}'s "
+                     f"output): with more ranks than KV heads, a KV head is copied whole to the neighbouring ranks "
+                     f"that read it")
+
+
 @pytest.mark.parametrize("pool", ["model dtype", "int8", "latent"])
 def test_adopted_blocks_hold_their_own_data(impl, serve, pool):
     """Adoption after two of five keys were cached already (with other data), into a plain,
