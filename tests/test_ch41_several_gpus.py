@@ -151,17 +151,42 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_row_parallel_parts_add_up_with_the_bias_once(impl, one_rank_group):
+def test_row_parallel_parts_add_up_with_the_bias_once(impl, one_rank_group, monkeypatch):
+    """Two ranks' RowParallelLinear in one process, with torch.distributed.all_reduce replaced
+    by what it does across two ranks: first each rank's call is recorded, then each rank runs
+    again and its tensor becomes the sum of both recorded ones. (A one-rank group's
+    all-reduce is the identity, which cannot tell a bias added after the sum from one added
+    by every rank before it.)"""
     tp = impl.load("parallel.tp")
     torch.manual_seed(0)
     full = nn.Linear(12, 5)
     x = torch.randn(7, 12)
+    modules = [tp.RowParallelLinear(full, slice(6 * r, 6 * r + 6)) for r in range(2)]
+    sent: list[torch.Tensor] = []
+
+    def record(tensor, *args, **kwargs):
+        sent.append(tensor.detach().clone())
+
+    def add_both(tensor, *args, **kwargs):
+        tensor.copy_(sent[0] + sent[1])
+
     with torch.no_grad():
-        parts = [tp.RowParallelLinear(full, slice(6 * r, 6 * r + 6))(x[:, 6 * r:6 * r + 6]) for r in range(2)]
         want = full(x)
-    got = parts[0] + parts[1] - full.bias          # two ranks' outputs: the all-reduce adds them
-    torch.testing.assert_close(got, want, msg="row-parallel: the ranks' partial products do not add up to "
-                                              "x @ W.T + bias (with the bias counted once)")
+        monkeypatch.setattr(dist, "all_reduce", record)
+        for r, module in enumerate(modules):
+            calls = len(sent)
+            module(x[:, 6 * r:6 * r + 6])
+            assert len(sent) == calls + 1, \
+                (f"row-parallel: one call made {len(sent) - calls} torch.distributed.all_reduce calls; exactly one "
+                 f"per call adds the ranks' partial products (so a step makes two per layer: after o_proj and after "
+                 f"down_proj)")
+        monkeypatch.setattr(dist, "all_reduce", add_both)
+        outputs = [module(x[:, 6 * r:6 * r + 6]) for r, module in enumerate(modules)]
+    for r, got in enumerate(outputs):
+        torch.testing.assert_close(got, want, msg=lambda detail, r=r: (
+            f"row-parallel, rank {r} of 2: after the all-reduce the output is not x @ W.T + bias (with the bias "
+            f"counted once: it belongs to the sum, so a bias every rank adds before the all-reduce arrives twice, "
+            f"and one nobody adds is missing). {detail.splitlines()[0]}"))
 
 
 def test_vocab_parallel_embedding_parts_add_up(impl, one_rank_group):

@@ -36,6 +36,14 @@ MISTAKES = [
             rule="the bias belongs to the sum: added once, after the all-reduce",
             expect="bias counted once", tests=(ROW,)),
     Mistake("parallel/tp.py", "RowParallelLinear.forward",
+            before="partial = nn.functional.linear(x, self.weight)\n"
+                   "        dist.all_reduce(partial, group=self.group)\n"
+                   "        return partial if self.bias is None else partial + self.bias",
+            after="partial = nn.functional.linear(x, self.weight, self.bias)\n"
+                  "        dist.all_reduce(partial, group=self.group)\n        return partial",
+            rule="every rank adding the bias to its part adds it world times: it belongs to the sum",
+            expect="bias counted once", tests=(ROW,)),
+    Mistake("parallel/tp.py", "RowParallelLinear.forward",
             before="return partial if self.bias is None else partial + self.bias",
             after="return partial",
             rule="the whole bias is added to the sum",
