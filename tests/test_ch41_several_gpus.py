@@ -151,17 +151,42 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_row_parallel_parts_add_up_with_the_bias_once(impl, one_rank_group):
+def test_row_parallel_parts_add_up_with_the_bias_once(impl, one_rank_group, monkeypatch):
+    """Two ranks' RowParallelLinear in one process, with torch.distributed.all_reduce replaced
+    by what it does across two ranks: first each rank's call is recorded, then each rank runs
+    again and its tensor becomes the sum of both recorded ones. (A one-rank group's
+    all-reduce is the identity, which cannot tell a bias added after the sum from one added
+    by every rank before it.)"""
     tp = impl.load("parallel.tp")
     torch.manual_seed(0)
     full = nn.Linear(12, 5)
     x = torch.randn(7, 12)
+    modules = [tp.RowParallelLinear(full, slice(6 * r, 6 * r + 6)) for r in range(2)]
+    sent: list[torch.Tensor] = []
+
+    def record(tensor, *args, **kwargs):
+        sent.append(tensor.detach().clone())
+
+    def add_both(tensor, *args, **kwargs):
+        tensor.copy_(sent[0] + sent[1])
+
     with torch.no_grad():
-        parts = [tp.RowParallelLinear(full, slice(6 * r, 6 * r + 6))(x[:, 6 * r:6 * r + 6]) for r in range(2)]
         want = full(x)
-    got = parts[0] + parts[1] - full.bias          # two ranks' outputs: the all-reduce adds them
-    torch.testing.assert_close(got, want, msg="row-parallel: the ranks' partial products do not add up to "
-                                              "x @ W.T + bias (with the bias counted once)")
+        monkeypatch.setattr(dist, "all_reduce", record)
+        for r, module in enumerate(modules):
+            calls = len(sent)
+            module(x[:, 6 * r:6 * r + 6])
+            assert len(sent) == calls + 1, \
+                (f"row-parallel: one call made {len(sent) - calls} torch.distributed.all_reduce calls; exactly one "
+                 f"per call adds the ranks' partial products (so a step makes two per layer: after o_proj and after "
+                 f"down_proj)")
+        monkeypatch.setattr(dist, "all_reduce", add_both)
+        outputs = [module(x[:, 6 * r:6 * r + 6]) for r, module in enumerate(modules)]
+    for r, got in enumerate(outputs):
+        torch.testing.assert_close(got, want, msg=lambda detail, r=r: (
+            f"row-parallel, rank {r} of 2: after the all-reduce the output is not x @ W.T + bias (with the bias "
+            f"counted once: it belongs to the sum, so a bias every rank adds before the all-reduce arrives twice, "
+            f"and one nobody adds is missing). {detail.splitlines()[0]}"))
 
 
 def test_vocab_parallel_embedding_parts_add_up(impl, one_rank_group):
@@ -258,6 +283,40 @@ def test_shard_model_cuts_every_layer(impl, one_rank_group):
                         model.model.embed_tokens(ids), "each id's row comes from the one rank owning it")
         for index, layer in enumerate(model.model.layers):
             _check_layer_shards(tp, cfg, index, layer, [shard.model.layers[index] for shard in shards])
+
+
+def test_shard_model_copies_a_kv_head_to_the_ranks_that_read_it(impl):
+    """Four ranks over the tiny model's 4 query heads and 2 KV heads: more ranks than KV
+    heads, so each KV head is copied whole to the ranks whose query heads read it. Which
+    heads those are is worked out here from the grouping itself (query head q reads KV head
+    q // (H / Hkv)), not from kv_heads_of_rank, so a shard that cuts k_proj by some other
+    rule fails even when its own kv_heads_of_rank agrees with it. Building and calling the
+    column-parallel projections communicates nothing."""
+    from course.models import tiny_qwen3
+    tp = impl.load("parallel.tp")
+    model = tiny_qwen3(impl.package)
+    cfg, world, dim = model.cfg, 4, model.cfg.head_dim
+    queries_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
+    queries_per_rank = cfg.num_attention_heads // world
+    assert cfg.num_key_value_heads < world, "this test needs more ranks than KV heads"
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(41))
+    for rank in range(world):
+        queries = range(rank * queries_per_rank, (rank + 1) * queries_per_rank)
+        read = sorted({q // queries_per_kv for q in queries})
+        shard = tp.shard_model(model, rank, world)
+        assert shard.cfg.num_key_value_heads == len(read), \
+            (f"rank {rank} of {world}: its cfg counts {shard.cfg.num_key_value_heads} KV heads; its query heads "
+             f"{list(queries)} read KV head(s) {read}, and those are the ones its pool holds")
+        columns = slice(read[0] * dim, (read[-1] + 1) * dim)
+        for index, (layer, whole) in enumerate(zip(shard.model.layers, model.model.layers)):
+            for name in ("k_proj", "v_proj"):
+                with torch.no_grad():
+                    got, want = getattr(layer.self_attn, name)(x), getattr(whole.self_attn, name)(x)[:, columns]
+                assert got.shape == want.shape and torch.allclose(got, want), \
+                    (f"layer {index}, rank {rank} of {world}: {name} must give the features of KV head(s) {read}, "
+                     f"the ones its query heads {list(queries)} read (columns {columns} of the unsplit {name}'s "
+                     f"output): with more ranks than KV heads, a KV head is copied whole to the neighbouring ranks "
+                     f"that read it")
 
 
 @pytest.mark.parametrize("pool", ["model dtype", "int8", "latent"])

@@ -6,6 +6,7 @@ HEADS = f"{MILESTONE}::test_kv_heads_split_or_replicate"
 ROW = f"{MILESTONE}::test_row_parallel_parts_add_up_with_the_bias_once"
 EMBEDDING = f"{MILESTONE}::test_vocab_parallel_embedding_parts_add_up"
 SHARDS = f"{MILESTONE}::test_shard_model_cuts_every_layer"
+REPLICAS = f"{MILESTONE}::test_shard_model_copies_a_kv_head_to_the_ranks_that_read_it"
 ADOPTION = (MILESTONE, "-k", "adopted or adopt")
 
 MISTAKES = [
@@ -33,6 +34,14 @@ MISTAKES = [
             before="partial = nn.functional.linear(x, self.weight)",
             after="partial = nn.functional.linear(x, self.weight, self.bias)",
             rule="the bias belongs to the sum: added once, after the all-reduce",
+            expect="bias counted once", tests=(ROW,)),
+    Mistake("parallel/tp.py", "RowParallelLinear.forward",
+            before="partial = nn.functional.linear(x, self.weight)\n"
+                   "        dist.all_reduce(partial, group=self.group)\n"
+                   "        return partial if self.bias is None else partial + self.bias",
+            after="partial = nn.functional.linear(x, self.weight, self.bias)\n"
+                  "        dist.all_reduce(partial, group=self.group)\n        return partial",
+            rule="every rank adding the bias to its part adds it world times: it belongs to the sum",
             expect="bias counted once", tests=(ROW,)),
     Mistake("parallel/tp.py", "RowParallelLinear.forward",
             before="return partial if self.bias is None else partial + self.bias",
@@ -64,6 +73,13 @@ MISTAKES = [
             after="attn.k_proj = ColumnParallelLinear(attn.k_proj, heads)",
             rule="k_proj gives the KV heads this rank holds (kv_heads_of_rank), not its query heads' columns",
             expect="the KV heads it holds", tests=(SHARDS,)),
+    Mistake("parallel/tp.py", "shard_model",
+            before="kv_rows = slice(kv_heads.start * dim, kv_heads.stop * dim)",
+            after="kv_rows = slice(rank % cfg.num_key_value_heads * dim, (rank % cfg.num_key_value_heads + 1) * dim) "
+                  "if cfg.num_key_value_heads < world else slice(kv_heads.start * dim, kv_heads.stop * dim)",
+            rule="with more ranks than KV heads, each KV head is copied to the neighbouring ranks whose query "
+                 "heads read it (not dealt out round-robin)",
+            expect="copied whole to the neighbouring ranks", tests=(REPLICAS,)),
     Mistake("parallel/tp.py", "shard_model",
             before="num_key_value_heads=len(kv_heads))",
             after="num_key_value_heads=cfg.num_key_value_heads)",
