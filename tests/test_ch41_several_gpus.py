@@ -17,6 +17,7 @@ The tiny model's greedy margins make the parity deterministic: checked once by h
 both ranks, PP and disaggregated prefill, every output equal to solo generate.
 """
 import os
+import re
 import tempfile
 import time
 from datetime import timedelta
@@ -81,29 +82,88 @@ def expected(impl):
 INTENDED_DEATH = "rank 1: exited with status 3"
 
 
+# A rank whose partner is gone fails in its next collective with one of these (gloo's words;
+# NCCL's differ): an echo of the other rank's death, not an error of its own.
+_ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
+           "connection refused", "Timed out waiting")
+_SIGNALS = {-6: "SIGABRT: the process aborted, typically inside a collective",
+            -9: "SIGKILL", -11: "SIGSEGV", -15: "SIGTERM"}
+
+
+def _short(error):
+    """An error without the collective library's source paths and boilerplate."""
+    error = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(error))
+    return error.split(" This is typically caused")[0].split(" GLHF")[0].strip()
+
+
+def _is_echo(error):
+    return any(echo.lower() in str(error).lower() for echo in _ECHOES)
+
+
 def _launcher_report(session):
-    """What went wrong, the ranks' own errors first; the launcher's words after, with the
-    failures the last part causes on purpose (rank 1 exits, rank 0's all-reduce breaks)
-    marked as intended, so they do not read as the code's crash."""
-    errors = [f"rank {rank} failed in {part!r}: {found['error']}" for rank, parts in enumerate(session["ranks"])
-              for part, found in parts.items() if part != "death" and isinstance(found, dict) and "error" in found]
-    said = []
-    for problem in (session["failure"] or "").split("; "):
+    """What went wrong, in the order a learner should read it: first the ranks' own errors
+    (an exception their code raised), then a rank that died without one (and in which
+    part), then the failures that only follow from a dead partner, summed up in one line,
+    and last what the final part does on purpose (rank 1 exits, rank 0's all-reduce breaks),
+    marked as intended so it does not read as the code's crash."""
+    ranks, own, echoes, deaths, intended = session["ranks"], [], [], [], []
+    for rank, parts in enumerate(ranks):
+        for part, found in parts.items():
+            if part == "death" or not isinstance(found, dict) or "error" not in found:
+                continue
+            (echoes if _is_echo(found["error"]) else own).append(
+                f"rank {rank} failed in {part!r}: {_short(found['error'])}")
+    for problem in filter(None, (session["failure"] or "").split("; ")):
+        rank_word, _, said = problem.partition(": ")
+        rank = int(rank_word.split()[-1]) if rank_word.startswith("rank ") else None
         if problem == INTENDED_DEATH:
-            problem += " (intended: the last part kills rank 1 on purpose)"
-        elif problem.startswith("rank 0:") and "death" in session["ranks"][0]:
-            problem += " (intended: rank 0 was waiting for the rank that was killed)"
-        if problem:
-            said.append(problem)
-    return "; ".join(errors + (["the launcher said: " + "; ".join(said)] if said else []))
+            intended.append(problem + " (intended: the last part stops rank 1 on purpose)")
+        elif rank is not None and "death" in ranks[rank]:
+            intended.append(f"{rank_word}: {_short(said)} (intended: it was waiting for the rank that was stopped)")
+        elif rank is not None and (said.startswith("exited with status") or said.startswith("killed")):
+            deaths.append(_death(session, rank, said))
+        elif rank is None:
+            deaths.append(problem)
+        elif not ranks[rank]:           # it raised before writing a result: the launcher has its only words
+            (echoes if _is_echo(said) else own).append(f"rank {rank} failed before its first part: {_short(said)}")
+    lines = own + deaths
+    if echoes:
+        lines.append("these only follow from a partner that had gone (not errors of their own): "
+                     + "; ".join(sorted({line.split(":")[0] for line in echoes})))
+    lines += intended
+    return "\n  ".join(["what the two-rank launch saw, the ranks' own errors first:"] + lines)
+
+
+def _death(session, rank, said):
+    """A rank that ended without a Python error: the part it was in and, for the tensor-parallel
+    part, the pool sizes the ranks had built (ranks that disagree on it part ways)."""
+    parts = session["ranks"][rank]
+    during = next((part for part in distributed_runs.PARTS if part not in parts
+                   or parts[part].get("unfinished")), None)
+    status = said.rsplit(" ", 1)[-1]
+    why = _SIGNALS.get(int(status), "") if status.lstrip("-").isdigit() else ""
+    line = f"rank {rank} died during {during!r} without a Python error ({said}{': ' + why if why else ''}; " \
+           f"not an intended exit)"
+    sizes = [found.get("tp", {}).get("num_blocks") for found in session["ranks"]]
+    if during == "tp" and None not in sizes and len(set(sizes)) > 1:
+        line += (f". The ranks had built pools of {' and '.join(map(str, sizes))} blocks: ranks that size their own "
+                 f"pools must agree on one size (the shard's capabilities.agree_num_blocks), or their schedulers "
+                 f"plan different batches and their collectives stop pairing up")
+    elif during is not None:
+        line += ". A rank that dies inside a collective usually means the ranks called different collectives " \
+                "(different shapes, or in a different order)"
+    return line
 
 
 def _part(session, rank, part):
     found = session["ranks"][rank].get(part)
-    if found is None:
-        pytest.fail(f"rank {rank} wrote no result for {part!r}. {_launcher_report(session)}")
+    if found is None or found.get("unfinished"):
+        pytest.fail(f"rank {rank} wrote no result for {part!r}.\n{_launcher_report(session)}", pytrace=False)
     if part != "death" and "error" in found:
-        pytest.fail(f"rank {rank} failed in {part!r}: {found['error']}")
+        if _is_echo(found["error"]):
+            pytest.fail(f"rank {rank} failed in {part!r} because its partner had gone.\n"
+                        f"{_launcher_report(session)}", pytrace=False)
+        pytest.fail(f"rank {rank} failed in {part!r}: {_short(found['error'])}", pytrace=False)
     return found
 
 
@@ -343,21 +403,43 @@ def test_adopted_blocks_hold_their_own_data(impl, serve, pool):
     other = []                      # another prompt's blocks first, so pool rows differ from positions
     for i in range(3):
         other.append(serve.blocks.hash_block(other[-1] if other else None, [100 + i] * 4))
-    assert disagg.adopt_blocks(engine, other, shipment(3)) == 3
+    other_data = shipment(3)
+    assert disagg.adopt_blocks(engine, other, other_data) == 3
     keys = _chain(serve, 5)
     early, late = shipment(2), shipment(5)
     assert disagg.adopt_blocks(engine, keys[:2], early) == 2
     filled = disagg.adopt_blocks(engine, keys, late)
     assert filled == 3, f"keys 0-1 were cached already: adopt_blocks fills the other 3 blocks, it said {filled}"
+    shipments = {"the first shipment": early, "the second shipment": late, "the other prompt's shipment": other_data}
     for i, key in enumerate(keys):
         row = engine.blocks.cached[key]
         sent, whose = (early, "the first shipment's (it was cached before)") if i < 2 else (late, "its own shipment's")
         for index, layer in enumerate(layers):
             for j, tensor in enumerate(layer):
-                assert torch.equal(raw_bytes(tensor)[row], sent[index][j][i]), \
-                    (f"{pool} pool, layer {index}, tensor {j} of {len(layer)}: block row {row} (key {i}) does not "
-                     f"hold {whose} data for key {i}: each block's data lands in every pool tensor, in the row "
-                     f"the block manager gave that block, and is the data shipped for that block's own key")
+                got, want = raw_bytes(tensor)[row], sent[index][j][i]
+                if not torch.equal(got, want):
+                    pytest.fail(f"{pool} pool, layer {index}, tensor {j} of {len(layer)}: block row {row} (key {i}) "
+                                f"does not hold {whose} data for key {i}; it holds "
+                                f"{_whose_data(got, shipments, index, j)} (max abs difference "
+                                f"{_max_difference(got, want)}). Each block's data lands in every pool tensor, "
+                                f"in the row the block manager gave that block, and is the data shipped for that "
+                                f"block's own key", pytrace=False)
+
+
+def _max_difference(got, want):
+    return f"{(got.double() - want.double()).abs().max().item():.3g}"
+
+
+def _whose_data(row, shipments, layer, tensor):
+    """Which shipped block a pool row's contents came from, in words (the rows are random
+    enough that equal contents mean the same block)."""
+    for name, sent in shipments.items():
+        for i, block in enumerate(sent[layer][tensor]):
+            if torch.equal(row, block):
+                return f"the data of key {i} of {name}"
+    if not row.any():
+        return "zeros (nothing was written there)"
+    return "data that no shipment sent"
 
 
 def test_pipeline_stages_and_micro_batches(impl):
@@ -505,6 +587,12 @@ def test_a_dead_rank_ends_the_other_with_an_error(session):
                if isinstance(found, dict) and "Your engine: Chapter" in str(found.get("error"))]
     if stopped:     # the ranks never reached the death in step: the stub is the learner's news
         pytest.fail(f"the ranks stopped before the death test: {stopped[0]}")
+    broken = [part for parts in session["ranks"] for part, found in parts.items()
+              if part != "death" and isinstance(found, dict) and ("error" in found or found.get("unfinished"))]
+    missing = [part for parts in session["ranks"] for part in distributed_runs.PARTS[:-1] if part not in parts]
+    if broken or missing:
+        pytest.fail("the launch broke before its last part (where rank 1 exits on purpose), so this test "
+                    f"could not look at a dead rank.\n{_launcher_report(session)}", pytrace=False)
     assert session["failure"] is not None, "rank 1 exited, yet the launcher reported success"
     assert INTENDED_DEATH in session["failure"], \
         f"the launcher must name the rank that exited and its status: {_launcher_report(session)}"

@@ -63,10 +63,12 @@ def _engine(impl: Impl, model: Any, config: dict[str, Any]) -> Any:
 
 
 def tensor_parallel(impl: Impl, rank: int, world: int, device: torch.device, prompts: list[list[int]],
-                    max_new: int, config: dict[str, Any]) -> dict[str, Any]:
+                    max_new: int, config: dict[str, Any], note: Any = None) -> dict[str, Any]:
     """Every rank serves the same prompts with its shard of the model. With
     config[TP_POOL_BYTES] (one budget per rank) each rank sizes its own pool from its entry
-    instead of num_blocks, as GPUs with different free memory would."""
+    instead of num_blocks, as GPUs with different free memory would. `note` (if given) is
+    called with the pool's size before serving starts, so a rank that dies in a collective
+    has left it behind (ranks whose pools differ in size part ways and die that way)."""
     config = dict(config)
     budgets = config.pop(TP_POOL_BYTES, None)
     if budgets is not None:
@@ -74,6 +76,8 @@ def tensor_parallel(impl: Impl, rank: int, world: int, device: torch.device, pro
         config["kv_cache_bytes"] = budgets[rank]
     model = impl.load("parallel.tp").shard_model(tiny_qwen3(impl.package, device=device), rank, world)
     engine = _engine(impl, model, config)
+    if note is not None:
+        note({"num_blocks": engine.blocks.num_blocks})
     counter = CollectiveCounter()
     try:
         outputs = engine.generate(prompts, impl.load("serve.request").SamplingParams(max_tokens=max_new))
@@ -110,6 +114,11 @@ def disaggregated(impl: Impl, rank: int, world: int, device: torch.device, promp
             "num_blocks": engine.blocks.num_blocks}
 
 
+def _note(path: Path, results: dict[str, Any], part: str, seen: dict[str, Any]) -> None:
+    results[part] = {"unfinished": True, **seen}
+    path.write_text(json.dumps(results))
+
+
 def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list[list[int]], max_new: int,
                  config: dict[str, Any], out_dir: str, parts: tuple[str, ...] = PARTS,
                  device: str = "cpu") -> None:
@@ -139,9 +148,16 @@ def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list
         else:
             try:
                 own = config if part == "tp" else {k: v for k, v in config.items() if k != TP_POOL_BYTES}
-                results[part] = runs[part](impl, rank, world, place, prompts, max_new, own)
+                results[part] = {"unfinished": True}        # what a rank that dies here leaves behind
+                path.write_text(json.dumps(results))
+                if part == "tp":
+                    results[part] = runs[part](impl, rank, world, place, prompts, max_new, own,
+                                               note=lambda seen: _note(path, results, "tp", seen))
+                else:
+                    results[part] = runs[part](impl, rank, world, place, prompts, max_new, own)
             except Exception as exc:
-                results[part] = {"error": f"{type(exc).__name__}: {exc}"}
+                noted = {k: v for k, v in results.get(part, {}).items() if k != "unfinished"}
+                results[part] = {**noted, "error": f"{type(exc).__name__}: {exc}"}
                 failed.append(part)
         path.write_text(json.dumps(results))
     if failed:
