@@ -116,6 +116,8 @@ def _launcher_report(session):
     for problem in filter(None, (session["failure"] or "").split("; ")):
         rank_word, _, said = problem.partition(": ")
         rank = int(rank_word.split()[-1]) if rank_word.startswith("rank ") else None
+        if rank is not None and said.startswith(f"RuntimeError: rank {rank}: ") and " failed: " in said:
+            continue                    # the rank's summary of its parts' errors, each listed above already
         if problem == INTENDED_DEATH:
             intended.append(problem + " (intended: the last part stops rank 1 on purpose)")
         elif rank is not None and "death" in ranks[rank]:
@@ -423,7 +425,7 @@ def test_adopted_blocks_hold_their_own_data(impl, serve, pool):
                                 f"{_whose_data(got, shipments, index, j)} (max abs difference "
                                 f"{_max_difference(got, want)}). Each block's data lands in every pool tensor, "
                                 f"in the row the block manager gave that block, and is the data shipped for that "
-                                f"block's own key", pytrace=False)
+                                f"block's own key")
 
 
 def _max_difference(got, want):

@@ -151,8 +151,8 @@ def session_rank(rank: int, world: int, port: int, impl_spec: str, prompts: list
                 results[part] = {"unfinished": True}        # what a rank that dies here leaves behind
                 path.write_text(json.dumps(results))
                 if part == "tp":
-                    results[part] = runs[part](impl, rank, world, place, prompts, max_new, own,
-                                               note=lambda seen: _note(path, results, "tp", seen))
+                    results[part] = tensor_parallel(impl, rank, world, place, prompts, max_new, own,
+                                                    note=lambda seen: _note(path, results, "tp", seen))
                 else:
                     results[part] = runs[part](impl, rank, world, place, prompts, max_new, own)
             except Exception as exc:

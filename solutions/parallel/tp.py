@@ -41,10 +41,11 @@ def kv_heads_of_rank(num_heads: int, num_kv_heads: int, rank: int, world: int) -
     read: every one of them, and no other (never empty; a KV head may be held by several ranks).
     Examples (heads, KV heads, world): (8, 4, 2) -> rank 1 holds range(2, 4);
     (8, 2, 4) -> ranks 0..3 hold range(0, 1), range(0, 1), range(1, 2), range(1, 2).
-    Errors: ValueError naming the numbers when the query heads do not split evenly over the
-    ranks, when the ranks would not all hold the same number of KV heads (neither of
-    num_kv_heads and world divides the other: 12 heads / 3 KV heads on 2 ranks), or when
-    world or rank is out of range.
+    Errors: ValueError naming the numbers when world or rank is out of range, when the query
+    heads do not split evenly over the ranks (9 heads on 2 ranks), or when the KV heads would
+    not be spread evenly: some rank holding more KV heads than another, or some KV head held
+    by more ranks than another (12 heads / 3 KV heads on 2 ranks: rank 0 reads KV heads 0-1,
+    rank 1 reads 1-2, so KV head 1 would sit on two ranks and the others on one).
     """
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank {rank} of a {world}-rank group does not exist")
@@ -82,7 +83,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x[:, cols_r] @ W[:, cols_r].T, plus the bias once."""
+    """Row-parallel: this rank holds the columns `cols` of W (its slice of the input
+    features) and the whole bias; every rank of the group returns the whole y."""
 
     def __init__(self, full: nn.Linear, cols: slice, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -98,9 +100,11 @@ class RowParallelLinear(nn.Module):
         self.weight [out_features, in_features // world]: the matching columns of W;
         self.bias [out_features] or None: the WHOLE bias.
         Returns y [N, out_features], the same tensor on every rank of self.group:
-        x_full @ W.T + bias, where x_full is every rank's x side by side.
-        Trap: the bias belongs to the sum, not to each rank's part: added world times it
-        would be wrong by (world - 1) * bias. Exactly one collective per call.
+        x_full @ W.T + bias, where x_full is every rank's x side by side. The result holds
+        the bias exactly once, whatever world is.
+        Example (world 2, W = [[1, 1, 1, 1]], bias [10]): rank 0 given x [[1, 2]] and rank 1
+        given x [[3, 4]] both return [[20.]] (1 + 2 + 3 + 4 + 10).
+        Communication: one collective per call, over self.group.
         """
         partial = nn.functional.linear(x, self.weight)
         dist.all_reduce(partial, group=self.group)
@@ -108,7 +112,8 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding rows [start, stop) of the vocabulary live on this rank."""
+    """Vocabulary-parallel: the embedding rows of ids start..stop-1 live on this rank; every
+    rank of the group returns the rows of all the ids it is given."""
 
     def __init__(self, full: nn.Embedding, rows: slice, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
@@ -119,11 +124,13 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids -> their embedding rows, the full table spread over the ranks.  (Your engine: Chapter 41)
 
-        ids [N] int64, any ids of the whole vocabulary. self.weight [stop - start, D] holds
-        the rows of ids start..stop-1 only. Returns [N, D] (self.weight's dtype), equal on
-        every rank of self.group to full_table[ids].
-        Traps: an id outside [start, stop) must neither index out of range nor contribute
-        anything here (another rank owns it); exactly one collective per call.
+        ids [N] int64, any ids of the whole vocabulary (every rank is given the same ids).
+        self.weight [stop - start, D] holds the rows of ids start..stop-1 only. Returns
+        [N, D] (self.weight's dtype), equal on every rank of self.group to full_table[ids],
+        for every id of the vocabulary, whichever rank holds its row.
+        Example (vocabulary 10 on 2 ranks: rank 0 holds rows 0-4, rank 1 rows 5-9): given
+        ids [7, 2, 7], both ranks return [table[7], table[2], table[7]], no error on either.
+        Communication: one collective per call, over self.group.
         """
         mine = (ids >= self.start) & (ids < self.stop)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))

@@ -252,8 +252,12 @@ class BlockManager:
 
     def prepare_store(self, keys: Sequence[bytes]) -> dict[int, int]:
         """Make room for K/V computed somewhere else (another engine's prefill, Chapter 41)
-        under their prefix-cache keys; returns {i: block} for every keys[i] whose contents
-        the caller must now write into row `block` of each layer's pool (before the next step).
+        under their prefix-cache keys; returns {i: block}, one entry for each keys[i] that
+        this call newly cached, with the block now cached under it. Those blocks hold no
+        K/V of theirs yet: the caller owes them the contents of their keys before the next
+        step. A key that was cached already has no entry (its block keeps its contents).
+        Example: keys [a, b, c], a cached already in block 2, blocks 5 and 9 taken for b
+        and c -> {1: 5, 2: 9}.
 
         keys: one sequence's chain of block keys (hash_block's), its first block first.
         Afterwards the longest leading run of keys that fits is cached here: each key k of
