@@ -5,7 +5,7 @@ a request finishes there, the scheduler's on_finish hook runs (its blocks are st
 valid) and ships the request to the decode process: a header (id, tokens, the block
 hashes, how many tokens it still wants), then the contents of its full blocks, layer by
 layer. The decode engine adopts the blocks into its own pool as cached-free blocks under
-those hashes (BlockManager.prepare_store says which rows to fill), then queues the
+those hashes (BlockManager.prepare_store makes room for them), then queues the
 request: its prefix-cache lookup finds them, and only the tokens of the last, partly
 filled block are computed again (fewer than a block).
 """
@@ -74,10 +74,13 @@ def adopt_blocks(engine: EngineCore, keys: Sequence[bytes], contents: list[list[
     key: a request whose prompt starts with those tokens finds them (find_cached_prefix) and
     reads the shipped K/V. Blocks cached here before keep their own data.
     Returns how many blocks were filled (0 when every key was cached already).
+    Example: keys [a, b, c] where a was cached here before: afterwards the blocks cached
+    under b and c hold, in every pool tensor of every layer, the data shipped for b and for c
+    (not the first two shipped blocks'), a's block still holds its own data; returns 2.
     Errors: prepare_store's ValueError, pool untouched (prefix caching off: the message says
     "prefix caching"; a key not bytes; a key repeated).
-    Trap, as a property: each block's data lands in the pool row the block manager gave that
-    block, and the data is the one shipped for that block's own key.
+    Property: each block's data lands in the pool row the block manager gave that block,
+    and the data is the one shipped for that block's own key.
     """
     targets = engine.blocks.prepare_store(keys)
     if not targets:
