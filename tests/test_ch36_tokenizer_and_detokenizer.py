@@ -456,6 +456,9 @@ def test_stop_strings_any_chunking(bpe, seed):
     ("xabcd", ["bc", "abc"], [], "x", "abc"),            # both end at the c: the longer wins
     ("aab", ["aab"], [2], "", "aab"),                    # "aa" is held whole: both a's may start "aab"
     ("xaab", ["aab", "b"], [1, 3], "x", "aab"),
+    ("xaab", ["aab"], [3], "x", "aab"),                  # the chapter's stories: "aa" held, not "a"
+    ("xabcd", ["abc", "bc"], [3], "x", "abc"),           # one character completes both, over two pushes
+    ("xabcd", ["abc", "bc"], [], "x", "abc"),
 ])
 def test_stop_strings_fixed_cases(bpe, text, stops, cuts, sent, stop):
     assert reference_stop(text, stops) == (sent, stop)
