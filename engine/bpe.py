@@ -7,7 +7,7 @@ neighbours into one token, so common words cost one id. This module holds:
 - the byte-to-symbol map that lets BPE work on printable strings (`bytes_to_unicode`),
 - the pre-tokenizer (a regex that cuts text into words before any merge),
 - training (`count_pairs`, `merge_word`, `train_bpe`),
-- `BPETokenizer`: encode by merge rank, decode, special tokens, the chat template, and
+- `BPETokenizer`: encode, decode, special tokens, the chat template, and
   loading SmolLM2's tokenizer from a GGUF file's metadata (`from_gguf_metadata`),
 - `IncrementalDetokenizer`: token ids in, text out as soon as it is complete and stable,
 - `StopStringMatcher`: stop strings found across token boundaries in a stream.
@@ -152,9 +152,12 @@ def train_bpe(text: str, vocab_size: int, pre: str = "gpt2") -> list[tuple[str, 
     vocab_size: the vocabulary wanted, the 256 byte symbols (bytes_to_unicode) included;
     pre: the pre-tokenizer. Returns the merges in the order learned (rank 0 first), as
     (left, right) pairs of symbols, at most vocab_size - 256 of them (fewer when no pair is
-    left). Merge r is the most frequent adjacent pair of the corpus as merges 0 .. r-1 left
-    it, counted inside the pieces of pretokenize(text, pre) spelled in the byte alphabet.
-    Deterministic: of equally frequent pairs, the one that sorts first wins.
+    left). The corpus is the pieces of pretokenize(text, pre), spelled in the byte alphabet.
+    Property of the result: once merges[0 .. r-1] have been applied to the corpus, merges[r]
+    is an adjacent pair with the highest count in it, and of pairs with that count the one
+    that sorts first (as a tuple of str). Pairs never span two pieces.
+    Example: train_bpe("ab ab ba", 259) -> [("a", "b"), ("b", "a"), ("Ġ", "ab")]; the last
+    two were ties (one occurrence each), and "b" < "Ġ", "ab" < "b" decide them.
     Errors: ValueError naming 256 when vocab_size < 256; pretokenize's for an unknown `pre`.
     """
     raise NotImplementedError("Your engine: Chapter 36: train_bpe")
@@ -430,11 +433,10 @@ class IncrementalDetokenizer:
     """Text for a stream of token ids, released only when it will not change.
 
     A token can end in the middle of a character (an emoji is 4 bytes, often 2-3 tokens), so
-    decoding each token alone prints U+FFFD garbage. The stream keeps every id pushed and two
-    offsets into them: `read_offset`, where the text already returned ends, and
-    `prefix_offset`, where the context decoded together with the new ids begins.
-    Invariant: the concatenation of everything push() and flush() returned equals
-    tokenizer.decode(all ids, skip_special_tokens).
+    the text of one token alone may be garbage. State: `ids`, every id pushed; `read_offset`,
+    how many of them have had their text returned; `prefix_offset` (<= read_offset), free for
+    push() to use. Invariant: the concatenation of everything push() and flush() returned
+    equals tokenizer.decode(all ids, skip_special_tokens).
     """
 
     def __init__(self, tokenizer: BPETokenizer, skip_special_tokens: bool = False) -> None:
@@ -457,17 +459,21 @@ class IncrementalDetokenizer:
             text is no reason to wait, once a character follows it);
           - everything push() and flush() return, joined, equals
             tokenizer.decode(self.ids, skip_special_tokens);
-          - self.ids holds every id pushed; the text of ids[:read_offset] has been returned, and
-            prefix_offset <= read_offset starts the context window flush() decodes it with; both
-            only move forward, to boundaries between complete characters.
+          - self.ids holds every id pushed; the text of ids[:read_offset] has been returned, no
+            more and no less; read_offset only moves forward, and only to a boundary between
+            complete characters (flush() decodes ids[read_offset:] on its own);
+            prefix_offset <= read_offset, also only forward.
         Errors: ValueError for an id outside the vocabulary, the state unchanged.
         """
         raise NotImplementedError("Your engine: Chapter 36: IncrementalDetokenizer.push")
 
     def flush(self) -> str:
-        """The held-back text at the end of a stream, unfinished characters as U+FFFD."""
-        already_read = self._decode(self.prefix_offset, self.read_offset)
-        rest = self._decode(self.prefix_offset, len(self.ids))[len(already_read):]
+        """The held-back text at the end of a stream, unfinished characters as U+FFFD.
+
+        Relies on push()'s invariant: ids[:read_offset] ends on a character boundary, so the
+        ids not yet returned decode correctly on their own.
+        """
+        rest = self._decode(self.read_offset, len(self.ids))
         self.prefix_offset = self.read_offset = len(self.ids)
         return rest
 

@@ -6,22 +6,26 @@ from matplotlib.patches import Rectangle
 PLAIN, NEW, MOVED, HELD = "#dbe9f6", "#f58518", "#f2c6a0", "#eeeeee"
 
 
-def merge_rows(word_symbols, merges, merge_word):
-    """[(merge applied or None, its rank or None, symbols after it)] for one word, merges
-    taken by rank.
+def merge_rows(tokenizer, module, word_symbols):
+    """[(merge applied or None, its rank or None, symbols after it)] for one word: the merges
+    `tokenizer.encode_word` makes on it, in the order it makes them, recorded by watching the
+    calls it makes to `module.merge_word` (the module the tokenizer's class comes from).
 
-    word_symbols: the word's starting symbols; merges: (left, right) pairs best first;
-    merge_word: the function that applies one merge to a tuple of symbols."""
-    ranks = {pair: rank for rank, pair in enumerate(merges)}
-    symbols = tuple(word_symbols)
-    rows = [(None, None, symbols)]
-    while True:
-        present = [pair for pair in zip(symbols, symbols[1:]) if pair in ranks]
-        if not present:
-            return rows
-        best = min(present, key=ranks.get)
-        symbols = merge_word(symbols, best)
-        rows.append((best, ranks[best], symbols))
+    word_symbols: the word spelled in the byte alphabet."""
+    made = []
+    original = module.merge_word
+
+    def recording(symbols, pair):
+        merged = original(symbols, pair)
+        made.append((pair, tokenizer.merge_ranks.get(pair), merged))
+        return merged
+
+    module.merge_word = recording
+    try:
+        tokenizer.encode_word(word_symbols)
+    finally:
+        module.merge_word = original
+    return [(None, None, tuple(word_symbols)), *made]
 
 
 def draw_merges(rows, ax=None, title=None):
