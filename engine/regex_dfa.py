@@ -373,6 +373,11 @@ def utf8_sequences(lo: int, hi: int) -> list[list[tuple[int, int]]]:
 
 # --- the NFA ------------------------------------------------------------------------------------
 
+def _too_many_nfa_states() -> ValueError:
+    return ValueError(f"the automaton needs more than MAX_NFA_STATES={MAX_NFA_STATES} NFA states "
+                      f"(a repeat count or a nesting too large)")
+
+
 @dataclass
 class NFA:
     """A Thompson NFA over bytes: state i has `edges[i]` (lo, hi, target) byte-range moves
@@ -385,11 +390,19 @@ class NFA:
 
     def new_state(self) -> int:
         if len(self.edges) >= MAX_NFA_STATES:
-            raise ValueError(f"the automaton needs more than MAX_NFA_STATES={MAX_NFA_STATES} NFA states "
-                             f"(a repeat count or a nesting too large)")
+            raise _too_many_nfa_states()
         self.edges.append([])
         self.empty.append([])
         return len(self.edges) - 1
+
+    def new_states(self, count: int) -> list[int]:
+        """`count` new states at once, numbered on from the last (as many new_state calls)."""
+        first = len(self.edges)
+        if first + count > MAX_NFA_STATES:
+            raise _too_many_nfa_states()
+        self.edges.extend([] for _ in range(count))
+        self.empty.extend([] for _ in range(count))
+        return list(range(first, first + count))
 
     def link(self, source: int, target: int) -> None:
         """An empty move from `source` to `target`."""
@@ -575,10 +588,20 @@ def distinct_columns(table: np.ndarray) -> np.ndarray:
 
 def breadth_first(columns: np.ndarray, start: int, keep: np.ndarray) -> list[int]:
     """The states `keep` allows that `start` reaches, in breadth-first order, start first."""
+    # Each row's moves into kept states, a target repeated in the row once (at its first
+    # column: the later ones find it seen), all rows' as one flat list read row by row.
+    wanted = (columns >= 0) & keep[np.maximum(columns, 0)]
+    by_target = np.argsort(np.where(wanted, columns, -1), axis=1, kind="stable")
+    ordered = np.take_along_axis(columns, by_target, axis=1)
+    repeated = np.zeros(columns.shape, dtype=bool)
+    np.put_along_axis(repeated, by_target[:, 1:], ordered[:, 1:] == ordered[:, :-1], axis=1)
+    sources, places = np.nonzero(wanted & ~repeated)
+    targets = columns[sources, places].tolist()
+    first = np.searchsorted(sources, np.arange(columns.shape[0] + 1)).tolist()
     order, seen = [start], {start}
     for state in order:
-        for target in columns[state].tolist():
-            if target >= 0 and keep[target] and target not in seen:
+        for target in targets[first[state]:first[state + 1]]:
+            if target not in seen:
                 seen.add(target)
                 order.append(target)
     return order
@@ -594,29 +617,30 @@ def renumbered(dfa: DFA, order: list[int], group: np.ndarray) -> DFA:
     return DFA(lookup[dfa.transitions[order]], dfa.accepting[order].copy(), 0)
 
 
-def _predecessors(columns: np.ndarray) -> list[list[int]]:
-    """predecessors[t]: the states with a move to t (each once), from a [S, C] table."""
+def _predecessors(columns: np.ndarray) -> tuple[list[int], list[int]]:
+    """The states with a move to t (each once) are sources[first[t]:first[t + 1]], from a
+    [S, C] table."""
     size = columns.shape[0]
     sources, _ = np.nonzero(columns >= 0)
     pairs = np.unique(columns[columns >= 0].astype(np.int64) * size + sources)   # target, source
-    result: list[list[int]] = [[] for _ in range(size)]
-    for target, source in zip((pairs // size).tolist(), (pairs % size).tolist()):
-        result[target].append(source)
-    return result
+    first = np.searchsorted(pairs, np.arange(size + 1, dtype=np.int64) * size)
+    return (pairs % size).tolist(), first.tolist()
 
 
 def trim(dfa: DFA) -> DFA:
     """Drop the states from which no accepting state can be reached (moves into them become
     -1) and those the start cannot reach; renumber so the start is state 0."""
     columns = distinct_columns(dfa.transitions)
-    predecessors = _predecessors(columns)
-    alive = dfa.accepting.copy()
-    todo = np.flatnonzero(alive).tolist()
+    sources, first = _predecessors(columns)
+    live = dfa.accepting.tolist()
+    todo = np.flatnonzero(dfa.accepting).tolist()
     while todo:                                      # grow backwards from the accepting states
-        for source in predecessors[todo.pop()]:
-            if not alive[source]:
-                alive[source] = True
+        target = todo.pop()
+        for source in sources[first[target]:first[target + 1]]:
+            if not live[source]:
+                live[source] = True
                 todo.append(source)
+    alive = np.array(live, dtype=bool)
     if not alive[dfa.start]:
         raise ValueError("the pattern or schema matches no string: nothing could be written")
     order = breadth_first(columns, dfa.start, alive)
@@ -799,8 +823,7 @@ def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
 def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:
     """Add a DFA's states to `nfa` as a fragment (start, end) that reads its language: the
     way a compiled piece (a difference, a product) joins a larger automaton."""
-    states = [nfa.new_state() for _ in range(dfa.num_states)]
-    end = nfa.new_state()
+    *states, end = nfa.new_states(dfa.num_states + 1)
     for state, low, high, target in dfa.byte_runs:
         nfa.edges[states[state]].append((low, high, states[target]))
     for state in np.flatnonzero(dfa.accepting).tolist():
