@@ -583,9 +583,10 @@ def determinize(nfa: NFA) -> DFA:
     # closure (and so its DFA state) is looked up once, not once per class and row.
     number_after: dict[frozenset[int], int] = {}    # NFA states a byte reaches -> the DFA state
 
-    def state_after(reached: frozenset[int]) -> int:
+    def state_after(reached: frozenset[int], closed: bool = False) -> int:
+        """The DFA state of the NFA states `reached` (closed: already closed under empty moves)."""
         if reached not in number_after:
-            closure = epsilon_closure(nfa, reached)
+            closure = reached if closed else epsilon_closure(nfa, reached)
             if closure not in number:
                 if len(order) >= MAX_DFA_STATES:
                     raise ValueError(f"the pattern needs more than MAX_DFA_STATES={MAX_DFA_STATES} DFA states")
@@ -606,11 +607,16 @@ def determinize(nfa: NFA) -> DFA:
         # state moves, a piece added from a DFA): then each range reaches one NFA state and is
         # written at once, without splitting it into byte classes.
         moves = sorted(edge for state in current for edge in nfa.edges[state])
-        if all(before[1] < after[0] for before, after in zip(moves, moves[1:])):
+        last = -1
+        for lo, hi, _ in moves:
+            if lo <= last:
+                break
+            last = hi
+        else:
             for lo, hi, target in moves:
                 after = after_one.get(target)
-                if after is None:
-                    after = after_one[target] = state_after(frozenset((target,)))
+                if after is None:                   # (a state without empty moves is its own closure)
+                    after = after_one[target] = state_after(frozenset((target,)), not nfa.empty[target])
                 row[lo:hi + 1] = after
             continue
         moved_by_class: dict[int, set[int]] = {}        # class -> NFA states its bytes reach
@@ -626,10 +632,16 @@ def determinize(nfa: NFA) -> DFA:
 def column_classes(table: np.ndarray) -> tuple[list[int], np.ndarray]:
     """The bytes (columns) that move every state (row) of `table` alike, as classes: the
     first byte of each class in order, and each byte's class number (int64 [256])."""
+    # A column equal to the one before it joins that one's class: only the first column of
+    # each run of equal neighbours (a few dozen of 256) is compared with the others.
+    starts_run = np.ones(table.shape[1], dtype=bool)
+    starts_run[1:] = (table[:, 1:] != table[:, :-1]).any(axis=0)
+    heads = np.flatnonzero(starts_run)
     first_with: dict[bytes, int] = {}                # a column's bytes -> its class
-    columns = np.ascontiguousarray(table.T)
-    class_of = np.array([first_with.setdefault(columns[byte].tobytes(), len(first_with))
-                         for byte in range(columns.shape[0])], dtype=np.int64)
+    columns = np.ascontiguousarray(table[:, heads].T)
+    class_of_head = np.array([first_with.setdefault(column.tobytes(), len(first_with)) for column in columns],
+                             dtype=np.int64)
+    class_of = class_of_head[np.cumsum(starts_run) - 1]
     return np.unique(class_of, return_index=True)[1].tolist(), class_of     # classes are numbered by first byte
 
 
@@ -848,28 +860,37 @@ def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
     # intersection, a's for a difference) is not explored: a move into it is -1.
     kept_after_sink_a = keep(False, False) or keep(False, True)
     kept_after_sink_b = keep(False, False) or keep(True, False)
+    # Explored breadth first, a level at a time: the pairs a level moves to are numbered in
+    # numpy, and only the distinct ones (a few per row of dozens of columns) are looked up.
     number = {a.start * width + b.start: 0}
     order = [a.start * width + b.start]
-    rows: list[list[int]] = []
-    while len(rows) < len(order):
-        pair = order[len(rows)]
-        row = []
-        for code in (moves_a[pair // width] * width + moves_b[pair % width]).tolist():
-            if code not in number and ((code // width == sink_a and not kept_after_sink_a)
-                                       or (code % width == sink_b and not kept_after_sink_b)):
-                number[code] = -1
-            elif code not in number:
-                if len(order) >= MAX_DFA_STATES:
+    rows: list[np.ndarray] = []
+    level = np.array(order, dtype=np.int64)
+    while len(level):
+        codes = moves_a[level // width] * width + moves_b[level % width]
+        distinct, where = np.unique(codes, return_inverse=True)
+        states, new = [], []
+        for code in distinct.tolist():
+            state = number.get(code)
+            if state is None:
+                if ((code // width == sink_a and not kept_after_sink_a)
+                        or (code % width == sink_b and not kept_after_sink_b)):
+                    state = -1
+                elif len(order) >= MAX_DFA_STATES:
                     raise ValueError(f"combining two automata needs more than MAX_DFA_STATES={MAX_DFA_STATES} states")
-                number[code] = len(order)
-                order.append(code)
-            row.append(number[code])
-        rows.append(row)
+                else:
+                    state = len(order)
+                    order.append(code)
+                    new.append(code)
+                number[code] = state
+            states.append(state)
+        rows.append(np.array(states, dtype=np.int32)[where.reshape(codes.shape)])
+        level = np.array(new, dtype=np.int64)
     pairs = np.array(order, dtype=np.int64)
     accepting = np.array([keep(bool(x), bool(y)) for x, y in zip(accepts_a[pairs // width], accepts_b[pairs % width])])
     if not accepting.any():
         return None
-    table = np.array(rows, dtype=np.int32)[:, byte_class]
+    table = np.concatenate(rows)[:, byte_class]
     return reduced(DFA(table, accepting, 0))
 
 

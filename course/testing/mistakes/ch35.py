@@ -50,7 +50,7 @@ MISTAKES = [
             rule="DFA state 0 is the epsilon closure of nfa.start",
             expect="the epsilon closure of nfa.start", tests=(SUBSETS,)),
     Mistake("regex_dfa.py", "determinize",
-            before="closure = epsilon_closure(nfa, reached)",
+            before="closure = reached if closed else epsilon_closure(nfa, reached)",
             after="closure = reached",
             rule="a byte leads to the epsilon closure of the NFA states it reaches",
             expect="the epsilon closure of the NFA states it reaches", tests=(SUBSETS,)),
