@@ -27,6 +27,7 @@ import bisect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from itertools import chain
 
 import numpy as np
 
@@ -594,14 +595,11 @@ def distinct_columns(table: np.ndarray) -> np.ndarray:
 
 def breadth_first(columns: np.ndarray, start: int, keep: np.ndarray) -> list[int]:
     """The states `keep` allows that `start` reaches, in breadth-first order, start first."""
-    # Each row's moves into kept states, a target repeated in the row once (at its first
-    # column: the later ones find it seen), all rows' as one flat list read row by row.
+    # Each row's moves into kept states, all rows' as one flat list read row by row; a move
+    # to the target of the column before it is left out (it would find its target seen).
     wanted = (columns >= 0) & keep[np.maximum(columns, 0)]
-    by_target = np.argsort(np.where(wanted, columns, -1), axis=1, kind="stable")
-    ordered = np.take_along_axis(columns, by_target, axis=1)
-    repeated = np.zeros(columns.shape, dtype=bool)
-    np.put_along_axis(repeated, by_target[:, 1:], ordered[:, 1:] == ordered[:, :-1], axis=1)
-    sources, places = np.nonzero(wanted & ~repeated)
+    wanted[:, 1:] &= columns[:, 1:] != columns[:, :-1]
+    sources, places = np.nonzero(wanted)
     targets = columns[sources, places].tolist()
     first = np.searchsorted(sources, np.arange(columns.shape[0] + 1)).tolist()
     order, seen = [start], {start}
