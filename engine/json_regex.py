@@ -98,6 +98,7 @@ from .regex_dfa import (
     add_dfa,
     add_fragment,
     add_repeat,
+    collector_paused,
     combine,
     compile_nfa,
     compile_regex,
@@ -1759,4 +1760,5 @@ def compile_schema(schema: Any, whitespace: str = OPTIONAL_SPACE, strict: bool =
     """The trimmed byte DFA (minimal up to regex_dfa.MINIMIZE_LIMIT states) of the JSON
     documents that validate against `schema`
     (arguments as schema_to_nfa's)."""
-    return compile_nfa(schema_to_nfa(schema, whitespace, strict))
+    with collector_paused():
+        return compile_nfa(schema_to_nfa(schema, whitespace, strict))

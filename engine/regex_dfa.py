@@ -24,9 +24,12 @@ than silently ignore; with ecma=True, for a search, a lazy quantifier is read as
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable
+import gc
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from itertools import chain
 
 import numpy as np
 
@@ -373,6 +376,11 @@ def utf8_sequences(lo: int, hi: int) -> list[list[tuple[int, int]]]:
 
 # --- the NFA ------------------------------------------------------------------------------------
 
+def _too_many_nfa_states() -> ValueError:
+    return ValueError(f"the automaton needs more than MAX_NFA_STATES={MAX_NFA_STATES} NFA states "
+                      f"(a repeat count or a nesting too large)")
+
+
 @dataclass
 class NFA:
     """A Thompson NFA over bytes: state i has `edges[i]` (lo, hi, target) byte-range moves
@@ -385,11 +393,19 @@ class NFA:
 
     def new_state(self) -> int:
         if len(self.edges) >= MAX_NFA_STATES:
-            raise ValueError(f"the automaton needs more than MAX_NFA_STATES={MAX_NFA_STATES} NFA states "
-                             f"(a repeat count or a nesting too large)")
+            raise _too_many_nfa_states()
         self.edges.append([])
         self.empty.append([])
         return len(self.edges) - 1
+
+    def new_states(self, count: int) -> list[int]:
+        """`count` new states at once, numbered on from the last (as many new_state calls)."""
+        first = len(self.edges)
+        if first + count > MAX_NFA_STATES:
+            raise _too_many_nfa_states()
+        self.edges.extend([] for _ in range(count))
+        self.empty.extend([] for _ in range(count))
+        return list(range(first, first + count))
 
     def link(self, source: int, target: int) -> None:
         """An empty move from `source` to `target`."""
@@ -560,10 +576,16 @@ def determinize(nfa: NFA) -> DFA:
 def column_classes(table: np.ndarray) -> tuple[list[int], np.ndarray]:
     """The bytes (columns) that move every state (row) of `table` alike, as classes: the
     first byte of each class in order, and each byte's class number (int64 [256])."""
+    # A column equal to the one before it joins that one's class: only the first column of
+    # each run of equal neighbours (a few dozen of 256) is compared with the others.
+    starts_run = np.ones(table.shape[1], dtype=bool)
+    starts_run[1:] = (table[:, 1:] != table[:, :-1]).any(axis=0)
+    heads = np.flatnonzero(starts_run)
     first_with: dict[bytes, int] = {}                # a column's bytes -> its class
-    columns = np.ascontiguousarray(table.T)
-    class_of = np.array([first_with.setdefault(columns[byte].tobytes(), len(first_with))
-                         for byte in range(columns.shape[0])], dtype=np.int64)
+    columns = np.ascontiguousarray(table[:, heads].T)
+    class_of_head = np.array([first_with.setdefault(column.tobytes(), len(first_with)) for column in columns],
+                             dtype=np.int64)
+    class_of = class_of_head[np.cumsum(starts_run) - 1]
     return np.unique(class_of, return_index=True)[1].tolist(), class_of     # classes are numbered by first byte
 
 
@@ -575,10 +597,17 @@ def distinct_columns(table: np.ndarray) -> np.ndarray:
 
 def breadth_first(columns: np.ndarray, start: int, keep: np.ndarray) -> list[int]:
     """The states `keep` allows that `start` reaches, in breadth-first order, start first."""
+    # Each row's moves into kept states, all rows' as one flat list read row by row; a move
+    # to the target of the column before it is left out (it would find its target seen).
+    wanted = (columns >= 0) & keep[np.maximum(columns, 0)]
+    wanted[:, 1:] &= columns[:, 1:] != columns[:, :-1]
+    sources, places = np.nonzero(wanted)
+    targets = columns[sources, places].tolist()
+    first = np.searchsorted(sources, np.arange(columns.shape[0] + 1)).tolist()
     order, seen = [start], {start}
     for state in order:
-        for target in columns[state].tolist():
-            if target >= 0 and keep[target] and target not in seen:
+        for target in targets[first[state]:first[state + 1]]:
+            if target not in seen:
                 seen.add(target)
                 order.append(target)
     return order
@@ -594,29 +623,30 @@ def renumbered(dfa: DFA, order: list[int], group: np.ndarray) -> DFA:
     return DFA(lookup[dfa.transitions[order]], dfa.accepting[order].copy(), 0)
 
 
-def _predecessors(columns: np.ndarray) -> list[list[int]]:
-    """predecessors[t]: the states with a move to t (each once), from a [S, C] table."""
+def _predecessors(columns: np.ndarray) -> tuple[list[int], list[int]]:
+    """The states with a move to t (each once) are sources[first[t]:first[t + 1]], from a
+    [S, C] table."""
     size = columns.shape[0]
     sources, _ = np.nonzero(columns >= 0)
     pairs = np.unique(columns[columns >= 0].astype(np.int64) * size + sources)   # target, source
-    result: list[list[int]] = [[] for _ in range(size)]
-    for target, source in zip((pairs // size).tolist(), (pairs % size).tolist()):
-        result[target].append(source)
-    return result
+    first = np.searchsorted(pairs, np.arange(size + 1, dtype=np.int64) * size)
+    return (pairs % size).tolist(), first.tolist()
 
 
 def trim(dfa: DFA) -> DFA:
     """Drop the states from which no accepting state can be reached (moves into them become
     -1) and those the start cannot reach; renumber so the start is state 0."""
     columns = distinct_columns(dfa.transitions)
-    predecessors = _predecessors(columns)
-    alive = dfa.accepting.copy()
-    todo = np.flatnonzero(alive).tolist()
+    sources, first = _predecessors(columns)
+    live = dfa.accepting.tolist()
+    todo = np.flatnonzero(dfa.accepting).tolist()
     while todo:                                      # grow backwards from the accepting states
-        for source in predecessors[todo.pop()]:
-            if not alive[source]:
-                alive[source] = True
+        target = todo.pop()
+        for source in sources[first[target]:first[target + 1]]:
+            if not live[source]:
+                live[source] = True
                 todo.append(source)
+    alive = np.array(live, dtype=bool)
     if not alive[dfa.start]:
         raise ValueError("the pattern or schema matches no string: nothing could be written")
     order = breadth_first(columns, dfa.start, alive)
@@ -771,36 +801,44 @@ def combine(a: DFA, b: DFA, keep: Callable[[bool, bool], bool]) -> DFA | None:
     # intersection, a's for a difference) is not explored: a move into it is -1.
     kept_after_sink_a = keep(False, False) or keep(False, True)
     kept_after_sink_b = keep(False, False) or keep(True, False)
+    # Explored breadth first, a level at a time: the pairs a level moves to are numbered in
+    # numpy, and only the distinct ones (a few per row of dozens of columns) are looked up.
     number = {a.start * width + b.start: 0}
     order = [a.start * width + b.start]
-    rows: list[list[int]] = []
-    while len(rows) < len(order):
-        pair = order[len(rows)]
-        row = []
-        for code in (moves_a[pair // width] * width + moves_b[pair % width]).tolist():
-            if code not in number and ((code // width == sink_a and not kept_after_sink_a)
-                                       or (code % width == sink_b and not kept_after_sink_b)):
-                number[code] = -1
-            elif code not in number:
-                if len(order) >= MAX_DFA_STATES:
+    rows: list[np.ndarray] = []
+    level = np.array(order, dtype=np.int64)
+    while len(level):
+        codes = moves_a[level // width] * width + moves_b[level % width]
+        distinct, where = np.unique(codes, return_inverse=True)
+        states, new = [], []
+        for code in distinct.tolist():
+            state = number.get(code)
+            if state is None:
+                if ((code // width == sink_a and not kept_after_sink_a)
+                        or (code % width == sink_b and not kept_after_sink_b)):
+                    state = -1
+                elif len(order) >= MAX_DFA_STATES:
                     raise ValueError(f"combining two automata needs more than MAX_DFA_STATES={MAX_DFA_STATES} states")
-                number[code] = len(order)
-                order.append(code)
-            row.append(number[code])
-        rows.append(row)
+                else:
+                    state = len(order)
+                    order.append(code)
+                    new.append(code)
+                number[code] = state
+            states.append(state)
+        rows.append(np.array(states, dtype=np.int32)[where.reshape(codes.shape)])
+        level = np.array(new, dtype=np.int64)
     pairs = np.array(order, dtype=np.int64)
     accepting = np.array([keep(bool(x), bool(y)) for x, y in zip(accepts_a[pairs // width], accepts_b[pairs % width])])
     if not accepting.any():
         return None
-    table = np.array(rows, dtype=np.int32)[:, byte_class]
+    table = np.concatenate(rows)[:, byte_class]
     return reduced(DFA(table, accepting, 0))
 
 
 def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:
     """Add a DFA's states to `nfa` as a fragment (start, end) that reads its language: the
     way a compiled piece (a difference, a product) joins a larger automaton."""
-    states = [nfa.new_state() for _ in range(dfa.num_states)]
-    end = nfa.new_state()
+    *states, end = nfa.new_states(dfa.num_states + 1)
     for state, low, high, target in dfa.byte_runs:
         nfa.edges[states[state]].append((low, high, states[target]))
     for state in np.flatnonzero(dfa.accepting).tolist():
@@ -808,9 +846,25 @@ def add_dfa(nfa: NFA, dfa: DFA) -> tuple[int, int]:
     return states[dfa.start], end
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector off for the block, then as it was. Building an automaton
+    allocates hundreds of thousands of small lists, tuples and sets that form no cycles, and
+    each burst of them made the collector walk them all again: about 30% of the CPU time of
+    the largest schemas' compiles."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def compile_regex(pattern: str) -> DFA:
     """The trimmed, minimal byte DFA of `pattern` (fullmatch semantics)."""
-    return compile_nfa(build_nfa(parse_regex(pattern)))
+    with collector_paused():
+        return compile_nfa(build_nfa(parse_regex(pattern)))
 
 
 def escape(text: str) -> str:

@@ -142,6 +142,17 @@ def test_determinize_builds_the_subset_automaton(rx):
             f"accepts exactly when its subset holds nfa.accept")
     assert int(dfa.accepting.sum()) == 1, "only the subset {0,3} holds nfa.accept: one accepting state"
     assert (dfa.transitions[:, ord("c")] == -1).all(), "a byte no NFA state of the subset reads leads to -1"
+    # [a-c]e|x: ranges of one state that do not overlap, each read to its last byte
+    nfa = rx.NFA()
+    for _ in range(3):
+        nfa.new_state()
+    nfa.edges[0] += [(120, 120, 2), (97, 99, 1)]
+    nfa.edges[1].append((101, 101, 2))
+    nfa.start, nfa.accept = 0, 2
+    dfa = rx.determinize(nfa)
+    for text in ("ae", "be", "ce", "x", "de", "c", "xe", "e"):
+        assert dfa.fullmatch(text.encode()) == (re.fullmatch("[a-c]e|x", text) is not None), (
+            f"[a-c]e|x on {text!r}: an edge (lo, hi, t) reads every byte from lo to hi, hi included")
     # a(b)? with empty moves at the start and after the byte: 0 -e-> 1 -a-> 2 -e-> 3 (accept), 2 -b-> 3
     nfa = rx.NFA()
     for _ in range(4):
