@@ -215,6 +215,25 @@ def test_a_step_reads_nothing_back_and_copies_its_indices_once(serve, monkeypatc
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("no host reads", got, want, meta)
 
 
+def test_a_short_chunk_is_not_padded_to_a_long_one(serve):
+    """Chunks split by their rows as decodes split by context: one 200-row prompt beside
+    fifteen 12-row suffixes (requests that adopted its prefix in the same step) would lay
+    every suffix out as 200 query slots. Below SPLIT_CHUNKS_FROM rows the chunks stay whole."""
+    assert serve.backends.context_groups([0, 1, 2, 3], [200, 12, 90, 12], split_from=32) == [[0], [2], [1, 3]]
+    assert serve.backends.context_groups([0, 1, 2], [20, 3, 9], split_from=32) == [[0, 1, 2]]
+    requests = random_requests(random.Random(7), [(210, 200)] + [(220, 12)] * 15 + [(230, 1)], 16, 260)
+    meta = make_meta(serve, requests, 16)
+    k_pool, v_pool, q = pools_and_queries(4, 2, 16, 16, 260, meta.query_start_loc_cpu[-1], seed=7)
+    backend = serve.backends.get_backend("vectorised")
+    got = backend.forward(q, (k_pool, v_pool), meta)
+    groups = backend.plan_for(meta, torch.device("cpu"))
+    slots = sorted(len(g.block_table) * g.visible.shape[2] for g in groups)
+    assert slots == [1, 15 * 12, 200], (
+        f"query slots per group {slots}: the 200-row chunk, the fifteen 12-row chunks and the decode "
+        "each need a group of their own, or the short chunks are padded to 200 rows")
+    want = reference_forward(q, (k_pool, v_pool), meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), describe_mismatch("split chunks", got, want, meta)
+
 def test_decodes_of_far_apart_contexts_are_gathered_in_separate_groups(serve):
     """A short context is not gathered out to the longest: decodes split where a context
     is at most half its group's longest (groups under 256 tokens stay whole), chunks apart;
