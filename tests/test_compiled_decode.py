@@ -26,9 +26,9 @@ def test_compile_decode_needs_the_padded_path(serve):
     assert serve.config.EngineConfig().compile_decode is False
 
 
-def outputs(serve, model, prompts, **config):
+def outputs(serve, model, prompts, backend="vectorised", **config):
     engine = serve.engine.EngineCore(model, serve.config.EngineConfig(
-        block_size=16, num_blocks=64, max_num_seqs=4, attention_backend="vectorised", **config), eos_token_id=EOS)
+        block_size=16, num_blocks=64, max_num_seqs=4, attention_backend=backend, **config), eos_token_id=EOS)
     params = [serve.request.SamplingParams(max_tokens=12) for _ in prompts]
     return engine, [out.output_token_ids for out in engine.generate(prompts, params)]
 
@@ -41,8 +41,7 @@ def test_compiled_decode_matches_eager(serve, tiny_model, request):
     modes = ["static"] + (["on"] if next(tiny_model.parameters()).is_cuda else [])
     for mode in modes:
         if mode == "on":
-            engine, got = outputs(serve, tiny_model, prompts, cuda_graphs="on", compile_decode=True,
-                                  **{"attention_backend": "triton"})
+            engine, got = outputs(serve, tiny_model, prompts, "triton", cuda_graphs="on", compile_decode=True)
         else:
             engine, got = outputs(serve, tiny_model, prompts, cuda_graphs=mode, compile_decode=True)
         g = engine.runner.graphs
