@@ -223,7 +223,8 @@ class PackedLinear:
     copy costs host memory equal to the weights packed.
 
     Installed as the module's own `forward`, so its hooks (LoRA, Chapter 43) still run. What
-    the packed copy cannot serve goes to F.linear: other dtypes and devices, and autograd; a
+    the packed copy cannot serve goes to F.linear: other dtypes and devices, autograd and
+    torch.compile's tracing (inductor then chooses its own CPU matmul); a
     weight changed in place or replaced since packing is packed again first."""
 
     def __init__(self, module: nn.Linear, pack: bool = True) -> None:
@@ -260,6 +261,8 @@ class PackedLinear:
         # Called for every projection of every layer at every step: the usual case costs
         # one comparison of the weight's identity and a few flags.
         weight, bias = self.module.weight, self.module.bias
+        if torch.compiler.is_compiling():       # an opaque oneDNN tensor cannot be traced (Chapter 33's compile)
+            return nn.functional.linear(input, weight, bias)
         if input.dtype == torch.float32 and input.numel() * weight.shape[0] < PACKED_FLOAT32_MIN_WORK:
             return nn.functional.linear(input, weight, bias)        # numel is rows x in_features
         if input.dtype != weight.dtype or input.dtype not in PACKED_DTYPES or not (input.is_cpu and weight.is_cpu) or (

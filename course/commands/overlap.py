@@ -15,6 +15,12 @@ produced the same tokens (any difference is an error, exit status 2).
                             what the bookkeeping costs)
     async thread            asynchronous scheduling, device part on a worker thread (the
                             forward pass overlaps the host's scheduling)
+With --compiled one more, opt-in because inductor takes seconds per bucket to compile:
+    sync, compiled          the static buckets with EngineConfig.compile_decode (each
+                            bucket's step one torch.compile'd graph, attention outside it);
+                            one engine, built and warmed on the whole workload once (every
+                            bucket it meets compiled), reused for the timed runs with its
+                            prefix cache emptied, so compile time is not in its figures
 On a GPU three more: "sync triton" (Chapter 32's Triton backend, eager), "cuda graphs"
 (the same backend, cuda_graphs="on", the fused Triton add + RMSNorm) and "async cuda graphs".
 
@@ -41,6 +47,9 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="most requests per step: the largest bucket")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per engine; the best is reported")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add the 'sync, compiled' engine (static buckets + compile_decode); off by default: "
+                             "compiling each bucket takes seconds, paid once before the timed runs")
     add_threads_argument(parser)
 
 
@@ -50,7 +59,24 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def contenders(serve, model, device, max_num_seqs):
+def reused(build):
+    """A builder that returns one engine, made once, emptied of what a previous run left
+    (cached prefix blocks, step counters): its compiled buckets stay compiled."""
+    made: list[Any] = []
+
+    def again():
+        if not made:
+            made.append(build())
+            return made[0]
+        engine = made[0]
+        engine.blocks.reset_prefix_cache()
+        engine.steps = 0
+        engine.runner.graphs.runs = {"replayed": 0, "eager": 0}
+        return engine
+    return again
+
+
+def contenders(serve, model, device, max_num_seqs, compiled=False):
     """label -> a function that builds a fresh engine of that configuration."""
     base = dict(num_blocks=2048, block_size=16, max_num_seqs=max_num_seqs)
     eos = getattr(model.cfg, "eos_token_id", None)
@@ -67,6 +93,8 @@ def contenders(serve, model, device, max_num_seqs):
     out = {"sync": make(), "sync, static buckets": make(cuda_graphs="static"), "sync, fused torch": make(fused="torch"),
            "async inline": make(queue="inline", async_scheduling=True),
            "async thread": make(queue="thread", async_scheduling=True)}
+    if compiled:
+        out["sync, compiled"] = reused(make(cuda_graphs="static", compile_decode=True))
     if device.type == "cuda":
         out["sync triton"] = make(attention_backend="triton")
         out["cuda graphs"] = make(cuda_graphs="on", attention_backend="triton", fused=True)
@@ -95,11 +123,11 @@ def run(args):
         from course.bench import QWEN3_0_6B_SHAPE, build_model
         model = build_model(impl, device, QWEN3_0_6B_SHAPE)
     items = impl.load("workloads").shared_prefix_workload(num_requests=args.requests, seed=args.seed)
-    builders = contenders(serve, model, device, args.max_num_seqs)
+    builders = contenders(serve, model, device, args.max_num_seqs, args.compiled)
     best: dict[str, tuple[float, Any, dict]] = {}
     try:
-        for build in builders.values():        # warm-up: first calls pay one-off costs
-            serve_items(serve, build(), items[:2])
+        for label, build in builders.items():  # warm-up: first calls pay one-off costs (compiles: every bucket)
+            serve_items(serve, build(), items if label == "sync, compiled" else items[:2])
         for _ in range(args.repeat):           # interleaved, so a busy moment slows every engine alike
             for label, build in builders.items():
                 engine = build()
@@ -130,6 +158,9 @@ def run(args):
         if graphs is not None:
             line["decode_steps_padded"] = graphs.runs["eager"] + graphs.runs["replayed"]
             line["decode_steps_replayed"] = graphs.runs["replayed"]
+            if graphs.compiled is not None:
+                line["compile_s_per_bucket"] = {size: round(s, 1)
+                                               for size, s in sorted(graphs.compiled.compile_seconds.items())}
         lines[label] = line
         print(json.dumps(line), flush=True)
 

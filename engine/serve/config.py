@@ -73,6 +73,10 @@ class EngineConfig(SchedulerConfig):
     cuda_graphs              decode steps in padded static shapes (Chapter 33): "off"; "auto"
                              (CUDA graphs on CUDA with a graph-safe backend); "on" (graphs,
                              or an error); "static" (the padded path run eagerly, any device)
+    compile_decode           decode steps of the padded path run one torch.compile'd forward
+                             per bucket, attention outside the graph as an opaque operator
+                             (Chapter 33); needs cuda_graphs other than "off". On CUDA with
+                             graphs on, the compiled forward is what the graphs capture
     async_scheduling         schedule step t+1 while step t runs (Chapter 33)
     device_queue             where the asynchronous engine runs each step's device part
                              (serve.overlap.DeviceQueue): "cuda", "thread", "inline", or
@@ -95,6 +99,7 @@ class EngineConfig(SchedulerConfig):
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: KVCacheDtype = "auto"
     cuda_graphs: CudaGraphs = "off"
+    compile_decode: bool = False
     async_scheduling: bool = False
     device_queue: DeviceQueueMode = "auto"
     debug_checks: bool = False
@@ -134,9 +139,13 @@ class EngineConfig(SchedulerConfig):
                 or not 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "debug_checks"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling", "debug_checks",
+                     "compile_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.compile_decode and self.cuda_graphs == "off":
+            raise ValueError("EngineConfig.compile_decode=True compiles the padded decode path, which "
+                             "EngineConfig.cuda_graphs='off' does not run: give cuda_graphs 'static', 'auto' or 'on'")
         return self
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -39,6 +39,7 @@ from .batch import BatchMeta
 
 if TYPE_CHECKING:
     from .batch import Batch
+    from .compiled import CompiledDecode
     from .interfaces import AttentionBackend
     from .request import Request
     from .runner import ModelRunner
@@ -101,6 +102,7 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}    # bucket -> (hidden, logits)
         self.runs = {"replayed": 0, "eager": 0}
+        self.compiled: CompiledDecode | None = None     # EngineConfig.compile_decode (serve.compiled)
 
     # --- which steps ---------------------------------------------------------------------
 
@@ -155,6 +157,8 @@ class GraphRunner:
 
     def forward(self, size: int, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """The step on the static buffers: hidden [size, D] and logits [size, vocab] of every row."""
+        if self.compiled is not None:
+            return self.compiled.forward(size, meta)
         runner = self.runner
         hidden = runner.flat(self.input_ids[:size], self.positions[:size], runner.kv_caches, meta, runner.backend)
         return hidden, runner.flat.compute_logits(hidden)

@@ -168,8 +168,10 @@ class EngineCore:
         # "auto" off CUDA means no GraphRunner at all.
         on_cuda = self.device.type == "cuda"
         graph_mode = {"off": None, "static": "off", "on": "on", "auto": "auto" if on_cuda else None}[config.cuda_graphs]
+        if graph_mode is None and config.compile_decode:
+            graph_mode = "off"      # compile_decode with "auto" off CUDA: the padded path, compiled, no capture
         if graph_mode is not None:
-            self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode)
+            self.runner.enable_graphs(config.max_num_seqs, self.max_model_len, graph_mode, config.compile_decode)
         # The stop rule update() hands its hooks: Chapter 31's, guides first when they can exist (Chapter 35).
         self.stop_rule: StopRule = guided(self.check_stop) if self.guides is not None else self.check_stop
         self.plain_update = StepUpdate()

@@ -268,11 +268,15 @@ class ModelRunner:
         self.last_hidden = hidden.index_select(0, batch.logits_indices.to(hidden.device))
         return self.flat.compute_logits(self.last_hidden)
 
-    def enable_graphs(self, max_batch: int, max_model_len: int, mode: str = "auto") -> None:
+    def enable_graphs(self, max_batch: int, max_model_len: int, mode: str = "auto", compile: bool = False) -> None:
         """Run decode steps through a GraphRunner (Chapter 33): mode "on" captures CUDA graphs,
-        "off" runs the padded static path eagerly, "auto" captures when it can."""
+        "off" runs the padded static path eagerly, "auto" captures when it can; compile: its
+        forward is torch.compile'd per bucket (serve.compiled), and captured when graphs are on."""
         from .graphs import GraphRunner
         capture = {"on": True, "off": False}.get(mode)              # None: the GraphRunner decides
         widest = min(-(-max_model_len // self.block_size), self.num_blocks)    # no request holds more blocks
         self.graphs = GraphRunner(self, max_batch, widest, capture)
+        if compile:
+            from .compiled import CompiledDecode
+            self.graphs.compiled = CompiledDecode(self.graphs)
         self.graphs.capture()
