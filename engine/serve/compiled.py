@@ -8,7 +8,8 @@ small elementwise operations between the matmuls into a few generated loops.
 Attention stays OUTSIDE the graph, as vLLM does: the backend's `write` and `forward` are
 two opaque custom operators. Their Python bodies call the engine's real backend with the
 step's BatchMeta, which cannot cross an operator boundary (it carries host lists), so it
-travels through this object (`self.meta`), set before each call. The compiled graph keeps
+travels beside the call: CompiledDecode.forward names the running step's backend and meta
+for its thread (`_running`), and the operators read them there. The compiled graph keeps
 every shape of the bucket it was traced for, which is why only the padded path, whose
 shapes are the buckets', is compiled.
 
@@ -19,6 +20,7 @@ gain. Chapter 33's text gives the measured figures.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -27,45 +29,62 @@ import torch
 if TYPE_CHECKING:
     from .batch import BatchMeta
     from .graphs import GraphRunner
+    from .interfaces import AttentionBackend
 
 # Dynamo keys its cache on the step function's code, shared by every engine in the process;
 # each bucket of each compiling engine is one entry. The default limit (8) would silently
 # fall back to eager after a few engines or past 8 buckets.
 MIN_RECOMPILE_LIMIT = 256
 
+# The operators are registered once per copy of this module, under a namespace of its import
+# name: the course loads several copies of the package (the reference, your engine, gated
+# copies), and an operator name can be registered only once per process.
+_NAMESPACE = __name__.replace(".", "_")
+
+# The backend and BatchMeta of the compiled step running on this thread. Operators run on the
+# thread that called the compiled step, so engines on different threads never see each other's.
+_running = threading.local()
+
+
+def _step_state() -> tuple[AttentionBackend, BatchMeta]:
+    state = getattr(_running, "step", None)
+    if state is None:
+        raise RuntimeError("compiled decode step: attention ran outside CompiledDecode.forward, with no batch meta set")
+    return state
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::kv_write", mutates_args=("cache",))
+def _kv_write(cache: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
+    backend, meta = _step_state()
+    backend.write(tuple(cache), k, v, meta)
+
+
+@torch.library.custom_op(f"{_NAMESPACE}::attend", mutates_args=())
+def _attend(q: torch.Tensor, cache: list[torch.Tensor], scale: float | None, window: int) -> torch.Tensor:
+    backend, meta = _step_state()
+    out = backend.forward(q, tuple(cache), meta, scale=scale, window=window)
+    return out.clone() if out is q else out          # an operator's output may not alias its input
+
+
+@_attend.register_fake
+def _attend_shape(q: torch.Tensor, cache: list[torch.Tensor], scale: float | None, window: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
 
 class OpaqueAttention:
-    """What the compiled step sees as its backend: write and forward as opaque operators
-    registered for this instance (unique names: several engines may live in one process)."""
+    """What the compiled step sees as its backend: write and forward as the opaque operators
+    (the meta argument is not read: the operators take the running step's)."""
 
-    def __init__(self, owner: CompiledDecode) -> None:
-        self.owner = owner
-        real = owner.graphs.runner.backend
+    def __init__(self, real: AttentionBackend) -> None:
         self.name = real.name
         self.graph_safe = real.graph_safe
-        tag = f"i{id(self)}"
-
-        @torch.library.custom_op(f"course33::kv_write_{tag}", mutates_args=("cache",))
-        def kv_write(cache: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor) -> None:
-            owner.graphs.runner.backend.write(tuple(cache), k, v, owner.current_meta())
-
-        @torch.library.custom_op(f"course33::attend_{tag}", mutates_args=())
-        def attend(q: torch.Tensor, cache: list[torch.Tensor], scale: float | None, window: int) -> torch.Tensor:
-            out = owner.graphs.runner.backend.forward(q, tuple(cache), owner.current_meta(), scale=scale, window=window)
-            return out.clone() if out is q else out    # an operator's output may not alias its input
-
-        @attend.register_fake
-        def _(q: torch.Tensor, cache: list[torch.Tensor], scale: float | None, window: int) -> torch.Tensor:
-            return torch.empty_like(q)
-
-        self.kv_write, self.attend = kv_write, attend
 
     def write(self, cache: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
-        self.kv_write(list(cache), k, v)
+        _kv_write(list(cache), k, v)
 
     def forward(self, q: torch.Tensor, cache: tuple[torch.Tensor, ...], meta: BatchMeta, scale: float | None = None,
                 window: int = 0) -> torch.Tensor:
-        return self.attend(q, list(cache), scale, window)
+        return _attend(q, list(cache), scale, window)
 
 
 class CompiledDecode:
@@ -78,8 +97,7 @@ class CompiledDecode:
 
     def __init__(self, graphs: GraphRunner) -> None:
         self.graphs = graphs
-        self.meta: BatchMeta | None = None
-        self.opaque = OpaqueAttention(self)
+        self.opaque = OpaqueAttention(graphs.runner.backend)
         self.compile_seconds: dict[int, float] = {}
         dynamo: Any = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, MIN_RECOMPILE_LIMIT)
@@ -88,20 +106,15 @@ class CompiledDecode:
 
         def step(input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = runner.flat(input_ids, positions, kv_caches, None, opaque)   # the meta goes by self.meta
+            hidden = runner.flat(input_ids, positions, kv_caches, None, opaque)   # the meta goes by _running
             return hidden, runner.flat.compute_logits(hidden)
 
         self.step = torch.compile(step, dynamic=False, fullgraph=True)
 
-    def current_meta(self) -> BatchMeta:
-        if self.meta is None:
-            raise RuntimeError("compiled decode step: attention ran outside forward(), with no batch meta set")
-        return self.meta
-
     def forward(self, size: int, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """GraphRunner.forward's contract: hidden [size, D] and logits [size, vocab]."""
         graphs, runner = self.graphs, self.graphs.runner
-        self.meta = meta
+        _running.step = (runner.backend, meta)
         try:
             if size in self.compile_seconds:
                 return self.step(graphs.input_ids[:size], graphs.positions[:size], runner.kv_caches)
@@ -110,4 +123,4 @@ class CompiledDecode:
             self.compile_seconds[size] = time.perf_counter() - started
             return out
         finally:
-            self.meta = None
+            _running.step = None
