@@ -73,11 +73,8 @@ def _attend_shape(q: torch.Tensor, cache: list[torch.Tensor], scale: float | Non
 
 class OpaqueAttention:
     """What the compiled step sees as its backend: write and forward as the opaque operators
-    (the meta argument is not read: the operators take the running step's)."""
-
-    def __init__(self, real: AttentionBackend) -> None:
-        self.name = real.name
-        self.graph_safe = real.graph_safe
+    (the meta argument is not read: the operators take the running step's). Stateless: one
+    instance serves every compiled step."""
 
     def write(self, cache: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor, meta: BatchMeta) -> None:
         _kv_write(list(cache), k, v)
@@ -97,12 +94,11 @@ class CompiledDecode:
 
     def __init__(self, graphs: GraphRunner) -> None:
         self.graphs = graphs
-        self.opaque = OpaqueAttention(graphs.runner.backend)
         self.compile_seconds: dict[int, float] = {}
         dynamo: Any = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, MIN_RECOMPILE_LIMIT)
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * MIN_RECOMPILE_LIMIT)
-        runner, opaque = graphs.runner, self.opaque
+        runner, opaque = graphs.runner, OpaqueAttention()
 
         def step(input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
