@@ -3,6 +3,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -415,3 +416,26 @@ def test_edition_prose_keeps_each_editions_passages():
             "<!-- edition\nYour engine/ is all you have.\n-->\nThe stub is in engine<!-- full-course --> "
             "(made from `solutions/`)<!-- /full-course -->.\n")
     assert release.edition_prose(text) == "Intro.\nYour engine/ is all you have.\nThe stub is in engine.\n"
+
+
+def test_a_notebook_whose_kernel_never_started_is_run_again(monkeypatch, tmp_path):
+    """A kernel that loses a port race dies before its first cell; that is retried, while a
+    notebook that fails in a cell is reported at once."""
+    for name in ("01-alpha", "02-beta"):
+        (tmp_path / "chapters" / name).mkdir(parents=True)
+        (tmp_path / "chapters" / name / f"{name}.ipynb").write_text("{}")
+    runs: list[str] = []
+
+    def fake_run(command, cwd, **_):
+        runs.append(Path(cwd).name)
+        if Path(cwd).name == "02-beta":
+            return subprocess.CompletedProcess(command, 1, "", "Traceback\nAssertionError: a cell failed")
+        died = runs.count("01-alpha") == 1
+        return subprocess.CompletedProcess(command, 1 if died else 0, "",
+                                           "RuntimeError: Kernel died before replying to kernel_info" if died else "")
+
+    monkeypatch.setattr(release.subprocess, "run", fake_run)
+    failed = release.execute_notebooks(tmp_path, {}, jobs=1)
+    assert runs.count("01-alpha") == 2, "a kernel that died before starting is started again, once is enough here"
+    assert runs.count("02-beta") == 1, "a notebook that fails in a cell is not run again"
+    assert list(failed) == ["02-beta"] and "a cell failed" in failed["02-beta"]
