@@ -44,6 +44,10 @@ DEFAULT_IMPL_VARIABLE = "COURSE_IMPL"
 CHECK_LOG_ENV = "COURSE_CHECK_LOG"
 # In an edition: the reference's answer to every check of every notebook, by chapter and key.
 CHECK_ANSWERS = Path("tests") / "oracle_records" / "notebook-checks.gz"
+# Kernels started side by side (pytest-xdist's workers, the edition's notebook runs) can race
+# for the same free ports; the loser dies before its first cell. That says nothing about the
+# notebook, so a kernel that fails to start gets this many starts before the failure counts.
+KERNEL_START_ATTEMPTS = 3
 _STUB_MESSAGE = re.compile(r"Your engine: Chapter (\d+): (\S+)")
 
 

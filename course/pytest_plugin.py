@@ -107,6 +107,7 @@ def pytest_configure(config):
     if str(manifest.ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(manifest.ROOT)] + [p for p in paths if p])
     _derandomize_hypothesis()
+    _retry_notebook_kernel_starts(config)
     if not config.getoption("stress"):
         _limit_hypothesis_shrinking(SHRINK_SECONDS)
     known = manifest.load().numbers
@@ -127,6 +128,35 @@ def pytest_configure(config):
     model = config.getoption("model")
     if model is not None and not Path(model).is_dir():
         raise pytest.UsageError(f"--model {model}: not a directory")
+
+
+def _retry_notebook_kernel_starts(config) -> None:
+    """nbval starts one kernel per notebook, and under xdist two start side by side; one that
+    dies before its first cell (a lost race for a port) is started again instead of failing
+    every cell of its notebook."""
+    if not config.pluginmanager.hasplugin("nbval"):
+        return
+    from nbval import kernel
+    if not getattr(kernel.start_new_kernel, "retries", False):     # an in-process pytester run configures again
+        kernel.start_new_kernel = kernel_start_with_retries(kernel.start_new_kernel)
+
+
+def kernel_start_with_retries(start):
+    """`start` (nbval's start_new_kernel), tried up to course.notebook.KERNEL_START_ATTEMPTS
+    times while it raises RuntimeError (jupyter_client's "Kernel died before replying to
+    kernel_info", and its start timeout); any other error, and the last try's, propagate."""
+    from .notebook import KERNEL_START_ATTEMPTS
+
+    def start_with_retries(*args, **kwargs):
+        for _ in range(KERNEL_START_ATTEMPTS - 1):
+            try:
+                return start(*args, **kwargs)
+            except RuntimeError:
+                pass
+        return start(*args, **kwargs)
+
+    start_with_retries.retries = True       # type: ignore[attr-defined]
+    return start_with_retries
 
 
 def chapter_of(item) -> int | None:

@@ -60,9 +60,8 @@ MAINTAINER_PATHS = ("course/testing/mistakes/", "tests/test_course_mistakes.py")
 NOT_IMPLEMENTED = "not implemented yet"
 NO_TESTS_COLLECTED = 5      # pytest's exit status when a selection picks no test
 NOTEBOOK_TIMEOUT = 600.0        # seconds one notebook may take to run top to bottom
-# How a notebook's kernel that never started shows in nbconvert's output, and how many starts it gets.
+# How a notebook's kernel that never started shows in nbconvert's output.
 KERNEL_START_FAILURES = ("Kernel died before replying to kernel_info", "Kernel didn't respond in")
-KERNEL_START_ATTEMPTS = 3
 
 
 class ReleaseError(RuntimeError):
@@ -181,21 +180,20 @@ def execute_notebooks(root: Path, env: dict[str, str], timeout: float = NOTEBOOK
                        f"--ExecutePreprocessor.timeout={int(timeout)}", "--TagRemovePreprocessor.enabled=True",
                        f'--ExecutePreprocessor.extra_arguments=["{seeding}"]',
                        "--TagRemovePreprocessor.remove_cell_tags=nbval-skip", "--output-dir", scratch, path.name]
-            for _ in range(KERNEL_START_ATTEMPTS):
+            for _ in range(notebook.KERNEL_START_ATTEMPTS):
                 try:
                     ran = subprocess.run(command, cwd=path.parent, env=env, capture_output=True, text=True,
                                          timeout=timeout + 60)
                 except subprocess.TimeoutExpired:
                     return path.parent.name, f"did not finish in {timeout:.0f}s"
-                # Kernels started side by side can race for the same free ports; the one that loses
-                # dies before it runs a cell. That says nothing about the notebook, so start it again.
+                # A kernel that died before its first cell (notebook.KERNEL_START_ATTEMPTS) is started again.
                 if not any(sign in ran.stderr for sign in KERNEL_START_FAILURES):
                     break
         if ran.returncode == 0:
             return path.parent.name, ""
         lines = [line for line in ran.stderr.splitlines() if line.strip()]
         if any(sign in ran.stderr for sign in KERNEL_START_FAILURES):
-            lines.append(f"(its kernel did not start in {KERNEL_START_ATTEMPTS} tries)")
+            lines.append(f"(its kernel did not start in {notebook.KERNEL_START_ATTEMPTS} tries)")
         return path.parent.name, "\n".join(lines[-12:])
     notebooks = chapter_notebooks(root, chapters)
     with ThreadPoolExecutor(max_workers=jobs or _cores()) as pool:

@@ -439,3 +439,26 @@ def test_a_notebook_whose_kernel_never_started_is_run_again(monkeypatch, tmp_pat
     assert runs.count("01-alpha") == 2, "a kernel that died before starting is started again, once is enough here"
     assert runs.count("02-beta") == 1, "a notebook that fails in a cell is not run again"
     assert list(failed) == ["02-beta"] and "a cell failed" in failed["02-beta"]
+
+
+def test_nbval_kernels_that_die_at_start_are_started_again():
+    """The README's pytest runs notebooks under xdist, two kernels starting side by side."""
+    from nbval import kernel
+
+    from course import pytest_plugin
+    assert getattr(kernel.start_new_kernel, "retries", False), "the course plugin wraps nbval's kernel start"
+    calls = []
+
+    def dies_twice():
+        calls.append(1)
+        if len(calls) < 3:
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return "manager", "client"
+
+    assert pytest_plugin.kernel_start_with_retries(dies_twice)() == ("manager", "client")
+
+    def always_dies():
+        raise RuntimeError("Kernel died before replying to kernel_info")
+
+    with pytest.raises(RuntimeError, match="Kernel died"):
+        pytest_plugin.kernel_start_with_retries(always_dies)()
