@@ -180,19 +180,22 @@ def execute_notebooks(root: Path, env: dict[str, str], timeout: float = NOTEBOOK
                        f"--ExecutePreprocessor.timeout={int(timeout)}", "--TagRemovePreprocessor.enabled=True",
                        f'--ExecutePreprocessor.extra_arguments=["{seeding}"]',
                        "--TagRemovePreprocessor.remove_cell_tags=nbval-skip", "--output-dir", scratch, path.name]
-            for _ in range(notebook.KERNEL_START_ATTEMPTS):
+            # A kernel that died before its first cell (notebook.KERNEL_START_ATTEMPTS) is started again.
+            for attempt in range(1, notebook.KERNEL_START_ATTEMPTS + 1):
                 try:
                     ran = subprocess.run(command, cwd=path.parent, env=env, capture_output=True, text=True,
                                          timeout=timeout + 60)
                 except subprocess.TimeoutExpired:
                     return path.parent.name, f"did not finish in {timeout:.0f}s"
-                # A kernel that died before its first cell (notebook.KERNEL_START_ATTEMPTS) is started again.
-                if not any(sign in ran.stderr for sign in KERNEL_START_FAILURES):
+                never_started = ran.returncode != 0 and any(sign in ran.stderr for sign in KERNEL_START_FAILURES)
+                if not never_started or attempt == notebook.KERNEL_START_ATTEMPTS:
                     break
+                print(f"{path.parent.name}: its kernel died before its first cell; starting it again",
+                      file=sys.stderr, flush=True)
         if ran.returncode == 0:
             return path.parent.name, ""
         lines = [line for line in ran.stderr.splitlines() if line.strip()]
-        if any(sign in ran.stderr for sign in KERNEL_START_FAILURES):
+        if never_started:
             lines.append(f"(its kernel did not start in {notebook.KERNEL_START_ATTEMPTS} tries)")
         return path.parent.name, "\n".join(lines[-12:])
     notebooks = chapter_notebooks(root, chapters)

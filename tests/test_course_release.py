@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from course import release
+from course import notebook, release
 from course.manifest import ROOT
 from course.testing import oracle_records
 
@@ -180,7 +180,6 @@ def test_progress_without_the_reference_reads_the_markers_in_engine(tmp_path, mo
 
 def _without_reference(monkeypatch, tmp_path, answers):
     from course import impl as impl_module
-    from course import notebook
     monkeypatch.setitem(impl_module.NAMED, "solutions", tmp_path / "no-solutions")
     monkeypatch.setattr(notebook, "_answers", answers)
     monkeypatch.chdir(tmp_path)
@@ -199,8 +198,6 @@ def test_an_edition_check_judges_by_the_recorded_answer(monkeypatch, tmp_path):
     """Same name and inputs: the recorded answer decides, whatever `expected` the cell computes
     (in an edition that is often the learner's own engine), even one that fails."""
     import torch
-
-    from course import notebook
     x = torch.arange(4.0)
     key = notebook._check_key("double", (x,), {})
     answers = {"": {key: {"label": "double", "line": "", "value": oracle_records.encode(x * 2)}}}
@@ -418,7 +415,7 @@ def test_edition_prose_keeps_each_editions_passages():
     assert release.edition_prose(text) == "Intro.\nYour engine/ is all you have.\nThe stub is in engine.\n"
 
 
-def test_a_notebook_whose_kernel_never_started_is_run_again(monkeypatch, tmp_path):
+def test_a_notebook_whose_kernel_never_started_is_run_again(monkeypatch, tmp_path, capsys):
     """A kernel that loses a port race dies before its first cell; that is retried, while a
     notebook that fails in a cell is reported at once."""
     for name in ("01-alpha", "02-beta"):
@@ -439,6 +436,22 @@ def test_a_notebook_whose_kernel_never_started_is_run_again(monkeypatch, tmp_pat
     assert runs.count("01-alpha") == 2, "a kernel that died before starting is started again, once is enough here"
     assert runs.count("02-beta") == 1, "a notebook that fails in a cell is not run again"
     assert list(failed) == ["02-beta"] and "a cell failed" in failed["02-beta"]
+    assert "01-alpha: its kernel died before its first cell; starting it again" in capsys.readouterr().err
+
+
+def test_a_kernel_that_never_starts_is_reported_after_its_tries(monkeypatch, tmp_path):
+    (tmp_path / "chapters" / "01-alpha").mkdir(parents=True)
+    (tmp_path / "chapters" / "01-alpha" / "01-alpha.ipynb").write_text("{}")
+    runs = []
+
+    def dies(command, cwd, **_):
+        runs.append(1)
+        return subprocess.CompletedProcess(command, 1, "", "RuntimeError: Kernel didn't respond in 60 seconds")
+
+    monkeypatch.setattr(release.subprocess, "run", dies)
+    failed = release.execute_notebooks(tmp_path, {}, jobs=1)
+    assert len(runs) == notebook.KERNEL_START_ATTEMPTS
+    assert f"its kernel did not start in {notebook.KERNEL_START_ATTEMPTS} tries" in failed["01-alpha"]
 
 
 def test_nbval_kernels_that_die_at_start_are_started_again():
