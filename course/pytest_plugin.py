@@ -31,6 +31,7 @@ import pytest
 
 from . import impl as impl_module
 from . import manifest
+from .notebook import KERNEL_START_ATTEMPTS
 
 _CHAPTER_DIR = re.compile(r"^(\d+)-")
 
@@ -145,8 +146,6 @@ def kernel_start_with_retries(start):
     """`start` (nbval's start_new_kernel), tried up to course.notebook.KERNEL_START_ATTEMPTS
     times while it raises RuntimeError (jupyter_client's "Kernel died before replying to
     kernel_info", and its start timeout); any other error, and the last try's, propagate."""
-    from .notebook import KERNEL_START_ATTEMPTS
-
     def start_with_retries(*args, **kwargs):
         for _ in range(KERNEL_START_ATTEMPTS - 1):
             try:
